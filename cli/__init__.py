@@ -1,0 +1,1 @@
+"""medusa_trt.cli."""

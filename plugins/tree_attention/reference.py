@@ -1,0 +1,49 @@
+"""Torch reference of tree attention: the math the ONNX graph, the kernel and the plugin follow.
+
+Query i of sequence b attends to
+  * committed cache slots s < cache_lengths[b] (slots past it hold stale or scratch data), and
+  * the new (tree) keys j with tree_mask[b, i, j] true (its ancestors and itself).
+Grouped-query attention: query head h reads KV head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def visibility_bias(
+    cache_lengths: torch.Tensor,  # int64 [B]
+    tree_mask: torch.Tensor,  # bool/int [B, T, T]
+    past_len: int,  # S: cache slots handed to the op (>= max(cache_lengths))
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive bias [B, 1, T, S + T]: 0 where visible, the dtype's minimum elsewhere."""
+    batch, num_new = tree_mask.shape[0], tree_mask.shape[1]
+    slots = torch.arange(past_len, device=tree_mask.device)
+    past_visible = slots[None, :] < cache_lengths[:, None]  # (B, S)
+    past_visible = past_visible[:, None, :].expand(batch, num_new, past_len)  # (B, T, S)
+    visible = torch.cat([past_visible, tree_mask.to(torch.bool)], dim=-1)  # (B, T, S+T)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=tree_mask.device)
+    bias = bias.masked_fill(~visible, torch.finfo(dtype).min)
+    return bias[:, None]  # (B, 1, T, S+T)
+
+
+def tree_attention(
+    query: torch.Tensor,  # [B, Hq, T, D], rotary already applied
+    key: torch.Tensor,  # [B, Hkv, T, D] keys of the new tokens
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    past_key: torch.Tensor,  # [B, Hkv, S, D] committed cache (view of the first S slots)
+    past_value: torch.Tensor,  # [B, Hkv, S, D]
+    bias: torch.Tensor,  # [B, 1, T, S+T] from visibility_bias
+    scale: float,
+) -> torch.Tensor:
+    """Returns the attention output [B, Hq, T, D]."""
+    groups = query.shape[1] // key.shape[1]
+    keys = torch.cat([past_key, key], dim=2)  # (B, Hkv, S+T, D)
+    values = torch.cat([past_value, value], dim=2)  # (B, Hkv, S+T, D)
+    if groups > 1:
+        # (B, Hkv, S+T, D) -> (B, Hq, S+T, D); explicit so every exporter sees plain ops
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias.to(query.dtype), scale=scale)

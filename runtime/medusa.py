@@ -1,0 +1,262 @@
+"""``MedusaRuntime``: draft -> verify -> accept -> commit over an engine backend.
+
+Per sequence b the loop keeps ``cache_lengths[b]`` committed tokens in the KV cache, a *root*
+token (the base model's choice after them, already emitted, not yet in the cache) and the heads'
+top-k *proposals* made at the last committed node. One step:
+
+  draft:   tree tokens = [root, proposals] gathered by the compiled tree        (B, T)
+  verify:  one engine call on the tree at positions cache_length + depth        (B, T) argmax
+  accept:  longest path whose drafted tokens match the base model's choices     (B,)
+  commit:  K/V of root + accepted nodes into the cache; bonus token = next root;
+           proposals = heads at the last accepted node
+
+A step emits accepted + 1 tokens. Sequences are ragged: each has its own cache length and
+acceptance length. Small per-step arrays (ids, positions) live on the host; logits, hidden states
+and K/V stay inside the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from medusa_trt.runtime.acceptance import greedy_accept
+from medusa_trt.runtime.config import RuntimeConfig, default_tree
+from medusa_trt.runtime.text import PromptError, TextCodec
+from medusa_trt.runtime.tree import CompiledTree, load_tree
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """The engine or model passed to MedusaRuntime cannot be run."""
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    steps: int = 0  # verify steps (the prefill is not counted)
+    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    seconds: float = 0.0  # wall time of the batch this sequence ran in
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted_per_step)) if self.accepted_per_step else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str  # new text, special tokens skipped, cut before a stop string
+    token_ids: list[int]  # new tokens only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (max_new_tokens or context)
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    index: int  # which prompt
+    token_ids: list[int]  # tokens committed in this step
+    text: str  # text added by them (held back while a multi-byte character is incomplete)
+
+
+@dataclass
+class _Sequence:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    sent: str = ""  # text already streamed
+    stats: GenerationStats = None  # type: ignore[assignment]
+
+
+class MedusaRuntime:
+    """Generate with Medusa over an engine.
+
+    ``engine``: a ``MedusaModel`` (``medusa_trt.exporter.load_medusa``) for the torch backend.
+    """
+
+    def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
+        self.config = dataclasses.replace(config or RuntimeConfig(), **overrides)
+        cfg = self.config
+        if isinstance(engine, (str, os.PathLike)):
+            raise EngineError(f"cannot open engine {os.fspath(engine)!r}: file engines need the ONNX Runtime backend, which this version does not have; pass a model from medusa_trt.exporter.load_medusa")
+        if not hasattr(engine, "kv_spec") or not hasattr(engine, "propose"):
+            raise EngineError(f"unsupported engine {type(engine).__name__}: pass a MedusaModel from medusa_trt.exporter.load_medusa")
+        self.num_heads = engine.num_heads
+        self.tree: CompiledTree = load_tree(cfg.tree if cfg.tree is not None else default_tree(self.num_heads), max_depth=self.num_heads)
+        if self.tree.top_k > engine.vocab_size:
+            raise EngineError(f"tree needs top-{self.tree.top_k} proposals but the vocabulary has {engine.vocab_size} tokens")
+        window = getattr(engine, "sliding_window", None)
+        if window is not None and cfg.max_context > window:
+            raise EngineError(f"max_context {cfg.max_context} exceeds the model's sliding window {window}: lower max_context")
+        from medusa_trt.runtime.backends.torch_backend import TorchBackend  # torch only on this path
+
+        self.backend = TorchBackend(
+            engine, max_batch=cfg.max_batch, max_context=cfg.max_context, slack=self.tree.depth_max + 1, device=cfg.device
+        )
+        self.codec = TextCodec(tokenizer if tokenizer is not None else engine.tokenizer)
+        self.eos = frozenset(int(i) for i in engine.eos_token_ids)
+        self.is_chat = bool(getattr(engine, "is_chat", False)) and self.codec.has_chat_template
+
+    # ----------------------------------------------------------------- public API
+
+    def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None):
+        """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch."""
+        single, batch = self._prompts(prompts, chat_template)
+        results: list[GenerationResult] = []
+        for start in range(0, len(batch), self.config.max_batch):
+            seqs = [_Sequence(p) for p in batch[start : start + self.config.max_batch]]
+            for _ in self._run(seqs, max_new_tokens, _stops(stop)):
+                pass
+            results += [GenerationResult(s.text, s.tokens, s.finish_reason, s.stats) for s in seqs]
+        return results[0] if single else results
+
+    def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None) -> Iterator[StreamEvent]:
+        """Yield tokens as they are committed, one event per sequence and step."""
+        _, batch = self._prompts(prompts, chat_template)
+        for start in range(0, len(batch), self.config.max_batch):
+            seqs = [_Sequence(p) for p in batch[start : start + self.config.max_batch]]
+            for event in self._run(seqs, max_new_tokens, _stops(stop)):
+                yield dataclasses.replace(event, index=event.index + start)
+
+    # ----------------------------------------------------------------- inputs
+
+    def _prompts(self, prompts, chat_template: bool | None) -> tuple[bool, list[list[int]]]:
+        chat = self.is_chat if chat_template is None else bool(chat_template)
+        if chat and not self.codec.has_chat_template:
+            raise PromptError("chat_template=True but the tokenizer has no chat template")
+        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts))
+        items = [prompts] if single else list(prompts)
+        if not items:
+            raise PromptError("no prompts given")
+        batch = []
+        for i, item in enumerate(items):
+            ids = self.codec.encode(item, chat=chat) if isinstance(item, str) else [int(t) for t in item]
+            if not ids:
+                raise PromptError(f"prompt {i} is empty: pass some text or token ids")
+            if len(ids) + 1 > self.config.max_context:
+                raise PromptError(
+                    f"prompt {i} has {len(ids)} tokens but max_context is {self.config.max_context} "
+                    "(room for at least one new token is needed): shorten the prompt or raise max_context"
+                )
+            batch.append(ids)
+        return single, batch
+
+    # ----------------------------------------------------------------- the loop
+
+    def _run(self, seqs: list[_Sequence], max_new_tokens: int, stops: tuple[str, ...]) -> Iterator[StreamEvent]:
+        if max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        started = time.perf_counter()
+        for s in seqs:
+            s.stats = GenerationStats(prompt_tokens=len(s.prompt))
+        lengths, root, proposals = self._prefill(seqs)
+        yield from self._emit(seqs, [[int(r)] for r in root], lengths, max_new_tokens, stops, counting=False)
+        tree = self.tree
+        mask = np.ascontiguousarray(np.broadcast_to(tree.mask, (len(seqs), *tree.mask.shape)))  # (B, T, T)
+        while any(s.finish_reason is None for s in seqs):
+            tokens = self._draft(root, proposals)  # (B, T)
+            positions = lengths[:, None] + tree.depth[None, :]  # (B, T)
+            target = self.backend.step(tokens, positions, mask, lengths)  # (B, T) base argmax
+            best, accepted = greedy_accept(tree, tokens, target)  # (B,), (B,)
+            accepted = np.minimum(accepted, self._room(seqs, lengths, max_new_tokens))
+            path = tree.retrieve[best]  # (B, D+1) root-to-leaf nodes, -1 padded
+            nodes = np.where(np.arange(path.shape[1])[None, :] <= accepted[:, None], path, 0)  # (B, D+1)
+            last = path[np.arange(len(seqs)), accepted]  # (B,) last accepted node
+            new = [list(tokens[b, path[b, 1 : accepted[b] + 1]]) + [int(target[b, last[b]])] for b in range(len(seqs))]
+            self.backend.commit(nodes[:, : int(accepted.max()) + 1], lengths)
+            active = np.array([s.finish_reason is None for s in seqs])
+            lengths = lengths + np.where(active, accepted + 1, 0)
+            root = target[np.arange(len(seqs)), last]
+            if self.num_heads:
+                proposals = self.backend.propose(last, tree.top_k)
+            yield from self._emit(seqs, new, lengths, max_new_tokens, stops, counting=True)
+        elapsed = time.perf_counter() - started
+        for s in seqs:
+            s.stats.seconds = elapsed
+
+    def _prefill(self, seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One chain-masked call on the right-padded prompts; commits every prompt token."""
+        count = np.array([len(s.prompt) for s in seqs], dtype=np.int64)  # (B,)
+        width = int(count.max())
+        ids = np.zeros((len(seqs), width), dtype=np.int64)  # (B, N) right-padded, pads never seen
+        for b, s in enumerate(seqs):
+            ids[b, : count[b]] = s.prompt
+        positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)  # (B, N)
+        causal = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (len(seqs), width, width))
+        zeros = np.zeros(len(seqs), dtype=np.int64)
+        target = self.backend.step(ids, positions, causal, zeros)  # (B, N)
+        self.backend.commit(np.broadcast_to(np.arange(width), ids.shape), zeros)
+        last = count - 1
+        root = target[np.arange(len(seqs)), last]  # (B,)
+        proposals = self.backend.propose(last, self.tree.top_k) if self.num_heads else None  # (B, n, K)
+        return count, root, proposals
+
+    def _draft(self, root: np.ndarray, proposals: np.ndarray | None) -> np.ndarray:
+        """Tree tokens (B, T): candidates [root, head1 top-K, ..., headD top-K] gathered by the tree."""
+        tree = self.tree
+        if tree.depth_max == 0:
+            return root[:, None].astype(np.int64)
+        heads = proposals[:, : tree.depth_max, : tree.top_k].reshape(len(root), -1)  # (B, D*K)
+        candidates = np.concatenate([root[:, None], heads], axis=1)  # (B, 1 + D*K)
+        return candidates[:, tree.gather_index]
+
+    def _room(self, seqs: list[_Sequence], lengths: np.ndarray, max_new_tokens: int) -> np.ndarray:
+        """Most drafted tokens each sequence may still accept (a step emits accepted + 1)."""
+        by_context = self.config.max_context - lengths - 2  # root pending: total = length + 1
+        by_budget = np.array([max_new_tokens - len(s.tokens) - 1 for s in seqs])
+        return np.maximum(np.minimum(by_context, by_budget), 0)
+
+    def _emit(self, seqs, new_tokens, lengths, max_new_tokens, stops, *, counting: bool) -> Iterator[StreamEvent]:
+        for b, (s, new) in enumerate(zip(seqs, new_tokens)):
+            if s.finish_reason is not None:
+                continue
+            if counting:
+                s.stats.steps += 1
+                s.stats.accepted_per_step.append(len(new))
+            before = len(s.tokens)
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new = new[: i + 1]
+                    s.finish_reason = "stop"
+                    break
+            s.tokens.extend(int(t) for t in new)
+            s.text = self.codec.decode(s.tokens)
+            cut = _first_stop(s.text, stops)
+            if cut is not None:
+                s.finish_reason = "stop"
+                while len(s.tokens) > before + 1 and _first_stop(self.codec.decode(s.tokens[:-1]), stops) is not None:
+                    s.tokens.pop()  # keep only the tokens up to the one completing the stop string
+                s.text = s.text[:cut]
+            if s.finish_reason is None and (len(s.tokens) >= max_new_tokens or lengths[b] + 1 >= self.config.max_context):
+                s.finish_reason = "length"
+            s.stats.new_tokens = len(s.tokens)
+            delta_end = len(s.text) if s.finish_reason or not s.text.endswith("\ufffd") else len(s.text.rstrip("\ufffd"))
+            delta = s.text[len(s.sent) : delta_end]
+            s.sent = s.text[:delta_end]
+            yield StreamEvent(index=b, token_ids=s.tokens[before:], text=delta)
+
+
+def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise PromptError("empty stop string: remove it")
+    return stops
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
