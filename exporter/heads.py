@@ -157,6 +157,16 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         raise HeadsFormatError(f"cannot read heads weights {path}: {exc}") from exc
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise HeadsFormatError(f"cannot read heads config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise HeadsFormatError(f"heads config {path} is not a JSON object")
+    return raw
+
+
 def _check_fit(config: HeadsConfig, hidden_size: int, vocab_size: int, num_decoder_layers: int | None) -> None:
     if config.hidden_size != hidden_size:
         raise HeadsMismatchError(
@@ -180,7 +190,7 @@ _FD_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 def _fasterdecoding_config(folder: Path, state: dict[str, torch.Tensor], vocab_size: int) -> HeadsConfig:
     """Infer n and L from the weights (configs in the wild sometimes give the wrong head count)."""
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = _read_json(folder / "config.json")
     heads: dict[int, set[int]] = {}
     for key in state:
         m = _FD_KEY.match(key)
@@ -230,7 +240,7 @@ def load_heads(
     if folder.is_file():
         folder = folder.parent
     if (folder / HEADS_CONFIG).is_file():
-        raw = json.loads((folder / HEADS_CONFIG).read_text())
+        raw = _read_json(folder / HEADS_CONFIG)
         raw.pop("format_version", None)
         try:
             config = HeadsConfig(**raw)

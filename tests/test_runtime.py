@@ -1,0 +1,233 @@
+"""MedusaRuntime behaviour: perfect heads, stopping rules, limits, streaming, prompt forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TREES, assert_greedy_identical, medusa_model, random_heads
+from medusa_trt.exporter import BaseModel, HeadsConfig, MedusaHeads, MedusaModel
+from medusa_trt.runtime import EngineError, InvalidTreeError, MedusaRuntime, PromptError, RuntimeConfig
+
+VOCAB = 16
+
+
+def _successor(x: int) -> int:
+    return (5 * x + 3) % VOCAB  # a permutation of 0..15: the toy model's next token
+
+
+@torch.no_grad()
+def toy_model(tokenizer) -> MedusaModel:
+    """A 1-layer Llama whose next token is a fixed function of the current one (attention and MLP
+    outputs zeroed, embeddings one-hot, lm_head a permutation), and heads set to match exactly:
+    head k maps x to successor^(k+2)(x)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=256, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    model.model.embed_tokens.weight.copy_(torch.eye(VOCAB))
+    model.model.layers[0].self_attn.o_proj.weight.zero_()
+    model.model.layers[0].mlp.down_proj.weight.zero_()
+
+    def table(steps: int) -> torch.Tensor:
+        w = torch.zeros(VOCAB, VOCAB)
+        for x in range(VOCAB):
+            y = x
+            for _ in range(steps):
+                y = _successor(y)
+            w[y, x] = 1.0
+        return w
+
+    model.lm_head.weight.copy_(table(1))
+    heads = MedusaHeads(HeadsConfig(num_heads=4, num_layers=1, hidden_size=VOCAB, vocab_size=VOCAB, shared_lm_head=False))
+    for k, head in enumerate(heads.heads):
+        head[0].linear.weight.zero_()
+        head[0].linear.bias.zero_()
+        head[1].weight.copy_(table(k + 2))
+    base = BaseModel(model=model, tokenizer=tokenizer, name="toy", eos_token_ids=(), is_chat=False)
+    return MedusaModel(base, heads.eval())
+
+
+@pytest.fixture(scope="module")
+def toy(stories_base):
+    return toy_model(stories_base.tokenizer)
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "mc_sim_7b_63"])
+def test_perfect_heads_accept_depth_plus_one(toy, tree):
+    if tree == "mc_sim_7b_63" and not TREES.is_file():
+        pytest.skip(f"{TREES} missing")
+    runtime = MedusaRuntime(toy, tree=tree, max_context=128)
+    result = runtime.generate([[3], [7, 11]], max_new_tokens=41)  # 1 from the prefill + 8 steps of 5
+    for prompt, r in zip([[3], [7, 11]], result):
+        expected, x = [], prompt[-1]
+        for _ in range(41):
+            x = _successor(x)
+            expected.append(x)
+        assert r.token_ids == expected
+        assert r.stats.accepted_per_step == [5] * 8  # depth 4 + the bonus token
+        assert r.stats.steps == 8 and r.stats.mean_accepted == 5.0
+
+
+def test_budget_cuts_the_last_step(toy):
+    r = MedusaRuntime(toy, tree="chain-4").generate([3], max_new_tokens=8)
+    assert len(r.token_ids) == 8 and r.finish_reason == "length"
+    assert r.stats.accepted_per_step == [5, 2]
+
+
+def test_context_limit_ends_with_length(toy):
+    runtime = MedusaRuntime(toy, tree="chain-4", max_context=12)
+    r = runtime.generate([1, 2, 3], max_new_tokens=100)
+    assert r.finish_reason == "length"
+    assert len(r.token_ids) + 3 == 12  # prompt + generated fills the context exactly
+
+
+def test_prompt_longer_than_context_is_a_clear_error(toy):
+    runtime = MedusaRuntime(toy, tree="chain-2", max_context=8)
+    with pytest.raises(PromptError, match="prompt 0 has 8 tokens but max_context is 8"):
+        runtime.generate(list(range(8)))
+
+
+def test_empty_prompt_and_bad_budget(toy):
+    runtime = MedusaRuntime(toy, tree="chain-2")
+    with pytest.raises(PromptError, match="empty"):
+        runtime.generate([[1], []])
+    with pytest.raises(PromptError, match="max_new_tokens"):
+        runtime.generate([1], max_new_tokens=0)
+
+
+def test_tree_deeper_than_heads_is_refused(toy):
+    with pytest.raises(InvalidTreeError, match="needs 5 heads"):
+        MedusaRuntime(toy, tree="chain-5")
+
+
+def test_file_engines_are_refused_with_a_hint(toy):
+    with pytest.raises(EngineError, match="load_medusa"):
+        MedusaRuntime("model.onnx")
+
+
+def test_eos_stops_and_is_kept(stories_base):
+    toy_eos = toy_model(stories_base.tokenizer)
+    toy_eos.eos_token_ids = (_successor(_successor(_successor(4))),)  # the third token after 4
+    r = MedusaRuntime(toy_eos, tree="chain-4").generate([4], max_new_tokens=30)
+    assert r.finish_reason == "stop"
+    assert r.token_ids == [_successor(4), _successor(_successor(4)), toy_eos.eos_token_ids[0]]
+
+
+def test_ragged_batch_finishes_independently(stories_base):
+    toy_eos = toy_model(stories_base.tokenizer)
+    toy_eos.eos_token_ids = (9,)
+    results = MedusaRuntime(toy_eos, tree="chain-4").generate([[_successor_inverse(9)], [2]], max_new_tokens=20)
+    assert results[0].token_ids == [9] and results[0].finish_reason == "stop"
+    chain = [2]
+    for _ in range(20):
+        chain.append(_successor(chain[-1]))
+    expected = chain[1 : chain.index(9) + 1] if 9 in chain[1:] else chain[1:]
+    assert results[1].token_ids == expected
+
+
+def _successor_inverse(y: int) -> int:
+    return next(x for x in range(VOCAB) if _successor(x) == y)
+
+
+def test_stop_string_cuts_text_and_tokens(stories_base, stories_prompts):
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, tree="chain-2", max_context=256)
+    full = runtime.generate(stories_prompts[0], max_new_tokens=40)
+    assert "park" in full.text
+    cut = runtime.generate(stories_prompts[0], max_new_tokens=40, stop=["park", "never-there"])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index("park")]
+    assert full.token_ids[: len(cut.token_ids)] == cut.token_ids
+    assert "park" in stories_base.tokenizer.decode(cut.token_ids)  # the completing token is kept
+    assert "park" not in stories_base.tokenizer.decode(cut.token_ids[:-1])
+
+
+def test_stream_yields_what_generate_returns(stories_base, stories_prompts):
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, tree="chain-3", max_context=256)
+    results = runtime.generate(stories_prompts[:3], max_new_tokens=30)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    texts = {0: "", 1: "", 2: ""}
+    for event in runtime.stream(stories_prompts[:3], max_new_tokens=30):
+        tokens[event.index] += event.token_ids
+        texts[event.index] += event.text
+    for i, r in enumerate(results):
+        assert tokens[i] == r.token_ids and texts[i] == r.text
+
+
+def test_more_prompts_than_max_batch(stories_base, stories_prompts):
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, RuntimeConfig(max_batch=2, max_context=256, tree="chain-2"))
+    results = runtime.generate(stories_prompts, max_new_tokens=16)
+    assert len(results) == len(stories_prompts)
+    for prompt, r in zip(stories_prompts, results):
+        assert_greedy_identical(stories_base, prompt, r.token_ids, 16, stories_base.eos_token_ids)
+
+
+def test_prompt_forms(stories_base, stories_prompts):
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, tree="chain-2", max_context=256)
+    by_text = runtime.generate("Once upon a time", max_new_tokens=12)
+    by_ids = runtime.generate(stories_prompts[0], max_new_tokens=12)
+    batch = runtime.generate(["Once upon a time", "One day"], max_new_tokens=12)
+    assert by_text.token_ids == by_ids.token_ids == batch[0].token_ids
+    assert isinstance(batch, list) and len(batch) == 2
+    assert by_text.stats.prompt_tokens == len(stories_prompts[0]) and by_text.stats.tokens_per_second > 0
+    with pytest.raises(PromptError, match="no chat template"):
+        runtime.generate("hi", chat_template=True)
+
+
+def test_cache_is_allocated_once(stories_base, stories_prompts):
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, tree="chain-4", max_batch=4, max_context=200)
+    key = runtime.backend.cache_key
+    ptr = key.data_ptr()
+    runtime.generate(stories_prompts, max_new_tokens=20)
+    runtime.generate(stories_prompts[:1], max_new_tokens=20)
+    assert runtime.backend.cache_key is key and key.data_ptr() == ptr
+    assert tuple(key.shape[1:4:2]) == (4, 200 + 5)  # max batch, max context + tree slack
+
+
+def test_step_cost_follows_real_context(stories_base):
+    """The model sees only the first max(cache_lengths) slots of the cache."""
+    model = medusa_model(stories_base, random_heads(stories_base))
+    runtime = MedusaRuntime(model, tree="chain-2", max_context=1000)
+    seen: list[int] = []
+    forward = model.forward
+
+    def spy(*args):
+        seen.append(args[4].shape[3])
+        return forward(*args)
+
+    model.forward = spy
+    try:
+        runtime.generate([1, 2, 3, 4, 5], max_new_tokens=6)
+    finally:
+        del model.forward
+    assert seen[0] == 0 and max(seen) < 12, seen
+
+
+@pytest.mark.slow
+def test_chat_template_applied_to_plain_prompts(smollm2_chat_runtime):
+    runtime, tokenizer = smollm2_chat_runtime
+    r = runtime.generate("What is 2+2?", max_new_tokens=8)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    assert r.stats.prompt_tokens == len(ids)
+    raw = runtime.generate("What is 2+2?", max_new_tokens=8, chat_template=False)
+    assert raw.stats.prompt_tokens == len(tokenizer("What is 2+2?")["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def smollm2_chat_runtime(smollm2_base):
+    model = MedusaModel(smollm2_base, random_heads(smollm2_base, shared=True))
+    return MedusaRuntime(model, tree="chain-2", max_context=256, max_batch=1), smollm2_base.tokenizer
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(ValueError, match="max_batch"):
+        RuntimeConfig(max_batch=0)
+    with pytest.raises(ValueError, match="max_context"):
+        RuntimeConfig(max_context=1)
