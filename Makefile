@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# On a GPU machine (no install needed there): GPU tests + a short benchmark, report in build/gpu-check/
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

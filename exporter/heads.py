@@ -213,7 +213,9 @@ def _fasterdecoding_config(folder: Path, state: dict[str, torch.Tensor], vocab_s
         )
     if cfg.get("medusa_num_layers") not in (None, num_layers):
         log.warning("%s/config.json says medusa_num_layers=%s but the weights hold %d", folder, cfg["medusa_num_layers"], num_layers)
-    hidden = state["0.0.linear.weight"].shape[1]
+    if num_layers == 0 and shared:
+        raise HeadsFormatError(f"Medusa heads in {folder} hold neither blocks nor projections")
+    hidden = state["0.0.linear.weight"].shape[1] if num_layers else state["0.0.weight"].shape[1]
     vocab = state[f"0.{num_layers}.weight"].shape[0] if not shared else vocab_size
     return HeadsConfig(
         num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,

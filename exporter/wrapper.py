@@ -83,7 +83,8 @@ class MedusaModel(nn.Module):
         _register_attention()
         self.base = base.model
         self.base.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.heads = heads
+        first = next(self.base.parameters())
+        self.heads = heads.to(device=first.device, dtype=first.dtype) if heads is not None else None
         self.tokenizer = base.tokenizer
         self.eos_token_ids = base.eos_token_ids
         self.is_chat = base.is_chat

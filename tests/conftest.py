@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(os.environ.get("MEDUSA_TRT_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 STORIES = SHARED / "models" / "stories260K.gguf"
 TREES = SHARED / "trees" / "medusa_choices.json"
 TIE_GAP = 1e-5  # two logits closer than this are a float tie: greedy may pick either
@@ -41,34 +41,12 @@ def random_heads(base, num_heads: int = 4, *, seed: int = 0, shared: bool = Fals
     return init_heads(config, base.model.lm_head, seed=seed, random=True)
 
 
-@torch.no_grad()
-def fitted_heads(base, prompts: list[list[int]], *, num_heads: int = 4, new_tokens: int = 96, ridge: float = 1e-2):
-    """Heads fitted in closed form (ridge regression of one-hot future tokens on the final hidden
-    state) to the model's own greedy continuations: they guess right often but not always, so
-    acceptance lengths vary across steps and sequences."""
-    model = base.model
-    hiddens, futures = [], []
-    for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
-        seq = out[0]
-        hidden = model.model(seq[None]).last_hidden_state[0]  # (N, H)
-        hiddens.append(hidden)
-        futures.append(seq)
-    cfg = model.config
-    heads = init_heads(
-        HeadsConfig(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=False),
-        model.lm_head,
-    )
-    for k in range(num_heads):
-        xs, ys = [], []
-        for hidden, seq in zip(hiddens, futures):
-            n = seq.shape[0] - (k + 2)
-            xs.append(hidden[:n])
-            ys.append(torch.nn.functional.one_hot(seq[k + 2 : k + 2 + n], cfg.vocab_size).float())
-        x, y = torch.cat(xs), torch.cat(ys)  # (N, H), (N, V)
-        weight = torch.linalg.solve(x.T @ x + ridge * torch.eye(x.shape[1]), x.T @ y)  # (H, V)
-        heads.heads[k][-1].weight.copy_(weight.T)
-    return heads
+def fitted_heads(base, prompts: list[list[int]], *, num_heads: int = 4, new_tokens: int = 96):
+    """Heads fitted in closed form to the model's own greedy continuations: they guess right
+    often but not always, so acceptance lengths vary across steps and sequences."""
+    from medusa_trt.training.ridge import fit_heads_ridge, greedy_continuations
+
+    return fit_heads_ridge(base.model, greedy_continuations(base.model, prompts, new_tokens), num_heads=num_heads)
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +114,7 @@ def assert_greedy_identical(base, prompt: list[int], got: list[int], max_new_tok
     the reference prefix); everything after a proven tie legitimately differs."""
     model = base.model
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         eos_token_id=list(eos) or None, top_k=None, top_p=None, temperature=None,
     )
     ref = out[0, len(prompt) :].tolist()
@@ -144,7 +122,7 @@ def assert_greedy_identical(base, prompt: list[int], got: list[int], max_new_tok
         return
     i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
     assert i < min(len(got), len(ref)), f"lengths differ with equal prefix: got {len(got)} tokens, reference {len(ref)}"
-    logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    logits = model(torch.tensor([prompt + ref[:i]], device=model.device)).logits[0, -1]
     gap = (logits[ref[i]] - logits[got[i]]).abs().item()
     top = logits.max().item()
     assert gap < TIE_GAP and top - logits[got[i]].item() < TIE_GAP, (

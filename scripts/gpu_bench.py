@@ -1,0 +1,133 @@
+"""Short GPU benchmark of the torch backend (part of ``make gpu-check``; not a test).
+
+Random-weight models built from configs (the GPU machine has no network and SmolLM2's file is
+too large to carry): a SmolLM2-135M-shaped Llama and a ~1B Llama. For each, in one process:
+  * verify-step latency for T = 1..64 new tokens over a 256-token context (median of repeats);
+  * plain decoding vs Medusa (heads fitted in closed form to the model's own greedy output),
+    same model, same prompts: tokens/s, mean accepted tokens per step, speedup, identical tokens.
+Writes a JSON report and prints a readable one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from medusa_trt.exporter import BaseModel, MedusaModel
+from medusa_trt.runtime import MedusaRuntime
+from medusa_trt.training.ridge import fit_heads_ridge, greedy_continuations
+
+SHAPES = {
+    "smollm2-135m-shaped": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "llama-1b-shaped": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                            num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+class _NoTokenizer:
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def build(shape: str, dtype: torch.dtype, device: str) -> BaseModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, initializer_range=0.05)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+    return BaseModel(model=model, tokenizer=_NoTokenizer(), name=shape, eos_token_ids=(), is_chat=False)
+
+
+def step_latency(model: MedusaModel, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    runtime = MedusaRuntime(model, tree="chain-0", max_batch=1, max_context=context + 128)
+    backend = runtime.backend
+    out = {}
+    for t in sizes:
+        ids = np.random.randint(0, model.vocab_size, size=(1, t))
+        pos = context + np.arange(t)[None]
+        mask = np.tril(np.ones((t, t), dtype=bool))[None]
+        lengths = np.array([context])
+        for _ in range(3):
+            backend.step(ids, pos, mask, lengths)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.step(ids, pos, mask, lengths)  # returns host argmax: synchronises
+            times.append(time.perf_counter() - start)
+        out[t] = statistics.median(times) * 1e3
+    return out
+
+
+def decode_compare(base: BaseModel, heads, tree: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    model = MedusaModel(base, heads)
+    plain = MedusaRuntime(model, tree="chain-0", max_batch=1, max_context=1024)
+    medusa = MedusaRuntime(model, tree=tree, max_batch=1, max_context=1024)
+    plain.generate(prompts[0], max_new_tokens=8)
+    medusa.generate(prompts[0], max_new_tokens=8)
+    rows = {"plain": [0, 0.0, []], "medusa": [0, 0.0, []]}
+    same = True
+    for prompt in prompts:  # interleaved, so drift hits both alike
+        a = plain.generate(prompt, max_new_tokens=new_tokens)
+        b = medusa.generate(prompt, max_new_tokens=new_tokens)
+        same &= a.token_ids == b.token_ids
+        for key, r in (("plain", a), ("medusa", b)):
+            rows[key][0] += r.stats.new_tokens
+            rows[key][1] += r.stats.seconds
+            rows[key][2] += r.stats.accepted_per_step
+    result = {k: {"tokens_per_s": v[0] / v[1], "mean_accepted": float(np.mean(v[2]))} for k, v in rows.items()}
+    result["speedup"] = result["medusa"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
+    result["identical_tokens"] = bool(same)
+    result["tree"] = tree
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="build/gpu-bench.json")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_bench: no CUDA GPU found: run this on a GPU machine")
+    logging.basicConfig(level=logging.WARNING)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"device": name, "torch": torch.__version__, "models": {}}
+    sizes = args.sizes
+    rng = np.random.default_rng(0)
+    for shape in args.shapes:
+        base = build(shape, torch.bfloat16 if args.device == "cuda" else torch.float32, args.device)
+        model = MedusaModel(base, None)
+        entry = {"dtype": str(base.model.dtype).removeprefix("torch."), "step_ms_ctx256": step_latency(model, 256, sizes, args.repeats)}
+        prompts = [rng.integers(0, base.model.config.vocab_size, size=int(n)).tolist() for n in (16, 40, 64, 24)]
+        heads = fit_heads_ridge(base.model, greedy_continuations(base.model, prompts[:2] + [p[:8] for p in prompts], 160))
+        entry["decode"] = [decode_compare(base, heads, tree, prompts, args.new_tokens) for tree in ("chain-4", "chain-2")]
+        report["models"][shape] = entry
+        del base, model, heads
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"device: {report['device']}, torch {report['torch']}")
+    for shape, entry in report["models"].items():
+        steps = "  ".join(f"T={t}: {ms:.2f}" for t, ms in entry["step_ms_ctx256"].items())
+        print(f"{shape} ({entry['dtype']}): verify step ms over 256 context: {steps}")
+        for d in entry["decode"]:
+            print(f"  {d['tree']}: plain {d['plain']['tokens_per_s']:.1f} tok/s, medusa {d['medusa']['tokens_per_s']:.1f} tok/s "
+                  f"({d['medusa']['mean_accepted']:.2f} accepted/step), speedup {d['speedup']:.2f}x, identical tokens: {d['identical_tokens']}")
+
+
+if __name__ == "__main__":
+    main()
