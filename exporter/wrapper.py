@@ -33,8 +33,8 @@ ATTN_IMPLEMENTATION = "medusa_tree"
 class _StepKV:
     """Per-call scratch passed to every attention layer through the model's kwargs."""
 
-    past_key: torch.Tensor  # [layers, B, Hkv, S, D] committed cache (a view)
-    past_value: torch.Tensor  # [layers, B, Hkv, S, D]
+    past_key: torch.Tensor  # [S, layers, B, Hkv, D] committed cache (slot-major: its first S slots are contiguous)
+    past_value: torch.Tensor  # [S, layers, B, Hkv, D]
     new_key: list = field(default_factory=list)  # per layer [B, Hkv, T, D]
     new_value: list = field(default_factory=list)
 
@@ -50,9 +50,9 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     layer = module.layer_idx
     medusa_kv.new_key.append(key)
     medusa_kv.new_value.append(value)
-    out = tree_attention(
-        query, key, value, medusa_kv.past_key[layer], medusa_kv.past_value[layer], attention_mask, scaling
-    )  # (B, Hq, T, D)
+    past_key = medusa_kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
+    past_value = medusa_kv.past_value[:, layer].permute(1, 2, 0, 3)
+    out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling)  # (B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -112,12 +112,17 @@ class MedusaModel(nn.Module):
         position_ids: torch.Tensor,  # int64 [B, T]: cache_lengths[b] + depth(node)
         tree_mask: torch.Tensor,  # bool [B, T, T]: node i sees node j
         cache_lengths: torch.Tensor,  # int64 [B]: committed tokens per sequence
-        past_key: torch.Tensor,  # [layers, B, Hkv, S, D], S >= max(cache_lengths)
-        past_value: torch.Tensor,  # [layers, B, Hkv, S, D]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns logits [B, T, V], head-input hidden [B, T, H], new key/value [layers, B, Hkv, T, D]."""
+        past_key: torch.Tensor,  # [S, layers, B, Hkv, D], S >= max(cache_lengths)
+        past_value: torch.Tensor,  # [S, layers, B, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns logits [B, T, V], head-input hidden [B, T, H], the base argmax next_ids [B, T]
+        (all greedy acceptance needs, so a backend need not copy the logits out) and the new
+        key/value [T, layers, B, Hkv, D].
+
+        The cache is slot-major so that the first S slots of a preallocated buffer are one
+        contiguous block: ONNX Runtime can bind them without a copy."""
         kv = _StepKV(past_key, past_value)
-        bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[3], self.kv_spec.dtype)  # (B, 1, T, S+T)
+        bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S+T)
         out = self.base.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -129,13 +134,27 @@ class MedusaModel(nn.Module):
         final = out.last_hidden_state  # (B, T, H), after the final norm
         logits = self.base.lm_head(final)  # (B, T, V)
         hidden = final if self.head_layer is None else out.hidden_states[self.head_layer + 1]
-        return logits, hidden, torch.stack(kv.new_key), torch.stack(kv.new_value)
+        new_key = torch.stack(kv.new_key).permute(3, 0, 1, 2, 4)  # (layers, B, Hkv, T, D) -> (T, layers, B, Hkv, D)
+        new_value = torch.stack(kv.new_value).permute(3, 0, 1, 2, 4)
+        return logits, hidden, logits.argmax(dim=-1), new_key.contiguous(), new_value.contiguous()
 
     def propose(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head logits [B, n, V] for one hidden state per sequence [B, H]."""
         if self.heads is None:
             raise ValueError("this model has no Medusa heads: load heads or use the tree chain-0")
         return self.heads(hidden)
+
+
+class HeadsGraph(nn.Module):
+    """The heads call as its own graph: hidden [B, H] -> (top-k ids [B, n, K], logits fp32 [B, n, V])."""
+
+    def __init__(self, heads: MedusaHeads, top_k: int):
+        super().__init__()
+        self.heads, self.top_k = heads, top_k
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.heads(hidden).float()  # (B, n, V)
+        return logits.topk(self.top_k, dim=-1).indices, logits
 
 
 def load_medusa(

@@ -4,11 +4,12 @@ Importing this package pulls in numpy only; a backend imports its framework when
 """
 
 from medusa_trt.runtime.config import RuntimeConfig
-from medusa_trt.runtime.medusa import EngineError, GenerationResult, GenerationStats, MedusaRuntime, StreamEvent
+from medusa_trt.runtime.engine import EngineError, EngineMeta
+from medusa_trt.runtime.medusa import GenerationResult, GenerationStats, MedusaRuntime, StreamEvent
 from medusa_trt.runtime.text import PromptError
 from medusa_trt.runtime.tree import CompiledTree, InvalidTreeError, compile_tree, load_tree
 
 __all__ = [
-    "CompiledTree", "EngineError", "GenerationResult", "GenerationStats", "InvalidTreeError", "MedusaRuntime",
+    "CompiledTree", "EngineError", "EngineMeta", "GenerationResult", "GenerationStats", "InvalidTreeError", "MedusaRuntime",
     "PromptError", "RuntimeConfig", "StreamEvent", "compile_tree", "load_tree",
 ]

@@ -5,18 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+DEFAULT_MAX_BATCH = 4
+DEFAULT_MAX_CONTEXT = 1024
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    max_batch: int = 4  # sequences decoded together; the KV cache is allocated for this many
-    max_context: int = 1024  # prompt + generated tokens per sequence; the cache's length
-    tree: str | tuple | list | None = None  # preset name, chain-N, JSON file or paths; None: default_tree()
+    max_batch: int | None = None  # sequences decoded together (cache rows); None: the engine's, or 4 for a torch model
+    max_context: int | None = None  # prompt + generated tokens per sequence; None: the engine's, or 1024
+    tree: str | tuple | list | None = None  # preset name, chain-N, JSON file or paths; None: the engine's tree or a chain
+    prefill_chunk: int = 64  # prompt tokens per engine call: bounds the per-step buffers (logits are chunk x vocab)
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
+    threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
 
     def __post_init__(self):
-        if self.max_batch < 1:
+        if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_context < 2:
+        if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
 def default_tree(num_heads: int) -> str:

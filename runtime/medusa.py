@@ -27,15 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from medusa_trt.runtime.acceptance import greedy_accept
-from medusa_trt.runtime.config import RuntimeConfig, default_tree
-from medusa_trt.runtime.text import PromptError, TextCodec
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, RuntimeConfig, default_tree
+from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(ValueError):
-    """The engine or model passed to MedusaRuntime cannot be run."""
 
 
 @dataclass
@@ -83,31 +80,53 @@ class _Sequence:
 class MedusaRuntime:
     """Generate with Medusa over an engine.
 
-    ``engine``: a ``MedusaModel`` (``medusa_trt.exporter.load_medusa``) for the torch backend.
+    ``engine``: a path to an exported ``.onnx`` engine (ONNX Runtime backend), or a ``MedusaModel``
+    from ``medusa_trt.exporter.load_medusa`` (torch backend).
     """
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
-        self.config = dataclasses.replace(config or RuntimeConfig(), **overrides)
-        cfg = self.config
+        self.config = cfg = dataclasses.replace(config or RuntimeConfig(), **overrides)
         if isinstance(engine, (str, os.PathLike)):
-            raise EngineError(f"cannot open engine {os.fspath(engine)!r}: file engines need the ONNX Runtime backend, which this version does not have; pass a model from medusa_trt.exporter.load_medusa")
-        if not hasattr(engine, "kv_spec") or not hasattr(engine, "propose"):
-            raise EngineError(f"unsupported engine {type(engine).__name__}: pass a MedusaModel from medusa_trt.exporter.load_medusa")
-        self.num_heads = engine.num_heads
-        self.tree: CompiledTree = load_tree(cfg.tree if cfg.tree is not None else default_tree(self.num_heads), max_depth=self.num_heads)
-        if self.tree.top_k > engine.vocab_size:
-            raise EngineError(f"tree needs top-{self.tree.top_k} proposals but the vocabulary has {engine.vocab_size} tokens")
-        window = getattr(engine, "sliding_window", None)
-        if window is not None and cfg.max_context > window:
-            raise EngineError(f"max_context {cfg.max_context} exceeds the model's sliding window {window}: lower max_context")
+            self.backend, codec, info = self._onnx(engine, cfg)
+        elif hasattr(engine, "kv_spec") and hasattr(engine, "propose"):
+            self.backend, codec, info = self._torch(engine, cfg)
+        else:
+            raise EngineError(f"unsupported engine {type(engine).__name__}: pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa")
+        self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
+        self.num_heads, default, eos, is_chat, vocab = info
+        self.tree: CompiledTree = load_tree(cfg.tree if cfg.tree is not None else default, max_depth=self.num_heads)
+        if self.tree.top_k > vocab:
+            raise EngineError(f"tree needs top-{self.tree.top_k} proposals but the vocabulary has {vocab} tokens")
+        limit = self.backend.max_tokens
+        if limit is not None and max(self.tree.num_nodes, min(cfg.prefill_chunk, self.max_context)) > limit:
+            raise EngineError(
+                f"the engine takes at most {limit} tokens per step but the tree has {self.tree.num_nodes} nodes and the prefill "
+                f"chunk is {cfg.prefill_chunk}: use a smaller tree / prefill_chunk or export with a larger --max-tokens"
+            )
+        self.codec = TextCodec(tokenizer) if tokenizer is not None else codec
+        self.eos = frozenset(int(i) for i in eos)
+        self.is_chat = bool(is_chat) and self.codec.has_chat_template
+
+    @staticmethod
+    def _onnx(path, cfg: RuntimeConfig):
+        from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
+
+        backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads)
+        meta = backend.meta
+        default = meta.tree if meta.num_heads else "chain-0"
+        return backend, FileTextCodec(backend.files.tokenizer), (meta.num_heads, default, meta.eos_token_ids, meta.is_chat, meta.vocab_size)
+
+    @staticmethod
+    def _torch(model, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.torch_backend import TorchBackend  # torch only on this path
 
-        self.backend = TorchBackend(
-            engine, max_batch=cfg.max_batch, max_context=cfg.max_context, slack=self.tree.depth_max + 1, device=cfg.device
-        )
-        self.codec = TextCodec(tokenizer if tokenizer is not None else engine.tokenizer)
-        self.eos = frozenset(int(i) for i in engine.eos_token_ids)
-        self.is_chat = bool(getattr(engine, "is_chat", False)) and self.codec.has_chat_template
+        max_context = cfg.max_context or DEFAULT_MAX_CONTEXT
+        window = getattr(model, "sliding_window", None)
+        if window is not None and max_context > window:
+            raise EngineError(f"max_context {max_context} exceeds the model's sliding window {window}: lower max_context")
+        backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
+        info = (model.num_heads, default_tree(model.num_heads), model.eos_token_ids, getattr(model, "is_chat", False), model.vocab_size)
+        return backend, TextCodec(model.tokenizer), info
 
     # ----------------------------------------------------------------- public API
 
@@ -115,8 +134,8 @@ class MedusaRuntime:
         """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch."""
         single, batch = self._prompts(prompts, chat_template)
         results: list[GenerationResult] = []
-        for start in range(0, len(batch), self.config.max_batch):
-            seqs = [_Sequence(p) for p in batch[start : start + self.config.max_batch]]
+        for start in range(0, len(batch), self.max_batch):
+            seqs = [_Sequence(p) for p in batch[start : start + self.max_batch]]
             for _ in self._run(seqs, max_new_tokens, _stops(stop)):
                 pass
             results += [GenerationResult(s.text, s.tokens, s.finish_reason, s.stats) for s in seqs]
@@ -125,8 +144,8 @@ class MedusaRuntime:
     def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None) -> Iterator[StreamEvent]:
         """Yield tokens as they are committed, one event per sequence and step."""
         _, batch = self._prompts(prompts, chat_template)
-        for start in range(0, len(batch), self.config.max_batch):
-            seqs = [_Sequence(p) for p in batch[start : start + self.config.max_batch]]
+        for start in range(0, len(batch), self.max_batch):
+            seqs = [_Sequence(p) for p in batch[start : start + self.max_batch]]
             for event in self._run(seqs, max_new_tokens, _stops(stop)):
                 yield dataclasses.replace(event, index=event.index + start)
 
@@ -145,9 +164,9 @@ class MedusaRuntime:
             ids = self.codec.encode(item, chat=chat) if isinstance(item, str) else [int(t) for t in item]
             if not ids:
                 raise PromptError(f"prompt {i} is empty: pass some text or token ids")
-            if len(ids) + 1 > self.config.max_context:
+            if len(ids) + 1 > self.max_context:
                 raise PromptError(
-                    f"prompt {i} has {len(ids)} tokens but max_context is {self.config.max_context} "
+                    f"prompt {i} has {len(ids)} tokens but max_context is {self.max_context} "
                     "(room for at least one new token is needed): shorten the prompt or raise max_context"
                 )
             batch.append(ids)
@@ -172,12 +191,12 @@ class MedusaRuntime:
             best, accepted = greedy_accept(tree, tokens, target)  # (B,), (B,)
             accepted = np.minimum(accepted, self._room(seqs, lengths, max_new_tokens))
             path = tree.retrieve[best]  # (B, D+1) root-to-leaf nodes, -1 padded
-            nodes = np.where(np.arange(path.shape[1])[None, :] <= accepted[:, None], path, 0)  # (B, D+1)
             last = path[np.arange(len(seqs)), accepted]  # (B,) last accepted node
             new = [list(tokens[b, path[b, 1 : accepted[b] + 1]]) + [int(target[b, last[b]])] for b in range(len(seqs))]
-            self.backend.commit(nodes[:, : int(accepted.max()) + 1], lengths)
             active = np.array([s.finish_reason is None for s in seqs])
-            lengths = lengths + np.where(active, accepted + 1, 0)
+            counts = np.where(active, accepted + 1, 0)  # root + accepted drafts enter the cache
+            self.backend.commit(path, counts, lengths)
+            lengths = lengths + counts
             root = target[np.arange(len(seqs)), last]
             if self.num_heads:
                 proposals = self.backend.propose(last, tree.top_k)
@@ -187,20 +206,30 @@ class MedusaRuntime:
             s.stats.seconds = elapsed
 
     def _prefill(self, seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One chain-masked call on the right-padded prompts; commits every prompt token."""
+        """Chain-masked calls over the right-padded prompts, ``prefill_chunk`` tokens at a time;
+        commits every prompt token. Returns cache lengths, roots and proposals (B,), (B,), (B, n, K)."""
+        batch = len(seqs)
         count = np.array([len(s.prompt) for s in seqs], dtype=np.int64)  # (B,)
-        width = int(count.max())
-        ids = np.zeros((len(seqs), width), dtype=np.int64)  # (B, N) right-padded, pads never seen
-        for b, s in enumerate(seqs):
-            ids[b, : count[b]] = s.prompt
-        positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)  # (B, N)
-        causal = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (len(seqs), width, width))
-        zeros = np.zeros(len(seqs), dtype=np.int64)
-        target = self.backend.step(ids, positions, causal, zeros)  # (B, N)
-        self.backend.commit(np.broadcast_to(np.arange(width), ids.shape), zeros)
-        last = count - 1
-        root = target[np.arange(len(seqs)), last]  # (B,)
-        proposals = self.backend.propose(last, self.tree.top_k) if self.num_heads else None  # (B, n, K)
+        lengths = np.zeros(batch, dtype=np.int64)
+        root = np.zeros(batch, dtype=np.int64)
+        proposals = np.zeros((batch, self.num_heads, self.tree.top_k), dtype=np.int64)
+        chunk = self.config.prefill_chunk
+        for start in range(0, int(count.max()), chunk):
+            width = min(chunk, int(count.max()) - start)
+            take = np.clip(count - start, 0, width)  # (B,) real prompt tokens in this chunk
+            ids = np.zeros((batch, width), dtype=np.int64)  # (B, W) right-padded; pads are never committed
+            for b, s in enumerate(seqs):
+                ids[b, : take[b]] = s.prompt[start : start + take[b]]
+            positions = lengths[:, None] + np.arange(width)[None, :]  # (B, W)
+            causal = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (batch, width, width))
+            target = self.backend.step(ids, positions, causal, lengths)  # (B, W)
+            self.backend.commit(np.broadcast_to(np.arange(width), (batch, width)), take, lengths)
+            lengths = lengths + take
+            ends = (count > start) & (count <= start + width)  # (B,) prompt ends in this chunk
+            last = np.clip(count - 1 - start, 0, width - 1)  # (B,) its last token's node
+            root = np.where(ends, target[np.arange(batch), last], root)
+            if self.num_heads:
+                proposals = np.where(ends[:, None, None], self.backend.propose(last, self.tree.top_k), proposals)
         return count, root, proposals
 
     def _draft(self, root: np.ndarray, proposals: np.ndarray | None) -> np.ndarray:
@@ -214,7 +243,7 @@ class MedusaRuntime:
 
     def _room(self, seqs: list[_Sequence], lengths: np.ndarray, max_new_tokens: int) -> np.ndarray:
         """Most drafted tokens each sequence may still accept (a step emits accepted + 1)."""
-        by_context = self.config.max_context - lengths - 2  # root pending: total = length + 1
+        by_context = self.max_context - lengths - 2  # root pending: total = length + 1
         by_budget = np.array([max_new_tokens - len(s.tokens) - 1 for s in seqs])
         return np.maximum(np.minimum(by_context, by_budget), 0)
 
@@ -239,7 +268,7 @@ class MedusaRuntime:
                 while len(s.tokens) > before + 1 and _first_stop(self.codec.decode(s.tokens[:-1]), stops) is not None:
                     s.tokens.pop()  # keep only the tokens up to the one completing the stop string
                 s.text = s.text[:cut]
-            if s.finish_reason is None and (len(s.tokens) >= max_new_tokens or lengths[b] + 1 >= self.config.max_context):
+            if s.finish_reason is None and (len(s.tokens) >= max_new_tokens or lengths[b] + 1 >= self.max_context):
                 s.finish_reason = "length"
             s.stats.new_tokens = len(s.tokens)
             delta_end = len(s.text) if s.finish_reason or not s.text.endswith("\ufffd") else len(s.text.rstrip("\ufffd"))

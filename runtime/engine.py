@@ -1,0 +1,99 @@
+"""What travels with an exported engine: its metadata and the files beside it.
+
+An engine ``model.onnx`` (step graph) comes with ``model.heads.onnx`` (Medusa heads, absent
+without heads), ``model.onnx.data`` (external weights, when large) and ``model.tokenizer/``.
+``EngineMeta`` is stored as JSON under the key ``medusa_trt`` in both graphs' ``metadata_props``
+and read back through ONNX Runtime, so this module needs neither torch nor the onnx package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+META_KEY = "medusa_trt"
+FORMAT_VERSION = 1
+
+
+class EngineError(ValueError):
+    """The engine or model passed to the runtime cannot be run; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class EngineMeta:
+    format_version: int
+    model: str  # what the base model was loaded from (name or path), for benchmarks and humans
+    architecture: str  # model_type: llama, mistral, qwen2
+    dtype: str  # fp32 | fp16 (weights, KV cache, logits)
+    vocab_size: int
+    hidden_size: int  # width of the head-input hidden state
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int  # Medusa heads (0: plain decoding only)
+    top_k: int  # proposals per head the heads graph returns
+    tree: list  # default tree: list of paths
+    tree_name: str
+    max_batch: int
+    max_context: int
+    max_tokens: int  # most new tokens one step takes (tree nodes, prefill chunk)
+    eos_token_ids: list
+    is_chat: bool
+    quantization: str = "none"  # none | int8 (dynamic, weight matmuls)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str) -> EngineMeta:
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise EngineError(f"{source}: engine metadata is not valid JSON ({exc}): export the engine again") from exc
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EngineError(f"{source}: engine format version {version}, this runtime reads {FORMAT_VERSION}: export it again")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(raw) - {"quantization"}
+        if missing:
+            raise EngineError(f"{source}: engine metadata lacks {sorted(missing)}: export it again")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass(frozen=True)
+class EngineFiles:
+    step: Path  # model.onnx
+    heads: Path  # model.heads.onnx
+    tokenizer: Path  # model.tokenizer/
+
+    @classmethod
+    def beside(cls, path: str | os.PathLike) -> EngineFiles:
+        step = Path(path)
+        stem = step.with_suffix("")
+        return cls(step=step, heads=stem.with_name(stem.name + ".heads.onnx"), tokenizer=stem.with_name(stem.name + ".tokenizer"))
+
+
+def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:
+    """Metadata of an ONNX engine, with clear errors for missing, truncated or foreign files."""
+    path = Path(path)
+    if not path.is_file():
+        raise EngineError(f"engine file {path} does not exist: export one with medusa-export --out {path}")
+    if session is None:
+        session = open_session(path)
+    props = session.get_modelmeta().custom_metadata_map
+    if META_KEY not in props:
+        raise EngineError(f"{path} is not a medusa-trt engine (no '{META_KEY}' metadata): export it with medusa-export")
+    return EngineMeta.from_json(props[META_KEY], source=str(path))
+
+
+def open_session(path: Path, options=None, providers=None):
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types for unreadable files
+        reason = " ".join(str(exc).split())[:300]
+        raise EngineError(f"cannot load engine {path} (truncated, or not an ONNX file?): {reason}") from exc
