@@ -12,8 +12,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [EngineError, InvalidTreeError, PromptError, FileNotFoundError, PermissionError]
     try:  # the exporter needs torch; a lean install has only the runtime's errors
         from medusa_trt.exporter import HeadsFormatError, HeadsMismatchError, ModelLoadError
+        from medusa_trt.exporter.onnx_export import ExportError
+        from medusa_trt.exporter.verify import VerificationError
 
-        errors += [HeadsFormatError, HeadsMismatchError, ModelLoadError]
+        errors += [HeadsFormatError, HeadsMismatchError, ModelLoadError, ExportError, VerificationError]
     except ImportError:
         pass
     return tuple(errors)
@@ -25,7 +27,8 @@ USER_ERRORS = _user_errors()
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
-        logging.getLogger("transformers").setLevel(logging.ERROR)
+        for noisy in ("transformers", "torch.onnx", "onnxscript"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def fail(prog: str, exc: BaseException) -> int:
@@ -33,3 +36,19 @@ def fail(prog: str, exc: BaseException) -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def load_model(model: str, heads: str | None, untrained_heads: int | None, head_layer: int | None, device: str):
+    """A MedusaModel from the command line's --model / --heads / --untrained-heads / --head-layer."""
+    from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model, load_heads
+
+    base = load_base_model(model, device=device)
+    cfg = base.model.config
+    loaded = None
+    if heads:
+        loaded = load_heads(heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=base.model.lm_head,
+                            num_decoder_layers=cfg.num_hidden_layers, head_layer=head_layer)
+    elif untrained_heads:
+        config = HeadsConfig(untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=head_layer)
+        loaded = init_heads(config, base.model.lm_head)
+    return MedusaModel(base, loaded.eval() if loaded is not None else None)

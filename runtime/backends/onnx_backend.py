@@ -61,6 +61,7 @@ class OnnxBackend:
                 f"runtime asks for max_batch {self.max_batch} / max_context {self.max_context} but the engine was exported for "
                 f"{meta.max_batch} / {meta.max_context}: export again with larger --max-batch / --max-context"
             )
+        self.max_tokens = meta.max_tokens  # most new tokens one step takes
         self.dtype = DTYPES[meta.dtype]
         kv_row = meta.num_layers * meta.num_kv_heads * meta.head_dim  # elements per slot per sequence
         self.kv_row = kv_row

@@ -1,0 +1,234 @@
+"""Export a ``MedusaModel`` to ONNX: the step graph, the heads graph, metadata and tokenizer.
+
+Files written for ``--out build/model.onnx`` (all first into a temporary folder beside it, then
+moved into place, the step graph last, so a failed export leaves nothing behind):
+
+  build/model.onnx            step graph (DESIGN.md step contract), metadata under ``medusa_trt``
+  build/model.onnx.data       its weights, when they are large
+  build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, V]
+  build/model.tokenizer/      tokenizer files (chat template included)
+
+Then the graphs are checked: the ONNX checker, and ONNX Runtime against the torch model on a
+prefill and a tree step, with the max abs difference printed and a stated tolerance enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from medusa_trt.exporter.wrapper import HeadsGraph, MedusaModel
+from medusa_trt.runtime.backends.onnx_backend import STEP_INPUTS, STEP_OUTPUTS
+from medusa_trt.runtime.config import default_tree
+from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.tree import CompiledTree, load_tree
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}  # max abs logit difference ONNX Runtime vs torch
+EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
+
+
+class ExportError(ValueError):
+    """The export cannot be done as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    out: Path  # the step graph's path, ending in .onnx
+    tree: str | list | None = None  # the engine's default tree; None: a chain over the heads
+    max_batch: int = 4  # sequences per step the engine is built and checked for
+    max_context: int = 1024  # committed + new tokens per sequence
+    max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
+    dtype: str = "fp32"  # fp32 | fp16
+    opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
+    quantize: str | None = None  # None | "int8": dynamic quantization of the weight matmuls
+    verify: bool = True  # checker + ONNX Runtime vs torch after export
+
+    def __post_init__(self):
+        if Path(self.out).suffix != ".onnx":
+            raise ExportError(f"--out {self.out} must end in .onnx")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"--dtype {self.dtype} is not one of {', '.join(DTYPES)}")
+        if self.quantize not in (None, "int8"):
+            raise ExportError(f"--quantize {self.quantize} is not supported: use int8")
+        if self.quantize and self.dtype != "fp32":
+            raise ExportError("--quantize int8 starts from fp32 weights: drop --dtype fp16")
+        for name in ("max_batch", "max_context", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ExportError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def check_output_path(out: Path) -> None:
+    """Fail before any work if the engine cannot be written there (a real write probe: root
+    passes permission checks that a read-only file system still refuses)."""
+    parent = Path(out).parent
+    if Path(out).suffix != ".onnx":
+        raise ExportError(f"--out {out} must end in .onnx")
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {out}: folder {parent} does not exist; create it first")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: folder {parent} is not writable ({exc.strerror})") from exc
+
+
+def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int) -> tuple[torch.Tensor, ...]:
+    spec, device = model.kv_spec, model.device
+    gen = torch.Generator().manual_seed(0)
+    kv_shape = (past, spec.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+    return (
+        torch.randint(0, model.vocab_size, (batch, tokens), generator=gen).to(device),
+        (past + torch.arange(tokens)).expand(batch, tokens).contiguous().to(device),
+        torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)).expand(batch, tokens, tokens).contiguous().to(device),
+        torch.full((batch,), past, dtype=torch.int64).to(device),
+        torch.randn(kv_shape, generator=gen).to(device, spec.dtype),
+        torch.randn(kv_shape, generator=gen).to(device, spec.dtype),
+    )
+
+
+def _export_step(model: MedusaModel, config: ExportConfig):
+    batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
+    tokens = torch.export.Dim("tokens", min=1, max=max(config.max_tokens, 3))
+    past = torch.export.Dim("past", min=0, max=config.max_context)
+    dynamic = (
+        {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens, 2: tokens}, {0: batch},
+        {0: past, 2: batch}, {0: past, 2: batch},
+    )
+    return torch.onnx.export(
+        model, _example_inputs(model, 2, 3, 5), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
+        input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False,
+    )
+
+
+def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
+    graph = HeadsGraph(model.heads, tree.top_k).eval()
+    hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
+    batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
+    return torch.onnx.export(
+        graph, (hidden,), dynamo=True, dynamic_shapes=({0: batch},), opset_version=config.opset,
+        input_names=["hidden"], output_names=["head_topk", "head_logits"], verbose=False,
+    )
+
+
+def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) -> EngineMeta:
+    spec, cfg = model.kv_spec, model.base.config
+    name = model.name if not Path(model.name).exists() else str(Path(model.name).resolve())
+    return EngineMeta(
+        format_version=FORMAT_VERSION, model=name, architecture=cfg.model_type, dtype=config.dtype,
+        vocab_size=model.vocab_size, hidden_size=cfg.hidden_size, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_heads=model.num_heads, top_k=tree.top_k,
+        tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
+        max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
+        is_chat=bool(model.is_chat), quantization=config.quantize or "none",
+    )
+
+
+def _save(program, path: Path, meta: EngineMeta) -> None:
+    program.model.metadata_props[META_KEY] = meta.to_json()
+    size = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+    program.save(str(path), external_data=size > EXTERNAL_DATA_BYTES)
+
+
+def _quantize(path: Path, meta: EngineMeta) -> None:
+    """Dynamic int8 quantization of the weight matmuls, in place; metadata carried over."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantized = path.with_name(path.stem + ".int8.onnx")
+    quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                     use_external_data_format=False, extra_options={"MatMulConstBOnly": True})
+    proto = onnx.load(str(quantized))
+    del proto.metadata_props[:]
+    proto.metadata_props.add(key=META_KEY, value=meta.to_json())
+    for f in path.parent.glob(path.name + "*"):
+        f.unlink()
+    quantized.unlink()
+    onnx.save(proto, str(path))
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    files: EngineFiles
+    diffs: dict[str, float]  # max abs difference ONNX Runtime vs torch per checked output (empty: not verified)
+    tolerance: float
+
+
+def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
+    """Export, check and put the engine files in place."""
+    out = Path(config.out)
+    check_output_path(out)
+    if model.num_heads == 0 and config.tree not in (None, "chain-0"):
+        raise ExportError("the model has no Medusa heads, so only the tree chain-0 fits: pass --heads or drop --tree")
+    tree = load_tree(config.tree if config.tree is not None else default_tree(model.num_heads), max_depth=model.num_heads)
+    if tree.num_nodes > config.max_tokens:
+        raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
+    if config.max_context > (model.max_positions or config.max_context):
+        raise ExportError(f"--max-context {config.max_context} exceeds the model's {model.max_positions} positions")
+    meta = engine_meta(model, tree, config)
+    final = EngineFiles.beside(out)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: folder {out.parent} is not writable ({exc.strerror})") from exc
+    staged = EngineFiles.beside(tmp / out.name)
+    stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
+    diffs: dict[str, float] = {}
+    try:
+        model = model.to(DTYPES[config.dtype]).eval()
+        with tqdm(total=len(stages), desc="medusa-export", unit="stage", disable=None) as bar, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bar.set_postfix_str("tracing the step graph")
+            _save(_export_step(model, config), staged.step, meta)
+            bar.update()
+            if model.num_heads:
+                bar.set_postfix_str("tracing the heads graph")
+                _save(_export_heads(model, tree, config), staged.heads, meta)
+            bar.update()
+            model.tokenizer.save_pretrained(str(staged.tokenizer))
+            bar.update()
+            if config.quantize:
+                bar.set_postfix_str("quantizing int8")
+                _quantize(staged.step, meta)
+                if model.num_heads:
+                    _quantize(staged.heads, meta)
+            bar.update()
+            if config.verify:
+                bar.set_postfix_str("verifying")
+                from medusa_trt.exporter.verify import verify_engine
+
+                diffs = verify_engine(model, staged, tree, strict=config.quantize is None, tolerance=TOLERANCE[config.dtype])
+            bar.update()
+        _move_into_place(staged, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote %s", final.step)
+    return ExportResult(final, diffs, TOLERANCE[config.dtype])
+
+
+def _move_into_place(staged: EngineFiles, final: EngineFiles) -> None:
+    """Siblings first, the step graph last: a reader never finds the graph without its files."""
+    data = staged.step.with_name(staged.step.name + ".data")
+    stale = [final.heads, final.step.with_name(final.step.name + ".data")]
+    for path in stale:
+        if path.exists() and not staged.step.parent.joinpath(path.name).exists():
+            path.unlink()
+    if final.tokenizer.exists():
+        shutil.rmtree(final.tokenizer)
+    staged.tokenizer.rename(final.tokenizer)
+    for src in (data, staged.heads):
+        if src.exists():
+            os.replace(src, final.step.with_name(src.name))
+    os.replace(staged.step, final.step)
+
