@@ -5,23 +5,11 @@ from __future__ import annotations
 import logging
 import sys
 
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from medusa_trt.runtime import EngineError, InvalidTreeError, PromptError
-
-    errors: list[type[BaseException]] = [EngineError, InvalidTreeError, PromptError, FileNotFoundError, PermissionError]
-    try:  # the exporter needs torch; a lean install has only the runtime's errors
-        from medusa_trt.exporter import HeadsFormatError, HeadsMismatchError, ModelLoadError
-        from medusa_trt.exporter.onnx_export import ExportError
-        from medusa_trt.exporter.verify import VerificationError
-
-        errors += [HeadsFormatError, HeadsMismatchError, ModelLoadError, ExportError, VerificationError]
-    except ImportError:
-        pass
-    return tuple(errors)
+from medusa_trt.runtime.errors import MedusaError
 
 
-USER_ERRORS = _user_errors()
+# every typed error a user can cause derives from MedusaError; OS errors on their files too
+USER_ERRORS = (MedusaError, FileNotFoundError, PermissionError, IsADirectoryError)
 
 
 def setup_logging(verbose: bool) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.runtime.errors import MedusaError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = Path(args.out)
         if out.suffix == ".plan":
-            raise ValueError("TensorRT engines (.plan) are not built by this version: export --out model.onnx and run it with ONNX Runtime")
+            raise MedusaError("TensorRT engines (.plan) are not built by this version: export --out model.onnx and run it with ONNX Runtime")
         from medusa_trt.cli.common import load_model
         from medusa_trt.exporter.onnx_export import ExportConfig, check_output_path, export_onnx
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                               dtype=args.dtype, opset=args.opset, quantize=args.quantize, verify=not args.no_verify)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
-    except USER_ERRORS + (ValueError,) as exc:
+    except USER_ERRORS as exc:
         return fail("medusa-export", exc)
     print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
     if result.diffs:

@@ -15,13 +15,16 @@ import sys
 import time
 
 from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="medusa-run", description="Generate text with Medusa speculative decoding.")
-    p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--engine", help="an exported .onnx engine (ONNX Runtime; no torch needed)")
+    source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend)")
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--heads", help="Medusa heads: our folder (heads.json) or a FasterDecoding/Medusa checkpoint folder")
     heads.add_argument("--untrained-heads", type=int, metavar="N",
@@ -32,10 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
-    p.add_argument("--max-context", type=int, default=1024)
-    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--max-context", type=int, help="default: the engine's, or 1024 for --model")
+    p.add_argument("--max-batch", type=int, help="default: the engine's, or 4 for --model")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
-    p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same model and print the speedup")
+    p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same engine and print the speedup")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -68,12 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        from medusa_trt.cli.common import load_model
         from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
 
         device = args.device or "cpu"
-        model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device)
-        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree, device=device)
+        if args.engine:
+            if args.heads or args.untrained_heads or args.head_layer is not None:
+                raise PromptError("--heads / --untrained-heads / --head-layer go with --model; an engine carries its heads")
+            model = args.engine
+        else:
+            from medusa_trt.cli.common import load_model
+
+            model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device)
+        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree,
+                               device=None if args.engine else device)
         runtime = MedusaRuntime(model, config)
         gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None)
         if args.stream:
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             plain = MedusaRuntime(model, dataclasses.replace(config, tree="chain-0"))
             plain_results = plain.generate(args.prompt, **gen)
             plain_line, plain_rate = _summary(plain_results)
-            print(f"plain decoding (same model): {plain_line}")
+            print(f"plain decoding (same engine): {plain_line}")
             print(f"speedup over plain decoding: {rate / plain_rate:.2f}x")
     except USER_ERRORS as exc:
         return fail("medusa-run", exc)

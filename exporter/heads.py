@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa_trt.runtime.errors import MedusaError
+
 log = logging.getLogger(__name__)
 
 HEADS_CONFIG = "heads.json"
@@ -34,11 +36,11 @@ HEADS_WEIGHTS = "heads.safetensors"
 FORMAT_VERSION = 1
 
 
-class HeadsFormatError(ValueError):
+class HeadsFormatError(MedusaError):
     """The heads file or folder cannot be read as Medusa heads."""
 
 
-class HeadsMismatchError(ValueError):
+class HeadsMismatchError(MedusaError):
     """The heads do not fit the base model (hidden size, vocabulary or layer)."""
 
 

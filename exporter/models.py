@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.runtime.errors import MedusaError
+
 log = logging.getLogger(__name__)
 
 # Decoders that follow the Llama pattern (q/k/v/o projections with rotary embeddings, a
@@ -29,7 +31,7 @@ BUILTIN_MODELS = {
 }
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(MedusaError):
     """The base model cannot be loaded or is not supported."""
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.wrapper import HeadsGraph, MedusaModel
 from medusa_trt.runtime.backends.onnx_backend import STEP_INPUTS, STEP_OUTPUTS
 from medusa_trt.runtime.config import default_tree
@@ -39,7 +40,7 @@ TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}  # max abs logit difference ONNX Runtim
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
 
 
-class ExportError(ValueError):
+class ExportError(MedusaError):
     """The export cannot be done as asked; the message says what to change."""
 
 

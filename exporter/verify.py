@@ -12,13 +12,14 @@ import logging
 import numpy as np
 import torch
 
+from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
 
 
-class VerificationError(ValueError):
+class VerificationError(MedusaError):
     """The exported graph disagrees with the torch model beyond the tolerance."""
 
 

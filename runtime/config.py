@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medusa_trt.runtime.errors import MedusaError
+
 
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_CONTEXT = 1024
@@ -20,11 +22,11 @@ class RuntimeConfig:
 
     def __post_init__(self):
         if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+            raise MedusaError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+            raise MedusaError(f"max_context must be >= 2, got {self.max_context}")
         if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+            raise MedusaError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
 def default_tree(num_heads: int) -> str:

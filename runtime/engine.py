@@ -14,11 +14,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.runtime.errors import MedusaError
+
 META_KEY = "medusa_trt"
 FORMAT_VERSION = 1
 
 
-class EngineError(ValueError):
+class EngineError(MedusaError):
     """The engine or model passed to the runtime cannot be run; the message says what to do."""
 
 

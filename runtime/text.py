@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medusa_trt.runtime.errors import MedusaError
 
-class PromptError(ValueError):
+
+class PromptError(MedusaError):
     """A prompt the user passed cannot be run; the message says what to change."""
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.runtime.errors import MedusaError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NODES = 128  # root included
@@ -31,7 +33,7 @@ PRESETS_ENV = "MEDUSA_TRT_TREE_PRESETS"
 _DEFAULT_PRESETS = Path(__file__).resolve().parent.parent.parent / "shared/trees/medusa_choices.json"
 
 
-class InvalidTreeError(ValueError):
+class InvalidTreeError(MedusaError):
     """A tree spec or path list the user gave cannot be compiled; the message says how to fix it."""
 
 

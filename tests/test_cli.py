@@ -26,7 +26,7 @@ def test_generates_and_summarises(capsys, stories_base):
     lines = out.strip().splitlines()
     assert "there was" in lines[0]
     assert lines[1].startswith("medusa (chain-3, 4 nodes): 20 tokens,") and "accepted/step" in lines[1] and "tokens/s" in lines[1]
-    assert lines[2].startswith("plain decoding (same model): 20 tokens, 19 steps, 1.00 accepted/step")
+    assert lines[2].startswith("plain decoding (same engine): 20 tokens, 19 steps, 1.00 accepted/step")
     assert lines[3].startswith("speedup over plain decoding: ")
 
 

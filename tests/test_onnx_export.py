@@ -1,0 +1,178 @@
+"""medusa-export: round trip in a fresh process, files and metadata, int8, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES, medusa_model
+from medusa_trt.cli.export import main as export_main
+from medusa_trt.exporter import HeadsConfig, init_heads, save_heads
+from medusa_trt.runtime import EngineError, MedusaRuntime
+from medusa_trt.runtime.engine import EngineFiles, read_meta
+
+
+@pytest.fixture(scope="module")
+def stories_engine(export_engine, stories_base, stories_fitted):
+    return export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    code = export_main(list(args))
+    captured = capsys.readouterr()
+    lines = [line.split("\r")[-1] for line in captured.err.split("\n")]
+    errors = [line for line in lines if line.strip() and "medusa-export:" in line]
+    return code, captured.out, "\n".join(errors)
+
+
+def test_files_and_metadata(stories_engine, stories_base):
+    files = EngineFiles.beside(stories_engine)
+    assert files.step.is_file() and files.heads.is_file() and (files.tokenizer / "tokenizer.json").is_file()
+    meta = read_meta(stories_engine)
+    assert (meta.num_heads, meta.top_k, meta.max_batch, meta.max_context, meta.dtype) == (4, 10, 4, 256, "fp32")
+    assert meta.eos_token_ids == list(stories_base.eos_token_ids) and meta.architecture == "llama"
+    assert [list(p) for p in meta.tree][:3] == [[0], [1], [2]] or meta.tree_name == "custom"
+    assert not list(files.step.parent.glob(".*")), "temporary files left behind"
+
+
+def test_round_trip_in_a_fresh_process(stories_engine, stories_base, stories_fitted, stories_prompts):
+    """A new interpreter that imports only the runtime reproduces the torch backend's tokens."""
+    code = (
+        "import json, sys; from medusa_trt.runtime import MedusaRuntime; "
+        f"r = MedusaRuntime({str(stories_engine)!r}).generate({stories_prompts!r}, max_new_tokens=32); "
+        "print(json.dumps([x.token_ids for x in r])); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tokens, heavy = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    expected = MedusaRuntime(medusa_model(stories_base, stories_fitted), tree="mc_sim_7b_63").generate(stories_prompts, max_new_tokens=32)
+    assert tokens == [r.token_ids for r in expected]
+    assert heavy == [], f"the ONNX path imported {heavy}"
+
+
+def test_text_prompts_use_saved_tokenizer(stories_engine, stories_base, stories_fitted):
+    onnx_result = MedusaRuntime(stories_engine).generate("Once upon a time", max_new_tokens=20)
+    torch_result = MedusaRuntime(medusa_model(stories_base, stories_fitted), tree="mc_sim_7b_63").generate("Once upon a time", max_new_tokens=20)
+    assert onnx_result.token_ids == torch_result.token_ids and onnx_result.text == torch_result.text
+
+
+def test_runtime_limits_come_from_the_engine(stories_engine):
+    runtime = MedusaRuntime(stories_engine)
+    meta = runtime.backend.meta
+    assert (runtime.max_batch, runtime.max_context, runtime.tree.name) == (4, 256, meta.tree_name)
+    assert [list(p) for p in runtime.tree.paths] == meta.tree
+    with pytest.raises(EngineError, match="exported for 4 / 256"):
+        MedusaRuntime(stories_engine, max_context=512)
+
+
+def test_int8_engine_runs_and_reports_agreement(tmp_path, capsys, stories_base):
+    out = tmp_path / "int8.onnx"
+    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--tree", "chain-2", "--out", str(out),
+                             "--quantize", "int8", "--max-context", "128")
+    assert code == 0, err
+    assert "max abs difference" in stdout
+    meta = read_meta(out)
+    assert meta.quantization == "int8"
+    result = MedusaRuntime(out).generate("Once upon a time", max_new_tokens=16)
+    assert len(result.token_ids) == 16
+
+
+def test_cli_export_and_run(tmp_path, capsys):
+    out = tmp_path / "e.onnx"
+    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3", "--out", str(out), "--max-context", "128")
+    assert code == 0, err
+    assert stdout.startswith(f"wrote {out}") and "verified against torch: max abs difference" in stdout
+    from medusa_trt.cli.run import main as run_main
+
+    assert run_main(["--engine", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
+    assert "medusa (chain-3, 4 nodes): 12 tokens" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_missing_truncated_and_foreign_engines(tmp_path, stories_engine):
+    with pytest.raises(EngineError, match="does not exist"):
+        MedusaRuntime(tmp_path / "none.onnx")
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(stories_engine.read_bytes()[:5000])
+    with pytest.raises(EngineError, match="truncated, or not an ONNX file"):
+        MedusaRuntime(truncated)
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    foreign = tmp_path / "foreign.onnx"
+    onnx.save(helper.make_model(graph), str(foreign))
+    with pytest.raises(EngineError, match="not a medusa-trt engine"):
+        MedusaRuntime(foreign)
+    missing_heads = tmp_path / "copy.onnx"
+    shutil.copy(stories_engine, missing_heads)
+    with pytest.raises(EngineError, match="heads.onnx is missing"):
+        MedusaRuntime(missing_heads)
+
+
+def test_run_cli_bad_engine_is_one_line(tmp_path, capsys):
+    from medusa_trt.cli.run import main as run_main
+
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    assert run_main(["--engine", str(tmp_path / "bad.onnx"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("medusa-run: error: cannot load engine") and err.count("\n") == 1
+
+
+@pytest.fixture
+def wrong_heads(tmp_path, stories_base):
+    cfg = stories_base.model.config
+    heads = init_heads(HeadsConfig(2, 1, cfg.hidden_size, cfg.vocab_size * 2, shared_lm_head=False), None, random=True)
+    return save_heads(heads, tmp_path / "wrong")
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--out", "/nonexistent-folder/m.onnx"], "does not exist; create it first"),
+        (["--out", "/sys/m.onnx"], "not writable"),
+        (["--out", "OUT/m.txt"], "must end in .onnx"),
+        (["--untrained-heads", "2", "--tree", "chain-3", "--out", "OUT/m.onnx"], "needs 3 heads"),
+        (["--untrained-heads", "2", "--tree", "mc_sim_7b_63", "--out", "OUT/m.onnx", "--max-tokens", "16"], "but only 2 are available"),
+        (["--untrained-heads", "2", "--tree", "chain-2", "--out", "OUT/m.onnx", "--max-tokens", "2"], "--max-tokens is 2"),
+        (["--heads", "WRONG", "--out", "OUT/m.onnx"], "vocabulary of 1024"),
+    ],
+)
+def test_export_bad_input(tmp_path, capsys, wrong_heads, extra, message):
+    if "/sys/m.onnx" in extra and _writable(Path("/sys")):
+        pytest.skip("/sys is writable here: no read-only folder to test with")
+    args = [a.replace("OUT", str(tmp_path)).replace("WRONG", str(wrong_heads)) for a in extra]
+    before = set(tmp_path.rglob("*"))
+    code, _, err = _cli(capsys, "--model", str(STORIES), *args)
+    assert code == 2 and err.startswith("medusa-export: error: ") and message in err and "\n" not in err, err
+    assert set(tmp_path.rglob("*")) == before, "partial files left behind"
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        (folder / ".probe").touch()
+        (folder / ".probe").unlink()
+        return True
+    except OSError:
+        return False
+
+
+def test_failed_verification_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import medusa_trt.exporter.verify as verify
+
+    def broken(*args, **kwargs):
+        raise verify.VerificationError("exported graph disagrees with torch: max abs difference 1 > tolerance 0.001")
+
+    monkeypatch.setattr(verify, "verify_engine", broken)
+    code, _, err = _cli(capsys, "--model", str(STORIES), "--out", str(tmp_path / "m.onnx"))
+    assert code == 2 and "disagrees with torch" in err
+    assert list(tmp_path.iterdir()) == []
