@@ -9,7 +9,6 @@ Bad input (missing model, heads for another model, invalid tree, prompt too long
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             line, rate = _summary(results)
         print(f"medusa ({runtime.tree.name}, {runtime.tree.num_nodes} nodes): {line}")
         if args.compare_plain:
-            plain = MedusaRuntime(model, dataclasses.replace(config, tree="chain-0"))
+            plain = runtime.with_tree("chain-0")
             plain_results = plain.generate(args.prompt, **gen)
             plain_line, plain_rate = _summary(plain_results)
             print(f"plain decoding (same engine): {plain_line}")

@@ -188,6 +188,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     diffs: dict[str, float] = {}
     try:
         model = model.to(DTYPES[config.dtype]).eval()
+        # the exporter logs every op library it skips (torchvision's, say) as a warning
+        logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         with tqdm(total=len(stages), desc="medusa-export", unit="stage", disable=None) as bar, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bar.set_postfix_str("tracing the step graph")

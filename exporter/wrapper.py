@@ -95,7 +95,12 @@ class MedusaModel(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        self.kv_spec = KVSpec(
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        """Cache geometry; the dtype follows the weights (after ``.to(torch.float16)`` too)."""
+        cfg = self.base.config
+        return KVSpec(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,

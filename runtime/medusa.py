@@ -17,6 +17,7 @@ and K/V stay inside the backend.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -42,6 +43,8 @@ class GenerationStats:
     steps: int = 0  # verify steps (the prefill is not counted)
     accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per verify step
     seconds: float = 0.0  # wall time of the batch this sequence ran in
+    verify_seconds: float = 0.0  # of which engine steps after the prefill (batch-wide)
+    heads_seconds: float = 0.0  # of which Medusa heads calls (batch-wide)
 
     @property
     def mean_accepted(self) -> float:
@@ -110,20 +113,34 @@ class MedusaRuntime:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
         else:
             self.tree = compile_tree(info.tree, name=info.tree_name, max_depth=self.num_heads)
-        if self.tree.top_k > info.max_top_k:
-            raise EngineError(
-                f"tree {self.tree.name} needs top-{self.tree.top_k} proposals but the engine gives top-{info.max_top_k}: "
-                "use a tree with smaller indices or export the engine with this tree"
-            )
+        self._info = info
+        self._check_tree(self.tree)
         limit = self.backend.max_tokens
-        if limit is not None and max(self.tree.num_nodes, min(cfg.prefill_chunk, self.max_context)) > limit:
-            raise EngineError(
-                f"the engine takes at most {limit} tokens per step but the tree has {self.tree.num_nodes} nodes and the prefill "
-                f"chunk is {cfg.prefill_chunk}: use a smaller tree / prefill_chunk or export with a larger --max-tokens"
-            )
+        if limit is not None and min(cfg.prefill_chunk, self.max_context) > limit:
+            raise EngineError(f"prefill_chunk {cfg.prefill_chunk} exceeds the engine's {limit} tokens per step: lower it")
         self.codec = TextCodec(tokenizer) if tokenizer is not None else codec
         self.eos = frozenset(int(i) for i in info.eos_token_ids)
         self.is_chat = bool(info.is_chat) and self.codec.has_chat_template
+
+    def with_tree(self, tree) -> MedusaRuntime:
+        """The same engine and buffers with another tree (``chain-0``: plain decoding). Not for
+        concurrent use beside the original: they share the KV cache."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, tree=tree)
+        other.tree = load_tree(tree, max_depth=self.num_heads)
+        self._check_tree(other.tree)
+        return other
+
+    def _check_tree(self, tree: CompiledTree) -> None:
+        if tree.top_k > self._info.max_top_k:
+            raise EngineError(
+                f"tree {tree.name} needs top-{tree.top_k} proposals but the engine gives top-{self._info.max_top_k}: "
+                "use a tree with smaller indices or export the engine with this tree"
+            )
+        limit = self.backend.max_tokens
+        if limit is not None and tree.num_nodes > limit:
+            raise EngineError(f"tree {tree.name} has {tree.num_nodes} nodes but the engine takes at most {limit} per step: "
+                              "use a smaller tree or export with a larger --max-tokens")
 
     @staticmethod
     def _onnx(path, cfg: RuntimeConfig):
@@ -203,10 +220,13 @@ class MedusaRuntime:
         yield from self._emit(seqs, [[int(r)] for r in root], lengths, max_new_tokens, stops, counting=False)
         tree = self.tree
         mask = np.ascontiguousarray(np.broadcast_to(tree.mask, (len(seqs), *tree.mask.shape)))  # (B, T, T)
+        verify_seconds = heads_seconds = 0.0
         while any(s.finish_reason is None for s in seqs):
             tokens = self._draft(root, proposals)  # (B, T)
             positions = lengths[:, None] + tree.depth[None, :]  # (B, T)
+            tick = time.perf_counter()
             target = self.backend.step(tokens, positions, mask, lengths)  # (B, T) base argmax
+            verify_seconds += time.perf_counter() - tick
             best, accepted = greedy_accept(tree, tokens, target)  # (B,), (B,)
             accepted = np.minimum(accepted, self._room(seqs, lengths, max_new_tokens))
             path = tree.retrieve[best]  # (B, D+1) root-to-leaf nodes, -1 padded
@@ -218,11 +238,13 @@ class MedusaRuntime:
             lengths = lengths + counts
             root = target[np.arange(len(seqs)), last]
             if self.num_heads:
+                tick = time.perf_counter()
                 proposals = self.backend.propose(last, tree.top_k)
+                heads_seconds += time.perf_counter() - tick
             yield from self._emit(seqs, new, lengths, max_new_tokens, stops, counting=True)
         elapsed = time.perf_counter() - started
         for s in seqs:
-            s.stats.seconds = elapsed
+            s.stats.seconds, s.stats.verify_seconds, s.stats.heads_seconds = elapsed, verify_seconds, heads_seconds
 
     def _prefill(self, seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chain-masked calls over the right-padded prompts, ``prefill_chunk`` tokens at a time;

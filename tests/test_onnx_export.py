@@ -176,3 +176,14 @@ def test_failed_verification_leaves_nothing(tmp_path, capsys, monkeypatch):
     code, _, err = _cli(capsys, "--model", str(STORIES), "--out", str(tmp_path / "m.onnx"))
     assert code == 2 and "disagrees with torch" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fp16_engine(tmp_path, capsys, stories_base):
+    out = tmp_path / "f16.onnx"
+    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--tree", "chain-2", "--out", str(out),
+                             "--dtype", "fp16", "--max-context", "128")
+    assert code == 0, err
+    assert "tolerance 0.05" in stdout and read_meta(out).dtype == "fp16"
+    runtime = MedusaRuntime(out)
+    assert runtime.backend._key.dtype.name == "float16"
+    assert len(runtime.generate("Once upon a time", max_new_tokens=12).token_ids) == 12

@@ -1,0 +1,252 @@
+"""``medusa-bench``: Medusa against its peers, side by side in one process, interleaved per prompt.
+
+    medusa-bench --engine build/model.onnx --prompts ../shared/data/spec_bench_dev.jsonl --max-new-tokens 128
+
+Methods, all greedy, on the same prompt token ids:
+  * ``plain``      : autoregressive decoding on the same engine (tree chain-0)
+  * ``medusa``     : the engine's tree (or ``--tree``)
+  * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
+  * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
+Repeat ``--engine`` to compare engines (an int8 one against fp32, say): each gets ``plain`` and
+``medusa`` rows, and greedy agreement is measured against the first engine's plain decoding.
+Writes a JSON report and a PNG plot; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.runtime.errors import MedusaError
+
+log = logging.getLogger("medusa_trt.cli.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="medusa-bench", description="Benchmark Medusa against plain decoding and transformers.")
+    p.add_argument("--engine", action="append", required=True, help="an exported .onnx engine; repeat to compare engines")
+    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL: turns[0] is the prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--tree", help="tree for the medusa rows (default: each engine's own)")
+    p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the hf-lookup row")
+    p.add_argument("--threads", type=int, help="intra-op threads for ONNX Runtime and torch")
+    p.add_argument("--out", default="build/bench.json", help="JSON report; the plot goes beside it as .png")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def read_prompts(path: str, limit: int | None) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise MedusaError(f"prompts file {file} does not exist")
+    prompts = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["turns"][0])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise MedusaError(f"{file}:{n}: not a Spec-Bench record with turns[0] ({exc})") from exc
+    if not prompts:
+        raise MedusaError(f"{file} holds no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+class _Row:
+    def __init__(self, name: str):
+        self.name, self.tokens, self.seconds, self.steps = name, 0, 0.0, []
+        self.verify_seconds = self.heads_seconds = 0.0
+        self.outputs: list[list[int]] = []
+
+    def add(self, token_ids: list[int], seconds: float, accepted: list[int] | None = None, verify: float = 0.0, heads: float = 0.0):
+        self.tokens += len(token_ids)
+        self.seconds += seconds
+        self.steps += accepted or []
+        self.verify_seconds += verify
+        self.heads_seconds += heads
+        self.outputs.append(list(token_ids))
+
+    def report(self, reference: _Row) -> dict:
+        same = [a == b for a, b in zip(self.outputs, reference.outputs)]
+        prefix = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(self.outputs, reference.outputs)]
+        return {
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "new_tokens": self.tokens,
+            "seconds": self.seconds,
+            "mean_accepted_per_step": float(np.mean(self.steps)) if self.steps else None,
+            "heads_share_of_step_time": self.heads_seconds / (self.verify_seconds + self.heads_seconds) if self.verify_seconds else None,
+            "identical_to_reference": float(np.mean(same)),
+            "matching_prefix_fraction": float(np.mean(prefix)),
+        }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _hf_model(name: str, threads: int | None):
+    import torch
+
+    from medusa_trt.exporter.models import load_base_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    return load_base_model(name)
+
+
+def _hf_generate(base, ids: list[int], max_new_tokens: int, eos: list[int], lookup: int | None) -> tuple[list[int], float]:
+    import torch
+
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = base.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos[0] if eos else 0, top_k=None, top_p=None, temperature=None, **extra)
+    return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+def run_bench(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from medusa_trt.runtime import MedusaRuntime
+
+    prompts = read_prompts(args.prompts, args.limit)
+    engines = []
+    for path in args.engine:
+        medusa = MedusaRuntime(path, max_batch=1, tree=args.tree, threads=args.threads)
+        plain = medusa.with_tree("chain-0")  # same session and buffers
+        engines.append((Path(path).stem, plain, medusa))
+    first = engines[0][2]
+    meta = first.backend.meta
+    ids = [first.codec.encode(p, chat=first.is_chat) for p in prompts]
+    eos = sorted(first.eos)
+    hf = None if args.no_hf else _hf_model(args.model or meta.model, args.threads)
+    rows: dict[str, _Row] = {}
+    for name, _, _ in engines:
+        rows[f"plain[{name}]"] = _Row(f"plain[{name}]")
+        rows[f"medusa[{name}]"] = _Row(f"medusa[{name}]")
+    if hf is not None:
+        rows["hf"], rows["hf-lookup"] = _Row("hf"), _Row("hf-lookup")
+    for _, plain, medusa in engines:  # warm-up: first calls pay one-time costs
+        plain.generate(ids[0], max_new_tokens=4)
+        medusa.generate(ids[0], max_new_tokens=4)
+    for prompt in tqdm(ids, desc="medusa-bench", unit="prompt", disable=None):
+        for name, plain, medusa in engines:  # interleaved: drift in machine speed hits every method alike
+            for key, runtime in ((f"plain[{name}]", plain), (f"medusa[{name}]", medusa)):
+                r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens)
+                rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds)
+        if hf is not None:
+            rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None))
+            rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens))
+    reference = rows[f"plain[{engines[0][0]}]"]
+    report = {
+        "engines": args.engine, "model": meta.model, "tree": first.tree.name, "tree_nodes": first.tree.num_nodes,
+        "prompts": len(prompts), "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+        "reference": reference.name, "methods": {k: r.report(reference) for k, r in rows.items()},
+    }
+    base_rate = report["methods"][reference.name]["tokens_per_s"]
+    for name, m in report["methods"].items():
+        m["speedup_vs_plain"] = m["tokens_per_s"] / base_rate if base_rate else None
+        if hf is not None:
+            m["speedup_vs_hf"] = m["tokens_per_s"] / report["methods"]["hf"]["tokens_per_s"]
+    report["heads_cost"] = _heads_cost(first)
+    return report
+
+
+def _heads_cost(runtime) -> dict | None:
+    """Time the heads graph on one node per sequence (what the loop does) against all tree nodes
+    (what a graph that evaluates heads everywhere would pay), beside one verify step."""
+    backend = runtime.backend
+    if not getattr(backend, "heads_session", None):
+        return None
+    meta, t = backend.meta, runtime.tree.num_nodes
+    session = backend.heads_session
+    dtype = backend.dtype
+
+    def timed(fn, repeats=10):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e3
+
+    one = timed(lambda: session.run(None, {"hidden": np.zeros((1, meta.hidden_size), dtype=dtype)}))
+    every = timed(lambda: session.run(None, {"hidden": np.zeros((t, meta.hidden_size), dtype=dtype)}))
+    tree = runtime.tree
+    step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + 128, tree.mask[None], np.array([128])))
+    return {"tree_nodes": t, "verify_step_ms_ctx128": step, "heads_one_node_ms": one, "heads_all_nodes_ms": every}
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    names = list(report["methods"])
+    rates = [report["methods"][n]["tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(names, rates, color=["#4c72b0" if n.startswith("medusa") else "#999999" for n in names])
+    for bar, name in zip(bars, names):
+        acc = report["methods"][name]["mean_accepted_per_step"]
+        label = f"{bar.get_height():.1f}" + (f"\n{acc:.2f}/step" if acc and name.startswith("medusa") else "")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{report['model']}: {report['prompts']} prompts, {report['max_new_tokens']} new tokens, tree {report['tree']}")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        out = Path(args.out)
+        if not out.parent.is_dir():
+            raise MedusaError(f"cannot write {out}: folder {out.parent} does not exist")
+        report = run_bench(args)
+    except USER_ERRORS as exc:
+        return fail("medusa-bench", exc)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out)
+    plot(report, out.with_suffix(".png"))
+    print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
+          f"agreement vs {report['reference']}")
+    print(f"{'method':<24}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
+    for name, m in report["methods"].items():
+        acc = f"{m['mean_accepted_per_step']:.2f}" if m["mean_accepted_per_step"] else "-"
+        vs_hf = f"{m['speedup_vs_hf']:.2f}x" if m.get("speedup_vs_hf") else "-"
+        print(f"{name:<24}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{m['identical_to_reference']:>10.0%}")
+    cost = report["heads_cost"]
+    if cost:
+        print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
+              f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
