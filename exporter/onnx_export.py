@@ -221,17 +221,20 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
 
 
 def _move_into_place(staged: EngineFiles, final: EngineFiles) -> None:
-    """Siblings first, the step graph last: a reader never finds the graph without its files."""
-    data = staged.step.with_name(staged.step.name + ".data")
-    stale = [final.heads, final.step.with_name(final.step.name + ".data")]
-    for path in stale:
-        if path.exists() and not staged.step.parent.joinpath(path.name).exists():
-            path.unlink()
-    if final.tokenizer.exists():
-        shutil.rmtree(final.tokenizer)
-    staged.tokenizer.rename(final.tokenizer)
-    for src in (data, staged.heads):
-        if src.exists():
-            os.replace(src, final.step.with_name(src.name))
+    """Every staged sibling (heads graph, external data files, tokenizer) first, the step graph
+    last: a reader never finds the graph without its files. Stale siblings of an earlier export
+    under the same name are removed."""
+    folder, target = staged.step.parent, final.step.parent
+    staged_names = {p.name for p in folder.iterdir()}
+    ours = [final.heads, final.tokenizer] + [p.with_name(p.name + ".data") for p in (final.step, final.heads)]
+    for old in ours:  # only files this exporter writes: never a user's neighbour
+        if old.exists() and old.name not in staged_names:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    for src in sorted(folder.iterdir()):
+        if src == staged.step:
+            continue
+        dst = target / src.name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
     os.replace(staged.step, final.step)
-

@@ -187,3 +187,22 @@ def test_fp16_engine(tmp_path, capsys, stories_base):
     runtime = MedusaRuntime(out)
     assert runtime.backend._key.dtype.name == "float16"
     assert len(runtime.generate("Once upon a time", max_new_tokens=12).token_ids) == 12
+
+
+def test_external_data_travels_with_both_graphs(tmp_path, monkeypatch, stories_base, stories_fitted, stories_prompts):
+    """Large weights go to .data files beside each graph; all of them end up beside the engine,
+    and a re-export under the same name leaves no stale files."""
+    import medusa_trt.exporter.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    out = tmp_path / "big.onnx"
+    model = medusa_model(stories_base, stories_fitted)
+    onnx_export.export_onnx(model, onnx_export.ExportConfig(out=out, tree="chain-4", max_context=128))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["big.heads.onnx", "big.heads.onnx.data", "big.onnx", "big.onnx.data", "big.tokenizer"], names
+    expected = MedusaRuntime(model, tree="chain-4").generate(stories_prompts[:2], max_new_tokens=12)
+    got = MedusaRuntime(out).generate(stories_prompts[:2], max_new_tokens=12)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 2**40)
+    onnx_export.export_onnx(model, onnx_export.ExportConfig(out=out, tree="chain-4", max_context=128, verify=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.heads.onnx", "big.onnx", "big.tokenizer"]

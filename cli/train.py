@@ -1,0 +1,68 @@
+"""``medusa-train``: train Medusa heads by self-distillation with the base model frozen.
+
+    medusa-train --model smollm2-135m --out assets/heads [--heads 4] [--layers 1] [--shared-lm-head] [--decay 0.8]
+
+Interrupt it at any time: rerun the same command and it continues from its work folder
+(``<out>.work/``: generated sequences, cached hidden states, checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="medusa-train", description="Train Medusa heads on a frozen base model (self-distillation).")
+    p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
+    p.add_argument("--out", required=True, help="heads folder to write")
+    p.add_argument("--heads", type=int, default=4, help="number of heads")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument("--shared-lm-head", action="store_true", help="project with the frozen base lm_head (small heads)")
+    p.add_argument("--head-layer", type=int, help="decoder layer feeding the heads (default: final hidden state)")
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
+    p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
+    p.add_argument("--teacher-forced", action="store_true", help="--data is corpus text whose own tokens are the labels")
+    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        import torch
+
+        from medusa_trt.exporter.models import load_base_model
+        from medusa_trt.training.train import TrainConfig, run
+
+        config = TrainConfig(
+            out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head,
+            head_layer=args.head_layer, decay=args.decay, data=args.data, teacher_forced=args.teacher_forced,
+            num_prompts=args.num_prompts, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
+            lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
+        )
+        torch.manual_seed(args.seed)
+        metrics = run(load_base_model(args.model), config)
+    except USER_ERRORS as exc:
+        return fail("medusa-train", exc)
+    held = metrics.get("holdout")
+    print(f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps, "
+          f"loss {metrics['loss_first'][0]:.3f} -> {metrics['loss_last'][-1]:.3f}")
+    if held:
+        print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))
+        print("holdout top-5 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top5"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

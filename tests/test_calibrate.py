@@ -1,0 +1,208 @@
+"""Tree calibration: the accuracy model on hand-worked numbers, the cost trade-off on synthetic
+latency curves, and the measurements and medusa-calibrate end to end on a tiny engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import STORIES, medusa_model
+from medusa_trt.cli.calibrate import main
+from medusa_trt.runtime.tree import compile_tree, load_tree
+from medusa_trt.training.calibrate import (
+    CalibrationError, best_chain, expected_accept, greedy_proposals, grow_trees, head_accuracy, hits_from_proposals,
+    measure_head_hits, measure_step_ms, pick_tree, step_cost,
+)
+
+# Decaying accuracies, 3 heads x top-10, each row sums below 1 (misses happen).
+ACC = np.array([0.5 * 0.5 ** np.arange(10), 0.4 * 0.5 ** np.arange(10), 0.3 * 0.5 ** np.arange(10)])
+
+PROMPTS = ["Once upon a time", "The little dog was sad because", "Tom had a big red ball", "One day a cat", "Lily went to the park"]
+
+
+# ----------------------------------------------------------------- the model
+
+
+def test_head_accuracy_by_hand():
+    hits = np.array([[0, 1], [0, -1], [1, 0], [-1, 0]])  # 4 positions, 2 heads
+    acc = head_accuracy(hits, top_k=3)
+    np.testing.assert_allclose(acc, [[0.5, 0.25, 0.0], [0.5, 0.25, 0.0]])
+    assert head_accuracy(hits).shape == (2, 2)  # K inferred from the largest rank
+    with pytest.raises(CalibrationError, match="no decoding positions"):
+        head_accuracy(np.zeros((0, 2), dtype=np.int64))
+    with pytest.raises(CalibrationError, match="must lie in"):
+        head_accuracy(hits, top_k=1)
+
+
+def test_hits_from_proposals_alignment():
+    tokens = [5, 6, 7, 8]  # t_0..t_3
+    proposals = np.array([  # row i: heads at the emission of t_i; head k guesses t_{i+1+k}
+        [[6, 9], [1, 7]],  # head 0 -> t_1 = 6 at rank 0; head 1 -> t_2 = 7 at rank 1
+        [[9, 7], [3, 4]],  # head 0 -> t_2 = 7 at rank 1; head 1 -> t_3 = 8 missing
+        [[8, 0], [0, 0]],  # head 1 would guess t_4: past the end, row dropped
+        [[0, 0], [0, 0]],
+    ])
+    np.testing.assert_array_equal(hits_from_proposals(tokens, proposals), [[0, 1], [1, -1]])
+
+
+def test_expected_accept_by_hand():
+    acc = [[0.5, 0.2], [0.4, 0.1]]
+    # [0]: .5, [1]: .2, [0,0]: .5*.4 = .2, [0,1]: .5*.1 = .05, [1,0]: .2*.4 = .08
+    assert expected_accept([[0], [1], [0, 0], [0, 1], [1, 0]], acc) == pytest.approx(1.03)
+    assert expected_accept([], acc) == 0.0
+    with pytest.raises(CalibrationError, match="covers 2 heads"):
+        expected_accept([[0], [0, 0], [0, 0, 0]], acc)
+
+
+def test_grow_trees_small_by_hand():
+    acc = [[0.6, 0.2], [0.5, 0.1]]
+    trees = grow_trees(acc, 10)
+    # [0] .6 > [0,0] .3 > [1] .2 > [1,0] .1 > [0,1] .06 > [1,1] .02; then 2 heads x top-2 are used up
+    assert trees == [[], [[0]], [[0], [0, 0]], [[0], [0, 0], [1]], [[0], [0, 0], [1], [1, 0]],
+                     [[0], [0, 0], [1], [1, 0], [0, 1]], [[0], [0, 0], [1], [1, 0], [0, 1], [1, 1]]]
+
+
+def test_grow_trees_compile_and_improve():
+    trees = grow_trees(ACC, 40)
+    assert [len(t) + 1 for t in trees] == list(range(1, 41))
+    gains = [expected_accept(t, ACC) for t in trees]
+    assert all(b > a for a, b in zip(gains, gains[1:]))  # every added node has P > 0
+    for paths in trees:
+        seen = {tuple(p) for p in paths}
+        assert all(len(p) == 1 or tuple(p[:-1]) in seen for p in paths)  # prefix-closed
+        assert compile_tree(paths, max_depth=3, top_k=10).num_nodes == len(paths) + 1
+    assert trees[3] == [[0], [1], [0, 0]]  # .5, .25, .5*.4 = .2
+    # the greedy tree beats the chain of the same size
+    assert gains[3] > expected_accept([[0], [0, 0], [0, 0, 0]], ACC)
+
+
+def test_step_cost_interpolates_and_clamps():
+    ms = {1: 2.0, 4: 5.0, 16: 17.0}
+    assert step_cost(ms, 2) == pytest.approx(3.0)
+    assert step_cost(ms, 10) == pytest.approx(11.0)
+    assert step_cost(ms, 64) == 17.0 and step_cost(ms, 0) == 2.0
+
+
+def test_flat_cost_picks_a_larger_tree_than_steep_cost():
+    """The point of calibrating: the same heads, different hardware, different trees."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    flat = pick_tree(ACC, {t: 10.0 for t in sizes}, 64)  # a GPU far from saturation
+    steep = pick_tree(ACC, {t: 10.0 * t for t in sizes}, 64)  # cost proportional to tokens
+    mid = pick_tree(ACC, {t: 10.0 + 0.5 * t for t in sizes}, 64)
+    assert flat.num_nodes == 64 and steep.num_nodes == 1
+    assert steep.num_nodes < mid.num_nodes < flat.num_nodes
+    for choice in (flat, steep, mid):
+        assert len(choice.curve) == 64 and [c[0] for c in choice.curve] == list(range(1, 65))
+        assert choice.expected_tokens_per_s == max(c[2] for c in choice.curve)
+        assert choice.num_nodes == len(choice.paths) + 1
+    assert flat.expected_tokens_per_step == pytest.approx(1 + expected_accept(flat.paths, ACC))
+    assert flat.expected_tokens_per_s == pytest.approx(flat.expected_tokens_per_step / 10.0 * 1e3)
+    # a per-step overhead (the heads) makes extra tree tokens relatively cheaper
+    assert pick_tree(ACC, {t: 10.0 + 0.5 * t for t in sizes}, 64, heads_ms=20.0).num_nodes > mid.num_nodes
+    chain = best_chain(ACC, {t: 10.0 for t in sizes}, 64)
+    assert chain.paths == ((0,), (0, 0), (0, 0, 0)) and chain.expected_tokens_per_s < flat.expected_tokens_per_s
+
+
+# ----------------------------------------------------------------- on a tiny engine
+
+
+@pytest.fixture(scope="module")
+def fitted_engine(stories_base, stories_fitted, export_engine):
+    """stories260K with 4 fitted heads; top-10 proposals when the presets file is there."""
+    return export_engine("calibrate-fitted", medusa_model(stories_base, stories_fitted), max_batch=1, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def runtime(fitted_engine):
+    from medusa_trt.runtime import MedusaRuntime
+
+    return MedusaRuntime(fitted_engine).with_tree("chain-0")
+
+
+def test_measure_step_ms(runtime):
+    ms = measure_step_ms(runtime, [1, 4, 16], context=64, repeats=2)
+    assert sorted(ms) == [1, 4, 16] and all(v > 0 for v in ms.values())
+    with pytest.raises(CalibrationError, match="max_context"):
+        measure_step_ms(runtime, [64], context=250)
+
+
+def test_greedy_proposals_decode_like_the_runtime(runtime):
+    ids = runtime.codec.encode(PROMPTS[0], chat=False)
+    tokens, proposals = greedy_proposals(runtime, ids, 24, 3)
+    assert tokens == runtime.generate(ids, max_new_tokens=24).token_ids
+    assert proposals.shape == (len(tokens), 4, 3)
+    # head 0 of row i guesses t_{i+1}: that alignment fits far better than its neighbours
+    top1 = proposals[:, 0, 0]
+    rate = {shift: np.mean(top1[: len(tokens) - 2] == np.array(tokens[shift : len(tokens) - 2 + shift])) for shift in (0, 1, 2)}
+    assert rate[1] > rate[0] and rate[1] > rate[2], rate
+
+
+def test_measure_head_hits_fitted_heads_beat_chance(runtime):
+    ids = [runtime.codec.encode(p, chat=False) for p in PROMPTS]
+    hits = measure_head_hits(runtime, ids, 32, 10)
+    assert hits.shape[1] == 4 and hits.shape[0] > 50
+    acc = head_accuracy(hits, hits.max() + 1)
+    assert acc[0, 0] > 0.2, acc  # chance is 1 / 512
+    assert acc[0, 0] >= acc[3, 0]  # looking further ahead is harder
+
+
+def _prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)))
+    return path
+
+
+def test_cli_end_to_end(capsys, tmp_path, fitted_engine):
+    out = tmp_path / "tree.json"
+    code = main(["--engine", str(fitted_engine), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
+                 "--max-new-tokens", "32", "--max-nodes", "24", "--repeats", "2"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    tree = load_tree(out, max_depth=4)
+    assert tree.name == f"calibrated-{tree.num_nodes}" and 1 <= tree.num_nodes <= 24
+    assert out.with_suffix(".png").stat().st_size > 0
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert report["positions"] > 50 and report["acc"][0][0] > 0.2
+    assert sorted(int(k) for k in report["step_ms"]) == [1, 2, 4, 8, 16, 24]
+    assert report["choice"]["num_nodes"] == tree.num_nodes and len(report["choice"]["curve"]) == 24
+    assert report["config"]["max_nodes"] == 24
+    lines = printed.out.strip().splitlines()
+    assert lines[0].startswith("head-1 accuracy: top-1 ")
+    assert lines[1].startswith(f"chosen tree calibrated-{tree.num_nodes}: {tree.num_nodes} nodes")
+    assert lines[2].startswith("best chain chain-")
+    # the written tree runs on the engine it was calibrated for
+    from medusa_trt.runtime import MedusaRuntime
+
+    result = MedusaRuntime(fitted_engine, tree=str(out)).generate(PROMPTS[0], max_new_tokens=8)
+    assert len(result.token_ids) == 8
+
+
+def test_cli_torch_model_and_heads(capsys, tmp_path, stories_fitted):
+    from medusa_trt.exporter import save_heads
+
+    heads = save_heads(stories_fitted, tmp_path / "heads")
+    out = tmp_path / "tree.json"
+    code = main(["--model", str(STORIES), "--heads", str(heads), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
+                 "--limit", "2", "--max-new-tokens", "16", "--max-nodes", "8", "--top-k", "4", "--context", "32", "--repeats", "1"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert load_tree(out).num_nodes <= 8
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert report["backend"] == "torch" and report["prompts"] == 2 and np.shape(report["acc"]) == (4, 4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+    (["--heads", "/tmp/x"], "go with --model"),
+    (["--out", "/nonexistent/dir/tree.json"], "folder /nonexistent/dir does not exist"),
+])
+def test_bad_input_is_one_line(capsys, tmp_path, fitted_engine, args, message):
+    base = {"--engine": str(fitted_engine), "--prompts": str(_prompts_file(tmp_path)), "--out": str(tmp_path / "t.json")}
+    base |= dict(zip(args[::2], args[1::2]))
+    code = main([x for kv in base.items() for x in kv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("medusa-calibrate: error: ") and message in lines[0], err
