@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
     p.add_argument("--teacher-forced", action="store_true", help="--data is corpus text whose own tokens are the labels")
     p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--generate-engine", help="an exported .onnx engine of the same model to write the continuations (faster on CPU)")
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(
             out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head,
             head_layer=args.head_layer, decay=args.decay, data=args.data, teacher_forced=args.teacher_forced,
-            num_prompts=args.num_prompts, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
+            num_prompts=args.num_prompts, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
         )
         torch.manual_seed(args.seed)

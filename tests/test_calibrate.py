@@ -110,15 +110,16 @@ def test_flat_cost_picks_a_larger_tree_than_steep_cost():
 
 @pytest.fixture(scope="module")
 def fitted_engine(stories_base, stories_fitted, export_engine):
-    """stories260K with 4 fitted heads; top-10 proposals when the presets file is there."""
-    return export_engine("calibrate-fitted", medusa_model(stories_base, stories_fitted), max_batch=1, max_context=256)
+    """stories260K with 4 fitted heads, max_context 256, top-10 proposals when the presets file is
+    there; the same key and settings as the other suites' engine, so a full run exports it once."""
+    return export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
 
 
 @pytest.fixture(scope="module")
 def runtime(fitted_engine):
     from medusa_trt.runtime import MedusaRuntime
 
-    return MedusaRuntime(fitted_engine).with_tree("chain-0")
+    return MedusaRuntime(fitted_engine, max_batch=1).with_tree("chain-0")
 
 
 def test_measure_step_ms(runtime):
@@ -194,12 +195,16 @@ def test_cli_torch_model_and_heads(capsys, tmp_path, stories_fitted):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+    (["--prompts", "/nonexistent/p.jsonl"], "prompts file /nonexistent/p.jsonl does not exist"),
     (["--heads", "/tmp/x"], "go with --model"),
     (["--out", "/nonexistent/dir/tree.json"], "folder /nonexistent/dir does not exist"),
+    (["--out", "tree.txt"], "must end in .json"),
+    (["--engine", "/nonexistent/m.onnx"], "/nonexistent/m.onnx does not exist"),
+    (["--max-nodes", "0"], "max_nodes must be >= 1"),
 ])
-def test_bad_input_is_one_line(capsys, tmp_path, fitted_engine, args, message):
-    base = {"--engine": str(fitted_engine), "--prompts": str(_prompts_file(tmp_path)), "--out": str(tmp_path / "t.json")}
+def test_bad_input_is_one_line(capsys, tmp_path, args, message):
+    """Each fails before an engine is opened, so no export is needed."""
+    base = {"--engine": str(tmp_path / "absent.onnx"), "--prompts": str(_prompts_file(tmp_path)), "--out": str(tmp_path / "t.json")}
     base |= dict(zip(args[::2], args[1::2]))
     code = main([x for kv in base.items() for x in kv])
     err = capsys.readouterr().err

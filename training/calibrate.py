@@ -255,6 +255,8 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
     heads' top-K made when t_i was emitted (at the hidden state of the token before t_i: the last
     prompt token for i = 0, else t_{i-1}). Head k (0-based) of row i guesses t_{i+1+k}."""
     backend, max_context = runtime.backend, runtime.max_context
+    if not prompt:
+        raise CalibrationError("an empty prompt cannot be decoded: remove it from the prompts file")
     if len(prompt) + 1 > max_context:
         raise CalibrationError(f"prompt of {len(prompt)} tokens leaves no room in max_context {max_context}")
     eos = runtime.eos

@@ -53,6 +53,7 @@ class TrainConfig:
     new_tokens: int = 128  # continuation length per prompt
     chat_template: bool = True  # wrap prompts in the model's chat template when it has one
     generate_batch: int = 8
+    generate_engine: str | None = None  # an exported .onnx engine of the same base model: faster self-distillation on CPU
     epochs: int = 3
     batch_size: int = 256  # positions per optimizer step
     lr: float = 1e-3
@@ -130,12 +131,19 @@ def build_sequences(base, config: TrainConfig) -> list[tuple[list[int], int]]:
     from medusa_trt.exporter.wrapper import MedusaModel
     from medusa_trt.runtime import MedusaRuntime
 
-    runtime = MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=1024)
+    if config.generate_engine:
+        runtime = MedusaRuntime(config.generate_engine, tree="chain-0")
+        meta = runtime.backend.meta
+        if (meta.vocab_size, meta.hidden_size) != (base.model.config.vocab_size, base.model.config.hidden_size):
+            raise TrainError(f"--generate-engine {config.generate_engine} was exported from another model ({meta.model})")
+    else:
+        runtime = MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=1024)
+    step = runtime.max_batch
     chat = config.chat_template and runtime.is_chat
     todo = prompts[len(done):]
     with open(file, "a") as sink, tqdm(total=len(prompts), initial=len(done), desc="self-distillation", unit="prompt", disable=None) as bar:
-        for i in range(0, len(todo), config.generate_batch):
-            batch = [runtime.codec.encode(p, chat=chat) for p in todo[i : i + config.generate_batch]]
+        for i in range(0, len(todo), step):
+            batch = [runtime.codec.encode(p, chat=chat) for p in todo[i : i + step]]
             for ids, result in zip(batch, runtime.generate(batch, max_new_tokens=config.new_tokens)):
                 record = {"ids": ids + result.token_ids, "start": len(ids)}
                 sink.write(json.dumps(record) + "\n")

@@ -1,0 +1,130 @@
+"""Head training: the loss, learning on stories260K, exact resume, data rules, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from medusa_trt.training.train import IGNORE, TrainConfig, TrainError, build_sequences, cache_hidden, head_accuracy, medusa_loss, run, train_heads
+
+
+def test_loss_with_decay_on_hand_computed_logits():
+    # two positions, two heads, vocabulary of three
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]],
+                           [[0.0, 0.0, 0.0], [1.0, 1.0, 3.0]]])  # (P=2, n=2, V=3)
+    targets = torch.tensor([[0, 1], [2, IGNORE]])  # second position has no target for head 2
+    ce = lambda row, t: -(row[t] - math.log(sum(math.exp(x) for x in row)))  # noqa: E731
+    head1 = (ce([2.0, 0.0, 0.0], 0) + ce([0.0, 0.0, 0.0], 2)) / 2
+    head2 = ce([0.0, 1.0, 0.0], 1)
+    loss, per_head = medusa_loss(logits, targets, decay=0.8)
+    assert per_head.tolist() == pytest.approx([head1, head2], abs=1e-6)
+    assert loss.item() == pytest.approx(0.8 * head1 + 0.8**2 * head2, abs=1e-6)
+    # decay 1: plain sum; a head without any target contributes nothing
+    loss, _ = medusa_loss(logits, torch.tensor([[0, IGNORE], [2, IGNORE]]), decay=1.0)
+    assert loss.item() == pytest.approx(head1, abs=1e-6)
+
+
+def _config(tmp_path, name="heads", **overrides) -> TrainConfig:
+    base = dict(out=str(tmp_path / name), num_prompts=16, new_tokens=48, epochs=3, batch_size=64, lr=3e-3, warmup_steps=2,
+                checkpoint_every=4, holdout=0.0, seed=1, generate_batch=4)
+    return TrainConfig(**(base | overrides))
+
+
+def test_training_lowers_loss_and_raises_head1_accuracy(stories_base, tmp_path):
+    config = _config(tmp_path)
+    cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
+    assert cached["hidden"].shape[0] == cached["targets"].shape[0] > 500
+    untrained, _ = train_heads(stories_base, dataclasses.replace(config, epochs=0), cached)
+    before = head_accuracy(untrained, cached["hidden"], cached["targets"])["top1"][0]
+    before_loss = medusa_loss(untrained(cached["hidden"]), cached["targets"], 0.8)[0].item()
+    heads, metrics = train_heads(stories_base, config, cached)
+    after = head_accuracy(heads, cached["hidden"], cached["targets"])["top1"][0]
+    after_loss = medusa_loss(heads(cached["hidden"]), cached["targets"], 0.8)[0].item()
+    assert after_loss < before_loss * 0.8, (before_loss, after_loss)
+    assert after > before + 0.05, (before, after)
+    assert metrics["steps"] == metrics["total_steps"] > 0
+
+
+def test_resume_gives_the_same_heads_as_an_uninterrupted_run(stories_base, tmp_path):
+    straight = _config(tmp_path, "straight", epochs=2)
+    cached = cache_hidden(stories_base, build_sequences(stories_base, straight), straight)
+    expected, _ = train_heads(stories_base, straight, cached)
+
+    interrupted = _config(tmp_path, "interrupted", epochs=2)
+    first, _ = train_heads(stories_base, interrupted, cached, stop_after=5)  # not a checkpoint multiple
+    assert (interrupted.workdir / "checkpoint.pt").is_file()
+    resumed, metrics = train_heads(stories_base, interrupted, cached)
+    assert metrics["steps"] == metrics["total_steps"]
+    for (name, a), (_, b) in zip(expected.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    assert not torch.equal(first.state_dict()["heads.0.0.linear.weight"], resumed.state_dict()["heads.0.0.linear.weight"])
+
+
+def test_generation_resumes_without_redoing_finished_prompts(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=6, new_tokens=16)
+    file = config.workdir / "sequences.jsonl"
+    first = build_sequences(stories_base, dataclasses.replace(config, num_prompts=3))
+    assert len(file.read_text().splitlines()) == 3
+    again = build_sequences(stories_base, config)
+    assert again[:3] == first and len(again) == 6
+
+
+def test_shared_lm_head_trains_only_the_blocks(stories_base, tmp_path):
+    config = _config(tmp_path, shared_lm_head=True, epochs=1)
+    before = stories_base.model.lm_head.weight.clone()
+    heads, _ = train_heads(stories_base, config, cache_hidden(stories_base, build_sequences(stories_base, config), config))
+    assert torch.equal(stories_base.model.lm_head.weight, before)
+    assert all("linear" in k for k in heads.state_dict())
+
+
+def test_run_writes_heads_that_load_and_generate(stories_base, tmp_path):
+    from medusa_trt.exporter import MedusaModel, load_heads
+    from medusa_trt.runtime import MedusaRuntime
+
+    config = _config(tmp_path, epochs=1, holdout=0.2)
+    metrics = run(stories_base, config)
+    out = tmp_path / "heads"
+    assert {"heads.json", "heads.safetensors", "train_config.json", "metrics.json"} <= {p.name for p in out.iterdir()}
+    assert len(metrics["holdout"]["top1"]) == 4
+    cfg = stories_base.model.config
+    heads = load_heads(out, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=stories_base.model.lm_head)
+    result = MedusaRuntime(MedusaModel(stories_base, heads), tree="chain-4").generate("Once upon a time", max_new_tokens=10)
+    assert len(result.token_ids) == 10
+
+
+def test_teacher_forced_corpus(stories_base, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Once upon a time there was a little cat who liked to sleep in the sun.\n" * 3)
+    config = _config(tmp_path, data=str(corpus), teacher_forced=True)
+    sequences = build_sequences(stories_base, config)
+    assert len(sequences) == 3 and sequences[0][0] == stories_base.tokenizer(corpus.read_text().splitlines()[0])["input_ids"]
+
+
+def test_data_rules(stories_base, tmp_path):
+    with pytest.raises(TrainError, match="does not exist"):
+        build_sequences(stories_base, _config(tmp_path, data=str(tmp_path / "none.jsonl")))
+    evaluation = tmp_path / "spec_bench_dev.jsonl"
+    evaluation.write_text('{"turns": ["hi"]}\n')
+    with pytest.raises(TrainError, match="evaluation set"):
+        build_sequences(stories_base, _config(tmp_path, data=str(evaluation)))
+    with pytest.raises(TrainError, match="decay"):
+        _config(tmp_path, decay=1.5)
+
+
+def test_changed_config_refuses_a_stale_checkpoint(stories_base, tmp_path):
+    config = _config(tmp_path, epochs=1)
+    cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
+    train_heads(stories_base, config, cached, stop_after=2)
+    with pytest.raises(TrainError, match="another configuration"):
+        train_heads(stories_base, dataclasses.replace(config, lr=1e-2), cached)
+
+
+def test_cli_one_line_errors(capsys, tmp_path):
+    from medusa_trt.cli.train import main
+
+    assert main(["--model", "/nonexistent.gguf", "--out", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("medusa-train: error: ") and err.count("\n") == 1
