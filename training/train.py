@@ -279,13 +279,14 @@ def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch
         step += 1
         history.append(loss.item())
         bar.update()
-        bar.set_postfix(loss=f"{float(loss):.3f}", head1=f"{float(per_head[0]):.3f}")
+        bar.set_postfix(loss=f"{history[-1]:.3f}", head1=f"{float(per_head[0]):.3f}")
         if step % config.checkpoint_every == 0:
             _save_checkpoint(checkpoint, heads, optimizer, step, history, config)
     return step
 
 
 def _save_checkpoint(path: Path, heads, optimizer, step, history, config) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history,
                 "config": dataclasses.asdict(config)}, tmp)
