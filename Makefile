@@ -19,9 +19,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/medusa-run --model smollm2-135m --untrained-heads 4 --tree chain-2 \
-	  --prompt "Write a short poem about the ocean." --max-new-tokens 64 --compare-plain
+# The main job on the built-in default: SmolLM2-135M with the shipped heads and calibrated tree,
+# exported to ONNX once, then generated with Medusa and with plain decoding on the same engine.
+HEADS  := assets/smollm2-135m-medusa
+TREE   := assets/smollm2-135m-tree.json
+ENGINE := build/smollm2-135m-medusa.onnx
+
+$(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(TREE)
+	mkdir -p build
+	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --tree $(TREE) --out $@ --max-batch 4 --max-context 1024
+
+demo: $(ENGINE)
+	$(VENV)/bin/medusa-run --engine $(ENGINE) --max-new-tokens 128 --compare-plain \
+	  --prompt "Explain how a rainbow forms, in a short paragraph."
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15

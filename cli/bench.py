@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL: turns[0] is the prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--tree", help="tree for the medusa rows (default: each engine's own)")
+    p.add_argument("--every", type=int, default=1, help="use every N-th prompt (a subset spread over all categories)")
+    p.add_argument("--tree", action="append", help="tree for the medusa rows (default: each engine's own); repeat to compare trees")
     p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the hf-lookup row")
@@ -125,29 +126,30 @@ def run_bench(args) -> dict:
 
     from medusa_trt.runtime import MedusaRuntime
 
-    prompts = read_prompts(args.prompts, args.limit)
-    engines = []
+    prompts = read_prompts(args.prompts, None)[:: max(args.every, 1)][: args.limit]
+    engines = []  # (name, plain runtime, {row name: medusa runtime}) sharing one session per engine
     for path in args.engine:
-        medusa = MedusaRuntime(path, max_batch=1, tree=args.tree, threads=args.threads)
-        plain = medusa.with_tree("chain-0")  # same session and buffers
-        engines.append((Path(path).stem, plain, medusa))
-    first = engines[0][2]
+        own = MedusaRuntime(path, max_batch=1, threads=args.threads)
+        name = Path(path).stem
+        trees = args.tree or [None]
+        variants = {f"medusa[{name}]" if len(trees) == 1 else f"medusa[{name}:{tree or own.tree.name}]": own.with_tree(tree) if tree else own
+                    for tree in trees}
+        engines.append((name, own.with_tree("chain-0"), variants))
+    first = next(iter(engines[0][2].values()))
     meta = first.backend.meta
     ids = [first.codec.encode(p, chat=first.is_chat) for p in prompts]
     eos = sorted(first.eos)
     hf = None if args.no_hf else _hf_model(args.model or meta.model, args.threads)
     rows: dict[str, _Row] = {}
-    for name, _, _ in engines:
-        rows[f"plain[{name}]"] = _Row(f"plain[{name}]")
-        rows[f"medusa[{name}]"] = _Row(f"medusa[{name}]")
+    for name, plain, variants in engines:
+        for key, runtime in ((f"plain[{name}]", plain), *variants.items()):
+            rows[key] = _Row(key)
+            runtime.generate(ids[0], max_new_tokens=4)  # warm-up: first calls pay one-time costs
     if hf is not None:
         rows["hf"], rows["hf-lookup"] = _Row("hf"), _Row("hf-lookup")
-    for _, plain, medusa in engines:  # warm-up: first calls pay one-time costs
-        plain.generate(ids[0], max_new_tokens=4)
-        medusa.generate(ids[0], max_new_tokens=4)
     for prompt in tqdm(ids, desc="medusa-bench", unit="prompt", disable=None):
-        for name, plain, medusa in engines:  # interleaved: drift in machine speed hits every method alike
-            for key, runtime in ((f"plain[{name}]", plain), (f"medusa[{name}]", medusa)):
+        for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
+            for key, runtime in ((f"plain[{name}]", plain), *variants.items()):
                 r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens)
                 rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds)
         if hf is not None:
@@ -156,7 +158,8 @@ def run_bench(args) -> dict:
     reference = rows[f"plain[{engines[0][0]}]"]
     report = {
         "engines": args.engine, "model": meta.model, "tree": first.tree.name, "tree_nodes": first.tree.num_nodes,
-        "prompts": len(prompts), "prompts_file": str(args.prompts), "max_new_tokens": args.max_new_tokens,
+        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes} for _, _, v in engines for key, rt in v.items()},
+        "prompts": len(prompts), "prompts_file": str(args.prompts), "every": args.every, "max_new_tokens": args.max_new_tokens,
         "reference": reference.name, "methods": {k: r.report(reference) for k, r in rows.items()},
     }
     base_rate = report["methods"][reference.name]["tokens_per_s"]
@@ -235,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     plot(report, out.with_suffix(".png"))
     print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
           f"agreement vs {report['reference']}")
-    print(f"{'method':<24}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
+    print(f"{'method':<40}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
     for name, m in report["methods"].items():
         acc = f"{m['mean_accepted_per_step']:.2f}" if m["mean_accepted_per_step"] else "-"
         vs_hf = f"{m['speedup_vs_hf']:.2f}x" if m.get("speedup_vs_hf") else "-"
-        print(f"{name:<24}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{m['identical_to_reference']:>10.0%}")
+        print(f"{name:<40}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{m['identical_to_reference']:>10.0%}")
     cost = report["heads_cost"]
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
