@@ -97,10 +97,12 @@ class MedusaHeads(nn.Module):
         return self.heads[k][-1](x)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for k, head in enumerate(self.heads):
-            blocks = head if self._shared is not None else head[:-1]
-            outs.append(self.project(blocks(hidden), k))  # (..., V)
+        if self._shared is not None:
+            # one projection for all heads: the (large) lm_head is read once per call, and an
+            # exported graph holds it once
+            blocks = torch.stack([head(hidden) for head in self.heads], dim=-2)  # (..., n, H)
+            return self._shared[0](blocks)  # (..., n, V)
+        outs = [self.project(head[:-1](hidden), k) for k, head in enumerate(self.heads)]  # each (..., V)
         return torch.stack(outs, dim=-2)  # (..., n, V)
 
 
@@ -139,6 +141,8 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike) -> Path:
         state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
         save_file(state, str(tmp / HEADS_WEIGHTS))
         (tmp / HEADS_CONFIG).write_text(heads.config.to_json())
+        for path in (tmp, tmp / HEADS_WEIGHTS, tmp / HEADS_CONFIG):  # mkdtemp makes them private
+            path.chmod(0o755 if path.is_dir() else 0o644)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
