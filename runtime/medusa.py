@@ -237,7 +237,7 @@ class MedusaRuntime:
             self.backend.commit(path, counts, lengths)
             lengths = lengths + counts
             root = target[np.arange(len(seqs)), last]
-            if self.num_heads:
+            if tree.depth_max:  # plain decoding (chain-0) needs no proposals
                 tick = time.perf_counter()
                 proposals = self.backend.propose(last, tree.top_k)
                 heads_seconds += time.perf_counter() - tick
@@ -269,7 +269,7 @@ class MedusaRuntime:
             ends = (count > start) & (count <= start + width)  # (B,) prompt ends in this chunk
             last = np.clip(count - 1 - start, 0, width - 1)  # (B,) its last token's node
             root = np.where(ends, target[np.arange(batch), last], root)
-            if self.num_heads:
+            if self.tree.depth_max:
                 proposals = np.where(ends[:, None, None], self.backend.propose(last, self.tree.top_k), proposals)
         return count, root, proposals
 

@@ -243,3 +243,14 @@ def test_chunked_prefill_of_ragged_prompts(stories_base, stories_fitted, stories
     results = runtime.generate(stories_prompts, max_new_tokens=16)
     for prompt, r in zip(stories_prompts, results):
         assert_greedy_identical(stories_base, prompt, r.token_ids, 16, stories_base.eos_token_ids)
+
+
+def test_plain_decoding_never_runs_the_heads(stories_base, stories_prompts):
+    """chain-0 on an engine with heads is the plain baseline: it must not pay for proposals."""
+    runtime = MedusaRuntime(medusa_model(stories_base, random_heads(stories_base)), tree="chain-3").with_tree("chain-0")
+    calls = []
+    propose = runtime.backend.propose
+    runtime.backend.propose = lambda *a: calls.append(a) or propose(*a)
+    result = runtime.generate(stories_prompts[:2], max_new_tokens=8)
+    assert calls == [] and all(len(r.token_ids) == 8 for r in result)
+    assert all(r.stats.heads_seconds == 0.0 for r in result)

@@ -10,7 +10,8 @@ Two measurements, one model:
 Under the independence assumption of the Medusa paper a node (path ``[r1, ..., rd]``) is accepted
 with probability ``prod_d acc[d-1, r_d]`` and the expected accepted drafted tokens of a tree is the
 sum of that over its nodes. ``grow_trees`` builds the paper's greedy "optimized tree" one node at a
-time; ``pick_tree`` scores every grown size by ``(1 + E[accepted]) / (step_ms(T) + heads_ms)`` and
+time; ``pick_tree`` scores every grown size by ``(1 + E[accepted]) / (step_ms(T) + heads_ms)`` (no heads
+call for T = 1, plain decoding) and
 keeps the best. Flat verify cost (a GPU far from saturation) favours big trees; cost that grows with
 T (a CPU) favours small ones.
 
@@ -169,7 +170,8 @@ def choose(trees, acc, step_ms: dict[int, float], heads_ms: float = 0.0) -> Choi
     for paths in trees:
         T = len(paths) + 1
         per_step = 1.0 + expected_accept(paths, acc)
-        curve.append((T, per_step, per_step / (step_cost(step_ms, T) + heads_ms) * 1e3))
+        overhead = heads_ms if T > 1 else 0.0  # the root-only tree is plain decoding: no proposals to make
+        curve.append((T, per_step, per_step / (step_cost(step_ms, T) + overhead) * 1e3))
     best = max(range(len(trees)), key=lambda i: (curve[i][2], -curve[i][0]))
     order = sorted(range(len(trees)), key=lambda i: curve[i][0])
     return Choice(paths=tuple(tuple(p) for p in trees[best]), num_nodes=curve[best][0],
