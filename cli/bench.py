@@ -132,8 +132,8 @@ def run_bench(args) -> dict:
         own = MedusaRuntime(path, max_batch=1, threads=args.threads)
         name = Path(path).stem
         trees = args.tree or [None]
-        variants = {f"medusa[{name}]" if len(trees) == 1 else f"medusa[{name}:{tree or own.tree.name}]": own.with_tree(tree) if tree else own
-                    for tree in trees}
+        runtimes = [own.with_tree(tree) if tree else own for tree in trees]
+        variants = {f"medusa[{name}]" if len(trees) == 1 else f"medusa[{name}:{rt.tree.name}]": rt for rt in runtimes}
         engines.append((name, own.with_tree("chain-0"), variants))
     first = next(iter(engines[0][2].values()))
     meta = first.backend.meta
