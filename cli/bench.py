@@ -181,14 +181,10 @@ def _heads_cost(runtime) -> dict | None:
     session = backend.heads_session
     dtype = backend.dtype
 
-    def timed(fn, repeats=10):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times)) * 1e3
+    from medusa_trt.training.calibrate import median_ms
+
+    def timed(fn):
+        return median_ms(fn, 10)
 
     one = timed(lambda: session.run(None, {"hidden": np.zeros((1, meta.hidden_size), dtype=dtype)}))
     every = timed(lambda: session.run(None, {"hidden": np.zeros((t, meta.hidden_size), dtype=dtype)}))

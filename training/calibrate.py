@@ -200,7 +200,8 @@ def step_sizes(max_nodes: int) -> list[int]:
 # ----------------------------------------------------------------- measuring on an engine
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after one warm-up call."""
     fn()  # warm-up: first calls at a new shape pay allocation and planning
     times = []
     for _ in range(repeats):
@@ -230,7 +231,7 @@ def measure_step_ms(runtime, sizes, context: int = 256, repeats: int = 5) -> dic
         ids = np.zeros((1, T), dtype=np.int64)  # (1, T) token values do not change the cost
         positions = context + np.arange(T, dtype=np.int64)[None, :]  # (1, T)
         mask = np.tril(np.ones((T, T), dtype=bool))[None]  # (1, T, T)
-        out[T] = _median_ms(lambda: backend.step(ids, positions, mask, lengths), repeats)
+        out[T] = median_ms(lambda: backend.step(ids, positions, mask, lengths), repeats)
         log.info("step over %d context tokens, T=%d: %.3f ms", context, T, out[T])
     return out
 
@@ -241,7 +242,7 @@ def measure_heads_ms(runtime, top_k: int, repeats: int = 5) -> float:
     backend = runtime.backend
     one = np.zeros((1, 1), dtype=np.int64)
     backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
-    return _median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), top_k), repeats)
+    return median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), top_k), repeats)
 
 
 def engine_top_k(runtime) -> int:
