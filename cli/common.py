@@ -28,15 +28,6 @@ def fail(prog: str, exc: BaseException) -> int:
 
 def load_model(model: str, heads: str | None, untrained_heads: int | None, head_layer: int | None, device: str):
     """A MedusaModel from the command line's --model / --heads / --untrained-heads / --head-layer."""
-    from medusa_trt.exporter import HeadsConfig, MedusaModel, init_heads, load_base_model, load_heads
+    from medusa_trt.exporter import load_medusa
 
-    base = load_base_model(model, device=device)
-    cfg = base.model.config
-    loaded = None
-    if heads:
-        loaded = load_heads(heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=base.model.lm_head,
-                            num_decoder_layers=cfg.num_hidden_layers, head_layer=head_layer)
-    elif untrained_heads:
-        config = HeadsConfig(untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=head_layer)
-        loaded = init_heads(config, base.model.lm_head)
-    return MedusaModel(base, loaded.eval() if loaded is not None else None)
+    return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)

@@ -166,17 +166,20 @@ def load_medusa(
     model: str,
     heads: str | MedusaHeads | None = None,
     *,
+    untrained_heads: int | None = None,
     head_layer: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> MedusaModel:
-    """Load a base model (see ``models.load_base_model``) and heads (a path or a module)."""
-    from medusa_trt.exporter.heads import load_heads
+    """Load a base model (see ``models.load_base_model``) and heads: a path, a module, or
+    ``untrained_heads`` fresh ones (identity blocks on the shared lm_head: they run the loop,
+    they do not speed it up)."""
+    from medusa_trt.exporter.heads import HeadsConfig, init_heads, load_heads
     from medusa_trt.exporter.models import load_base_model
 
     base = load_base_model(model, dtype=dtype, device=device)
+    cfg = base.model.config
     if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):
-        cfg = base.model.config
         heads = load_heads(
             heads,
             hidden_size=cfg.hidden_size,
@@ -185,6 +188,9 @@ def load_medusa(
             num_decoder_layers=cfg.num_hidden_layers,
             head_layer=head_layer,
         )
+    elif heads is None and untrained_heads:
+        config = HeadsConfig(untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=head_layer)
+        heads = init_heads(config, base.model.lm_head)
     if heads is not None:
-        heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        heads = heads.eval().requires_grad_(False)  # MedusaModel puts them on the base's device and dtype
     return MedusaModel(base, heads)
