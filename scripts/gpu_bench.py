@@ -5,6 +5,9 @@ too large to carry): a SmolLM2-135M-shaped Llama and a ~1B Llama. For each, in o
   * verify-step latency for T = 1..64 new tokens over a 256-token context (median of repeats);
   * plain decoding vs Medusa (heads fitted in closed form to the model's own greedy output),
     same model, same prompts: tokens/s, mean accepted tokens per step, speedup, identical tokens.
+Then the tree-attention kernel alone: Triton kernel vs the torch reference, one layer, batch 1,
+T = 1..64 new tokens over 256 and 4096 committed slots, at SmolLM2 (Hq=9, Hkv=3, D=64) and 1B
+(Hq=32, Hkv=4, D=64) head shapes (median host ms per call, synchronised).
 Writes a JSON report and prints a readable one.
 """
 
@@ -20,7 +23,10 @@ import numpy as np
 import torch
 
 from medusa_trt.exporter import BaseModel, MedusaModel
+from medusa_trt.plugins.tree_attention.cases import make_case
+from medusa_trt.plugins.tree_attention.kernel import reference_from_spec, tree_attention_triton, triton_importable
 from medusa_trt.runtime import MedusaRuntime
+from medusa_trt.training.calibrate import median_ms
 from medusa_trt.training.ridge import fit_heads_ridge, greedy_continuations
 
 SHAPES = {
@@ -29,6 +35,8 @@ SHAPES = {
     "llama-1b-shaped": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                             num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
 }
+
+ATTENTION_SHAPES = {"smollm2-135m-shaped": (9, 3, 64), "llama-1b-shaped": (32, 4, 64)}  # Hq, Hkv, D
 
 
 class _NoTokenizer:
@@ -91,6 +99,29 @@ def decode_compare(base: BaseModel, heads, tree: str, prompts: list[list[int]], 
     return result
 
 
+def _call_ms(fn, case, out: torch.Tensor, repeats: int) -> float:
+    """Median host ms of one synchronised call of a tree-attention implementation on ``case``."""
+    return median_ms(lambda: (fn(*case.inputs, layer=case.layer, scale=case.scale, out=out), torch.cuda.synchronize()), repeats)
+
+
+def attention_latency(heads: tuple[int, int, int], contexts: list[int], sizes: list[int], repeats: int) -> dict:
+    """Median ms of one tree-attention call, Triton kernel vs torch reference, bf16, batch 1."""
+    num_q_heads, num_kv_heads, head_dim = heads
+    out = {}
+    for context in contexts:
+        rows = {}
+        for t in sizes:
+            case = make_case(cache_lengths=[context], num_new=t, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, mask="causal", num_layers=2, layer=1, spare_slots=64,
+                             dtype=torch.bfloat16, device="cuda")
+            dest = torch.empty_like(case.query)
+            kernel_ms = _call_ms(tree_attention_triton, case, dest, repeats)
+            reference_ms = _call_ms(reference_from_spec, case, dest, repeats)
+            rows[t] = {"kernel_ms": kernel_ms, "reference_ms": reference_ms, "speedup": reference_ms / kernel_ms}
+        out[context] = rows
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="build/gpu-bench.json")
@@ -118,6 +149,10 @@ def main() -> None:
         del base, model, heads
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if args.device == "cuda" and triton_importable():
+        report["tree_attention"] = {shape: attention_latency(ATTENTION_SHAPES[shape], [256, 4096], sizes, args.repeats) for shape in args.shapes}
+    elif args.device == "cuda":
+        print("tree attention kernel timing skipped: triton not installed")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"device: {report['device']}, torch {report['torch']}")
@@ -127,6 +162,10 @@ def main() -> None:
         for d in entry["decode"]:
             print(f"  {d['tree']}: plain {d['plain']['tokens_per_s']:.1f} tok/s, medusa {d['medusa']['tokens_per_s']:.1f} tok/s "
                   f"({d['medusa']['mean_accepted']:.2f} accepted/step), speedup {d['speedup']:.2f}x, identical tokens: {d['identical_tokens']}")
+    for shape, contexts in report.get("tree_attention", {}).items():
+        for context, rows in contexts.items():
+            cells = "  ".join(f"T={t}: {r['kernel_ms']:.3f}/{r['reference_ms']:.3f}" for t, r in rows.items())
+            print(f"tree attention {shape} (bf16, one layer) ms kernel/reference over {context} context: {cells}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
   $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
   echo "== GPU tests"
-  $py -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs
+  $py -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_kernel.py -rs
   tests=$?
   echo "== GPU benchmark"
   $py scripts/gpu_bench.py --out "$report/gpu-bench.json"

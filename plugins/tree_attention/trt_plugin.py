@@ -1,0 +1,137 @@
+"""TensorRT registration of ``medusa_trt::TreeAttention`` (``spec.TREE_ATTENTION``) as a quickly
+deployable plugin with an ahead-of-time implementation: importing this module registers it.
+
+  * ``@trtp.register``: the shape/type descriptor, out = query's shape and dtype.
+  * ``@trtp.autotune``: the supported type combination (query, key, value, cache and out share
+    fp32/fp16/bf16; tree_mask bool; cache_lengths int64), linear layouts.
+  * ``@trtp.aot_impl``: compiles ``triton_kernels.tree_attention_kernel`` to PTX at engine build
+    (``aot.compile_aot``) and returns its name, PTX, launch parameters (grid from the symbolic
+    shapes through ``launch.launch_grid``, block = warps x 32, shared memory) and the int32
+    scalars (sizes, layer, strides from ``aot.scalar_arguments``). The engine embeds the PTX and
+    launches it without Python at serve time. ``layer`` and ``scale`` are baked in at build (the
+    AOT path does not serialise attributes); Hq, Hkv and D must be build-time constants, B, T and
+    S may be dynamic. The single-pass kernel is used (an AOT plugin launches one kernel and has no
+    workspace for the split-context partials).
+
+Written against the documented ``tensorrt.plugin`` API (TensorRT >= 10.9); TensorRT cannot be
+installed on the machines this project is tested on, so this module is unverified at run time.
+Type hints stay real objects in the ``typing`` forms TensorRT documents (no
+``from __future__ import annotations``): ``tensorrt.plugin`` validates them.
+"""
+
+import logging
+from typing import List, Tuple, Union
+
+from medusa_trt.plugins.tree_attention import spec
+from medusa_trt.plugins.tree_attention.errors import TensorRTUnavailableError, TreeAttentionInputError
+
+try:
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+except (ImportError, OSError) as err:  # the PyPI stubs install but fail to load without NVIDIA's libraries
+    raise TensorRTUnavailableError(
+        f"registering the {spec.TREE_ATTENTION.qualified_name} TensorRT plugin needs TensorRT >= 10.9 with its Python "
+        f"plugin API ({err}): `pip install tensorrt` on a machine that reaches NVIDIA's package index, or use the "
+        "ONNX Runtime / torch backends"
+    ) from err
+
+from medusa_trt.plugins.tree_attention.aot import compile_aot, scalar_arguments
+from medusa_trt.plugins.tree_attention.launch import launch_grid, plan_launch
+
+log = logging.getLogger(__name__)
+
+PLUGIN_ID = spec.TREE_ATTENTION.qualified_name  # "medusa_trt::TreeAttention"
+_FLOAT_TYPES = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
+_MASK_TYPES = {trt.bool: "i1", trt.int8: "i8", trt.int32: "i32"}
+_LENGTH_TYPES = {trt.int64: "i64", trt.int32: "i32"}
+
+
+def _constant(expr, what: str) -> int:
+    if not expr.is_constant:
+        raise TreeAttentionInputError(f"{PLUGIN_ID}: {what} must be a build-time constant in the engine's shapes")
+    return expr.constant_value()
+
+
+def _triton_type(table: dict, dtype, what: str) -> str:
+    if dtype not in table:
+        raise TreeAttentionInputError(f"{PLUGIN_ID}: unsupported {what} dtype {dtype}; supported: {list(table)}")
+    return table[dtype]
+
+
+@trtp.register(PLUGIN_ID)
+def tree_attention_desc(
+    query: trtp.TensorDesc,
+    key: trtp.TensorDesc,
+    value: trtp.TensorDesc,
+    past_key: trtp.TensorDesc,
+    past_value: trtp.TensorDesc,
+    tree_mask: trtp.TensorDesc,
+    cache_lengths: trtp.TensorDesc,
+    layer: int,
+    scale: float,
+) -> trtp.TensorDesc:
+    """out [B, Hq, T, D]: query's shape and dtype."""
+    return query.like()
+
+
+@trtp.autotune(PLUGIN_ID)
+def tree_attention_autotune(
+    query: trtp.TensorDesc,
+    key: trtp.TensorDesc,
+    value: trtp.TensorDesc,
+    past_key: trtp.TensorDesc,
+    past_value: trtp.TensorDesc,
+    tree_mask: trtp.TensorDesc,
+    cache_lengths: trtp.TensorDesc,
+    outputs: Tuple[trtp.TensorDesc],
+) -> List[trtp.AutoTuneCombination]:
+    # "|" pairs positions: the five float inputs and the output take the same one of the three types
+    floats = "FP32|FP16|BF16"
+    return [trtp.AutoTuneCombination(f"{floats}, {floats}, {floats}, {floats}, {floats}, BOOL, INT64, {floats}", "LINEAR")]
+
+
+@trtp.aot_impl(PLUGIN_ID)
+def tree_attention_aot_impl(
+    query: trtp.TensorDesc,
+    key: trtp.TensorDesc,
+    value: trtp.TensorDesc,
+    past_key: trtp.TensorDesc,
+    past_value: trtp.TensorDesc,
+    tree_mask: trtp.TensorDesc,
+    cache_lengths: trtp.TensorDesc,
+    layer: int,
+    scale: float,
+    outputs: Tuple[trtp.TensorDesc],
+) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+    q_shape = query.shape_expr  # [B, Hq, T, D]
+    k_shape = key.shape_expr  # [B, Hkv, T, D]
+    cache_shape = past_key.shape_expr  # [S, L, B, Hkv, D]
+    num_q_heads = _constant(q_shape[1], "the query head count")
+    num_kv_heads = _constant(k_shape[1], "the KV head count")
+    head_dim = _constant(q_shape[3], "head_dim")
+    num_new = q_shape[2].constant_value() if q_shape[2].is_constant else None
+    plan = plan_launch(
+        batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_new=num_new, head_dim=head_dim,
+        cache_slots=0, num_splits=1,
+    )
+    groups = num_q_heads // num_kv_heads
+    kernel = compile_aot(
+        float_type=_triton_type(_FLOAT_TYPES, query.dtype, "query"),
+        mask_type=_triton_type(_MASK_TYPES, tree_mask.dtype, "tree_mask"),
+        lengths_type=_triton_type(_LENGTH_TYPES, cache_lengths.dtype, "cache_lengths"),
+        num_kv_heads=num_kv_heads, groups=groups, head_dim=head_dim, scale=scale, plan=plan,
+    )
+    grid_x, grid_y, grid_z = launch_grid(plan, batch=q_shape[0], num_kv_heads=num_kv_heads, rows=q_shape[2] * groups, cdiv=trtp.cdiv)
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = grid_x
+    launch.grid_y = grid_y
+    launch.grid_z = grid_z
+    launch.block_x = kernel.num_warps * 32
+    launch.shared_mem = kernel.shared_mem
+
+    scalars = scalar_arguments(q_shape, k_shape, cache_shape, layer=layer)  # kernel order, after the 7 input pointers
+    extra_args = trtp.SymIntExprs(len(scalars))
+    for i, value_expr in enumerate(scalars):
+        extra_args[i] = trtp.SymInt32(value_expr)
+    log.info("%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d", PLUGIN_ID, kernel.name, kernel.num_params, kernel.num_warps, kernel.shared_mem, layer)
+    return kernel.name, kernel.ptx, launch, extra_args
