@@ -2,14 +2,17 @@
 
     medusa-bench --engine build/model.onnx --prompts ../shared/data/spec_bench_dev.jsonl --max-new-tokens 128
 
-Methods, all greedy, on the same prompt token ids:
+Methods, on the same prompt token ids (greedy by default; with --temperature every method samples
+with the same temperature / top-p / top-k, prompt i seeded with seed + i):
   * ``plain``      : autoregressive decoding on the same engine (tree chain-0)
   * ``medusa``     : the engine's tree (or ``--tree``)
   * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
   * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
 Repeat ``--engine`` to compare engines (an int8 one against fp32, say): each gets ``plain`` and
 ``medusa`` rows, and greedy agreement is measured against the first engine's plain decoding.
-Writes a JSON report and a PNG plot; prints a table.
+Repeat ``--acceptance`` to compare rules (lossless, typical) on the same engine and tree.
+Writes a JSON report and a PNG plot; prints a table. Agreement between methods is only
+meaningful for greedy decoding.
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the hf-lookup row")
     p.add_argument("--threads", type=int, help="intra-op threads for ONNX Runtime and torch")
     p.add_argument("--out", default="build/bench.json", help="JSON report; the plot goes beside it as .png")
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i, the same for every method")
+    g.add_argument("--acceptance", action="append", choices=["typical", "lossless"],
+                   help="acceptance rule of the medusa rows when sampling (default lossless); repeat to compare")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -110,14 +120,19 @@ def _hf_model(name: str, threads: int | None):
     return load_base_model(name)
 
 
-def _hf_generate(base, ids: list[int], max_new_tokens: int, eos: list[int], lookup: int | None) -> tuple[list[int], float]:
+def _hf_generate(base, ids: list[int], max_new_tokens: int, eos: list[int], lookup: int | None, sampling=None) -> tuple[list[int], float]:
     import torch
 
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if sampling is not None and sampling.temperature > 0:
+        torch.manual_seed(sampling.seed)
+        extra |= dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    else:
+        extra |= dict(do_sample=False, top_k=None, top_p=None, temperature=None)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = base.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                                  pad_token_id=eos[0] if eos else 0, top_k=None, top_p=None, temperature=None, **extra)
+        out = base.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                  pad_token_id=eos[0] if eos else 0, **extra)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
@@ -125,40 +140,57 @@ def run_bench(args) -> dict:
     from tqdm.auto import tqdm
 
     from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.sampling import SamplingParams
 
+    sampled = args.temperature > 0
+    rules = (args.acceptance or ["lossless"]) if sampled else [None]
+    if args.acceptance and not sampled:
+        raise MedusaError("--acceptance applies when sampling: add --temperature (e.g. 0.7)")
+
+    def params(rule, i):  # prompt i: the same seed for every method
+        return SamplingParams(args.temperature, args.top_p, args.top_k, seed=args.seed + i, acceptance=rule)
+
+    params(rules[0], 0)  # bad sampling options fail before any engine loads
     prompts = read_prompts(args.prompts, None)[:: max(args.every, 1)][: args.limit]
-    engines = []  # (name, plain runtime, {row name: medusa runtime}) sharing one session per engine
+    engines = []  # (name, plain runtime, {row name: (medusa runtime, rule)}) sharing one session per engine
     for path in args.engine:
         own = MedusaRuntime(path, max_batch=1, threads=args.threads)
         name = Path(path).stem
         trees = args.tree or [None]
         runtimes = [own.with_tree(tree) if tree else own for tree in trees]
-        variants = {f"medusa[{name}]" if len(trees) == 1 else f"medusa[{name}:{rt.tree.name}]": rt for rt in runtimes}
-        engines.append((name, own.with_tree("chain-0"), variants))
-    first = next(iter(engines[0][2].values()))
+        variants = {}
+        for rt in runtimes:
+            for rule in rules:
+                label = name if len(trees) == 1 else f"{name}:{rt.tree.name}"
+                label += f":{rule}" if len(rules) > 1 else ""
+                variants[f"medusa[{label}]"] = (rt, rule)
+        engines.append((name, (own.with_tree("chain-0"), rules[0]), variants))
+    first = next(iter(engines[0][2].values()))[0]
     meta = first.backend.meta
     ids = [first.codec.encode(p, chat=first.is_chat) for p in prompts]
     eos = sorted(first.eos)
     hf = None if args.no_hf else _hf_model(args.model or meta.model, args.threads)
     rows: dict[str, _Row] = {}
     for name, plain, variants in engines:
-        for key, runtime in ((f"plain[{name}]", plain), *variants.items()):
+        for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
             rows[key] = _Row(key)
-            runtime.generate(ids[0], max_new_tokens=4)  # warm-up: first calls pay one-time costs
+            runtime.generate(ids[0], max_new_tokens=4, sampling=params(rule, 0))  # warm-up: first calls pay one-time costs
     if hf is not None:
         rows["hf"], rows["hf-lookup"] = _Row("hf"), _Row("hf-lookup")
-    for prompt in tqdm(ids, desc="medusa-bench", unit="prompt", disable=None):
+    for i, prompt in enumerate(tqdm(ids, desc="medusa-bench", unit="prompt", disable=None)):
         for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
-            for key, runtime in ((f"plain[{name}]", plain), *variants.items()):
-                r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens)
+            for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
+                r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=params(rule, i))
                 rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds)
         if hf is not None:
-            rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None))
-            rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens))
+            rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None, params(None, i)))
+            rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens, params(None, i)))
     reference = rows[f"plain[{engines[0][0]}]"]
     report = {
         "engines": args.engine, "model": meta.model, "tree": first.tree.name, "tree_nodes": first.tree.num_nodes,
-        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes} for _, _, v in engines for key, rt in v.items()},
+        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes} for _, _, v in engines for key, (rt, _) in v.items()},
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                     "acceptance": rules} if sampled else "greedy",
         "prompts": len(prompts), "prompts_file": str(args.prompts), "every": args.every, "max_new_tokens": args.max_new_tokens,
         "reference": reference.name, "methods": {k: r.report(reference) for k, r in rows.items()},
     }
@@ -238,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in report["methods"].items():
         acc = f"{m['mean_accepted_per_step']:.2f}" if m["mean_accepted_per_step"] else "-"
         vs_hf = f"{m['speedup_vs_hf']:.2f}x" if m.get("speedup_vs_hf") else "-"
-        print(f"{name:<40}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{m['identical_to_reference']:>10.0%}")
+        same = "-" if report["sampling"] != "greedy" else f"{m['identical_to_reference']:.0%}"  # samples differ by design
+        print(f"{name:<40}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{same:>11}")
     cost = report["heads_cost"]
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "

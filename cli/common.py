@@ -31,3 +31,18 @@ def load_model(model: str, heads: str | None, untrained_heads: int | None, head_
     from medusa_trt.exporter import load_medusa
 
     return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)
+
+
+def add_sampling_args(p) -> None:
+    """--temperature / --top-p / --top-k / --seed / --acceptance (defaults: SamplingParams')."""
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (lossless by default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this cumulative probability")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--seed", type=int, help="seed of each sequence's generator (same seed, same output)")
+    g.add_argument("--acceptance", choices=["greedy", "typical", "lossless"],
+                   help="acceptance rule: lossless keeps the base model's distribution exactly; typical accepts more, not exactly")
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, acceptance=args.acceptance)

@@ -1,6 +1,7 @@
 """``medusa-run``: generate with Medusa from the command line and print a one-line summary.
 
     medusa-run --model smollm2-135m --heads DIR --prompt "Hello" [--tree mc_sim_7b_63]
+    medusa-run --engine build/model.onnx --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
 
 Bad input (missing model, heads for another model, invalid tree, prompt too long) prints one
 ``medusa-run: error: ...`` line and exits 2.
@@ -13,7 +14,7 @@ import logging
 import sys
 import time
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, add_sampling_args, fail, sampling_kwargs, setup_logging
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same engine and print the speedup")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
+    add_sampling_args(p)
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     try:
         from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
+        from medusa_trt.runtime.sampling import SamplingParams
+
+        SamplingParams(**sampling_kwargs(args))  # bad sampling options fail before the model loads
 
         device = args.device or "cpu"
         if args.engine:
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree,
                                device=None if args.engine else device)
         runtime = MedusaRuntime(model, config)
-        gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None)
+        gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None,
+                   **sampling_kwargs(args))
         if args.stream:
             line, rate = _stream(runtime, args.prompt[0], gen)
         else:

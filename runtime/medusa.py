@@ -6,11 +6,13 @@ top-k *proposals* made at the last committed node. One step:
 
   draft:   tree tokens = [root, proposals] gathered by the compiled tree        (B, T)
   verify:  one engine call on the tree at positions cache_length + depth        (B, T) argmax
-  accept:  longest path whose drafted tokens match the base model's choices     (B,)
+  accept:  the acceptance rule picks the last accepted node and the bonus token  (B,)
+           (greedy: drafts equal to the base argmax; lossless / typical: ``acceptance``)
   commit:  K/V of root + accepted nodes into the cache; bonus token = next root;
-           proposals = heads at the last accepted node
+           proposals = heads at the last accepted node (top-k, or draws when sampling)
 
-A step emits accepted + 1 tokens. Sequences are ragged: each has its own cache length and
+A step emits accepted + 1 tokens. Each sequence has its own sampling parameters and seeded
+generator (``sampling.SamplingParams``), so a batch may mix greedy and sampled sequences. Sequences are ragged: each has its own cache length and
 acceptance length. Small per-step arrays (ids, positions) live on the host; logits, hidden states
 and K/V stay inside the backend.
 """
@@ -27,9 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from medusa_trt.runtime.acceptance import greedy_accept
+from medusa_trt.runtime.acceptance import TreeWalk, greedy_accept, lossless_accept, tree_walk, typical_accept
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, RuntimeConfig, default_tree
 from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.sampling import SamplingParams, broadcast_params, draw_without_replacement, sample, warp
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
@@ -85,6 +88,8 @@ class _EngineInfo:
 @dataclass
 class _Sequence:
     prompt: list[int]
+    params: SamplingParams = SamplingParams()
+    rng: np.random.Generator | None = None  # this sequence's own: reproducible whatever shares the batch
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
@@ -101,7 +106,9 @@ class MedusaRuntime:
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
         self.config = cfg = dataclasses.replace(config or RuntimeConfig(), **overrides)
-        if isinstance(engine, (str, os.PathLike)):
+        if isinstance(engine, (str, os.PathLike)) and str(engine).endswith(".plan"):
+            self.backend, codec, info = self._tensorrt(engine, cfg)
+        elif isinstance(engine, (str, os.PathLike)):
             self.backend, codec, info = self._onnx(engine, cfg)
         elif hasattr(engine, "kv_spec") and hasattr(engine, "propose"):
             self.backend, codec, info = self._torch(engine, cfg)
@@ -115,6 +122,7 @@ class MedusaRuntime:
             self.tree = compile_tree(info.tree, name=info.tree_name, max_depth=self.num_heads)
         self._info = info
         self._check_tree(self.tree)
+        self._walk: TreeWalk = tree_walk(self.tree)
         limit = self.backend.max_tokens
         if limit is not None and min(cfg.prefill_chunk, self.max_context) > limit:
             raise EngineError(f"prefill_chunk {cfg.prefill_chunk} exceeds the engine's {limit} tokens per step: lower it")
@@ -129,6 +137,7 @@ class MedusaRuntime:
         other.config = dataclasses.replace(self.config, tree=tree)
         other.tree = load_tree(tree, max_depth=self.num_heads)
         self._check_tree(other.tree)
+        other._walk = tree_walk(other.tree)
         return other
 
     def _check_tree(self, tree: CompiledTree) -> None:
@@ -152,6 +161,15 @@ class MedusaRuntime:
         return backend, FileTextCodec(backend.files.tokenizer), info
 
     @staticmethod
+    def _tensorrt(path, cfg: RuntimeConfig):
+        from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend  # tensorrt and torch only on this path
+
+        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=getattr(cfg, "cuda_graph", False))
+        meta = backend.meta
+        info = _EngineInfo(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
+        return backend, FileTextCodec(backend.files.tokenizer), info
+
+    @staticmethod
     def _torch(model, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.torch_backend import TorchBackend  # torch only on this path
 
@@ -166,22 +184,32 @@ class MedusaRuntime:
 
     # ----------------------------------------------------------------- public API
 
-    def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None):
-        """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch."""
+    def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
+                 temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None):
+        """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch.
+
+        Sampling (see ``SamplingParams``): ``temperature`` 0 (default) decodes greedily; above 0
+        the default acceptance is ``"lossless"`` (exactly the base model's distribution after
+        temperature / top_k / top_p); ``"typical"`` accepts more but is not exact. Each of
+        temperature, top_p, top_k, seed, acceptance is one value for all prompts or a list with
+        one per prompt; or pass ``sampling=`` SamplingParams (one or a list)."""
         single, batch = self._prompts(prompts, chat_template)
+        params = broadcast_params(len(batch), sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
         results: list[GenerationResult] = []
         for start in range(0, len(batch), self.max_batch):
-            seqs = [_Sequence(p) for p in batch[start : start + self.max_batch]]
+            seqs = [_Sequence(p, q) for p, q in zip(batch[start : start + self.max_batch], params[start : start + self.max_batch])]
             for _ in self._run(seqs, max_new_tokens, _stops(stop)):
                 pass
             results += [GenerationResult(s.text, s.tokens, s.finish_reason, s.stats) for s in seqs]
         return results[0] if single else results
 
-    def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None) -> Iterator[StreamEvent]:
-        """Yield tokens as they are committed, one event per sequence and step."""
+    def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
+               temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None) -> Iterator[StreamEvent]:
+        """Yield tokens as they are committed, one event per sequence and step (options as ``generate``)."""
         _, batch = self._prompts(prompts, chat_template)
+        params = broadcast_params(len(batch), sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
         for start in range(0, len(batch), self.max_batch):
-            seqs = [_Sequence(p) for p in batch[start : start + self.max_batch]]
+            seqs = [_Sequence(p, q) for p, q in zip(batch[start : start + self.max_batch], params[start : start + self.max_batch])]
             for event in self._run(seqs, max_new_tokens, _stops(stop)):
                 yield dataclasses.replace(event, index=event.index + start)
 
@@ -216,44 +244,52 @@ class MedusaRuntime:
         started = time.perf_counter()
         for s in seqs:
             s.stats = GenerationStats(prompt_tokens=len(s.prompt))
-        lengths, root, proposals = self._prefill(seqs)
+            s.rng = s.params.generator()
+        lossless = np.array([s.params.rule == "lossless" for s in seqs])  # (B,) drafts sampled, rank-gathered
+        lengths, root, proposals, drafts_q = self._prefill(seqs)
         yield from self._emit(seqs, [[int(r)] for r in root], lengths, max_new_tokens, stops, counting=False)
-        tree = self.tree
+        tree, rows = self.tree, np.arange(len(seqs))
         mask = np.ascontiguousarray(np.broadcast_to(tree.mask, (len(seqs), *tree.mask.shape)))  # (B, T, T)
         verify_seconds = heads_seconds = 0.0
         while any(s.finish_reason is None for s in seqs):
-            tokens = self._draft(root, proposals)  # (B, T)
+            active = np.array([s.finish_reason is None for s in seqs])  # (B,)
+            tokens = self._draft(root, proposals, lossless)  # (B, T); -1 where a head had no draw left
             positions = lengths[:, None] + tree.depth[None, :]  # (B, T)
             tick = time.perf_counter()
-            target = self.backend.step(tokens, positions, mask, lengths)  # (B, T) base argmax
+            target = self.backend.step(np.maximum(tokens, 0), positions, mask, lengths)  # (B, T) base argmax
             verify_seconds += time.perf_counter() - tick
-            best, accepted = greedy_accept(tree, tokens, target)  # (B,), (B,)
-            accepted = np.minimum(accepted, self._room(seqs, lengths, max_new_tokens))
-            path = tree.retrieve[best]  # (B, D+1) root-to-leaf nodes, -1 padded
-            last = path[np.arange(len(seqs)), accepted]  # (B,) last accepted node
-            new = [list(tokens[b, path[b, 1 : accepted[b] + 1]]) + [int(target[b, last[b]])] for b in range(len(seqs))]
-            active = np.array([s.finish_reason is None for s in seqs])
+            last, bonus = self._accept(seqs, tokens, target, drafts_q, active)  # (B,), (B,)
+            path = tree.retrieve[self._walk.row_of[last]]  # (B, D+1) root-to-leaf nodes through last, -1 padded
+            accepted = tree.depth[last]  # (B,)
+            room = self._room(seqs, lengths, max_new_tokens)
+            cut = accepted > room  # out of budget: keep the first `room` drafts; the next accepted draft
+            accepted = np.where(cut, room, accepted)  # (already a sample of the base model) becomes the bonus
+            bonus = np.where(cut, tokens[rows, path[rows, np.minimum(accepted + 1, tree.depth_max)]], bonus)
+            last = path[rows, accepted]
+            new = [list(tokens[b, path[b, 1 : accepted[b] + 1]]) + [int(bonus[b])] for b in rows]
             counts = np.where(active, accepted + 1, 0)  # root + accepted drafts enter the cache
             self.backend.commit(path, counts, lengths)
             lengths = lengths + counts
-            root = target[np.arange(len(seqs)), last]
+            root = bonus
             if tree.depth_max:  # plain decoding (chain-0) needs no proposals
                 tick = time.perf_counter()
-                proposals = self.backend.propose(last, tree.top_k)
+                proposals, drafts_q = self._propose(seqs, last, active, proposals, drafts_q)
                 heads_seconds += time.perf_counter() - tick
             yield from self._emit(seqs, new, lengths, max_new_tokens, stops, counting=True)
         elapsed = time.perf_counter() - started
         for s in seqs:
             s.stats.seconds, s.stats.verify_seconds, s.stats.heads_seconds = elapsed, verify_seconds, heads_seconds
 
-    def _prefill(self, seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _prefill(self, seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
         """Chain-masked calls over the right-padded prompts, ``prefill_chunk`` tokens at a time;
-        commits every prompt token. Returns cache lengths, roots and proposals (B,), (B,), (B, n, K)."""
+        commits every prompt token. Returns cache lengths (B,), roots (B,), proposals (B, D, K)
+        and per sequence the draft distributions its proposals were drawn from (or None)."""
         batch = len(seqs)
         count = np.array([len(s.prompt) for s in seqs], dtype=np.int64)  # (B,)
         lengths = np.zeros(batch, dtype=np.int64)
         root = np.zeros(batch, dtype=np.int64)
-        proposals = np.zeros((batch, self.num_heads, self.tree.top_k), dtype=np.int64)
+        proposals = np.zeros((batch, self.tree.depth_max, self.tree.top_k), dtype=np.int64)
+        drafts_q: list = [None] * batch
         chunk = self.config.prefill_chunk
         for start in range(0, int(count.max()), chunk):
             width = min(chunk, int(count.max()) - start)
@@ -269,18 +305,60 @@ class MedusaRuntime:
             ends = (count > start) & (count <= start + width)  # (B,) prompt ends in this chunk
             last = np.clip(count - 1 - start, 0, width - 1)  # (B,) its last token's node
             root = np.where(ends, target[np.arange(batch), last], root)
+            for b in np.flatnonzero(ends):
+                if seqs[b].params.rule != "greedy":  # the first new token is a sample of the base model
+                    root[b] = sample(seqs[b].rng, warp(self.backend.logits_rows([b], [last[b]]), seqs[b].params)[0])
             if self.tree.depth_max:
-                proposals = np.where(ends[:, None, None], self.backend.propose(last, self.tree.top_k), proposals)
-        return count, root, proposals
+                proposals, drafts_q = self._propose(seqs, last, ends, proposals, drafts_q)
+        return count, root, proposals, drafts_q
 
-    def _draft(self, root: np.ndarray, proposals: np.ndarray | None) -> np.ndarray:
-        """Tree tokens (B, T): candidates [root, head1 top-K, ..., headD top-K] gathered by the tree."""
+    def _propose(self, seqs, nodes: np.ndarray, which: np.ndarray, proposals: np.ndarray, drafts_q: list) -> tuple[np.ndarray, list]:
+        """Heads at ``nodes[b]`` for the sequences in ``which`` (B,): their top-K ids, or for
+        lossless sampling draws without replacement from each head's warped distribution q_d
+        (``walk.draws[d]`` of them, placed by rank). Returns proposals (B, D, K) and the q's."""
+        tree, walk = self.tree, self._walk
+        ids = self.backend.propose(nodes, tree.top_k)[:, : tree.depth_max]  # (B, D, K)
+        proposals = np.where(which[:, None, None], ids, proposals)
+        lossless = [b for b in np.flatnonzero(which) if seqs[b].params.rule == "lossless"]
+        if lossless:
+            head_logits = self.backend.head_logits()  # (B, n, V) host
+            drafts_q = list(drafts_q)
+            for b in lossless:
+                q = warp(head_logits[b, : tree.depth_max], seqs[b].params)  # (D, V)
+                for d in range(tree.depth_max):
+                    proposals[b, d, : walk.draws[d]] = draw_without_replacement(seqs[b].rng, q[d], int(walk.draws[d]))
+                drafts_q[b] = q
+        return proposals, drafts_q
+
+    def _accept(self, seqs, tokens: np.ndarray, target: np.ndarray, drafts_q: list, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Last accepted node and bonus token per sequence (B,), (B,) by each sequence's rule."""
+        tree, rows = self.tree, np.arange(len(seqs))
+        best, accepted = greedy_accept(tree, tokens, target)  # (B,), (B,): cheap, vectorised
+        last = tree.retrieve[best, accepted]
+        bonus = target[rows, last]
+        host = None
+        for b in np.flatnonzero(active):
+            params = seqs[b].params
+            if params.rule == "greedy":
+                continue
+            host = self.backend.host_logits() if host is None else host  # (B, T, V) on the host
+            probs = _lazy_probs(host[b], params)
+            if params.rule == "lossless":
+                last[b], bonus[b] = lossless_accept(self._walk, tokens[b], probs, drafts_q[b], seqs[b].rng)
+            else:
+                last[b], bonus[b] = typical_accept(tree, tokens[b], probs, params.posterior_threshold, params.posterior_alpha, seqs[b].rng)
+        return last, bonus
+
+    def _draft(self, root: np.ndarray, proposals: np.ndarray, lossless: np.ndarray) -> np.ndarray:
+        """Tree tokens (B, T): candidates [root, head1 top-K, ..., headD top-K] gathered by the tree
+        (by top-k index; for lossless sequences by sibling rank, matching how their draws are laid out)."""
         tree = self.tree
         if tree.depth_max == 0:
             return root[:, None].astype(np.int64)
-        heads = proposals[:, : tree.depth_max, : tree.top_k].reshape(len(root), -1)  # (B, D*K)
+        heads = proposals.reshape(len(root), -1)  # (B, D*K)
         candidates = np.concatenate([root[:, None], heads], axis=1)  # (B, 1 + D*K)
-        return candidates[:, tree.gather_index]
+        gather = np.where(lossless[:, None], self._walk.rank_gather[None, :], tree.gather_index[None, :])  # (B, T)
+        return np.take_along_axis(candidates, gather, axis=1)
 
     def _room(self, seqs: list[_Sequence], lengths: np.ndarray, max_new_tokens: int) -> np.ndarray:
         """Most drafted tokens each sequence may still accept (a step emits accepted + 1)."""
@@ -316,6 +394,19 @@ class MedusaRuntime:
             delta = s.text[len(s.sent) : delta_end]
             s.sent = s.text[:delta_end]
             yield StreamEvent(index=b, token_ids=s.tokens[before:], text=delta)
+
+
+def _lazy_probs(logits: np.ndarray, params: SamplingParams):
+    """node -> the base model's warped distribution at that node, float64 [V], from one
+    sequence's step logits [T, V]; computed only for the nodes a rule visits."""
+    cache: dict[int, np.ndarray] = {}
+
+    def probs(node: int) -> np.ndarray:
+        if node not in cache:
+            cache[node] = warp(logits[node][None], params)[0]
+        return cache[node]
+
+    return probs
 
 
 def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:

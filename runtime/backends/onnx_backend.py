@@ -136,6 +136,18 @@ class OnnxBackend:
         """Base logits of the last step [B, T, V] (a view of the preallocated buffer)."""
         return self._views["logits"]
 
+    def logits_rows(self, rows, nodes) -> np.ndarray:
+        """Base logits of the last step at (rows[i], nodes[i]): [N, V], copied (sampling reads a few rows)."""
+        return self._views["logits"][np.asarray(rows), np.asarray(nodes)]
+
+    def host_logits(self) -> np.ndarray:
+        """Base logits of the last step [B, T, V] (a view of the preallocated buffer)."""
+        return self._views["logits"]
+
+    def head_logits(self) -> np.ndarray:
+        """Medusa heads' logits of the last ``propose`` call, fp32 [B, n, V] (a view)."""
+        return self._head_logits_view
+
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
         key, value = self._cache_views(nodes.shape[0])
@@ -157,5 +169,6 @@ class OnnxBackend:
         io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
         io.bind_output("head_logits", "cpu", 0, np.float32, list(head_logits.shape), head_logits.ctypes.data)
         self.heads_session.run_with_iobinding(io)
+        self._head_logits_view = head_logits
         return topk[:, :, :top_k]
 

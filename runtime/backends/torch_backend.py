@@ -32,7 +32,7 @@ class TorchBackend:
         self.cache_value = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         log.info("torch backend on %s: KV cache %s (%.1f MiB)", self.device, tuple(shape),
                  2 * self.cache_key.numel() * self.cache_key.element_size() / 2**20)
-        self._logits = self._hidden = self._new_key = self._new_value = None
+        self._logits = self._hidden = self._new_key = self._new_value = self._head_logits = None
         self.max_tokens = None  # no limit on new tokens per step
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -61,6 +61,20 @@ class TorchBackend:
         return self._logits
 
     @torch.inference_mode()
+    def logits_rows(self, rows, nodes) -> np.ndarray:
+        """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""
+        index = (self._tensor(np.asarray(rows, dtype=np.int64)), self._tensor(np.asarray(nodes, dtype=np.int64)))
+        return self._logits[index].float().cpu().numpy()  # host sync: sampling walks the tree on the host
+
+    def host_logits(self) -> np.ndarray:
+        """Base logits of the last step on the host [B, T, V] (no copy for fp32 on the CPU)."""
+        return self._logits.float().cpu().numpy()  # host sync: sampling walks the tree on the host
+
+    def head_logits(self) -> np.ndarray:
+        """Medusa heads' logits of the last ``propose`` call on the host, fp32 [B, n, V]."""
+        return self._head_logits.float().cpu().numpy()  # host sync: draft draws are made on the host
+
+    @torch.inference_mode()
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) into slots cache_lengths[b] + 0.. in place."""
         rows, src, dst = (self._tensor(a) for a in commit_indices(nodes, counts, cache_lengths))  # each (N,)
@@ -73,4 +87,5 @@ class TorchBackend:
         rows = torch.arange(nodes.shape[0], device=self.device)
         hidden = self._hidden[rows, self._tensor(nodes)]  # (B, H)
         logits = self.model.propose(hidden)  # (B, n, V)
+        self._head_logits = logits
         return logits.topk(top_k, dim=-1).indices.cpu().numpy()  # host sync: drafting gathers on the host
