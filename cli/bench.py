@@ -111,9 +111,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _hf_model(name: str, threads: int | None):
-    import torch
+    try:
+        import torch
 
-    from medusa_trt.exporter.models import load_base_model
+        from medusa_trt.exporter.models import load_base_model
+    except ImportError as exc:  # the lean install: ONNX Runtime only
+        raise MedusaError(f"the transformers rows need torch and transformers ({exc.name} is not installed): "
+                          "pip install 'medusa-trt[export]', or pass --no-hf") from exc
 
     if threads:
         torch.set_num_threads(threads)
@@ -225,7 +229,8 @@ def _heads_cost(runtime) -> dict | None:
     return {"tree_nodes": t, "verify_step_ms_ctx128": step, "heads_one_node_ms": one, "heads_all_nodes_ms": every}
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path) -> bool:
+    """Bar chart of tokens/s; False (and a warning) without matplotlib."""
     try:
         import matplotlib
 
@@ -233,7 +238,7 @@ def plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib not installed: no plot (pip install matplotlib)")
-        return
+        return False
     names = list(report["methods"])
     rates = [report["methods"][n]["tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -248,6 +253,7 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out)
-    plot(report, out.with_suffix(".png"))
+    plotted = plot(report, out.with_suffix(".png"))
     print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
           f"agreement vs {report['reference']}")
     print(f"{'method':<40}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
               f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
     return 0
 
 

@@ -28,7 +28,11 @@ def fail(prog: str, exc: BaseException) -> int:
 
 def load_model(model: str, heads: str | None, untrained_heads: int | None, head_layer: int | None, device: str):
     """A MedusaModel from the command line's --model / --heads / --untrained-heads / --head-layer."""
-    from medusa_trt.exporter import load_medusa
+    try:
+        from medusa_trt.exporter import load_medusa
+    except ImportError as exc:  # the lean install: ONNX Runtime only
+        raise MedusaError(f"--model needs torch and transformers ({exc.name} is not installed): pip install 'medusa-trt[export]', "
+                          "or run an exported engine with --engine") from exc
 
     return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)
 

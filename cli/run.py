@@ -10,6 +10,7 @@ Bad input (missing model, heads for another model, invalid tree, prompt too long
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same engine and print the speedup")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, stats)")
     add_sampling_args(p)
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -95,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             line, rate = _stream(runtime, args.prompt[0], gen)
         else:
             results = runtime.generate(args.prompt, **gen)
+            if args.json:
+                for r in results:
+                    print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                      "steps": r.stats.steps, "mean_accepted": r.stats.mean_accepted,
+                                      "tokens_per_s": r.stats.tokens_per_second}))
+                return 0
             for i, r in enumerate(results):
                 if len(results) > 1:
                     print(f"--- prompt {i} ({r.finish_reason})")

@@ -107,3 +107,19 @@ def test_entry_point_without_traceback(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert errors == [line for line in errors if line.startswith("medusa-run: error: ")] and len(errors) == 1, proc.stderr
     assert "[0, 0, 0]" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_json_output(capsys, stories_base):
+    code, out, err = _run(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--prompt", "One day", "--prompt", "The cat",
+                          "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(records) == 2 and all(len(r["token_ids"]) == 8 and r["finish_reason"] == "length" for r in records)
+    assert stories_base.tokenizer.decode(records[0]["token_ids"], skip_special_tokens=True).strip() == records[0]["text"].strip()
+
+
+def test_model_without_the_export_extra_is_one_line(capsys, monkeypatch):
+    """In the lean install (no torch), --model says which extra to install instead of a traceback."""
+    monkeypatch.setitem(sys.modules, "medusa_trt.exporter", None)  # import fails as it does without torch
+    code, out, err = _run(capsys, "--model", str(STORIES), "--prompt", "Hi")
+    assert code == 2 and err.startswith("medusa-run: error: --model needs torch and transformers") and "medusa-trt[export]" in err

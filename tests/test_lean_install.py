@@ -167,6 +167,17 @@ def test_lean_runtime_decodes_the_same_tokens(lean_venv, stories_engine, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rule", ["lossless", "typical"])
+def test_lean_sampling_matches_the_full_install(lean_venv, stories_engine, tmp_path, rule):
+    """Sampling rules run in numpy with seeded generators: the same seeds give the same tokens in both installs."""
+    args = ["--engine", str(stories_engine), "--prompt", STORY_PROMPTS[0], "--prompt", STORY_PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS),
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "11", "--acceptance", rule, "--json"]
+    lean = [json.loads(line)["token_ids"] for line in _lean(lean_venv, "medusa-run", *args, cwd=tmp_path).splitlines()]
+    full = MedusaRuntime(stories_engine).generate(STORY_PROMPTS[:2], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=11, acceptance=rule)
+    assert lean == [r.token_ids for r in full]
+
+
+@pytest.mark.slow
 def test_lean_medusa_run_prints_what_the_full_install_prints(lean_venv, stories_engine, tmp_path, capsys):
     args = ["--engine", str(stories_engine), "--prompt", STORY_PROMPTS[0], "--prompt", STORY_PROMPTS[2],
             "--max-new-tokens", str(NEW_TOKENS)]
