@@ -10,6 +10,11 @@ moved into place, the step graph last, so a failed export leaves nothing behind)
 
 Then the graphs are checked: the ONNX checker, and ONNX Runtime against the torch model on a
 prefill and a tree step, with the max abs difference printed and a stated tolerance enforced.
+
+``attention="plugin"`` exports each layer's attention as one ``medusa_trt::TreeAttention`` node
+(``plugins/tree_attention/spec.py``) for TensorRT's plugin, with the node's CPU fallback attached
+as a model-local function (``plugins/tree_attention/onnx_fallback.py``), so ONNX Runtime runs and
+verifies that graph too. ``attention="onnx"`` (the default) keeps standard ops only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.exporter.wrapper import HeadsGraph, MedusaModel
+from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.backends.onnx_backend import STEP_INPUTS, STEP_OUTPUTS
 from medusa_trt.runtime.config import default_tree
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
@@ -34,8 +39,9 @@ from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}  # max abs logit difference ONNX Runtime vs torch
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
+TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max abs logit difference ONNX Runtime vs torch
+UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kernels: nothing to compare with
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
 
 
@@ -54,14 +60,19 @@ class ExportConfig:
     opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
     quantize: str | None = None  # None | "int8": dynamic quantization of the weight matmuls
     verify: bool = True  # checker + ONNX Runtime vs torch after export
+    attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
 
     def __post_init__(self):
         if Path(self.out).suffix != ".onnx":
             raise ExportError(f"--out {self.out} must end in .onnx")
+        if self.attention not in ATTENTION_FORMS:
+            raise ExportError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_FORMS)}")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype} is not one of {', '.join(DTYPES)}")
         if self.quantize not in (None, "int8"):
             raise ExportError(f"--quantize {self.quantize} is not supported: use int8")
+        if self.quantize and self.attention != "onnx":
+            raise ExportError("--quantize int8 quantizes the standard graph for ONNX Runtime: drop --attention plugin")
         if self.quantize and self.dtype != "fp32":
             raise ExportError("--quantize int8 starts from fp32 weights: drop --dtype fp16")
         for name in ("max_batch", "max_context", "max_tokens"):
@@ -106,10 +117,19 @@ def _export_step(model: MedusaModel, config: ExportConfig):
         {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens, 2: tokens}, {0: batch},
         {0: past, 2: batch}, {0: past, 2: batch},
     )
-    return torch.onnx.export(
-        model, _example_inputs(model, 2, 3, 5), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
-        input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False,
-    )
+    table = None
+    if config.attention == "plugin":
+        from medusa_trt.plugins.tree_attention.torch_op import onnx_translation_table
+
+        table = onnx_translation_table()
+    previous, model.attention_form = model.attention_form, config.attention
+    try:
+        return torch.onnx.export(
+            model, _example_inputs(model, 2, 3, 5), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
+            input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False, custom_translation_table=table,
+        )
+    finally:
+        model.attention_form = previous
 
 
 def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
@@ -131,7 +151,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_heads=model.num_heads, top_k=tree.top_k,
         tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
-        is_chat=bool(model.is_chat), quantization=config.quantize or "none",
+        is_chat=bool(model.is_chat), quantization=config.quantize or "none", attention=config.attention,
     )
 
 
@@ -192,7 +212,12 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         with tqdm(total=len(stages), desc="medusa-export", unit="stage", disable=None) as bar, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bar.set_postfix_str("tracing the step graph")
-            _save(_export_step(model, config), staged.step, meta)
+            step = _export_step(model, config)
+            if config.attention == "plugin":
+                from medusa_trt.plugins.tree_attention.onnx_fallback import attach_fallback
+
+                attach_fallback(step.model)  # ONNX Runtime inlines it; the TensorRT build strips it
+            _save(step, staged.step, meta)
             bar.update()
             if model.num_heads:
                 bar.set_postfix_str("tracing the heads graph")
@@ -206,7 +231,9 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 if model.num_heads:
                     _quantize(staged.heads, meta)
             bar.update()
-            if config.verify:
+            if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
+                log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype)
+            elif config.verify:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 

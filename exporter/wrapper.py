@@ -7,6 +7,13 @@ from the call's kwargs, so the model's own projections, rotary embeddings, norms
 unchanged. Without those kwargs the function falls back to SDPA, so the same model object still
 serves ``transformers`` ``generate()``.
 
+Two forms of the attention: ``attention_form = "onnx"`` (the default) is the reference math in
+standard ops, which every exporter and runtime understands; ``"plugin"`` calls the custom op
+``torch.ops.medusa_trt.tree_attention`` once per layer, which ``torch.onnx.export`` turns into one
+``medusa_trt::TreeAttention`` node (``plugins/tree_attention/spec.py``) for TensorRT's plugin. In
+eager torch on a CUDA device the standard form runs the Triton kernel
+(``plugins/tree_attention/dispatch.py``) where that module is installed.
+
 Heads run in a separate small call (``propose``) on the hidden state of one node per sequence
 (the last accepted one), not on every tree node: with a 49k-token shared ``lm_head`` the heads on
 all T nodes cost about as much as the base model itself.
@@ -14,6 +21,8 @@ all T nodes cost about as much as the base model itself.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 from dataclasses import dataclass, field
 
@@ -27,6 +36,7 @@ from medusa_trt.plugins.tree_attention.reference import tree_attention, visibili
 log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "medusa_tree"
+ATTENTION_FORMS = ("onnx", "plugin")  # standard ops | one custom node per layer (TensorRT plugin)
 
 
 @dataclass
@@ -35,8 +45,23 @@ class _StepKV:
 
     past_key: torch.Tensor  # [S, layers, B, Hkv, D] committed cache (slot-major: its first S slots are contiguous)
     past_value: torch.Tensor  # [S, layers, B, Hkv, D]
+    tree_mask: torch.Tensor  # bool [B, T, T]
+    cache_lengths: torch.Tensor  # int64 [B]
+    attention_form: str = "onnx"  # one of ATTENTION_FORMS
     new_key: list = field(default_factory=list)  # per layer [B, Hkv, T, D]
     new_value: list = field(default_factory=list)
+
+
+@functools.cache
+def _kernel_attend():
+    """``dispatch.attend`` (Triton kernel on CUDA) when that module is installed, else None."""
+    name = "medusa_trt.plugins.tree_attention.dispatch"
+    try:
+        return importlib.import_module(name).attend
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
 
 
 def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, medusa_kv=None, **kwargs):
@@ -50,9 +75,18 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     layer = module.layer_idx
     medusa_kv.new_key.append(key)
     medusa_kv.new_value.append(value)
-    past_key = medusa_kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
-    past_value = medusa_kv.past_value[:, layer].permute(1, 2, 0, 3)
-    out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling)  # (B, Hq, T, D)
+    kv = medusa_kv
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if kv.attention_form == "plugin":  # one opaque op: exported as the spec's custom node
+        from medusa_trt.plugins.tree_attention import torch_op  # noqa: F401 - registers torch.ops.medusa_trt
+
+        out = torch.ops.medusa_trt.tree_attention(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale)
+    elif query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:  # eager CUDA: Triton kernel
+        out = _kernel_attend()(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer=layer, scale=scale)
+    else:  # reference math in standard ops (what the standard ONNX graph holds)
+        past_key = kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
+        past_value = kv.past_value[:, layer].permute(1, 2, 0, 3)
+        out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling)  # (B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -95,6 +129,7 @@ class MedusaModel(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.attention_form = "onnx"  # ATTENTION_FORMS; the exporter sets "plugin" while it traces
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -126,7 +161,8 @@ class MedusaModel(nn.Module):
 
         The cache is slot-major so that the first S slots of a preallocated buffer are one
         contiguous block: ONNX Runtime can bind them without a copy."""
-        kv = _StepKV(past_key, past_value)
+        kv = _StepKV(past_key, past_value, tree_mask, cache_lengths, self.attention_form)
+        # the plugin form reads tree_mask and cache_lengths itself; its traced graph drops this bias as dead code
         bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S+T)
         out = self.base.model(
             input_ids=input_ids,

@@ -4,6 +4,8 @@ An engine ``model.onnx`` (step graph) comes with ``model.heads.onnx`` (Medusa he
 without heads), ``model.onnx.data`` (external weights, when large) and ``model.tokenizer/``.
 ``EngineMeta`` is stored as JSON under the key ``medusa_trt`` in both graphs' ``metadata_props``
 and read back through ONNX Runtime, so this module needs neither torch nor the onnx package.
+A TensorRT engine ``engine.plan`` comes with ``engine.heads.plan``, ``engine.tokenizer/`` and its
+metadata in the sidecar ``engine.plan.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class EngineMeta:
     format_version: int
     model: str  # what the base model was loaded from (name or path), for benchmarks and humans
     architecture: str  # model_type: llama, mistral, qwen2
-    dtype: str  # fp32 | fp16 (weights, KV cache, logits)
+    dtype: str  # fp32 | fp16 | bf16 (weights, KV cache, logits; bf16 for TensorRT only)
     vocab_size: int
     hidden_size: int  # width of the head-input hidden state
     num_layers: int
@@ -45,6 +47,7 @@ class EngineMeta:
     eos_token_ids: list
     is_chat: bool
     quantization: str = "none"  # none | int8 (dynamic, weight matmuls)
+    attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -59,7 +62,7 @@ class EngineMeta:
         if version != FORMAT_VERSION:
             raise EngineError(f"{source}: engine format version {version}, this runtime reads {FORMAT_VERSION}: export it again")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(raw) - {"quantization"}
+        missing = names - set(raw) - {"quantization", "attention"}
         if missing:
             raise EngineError(f"{source}: engine metadata lacks {sorted(missing)}: export it again")
         return cls(**{k: v for k, v in raw.items() if k in names})
@@ -67,15 +70,21 @@ class EngineMeta:
 
 @dataclass(frozen=True)
 class EngineFiles:
-    step: Path  # model.onnx
-    heads: Path  # model.heads.onnx
+    step: Path  # model.onnx (or engine.plan)
+    heads: Path  # model.heads.onnx (engine.heads.plan)
     tokenizer: Path  # model.tokenizer/
 
     @classmethod
     def beside(cls, path: str | os.PathLike) -> EngineFiles:
         step = Path(path)
         stem = step.with_suffix("")
-        return cls(step=step, heads=stem.with_name(stem.name + ".heads.onnx"), tokenizer=stem.with_name(stem.name + ".tokenizer"))
+        heads = stem.with_name(stem.name + ".heads" + (step.suffix or ".onnx"))
+        return cls(step=step, heads=heads, tokenizer=stem.with_name(stem.name + ".tokenizer"))
+
+    @property
+    def sidecar(self) -> Path:
+        """engine.plan.json: the metadata of a TensorRT plan, which has no room for its own."""
+        return self.step.with_name(self.step.name + ".json")
 
 
 def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:

@@ -1,0 +1,297 @@
+"""Build TensorRT engines (``.plan``) from the exported ONNX graphs.
+
+``medusa-export ... --out build/engine.plan`` first exports ``build/engine.onnx`` (and its heads
+graph and tokenizer, ``onnx_export``), then builds, each file first under a temporary name and
+moved into place, the step engine last:
+
+  build/engine.heads.plan   heads engine (absent without heads)
+  build/engine.plan.json    the runtime's metadata (``EngineMeta``): a plan carries none of its own
+  build/engine.plan         step engine
+  build/timing.cache        TensorRT's tactic timing cache, read and extended by every build there
+
+How (polygraphy's loaders over the TensorRT API):
+
+* Strongly typed networks: the precision comes from the graph, which is exported in the engine's
+  dtype (fp32, fp16 or bf16). TensorRT 10.12 deprecated the builder's precision flags and 11
+  removed them; int8 and fp8 come from Q/DQ nodes in the graph (explicit quantization, e.g.
+  NVIDIA ModelOpt on the exported ONNX), checked against the GPU before the build.
+* One optimization profile per engine. Step: batch 1..max_batch, new tokens 1..max_tokens (a tree
+  or a prefill chunk), cache slots 0..max_context; the heads: batch 1..max_batch.
+* A plugin-form graph (``--attention plugin``) is parsed from a copy without the CPU fallback
+  function (``onnx_fallback.strip_fallback``; the parser would otherwise inline it) whose spec
+  nodes carry ``plugin_namespace`` / ``plugin_version``, the attributes TensorRT's ONNX parser
+  looks plugins up by (it ignores the node's domain). Importing
+  ``medusa_trt.plugins.tree_attention.trt_plugin`` registers the plugin first.
+
+Without TensorRT, polygraphy or a CUDA GPU the build stops with ``TensorRTUnavailableError``, after
+the ONNX files are written and before any ``.plan`` is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from medusa_trt.exporter.onnx_export import ExportError
+from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
+from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
+
+log = logging.getLogger(__name__)
+
+ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # the graph's dtype, which a strongly typed network keeps
+# Oldest GPU (compute capability) each precision builds for; TensorRT 10 itself needs Turing (7.5).
+MIN_CAPABILITY = {"fp32": (7, 5), "fp16": (7, 5), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
+MIN_TENSORRT = (10, 0)  # execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks
+INSTALL_HINT = "install TensorRT 10+ and polygraphy (pip install tensorrt polygraphy) on a machine with an NVIDIA GPU and CUDA"
+PLUGIN_MODULE = "medusa_trt.plugins.tree_attention.trt_plugin"
+TIMING_CACHE = "timing.cache"
+
+
+class TensorRTUnavailableError(ExportError):
+    """TensorRT, polygraphy or a CUDA GPU is missing; the message says what to install."""
+
+
+class TensorRTBuildError(ExportError):
+    """TensorRT could not build the engine as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """One input's shapes in an optimization profile."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]  # the shape TensorRT tunes its tactics for
+    max: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorRTConfig:
+    plan: Path  # the step engine's path, ending in .plan
+    timing_cache: Path | None = None  # None: timing.cache beside the plan
+    workspace_gib: float | None = None  # builder scratch memory limit; None: TensorRT's default (the GPU's memory)
+    optimization_level: int = 3  # 0..5: builder time against engine speed; 3 is TensorRT's default
+
+    def __post_init__(self):
+        if Path(self.plan).suffix != ".plan":
+            raise ExportError(f"--out {self.plan} must end in .plan for a TensorRT engine")
+        if not 0 <= self.optimization_level <= 5:
+            raise ExportError(f"optimization level {self.optimization_level} is not in 0..5")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.timing_cache) if self.timing_cache is not None else Path(self.plan).parent / TIMING_CACHE
+
+
+def onnx_beside(plan: str | os.PathLike) -> Path:
+    """Where ``medusa-export --out engine.plan`` writes the ONNX graph it builds from: engine.onnx."""
+    return Path(plan).with_suffix(".onnx")
+
+
+# ----------------------------------------------------------------------------- pure shape logic
+
+
+def step_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
+    """The step engine's one optimization profile, from the export's limits.
+
+    Tuned (opt) for a verify step of the default tree over all sequences; a plugin-form engine
+    is always bound the whole cache (the plugin reads only committed slots), a standard one the
+    slots in use, so its opt context is half the maximum."""
+    batch, tokens, slots = meta.max_batch, meta.max_tokens, meta.max_context
+    tree_nodes = min(len(meta.tree) + 1, tokens)  # root + one node per path
+    opt_slots = slots if meta.attention == "plugin" else max(slots // 2, 1)
+    kv = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
+
+    ids = ShapeRange((1, 1), (batch, tree_nodes), (batch, tokens))  # (B, T)
+    cache = ShapeRange((0, kv[0], 1, *kv[1:]), (opt_slots, kv[0], batch, *kv[1:]), (slots, kv[0], batch, *kv[1:]))
+    return {
+        "input_ids": ids,
+        "position_ids": ids,
+        "tree_mask": ShapeRange((1, 1, 1), (batch, tree_nodes, tree_nodes), (batch, tokens, tokens)),
+        "cache_lengths": ShapeRange((1,), (batch,), (batch,)),
+        "past_key": cache,  # (S, layers, B, Hkv, D)
+        "past_value": cache,
+    }
+
+
+def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
+    """The heads engine's profile: one hidden state per sequence."""
+    return {"hidden": ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
+
+
+def check_precision(precision: str, capability: tuple[int, int], tensorrt_version: str) -> None:
+    """Raise ``TensorRTBuildError`` if this GPU / TensorRT cannot build ``precision``."""
+    version = tuple(int(p) for p in tensorrt_version.split(".")[:2] if p.isdigit())
+    if version < MIN_TENSORRT:
+        raise TensorRTUnavailableError(f"TensorRT {tensorrt_version} is too old (need {'.'.join(map(str, MIN_TENSORRT))}+): {INSTALL_HINT}")
+    need = MIN_CAPABILITY[precision]
+    if tuple(capability) < need:
+        fix = {"bf16": "export with --dtype fp16", "fp8": "quantize the graph to int8 instead, or build on an Ada / Hopper GPU"}
+        raise TensorRTBuildError(
+            f"{precision} needs a GPU of compute capability {need[0]}.{need[1]} or newer, this one is {capability[0]}.{capability[1]}: "
+            + fix.get(precision, "TensorRT 10 builds for Turing (7.5) and newer GPUs only")
+        )
+
+
+def graph_precisions(proto, dtype: str) -> list[str]:
+    """The engine dtype plus int8 / fp8 where the graph carries Q/DQ nodes of those types."""
+    from onnx import TensorProto
+
+    found = [dtype]
+    inits = {t.name: t.data_type for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "QuantizeLinear":
+            continue
+        zero_type = inits.get(node.input[2]) if len(node.input) > 2 else None
+        attr = next((a.i for a in node.attribute if a.name == "output_dtype"), None)
+        kind = attr or zero_type or TensorProto.UINT8
+        name = "fp8" if kind in (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2) else "int8"
+        if name not in found:
+            found.append(name)
+    return found
+
+
+def prepare_for_tensorrt(proto) -> int:
+    """In place: drop the CPU fallback, tag each spec node for the parser's plugin lookup.
+    Returns the number of plugin nodes."""
+    from medusa_trt.plugins.tree_attention.onnx_fallback import count_nodes, strip_fallback
+    from onnx import helper
+
+    strip_fallback(proto)
+    spec = TREE_ATTENTION
+    for node in proto.graph.node:
+        if (node.domain, node.op_type) == (spec.domain, spec.op_type):
+            names = {a.name for a in node.attribute}
+            if "plugin_namespace" not in names:
+                node.attribute.append(helper.make_attribute("plugin_namespace", spec.domain))
+            if "plugin_version" not in names:
+                node.attribute.append(helper.make_attribute("plugin_version", str(spec.version)))
+    return count_nodes(proto)
+
+
+# ----------------------------------------------------------------------------- TensorRT
+
+
+def require_tensorrt(onnx_path: Path | None = None):
+    """Import TensorRT and polygraphy and check for a CUDA GPU; returns the tensorrt module."""
+    written = f"the ONNX graph is written to {onnx_path}; " if onnx_path is not None else ""
+    try:
+        import tensorrt as trt
+    except (ImportError, OSError) as exc:  # the PyPI stub raises either when the libraries are missing
+        raise TensorRTUnavailableError(f"TensorRT is not installed ({_reason(exc)}): {written}to build a .plan {INSTALL_HINT}") from exc
+    try:
+        importlib.import_module("polygraphy.backend.trt")
+    except ImportError as exc:
+        raise TensorRTUnavailableError(f"polygraphy is not installed ({_reason(exc)}): {written}to build a .plan {INSTALL_HINT}") from exc
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailableError(f"no CUDA GPU is visible to torch: {written}to build a .plan {INSTALL_HINT}")
+    return trt
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:160] or type(exc).__name__
+
+
+def _register_plugin() -> None:
+    try:
+        importlib.import_module(PLUGIN_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != PLUGIN_MODULE:
+            raise
+        raise TensorRTBuildError(
+            f"the plugin-form graph needs the TensorRT plugin ({PLUGIN_MODULE}), which this install lacks: export with --attention onnx"
+        ) from exc
+
+
+def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange], config: TensorRTConfig, precisions: list[str]) -> None:
+    """Parse ``onnx_path`` (fallback stripped, in a sibling copy so external weights still resolve)
+    and write the serialized engine to ``target``."""
+    import onnx
+    import torch
+    from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
+
+    capability = torch.cuda.get_device_capability()
+    for precision in precisions:
+        check_precision(precision, capability, trt.__version__)
+    proto = onnx.load(str(onnx_path), load_external_data=False)  # weights stay in the .data file beside it
+    plugins = prepare_for_tensorrt(proto)
+    if plugins:
+        _register_plugin()
+    parse_path = onnx_path.with_name(f".{onnx_path.stem}.tensorrt.onnx")  # beside the original: same external data
+    onnx.save(proto, str(parse_path))
+    try:
+        trt_profile = Profile()
+        for name, shapes in profile.items():
+            trt_profile.add(name, min=shapes.min, opt=shapes.opt, max=shapes.max)
+        pools = {trt.MemoryPoolType.WORKSPACE: int(config.workspace_gib * 2**30)} if config.workspace_gib else None
+        cache = config.cache_path
+        build_config = CreateConfig(
+            profiles=[trt_profile],
+            load_timing_cache=str(cache) if cache.is_file() else None,
+            memory_pool_limits=pools,
+            builder_optimization_level=config.optimization_level,
+        )
+        log.info("building %s from %s (%s, %d plugin nodes, profile %s)", target.name, onnx_path.name, "/".join(precisions), plugins,
+                 {k: (v.min, v.opt, v.max) for k, v in profile.items()})
+        try:
+            network = network_from_onnx_path(str(parse_path), strongly_typed=True)
+            serialized = engine_bytes_from_network(network, config=build_config, save_timing_cache=str(cache))
+        except Exception as exc:
+            raise TensorRTBuildError(f"TensorRT could not build {target.name} from {onnx_path.name}: {_reason(exc)}") from exc
+        if serialized is None:
+            raise TensorRTBuildError(f"TensorRT returned no engine for {onnx_path.name}: run with -v for the builder log")
+        target.write_bytes(bytes(serialized))
+    finally:
+        parse_path.unlink(missing_ok=True)
+
+
+def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> EngineFiles:
+    """Build the step (and heads) engines of an exported ONNX engine; write the metadata sidecar.
+
+    ``onnx_path`` is what ``export_onnx`` wrote (its metadata is read from the graph). Files are
+    staged under temporary names in the plan's folder and moved into place, the step plan last."""
+    import onnx
+
+    onnx_path = Path(onnx_path)
+    trt = require_tensorrt(onnx_path)
+    src = EngineFiles.beside(onnx_path)
+    proto = onnx.load(str(src.step), load_external_data=False)
+    props = {p.key: p.value for p in proto.metadata_props}
+    if META_KEY not in props:
+        raise ExportError(f"{onnx_path} is not a medusa-trt ONNX engine (no '{META_KEY}' metadata): export it with medusa-export")
+    meta = EngineMeta.from_json(props[META_KEY], source=str(onnx_path))
+    if meta.quantization != "none":
+        raise TensorRTBuildError(
+            f"{onnx_path.name} holds ONNX Runtime's dynamic {meta.quantization} graph, which TensorRT does not build: "
+            "export without --quantize (int8 / fp8 engines come from Q/DQ nodes, e.g. NVIDIA ModelOpt on the exported ONNX)"
+        )
+    if meta.dtype not in ENGINE_DTYPES:
+        raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
+    final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json
+    sidecar = final.sidecar
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.step.name}.", dir=final.step.parent))
+    try:
+        staged_step, staged_heads = tmp / final.step.name, tmp / final.heads.name
+        _build_one(trt, src.step, staged_step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
+        if meta.num_heads:
+            heads_proto = onnx.load(str(src.heads), load_external_data=False)
+            _build_one(trt, src.heads, staged_heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
+        (tmp / sidecar.name).write_text(meta.to_json())
+        if final.heads.exists() and not staged_heads.exists():
+            final.heads.unlink()  # a stale heads plan of an earlier build under this name
+        for path in (staged_heads, tmp / sidecar.name):
+            if path.exists():
+                os.replace(path, final.step.parent / path.name)
+        os.replace(staged_step, final.step)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if final.tokenizer != src.tokenizer:  # a plan elsewhere than its ONNX: bring the tokenizer along
+        shutil.copytree(src.tokenizer, final.tokenizer, dirs_exist_ok=True)
+    log.info("wrote %s (TensorRT %s)", final.step, trt.__version__)
+    return final

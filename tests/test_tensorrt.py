@@ -1,0 +1,259 @@
+"""TensorRT: engine build and backend.
+
+Without TensorRT (every machine here) the tests that need it skip and say so; what is pure logic
+runs anyway: the optimization profile from the export limits, precision checks, the graph
+preparation for TensorRT's parser, the metadata sidecar, and ``--out engine.plan`` writing the
+ONNX graph, then stopping with one line saying what to install, no .plan left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import CUSTOM_TREE, STORIES, medusa_model
+
+onnx = pytest.importorskip("onnx")
+
+from medusa_trt.cli.export import main as export_main
+from medusa_trt.exporter.onnx_export import ExportError
+from medusa_trt.exporter.tensorrt_build import (
+    TensorRTBuildError, TensorRTConfig, TensorRTUnavailableError, check_precision, graph_precisions, heads_profile, onnx_beside,
+    prepare_for_tensorrt, step_profile,
+)
+from medusa_trt.plugins.tree_attention.onnx_fallback import fallback_function
+from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION as SPEC
+from medusa_trt.runtime import EngineError, EngineMeta, MedusaRuntime
+from medusa_trt.runtime.engine import FORMAT_VERSION, EngineFiles
+
+
+def _tensorrt_reason() -> str | None:
+    try:
+        import tensorrt  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"tensorrt is not installed ({type(exc).__name__}): these tests need TensorRT 10+ and an NVIDIA GPU"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "tensorrt is installed but no CUDA GPU is visible"
+    return None
+
+
+TENSORRT_MISSING = _tensorrt_reason()
+needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORRT_MISSING or "")
+
+
+def _meta(**overrides) -> EngineMeta:
+    fields = {
+        "format_version": FORMAT_VERSION, "model": "stories260K", "architecture": "llama", "dtype": "fp16", "vocab_size": 512,
+        "hidden_size": 64, "num_layers": 5, "num_kv_heads": 4, "head_dim": 8, "num_heads": 3, "top_k": 2,
+        "tree": [list(p) for p in CUSTOM_TREE], "tree_name": "custom", "max_batch": 4, "max_context": 256, "max_tokens": 64,
+        "eos_token_ids": [2], "is_chat": False,
+    }
+    return EngineMeta(**(fields | overrides))
+
+
+# ----------------------------------------------------------------------------- pure logic, no TensorRT
+
+
+@pytest.mark.parametrize("attention,opt_slots", [("onnx", 128), ("plugin", 256)])
+def test_step_profile_covers_the_export_limits(attention, opt_slots):
+    profile = step_profile(_meta(attention=attention))
+    assert set(profile) == {"input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value"}
+    nodes = len(CUSTOM_TREE) + 1  # opt: a verify step of the default tree
+    assert (profile["input_ids"].min, profile["input_ids"].opt, profile["input_ids"].max) == ((1, 1), (4, nodes), (4, 64))
+    assert profile["position_ids"] == profile["input_ids"]
+    assert (profile["tree_mask"].min, profile["tree_mask"].opt, profile["tree_mask"].max) == ((1, 1, 1), (4, nodes, nodes), (4, 64, 64))
+    assert (profile["cache_lengths"].min, profile["cache_lengths"].max) == ((1,), (4,))
+    cache = profile["past_key"]  # (S, layers, B, Hkv, D): context 0..max_context
+    assert (cache.min, cache.opt, cache.max) == ((0, 5, 1, 4, 8), (opt_slots, 5, 4, 4, 8), (256, 5, 4, 4, 8))
+    assert profile["past_value"] == cache
+    for shapes in profile.values():
+        assert all(lo <= op <= hi for lo, op, hi in zip(shapes.min, shapes.opt, shapes.max))
+    heads = heads_profile(_meta())["hidden"]
+    assert (heads.min, heads.opt, heads.max) == ((1, 64), (4, 64), (4, 64))
+
+
+def test_precision_checks():
+    check_precision("fp16", (7, 5), "10.0.1")
+    check_precision("bf16", (8, 0), "10.3.0")
+    check_precision("fp8", (9, 0), "10.8.0")
+    with pytest.raises(TensorRTBuildError, match="bf16 needs a GPU of compute capability 8.0"):
+        check_precision("bf16", (7, 5), "10.3.0")
+    with pytest.raises(TensorRTBuildError, match="fp8 needs .* 8.9"):
+        check_precision("fp8", (8, 6), "10.3.0")
+    with pytest.raises(TensorRTUnavailableError, match="TensorRT 8.6.1 is too old"):
+        check_precision("fp16", (9, 0), "8.6.1")
+
+
+def test_graph_precisions_follow_qdq_nodes():
+    helper, tp = onnx.helper, onnx.TensorProto
+
+    def graph(zero_type):
+        zero = helper.make_tensor("zero", zero_type, [], [0])
+        scale = helper.make_tensor("scale", tp.FLOAT, [], [0.1])
+        nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"]), helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"])]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", tp.FLOAT, [2])], [helper.make_tensor_value_info("y", tp.FLOAT, [2])],
+                              initializer=[zero, scale])
+        return helper.make_model(g)
+
+    assert graph_precisions(graph(tp.INT8), "fp16") == ["fp16", "int8"]
+    assert graph_precisions(graph(tp.FLOAT8E4M3FN), "bf16") == ["bf16", "fp8"]
+    empty = helper.make_model(helper.make_graph([], "g", [], []))
+    assert graph_precisions(empty, "fp32") == ["fp32"]
+
+
+def test_prepare_for_tensorrt_strips_fallback_and_tags_nodes():
+    helper = onnx.helper
+    nodes = [helper.make_node(SPEC.op_type, list(SPEC.inputs), [f"out{i}"], domain=SPEC.domain, layer=i, scale=0.5) for i in range(2)]
+    graph = helper.make_graph(nodes, "g", [], [])
+    other = helper.make_function("other", "Keep", ["x"], ["y"], [helper.make_node("Identity", ["x"], ["y"])], [helper.make_opsetid("", 23)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(SPEC.domain, SPEC.version)],
+                              functions=[fallback_function(23), other])
+    assert prepare_for_tensorrt(model) == 2
+    assert [(f.domain, f.name) for f in model.functions] == [("other", "Keep")]  # only the fallback goes
+    for i, node in enumerate(model.graph.node):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"layer": i, "scale": 0.5, "plugin_namespace": SPEC.domain.encode(), "plugin_version": str(SPEC.version).encode()}
+    assert prepare_for_tensorrt(model) == 2 and len(model.graph.node[0].attribute) == 4  # idempotent
+
+
+def test_plan_config_and_paths(tmp_path):
+    config = TensorRTConfig(plan=tmp_path / "engine.plan")
+    assert config.cache_path == tmp_path / "timing.cache"
+    assert TensorRTConfig(plan=tmp_path / "e.plan", timing_cache=tmp_path / "c").cache_path == tmp_path / "c"
+    with pytest.raises(ExportError, match="must end in .plan"):
+        TensorRTConfig(plan=tmp_path / "engine.onnx")
+    files = EngineFiles.beside(tmp_path / "engine.plan")
+    assert (files.heads.name, files.tokenizer.name, files.sidecar.name) == ("engine.heads.plan", "engine.tokenizer", "engine.plan.json")
+    assert EngineFiles.beside(tmp_path / "model.onnx").heads.name == "model.heads.onnx"
+    assert onnx_beside(tmp_path / "engine.plan") == tmp_path / "engine.onnx"
+
+
+def test_sidecar_round_trip(tmp_path):
+    from medusa_trt.runtime.backends.tensorrt_backend import read_plan_meta
+
+    plan = tmp_path / "engine.plan"
+    with pytest.raises(EngineError, match="does not exist"):
+        read_plan_meta(plan)
+    plan.write_bytes(b"serialized engine")
+    with pytest.raises(EngineError, match="engine.plan.json is missing"):
+        read_plan_meta(plan)
+    meta = _meta(attention="plugin")
+    EngineFiles.beside(plan).sidecar.write_text(meta.to_json())
+    assert read_plan_meta(plan) == meta
+    old = json.loads(meta.to_json())
+    del old["attention"]  # metadata written before the field existed reads as the standard form
+    EngineFiles.beside(plan).sidecar.write_text(json.dumps(old))
+    assert read_plan_meta(plan).attention == "onnx"
+
+
+@pytest.mark.skipif(TENSORRT_MISSING is None, reason="tensorrt is installed: the missing-TensorRT path cannot be shown")
+def test_runtime_on_a_plan_without_tensorrt_says_what_to_install(tmp_path):
+    plan = tmp_path / "engine.plan"
+    plan.write_bytes(b"serialized engine")
+    EngineFiles.beside(plan).sidecar.write_text(_meta().to_json())
+    with pytest.raises(EngineError, match="pip install tensorrt"):
+        MedusaRuntime(plan)
+
+
+def test_lean_runtime_never_imports_tensorrt():
+    code = "import sys, medusa_trt.runtime; print(sorted(m for m in sys.modules if 'tensorrt' in m))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = export_main([str(a) for a in args])
+    lines = [line.split("\r")[-1] for line in err.getvalue().split("\n")]
+    return code, out.getvalue(), "\n".join(line for line in lines if "medusa-export:" in line)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--out", "OUT/m.onnx", "--dtype", "bf16"], "--dtype bf16 is for TensorRT engines"),
+        (["--out", "OUT/e.plan", "--quantize", "int8"], "TensorRT does not build"),
+    ],
+)
+def test_plan_only_options(tmp_path, extra, message):
+    code, _, err = _cli("--model", STORIES, *[a.replace("OUT", str(tmp_path)) for a in extra])
+    assert code == 2 and message in err and "\n" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(TENSORRT_MISSING is None, reason="tensorrt is installed: the missing-TensorRT path cannot be shown")
+def test_plan_export_without_tensorrt_keeps_the_onnx_and_writes_no_plan(tmp_path):
+    plan = tmp_path / "engine.plan"
+    code, stdout, err = _cli("--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--out", plan, "--attention", "plugin",
+                             "--max-context", "64", "--no-verify")
+    assert code == 2, err
+    assert err.startswith("medusa-export: error: TensorRT is not installed") and "\n" not in err
+    assert "pip install tensorrt" in err and f"the ONNX graph is written to {tmp_path / 'engine.onnx'}" in err
+    assert stdout.startswith(f"wrote {tmp_path / 'engine.onnx'}")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["engine.heads.onnx", "engine.onnx", "engine.tokenizer"], names  # no .plan, no sidecar, no temp folder
+
+
+# ----------------------------------------------------------------------------- with TensorRT and a GPU
+
+
+@pytest.fixture(scope="module")
+def built_plans(tmp_path_factory, stories_base, stories_fitted):
+    """The stories model with fitted heads built as fp32 plans, standard and plugin form."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.exporter.tensorrt_build import build_engines
+
+    plans = {}
+    folder = tmp_path_factory.mktemp("plans")
+    for attention in ("onnx", "plugin"):
+        onnx_path = folder / f"{attention}.onnx"
+        export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention))
+        plans[attention] = build_engines(onnx_path, TensorRTConfig(plan=folder / f"{attention}.plan")).step
+    return plans
+
+
+@needs_tensorrt
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_tensorrt_tokens_match_onnxruntime(built_plans, stories_prompts, attention, batch):
+    plan = built_plans[attention]
+    got = MedusaRuntime(plan, tree=CUSTOM_TREE).generate(stories_prompts[:batch], max_new_tokens=24)
+    expected = MedusaRuntime(plan.with_suffix(".onnx"), tree=CUSTOM_TREE).generate(stories_prompts[:batch], max_new_tokens=24)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+
+
+@needs_tensorrt
+@pytest.mark.gpu
+def test_tensorrt_backend_binds_by_name_and_never_reallocates(built_plans, stories_prompts):
+    from medusa_trt.runtime.backends.tensorrt_backend import STEP_INPUTS, STEP_OUTPUTS
+
+    runtime = MedusaRuntime(built_plans["plugin"], tree=CUSTOM_TREE)
+    backend = runtime.backend
+    assert set(backend.step_engine.buffers) == set(STEP_INPUTS) | set(STEP_OUTPUTS)
+    before = {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()}
+    runtime.generate(stories_prompts, max_new_tokens=16)
+    assert {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()} == before
+    assert tuple(backend.head_logits().shape)[1:] == (backend.meta.num_heads, backend.meta.vocab_size)
+
+
+@needs_tensorrt
+@pytest.mark.gpu
+def test_cuda_graph_replay_gives_the_same_tokens(built_plans, stories_prompts):
+    from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend
+
+    plain = MedusaRuntime(built_plans["plugin"], tree=CUSTOM_TREE)
+    graphed = MedusaRuntime(built_plans["plugin"], tree=CUSTOM_TREE)
+    graphed.backend = TensorRTBackend(built_plans["plugin"], cuda_graph=True)
+    want = plain.generate(stories_prompts, max_new_tokens=24)
+    got = graphed.generate(stories_prompts, max_new_tokens=24)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert graphed.backend._graph.key is not None, "no verify step was captured"
