@@ -91,9 +91,7 @@ class OnnxBackend:
                  2 * self._key.nbytes / 2**20, sum(a.nbytes for a in self._out.values()) / 2**20)
 
     def _cache_views(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        shape = (self.max_context, self.meta.num_layers, batch, self.meta.num_kv_heads, self.meta.head_dim)
-        count = int(np.prod(shape))
-        return self._key[:count].reshape(shape), self._value[:count].reshape(shape)
+        return self._layout(self._key, batch), self._layout(self._value, batch)
 
     def _view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return self._out[name][: int(np.prod(shape))].reshape(shape)
@@ -135,6 +133,21 @@ class OnnxBackend:
     def logits(self) -> np.ndarray:
         """Base logits of the last step [B, T, V] (a view of the preallocated buffer)."""
         return self._views["logits"]
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
+        [slots, layers, new_batch, ...] layout (the batch size changes every element's place in
+        the flat buffer). Copies the first ``slots`` slots once; not per step."""
+        if slots == 0 or len(rows) == 0:
+            return
+        for flat in (self._key, self._value):
+            old = self._layout(flat, old_batch)[:slots]
+            moved = old[:, :, rows].copy()  # (slots, layers, n, Hkv, D)
+            self._layout(flat, new_batch)[:slots, :, : len(rows)] = moved
+
+    def _layout(self, flat: np.ndarray, batch: int) -> np.ndarray:
+        shape = (self.max_context, self.meta.num_layers, batch, self.meta.num_kv_heads, self.meta.head_dim)
+        return flat[: int(np.prod(shape))].reshape(shape)
 
     def logits_rows(self, rows, nodes) -> np.ndarray:
         """Base logits of the last step at (rows[i], nodes[i]): [N, V], copied (sampling reads a few rows)."""

@@ -61,6 +61,15 @@ class TorchBackend:
         return self._logits
 
     @torch.inference_mode()
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Move cache rows ``rows[i]`` to row i (this cache's layout does not depend on the batch size)."""
+        if slots == 0 or len(rows) == 0:
+            return
+        index = self._tensor(np.asarray(rows, dtype=np.int64))
+        for cache in (self.cache_key, self.cache_value):
+            cache[:slots, :, : len(rows)] = cache[:slots, :, index]  # advanced indexing reads a copy first
+
+    @torch.inference_mode()
     def logits_rows(self, rows, nodes) -> np.ndarray:
         """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""
         index = (self._tensor(np.asarray(rows, dtype=np.int64)), self._tensor(np.asarray(nodes, dtype=np.int64)))

@@ -1,0 +1,171 @@
+"""Continuous batching for servers: requests from any thread join and leave the engine's rows
+between steps, each with its own sampling parameters, stop conditions and acceptance length.
+
+    batcher = ContinuousBatcher(MedusaRuntime("build/model.onnx")).start()
+    handle = batcher.submit(Request("Hello", max_new_tokens=64, sampling=SamplingParams(temperature=0.7, seed=1)))
+    for event in handle:          # StreamEvent per step; the last one has finish_reason set
+        print(event.text, end="")
+    batcher.close()
+
+One background thread owns the ``loop.Scheduler`` (the engine is not thread-safe); ``submit``
+checks the request in the caller's thread (bad input raises there, before anything is queued)
+and ``cancel`` only sets a flag the loop honours before its next step, freeing the row at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, parse_stops
+from medusa_trt.runtime.sampling import SamplingParams
+from medusa_trt.runtime.text import PromptError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str | list[int]  # text (chat template applied for instruct engines) or token ids
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] | str | None = None  # stop strings: the text is cut before the first one
+    sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
+    chat_template: bool | None = None  # None: the engine's default
+
+
+class RequestHandle:
+    """A submitted request: iterate for its events (blocking), ``cancel()`` from any thread."""
+
+    def __init__(self, seq: Seq, batcher: ContinuousBatcher):
+        self.id = seq.index
+        self._seq, self._batcher = seq, batcher
+        self._events: queue.Queue = queue.Queue()
+        self._done = False  # the last event was consumed
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        """The events not yet consumed; ends after the last one (at once if it was consumed)."""
+        while not self._done:
+            event = self._events.get()
+            if isinstance(event, BaseException):
+                self._done = True
+                raise EngineError(f"request {self.id} failed: {event}") from event
+            self._done = event.finish_reason is not None
+            yield event
+
+    def cancel(self) -> None:
+        self._seq.cancelled = True
+        self._batcher._wake()
+
+    def result(self) -> GenerationResult:
+        """Block until the request ends; what it generated."""
+        for _ in self:
+            pass
+        return self._seq.result()
+
+
+class ContinuousBatcher:
+    """Runs a ``MedusaRuntime``'s engine for requests that come and go (see the module doc)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._scheduler = Scheduler(runtime)
+        self._waiting: deque[Seq] = deque()
+        self._handles: dict[int, RequestHandle] = {}
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> ContinuousBatcher:
+        """Start the loop thread; the batcher holds the runtime's engine until ``close``."""
+        if self._thread is None:
+            self._engine = self.runtime.engine_lock()
+            self._engine.__enter__()  # raises EngineError if the runtime is busy elsewhere
+            self._thread = threading.Thread(target=self._loop, name="medusa-batcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request; raises ``PromptError`` / ``SamplingError`` for bad input."""
+        rt = self.runtime
+        if not isinstance(request.sampling, SamplingParams):
+            raise PromptError("Request.sampling must be a SamplingParams")
+        if request.max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if isinstance(request.prompt, list) and not request.prompt:
+            raise PromptError("prompt 0 is empty: pass some text or token ids")
+        _, batch = rt._prompts(request.prompt, request.chat_template)
+        stops = parse_stops(request.stop)
+        seq = Seq(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling)
+        handle = RequestHandle(seq, self)
+        with self._cond:
+            if self._closed:
+                raise EngineError("the batcher is closed: create a new one")
+            self._handles[seq.index] = handle
+            self._waiting.append(seq)
+            self._cond.notify()
+        return handle
+
+    def close(self) -> None:
+        """Stop the loop; requests still running or waiting end with finish_reason "cancelled"."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._engine.__exit__(None, None, None)
+        self._finish_all(None)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        scheduler = self._scheduler
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not scheduler.active:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                joining = []
+                while self._waiting and len(joining) < scheduler.free:
+                    joining.append(self._waiting.popleft())
+            for seq in [s for s in joining if s.cancelled]:  # cancelled before it ever ran
+                seq.finish_reason = "cancelled"
+                self._deliver(seq, StreamEvent(seq.index, [], "", "cancelled"))
+            joining = [s for s in joining if not s.cancelled]
+            try:
+                if joining:
+                    scheduler.add(joining)
+                for seq, event in scheduler.step():
+                    self._deliver(seq, event)
+            except Exception as exc:  # noqa: BLE001 - an engine failure ends every request with the error, not a hang
+                log.exception("engine step failed; ending all requests")
+                with self._cond:
+                    self._closed = True
+                self._finish_all(exc)
+                return
+
+    def _deliver(self, seq: Seq, event: StreamEvent) -> None:
+        with self._cond:
+            handle = self._handles.get(seq.index)
+            if event.finish_reason is not None:
+                self._handles.pop(seq.index, None)
+        if handle is not None:
+            handle._events.put(event)
+
+    def _finish_all(self, error: BaseException | None) -> None:
+        with self._cond:
+            handles, self._handles = self._handles, {}
+            self._waiting.clear()
+        for handle in handles.values():
+            handle._seq.finish_reason = handle._seq.finish_reason or "cancelled"
+            handle._events.put(error if error is not None else StreamEvent(handle.id, [], "", "cancelled"))

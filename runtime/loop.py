@@ -1,0 +1,353 @@
+"""The draft -> verify -> accept -> commit loop over engine rows that sequences join and leave.
+
+Per sequence the loop keeps ``length`` committed tokens in its cache row, a *root* token (the
+base model's choice after them, already emitted, not yet in the cache) and the heads' proposals
+made at the last committed node. One engine step serves every occupied row at once:
+
+  prefill rows:  the next ``prefill_chunk`` prompt tokens under a causal mask; when the prompt
+                 is done, the root is the base model's token after it and the heads propose
+  decode rows:   draft   tree tokens = [root, proposals] gathered by the compiled tree  (T,)
+                 verify  the tree at positions length + depth, under the tree mask
+                 accept  the rule picks the last accepted node and the bonus token
+                 commit  K/V of root + accepted nodes into the row; bonus = next root;
+                         proposals = heads at the last accepted node
+  empty rows:    one padding token over an empty cache (never committed)
+
+The step is T_step = max over rows wide; a row's unused columns are padding nodes that see
+only themselves and are never committed, so they change nothing a real node computes. A step
+emits accepted + 1 tokens per decode row. A finished or cancelled sequence frees its row at
+once; a waiting one takes a free row between steps (continuous batching).
+
+Rows and the cache layout: the engine takes the cache as [slots, layers, B, Hkv, D] with B the
+step's row count, and ONNX Runtime / TensorRT need that block contiguous, so changing B
+re-lays the cache out (``backend.relayout``, a copy of the committed slots). The row count
+therefore only grows by doubling and shrinks when at most half the rows are in use; in
+between, free rows ride along as padding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from medusa_trt.runtime.acceptance import greedy_accept, lossless_accept, typical_accept
+from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
+from medusa_trt.runtime.text import PromptError
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    steps: int = 0  # verify steps (prefill steps not counted)
+    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    seconds: float = 0.0  # wall time from joining the batch to finishing
+    verify_seconds: float = 0.0  # of which engine steps this sequence took part in after its prefill
+    heads_seconds: float = 0.0  # of which Medusa heads calls
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted_per_step)) if self.accepted_per_step else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str  # new text, special tokens skipped, cut before a stop string
+    token_ids: list[int]  # new tokens only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context) or "cancelled"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    index: int  # which prompt (generate/stream) or request id (ContinuousBatcher)
+    token_ids: list[int]  # tokens committed in this step
+    text: str  # text added by them (held back while a multi-byte character is incomplete)
+    finish_reason: str | None = None  # set on the sequence's last event
+
+
+@dataclass
+class Seq:
+    """One generation: its request, its sampling state and where it is in the loop."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    stops: tuple[str, ...] = ()
+    params: SamplingParams = SamplingParams()
+    rng: np.random.Generator | None = None  # this sequence's own: reproducible whatever shares the batch
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    sent: str = ""  # text already streamed
+    stats: GenerationStats = None  # type: ignore[assignment]
+    cancelled: bool = False  # set from any thread; honoured between steps
+    # loop state
+    row: int = -1
+    length: int = 0  # committed tokens in its cache row
+    prefilled: int = 0  # prompt tokens committed so far
+    root: int = 0
+    proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
+    drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
+    started: float = 0.0
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.text, self.tokens, self.finish_reason or "cancelled", self.stats)
+
+
+class Scheduler:
+    """Runs the loop for a ``MedusaRuntime`` over up to ``max_batch`` rows. Not thread-safe:
+    one thread calls ``add`` and ``step`` (``ContinuousBatcher`` wraps it for servers)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.backend, self.tree, self.walk = runtime.backend, runtime.tree, runtime._walk
+        self.rows: list[Seq | None] = []  # len = the engine's batch B for the next step
+        self.verify_seconds = self.heads_seconds = 0.0
+
+    # ------------------------------------------------------------------ rows
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.rt.max_batch - self.active
+
+    def add(self, seqs: list[Seq]) -> None:
+        """Give each sequence a row (the caller checks ``free``); grows the row count by doubling."""
+        assert len(seqs) <= self.free, "no free row"
+        needed = self.active + len(seqs)
+        if needed > len(self.rows):
+            width = needed if self.active == 0 else min(self.rt.max_batch, max(needed, 2 * len(self.rows)))
+            self._resize(width)
+        now = time.perf_counter()
+        for s in seqs:
+            s.row = self.rows.index(None)
+            self.rows[s.row] = s
+            s.rng = s.params.generator()
+            s.stats = GenerationStats(prompt_tokens=len(s.prompt))
+            s.length = s.prefilled = 0
+            s.started = now
+
+    def _resize(self, width: int) -> None:
+        """Change the row count to ``width``, packing occupied rows first; moves their cache."""
+        kept = [s for s in self.rows if s is not None]
+        old = [s.row for s in kept]
+        slots = max((s.length for s in kept), default=0)
+        if kept and (old != list(range(len(kept))) or width != len(self.rows)):
+            self.backend.relayout(np.array(old, dtype=np.int64), len(self.rows), width, slots)
+        self.rows = kept + [None] * (width - len(kept))
+        for row, s in enumerate(kept):
+            s.row = row
+
+    def _release(self, s: Seq) -> None:
+        self.rows[s.row] = None
+        s.stats.seconds = time.perf_counter() - s.started
+        if self.active == 0:
+            self.rows = []
+        elif self.active <= len(self.rows) // 2:
+            self._resize(self.active)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> Iterator[tuple[Seq, StreamEvent]]:
+        """One engine call over every row; yields (sequence, event) for what it committed.
+        Cancelled sequences leave first; finished ones free their row after the step."""
+        for s in [s for s in self.rows if s is not None and s.cancelled]:
+            s.finish_reason = "cancelled"
+            self._release(s)
+            yield s, StreamEvent(s.index, [], "", "cancelled")
+        if not self.active:
+            return
+        rt, tree = self.rt, self.tree
+        rows = self.rows
+        batch = len(rows)
+        chunk = rt.config.prefill_chunk
+        prefill = {b: min(chunk, len(s.prompt) - s.prefilled) for b, s in enumerate(rows) if s is not None and s.prefilled < len(s.prompt)}
+        decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
+        width = max([tree.num_nodes] * bool(decode) + list(prefill.values()) + [1])
+        ids = np.zeros((batch, width), dtype=np.int64)  # (B, W)
+        positions = np.zeros((batch, width), dtype=np.int64)  # (B, W)
+        mask = np.broadcast_to(np.eye(width, dtype=bool), (batch, width, width)).copy()  # (B, W, W): padding sees itself
+        lengths = np.array([s.length if s is not None else 0 for s in rows], dtype=np.int64)  # (B,)
+        tokens: dict[int, np.ndarray] = {}
+        for b in decode:
+            tokens[b] = self._draft(rows[b])  # (T,); -1 where a head had no draw left
+            ids[b, : tree.num_nodes] = np.maximum(tokens[b], 0)
+            positions[b] = lengths[b]
+            positions[b, : tree.num_nodes] += tree.depth
+            mask[b, : tree.num_nodes, : tree.num_nodes] = tree.mask
+        for b, n in prefill.items():
+            s = rows[b]
+            ids[b, :n] = s.prompt[s.prefilled : s.prefilled + n]
+            positions[b] = lengths[b] + np.minimum(np.arange(width), n - 1)
+            mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
+        tick = time.perf_counter()
+        target = self.backend.step(ids, positions, mask, lengths)  # (B, W) base argmax per node
+        spent = time.perf_counter() - tick
+        self.verify_seconds += spent
+
+        commit_nodes = np.zeros((batch, max(width, tree.depth_max + 1)), dtype=np.int64)  # (B, A)
+        counts = np.zeros(batch, dtype=np.int64)  # (B,)
+        heads_at = np.zeros(batch, dtype=np.int64)  # (B,) node whose hidden state feeds the heads
+        wants_heads = np.zeros(batch, dtype=bool)  # (B,)
+        new: dict[int, list[int]] = {}
+        host = None  # base logits on the host, fetched once if a sampled row needs them
+        for b in decode:
+            s = rows[b]
+            if s.params.rule != "greedy" and host is None:
+                host = self.backend.host_logits()
+            last, bonus = self._accept(s, tokens[b], target[b, : tree.num_nodes], host)
+            path = tree.retrieve[self.walk.row_of[last]]  # (D+1,) root-to-leaf nodes through last, -1 padded
+            accepted = min(int(tree.depth[last]), self._room(s))
+            if accepted < tree.depth[last]:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
+                bonus, last = int(tokens[b][path[accepted + 1]]), int(path[accepted])
+            new[b] = [int(t) for t in tokens[b][path[1 : accepted + 1]]] + [int(bonus)]
+            commit_nodes[b, : accepted + 1] = path[: accepted + 1]
+            counts[b] = accepted + 1  # root + accepted drafts enter the cache
+            s.root = int(bonus)
+            heads_at[b], wants_heads[b] = last, True
+            s.stats.verify_seconds += spent
+        for b, n in prefill.items():
+            s = rows[b]
+            commit_nodes[b, :n] = np.arange(n)
+            counts[b] = n
+            if s.prefilled + n == len(s.prompt):  # the prompt is in: its last node gives the first new token
+                s.root = int(target[b, n - 1])
+                if s.params.rule != "greedy":
+                    s.root = sample(s.rng, warp(self.backend.logits_rows([b], [n - 1]), s.params)[0])
+                heads_at[b], wants_heads[b] = n - 1, True
+                new[b] = [s.root]
+        self.backend.commit(commit_nodes, counts, lengths)
+        for b, n in prefill.items():
+            rows[b].prefilled += n
+        for b in np.flatnonzero(counts):
+            rows[b].length += int(counts[b])
+        if tree.depth_max and wants_heads.any():  # plain decoding (chain-0) needs no proposals
+            tick = time.perf_counter()
+            self._propose(heads_at, wants_heads)
+            spent = time.perf_counter() - tick
+            self.heads_seconds += spent
+            for b in np.flatnonzero(wants_heads):
+                rows[b].stats.heads_seconds += spent
+        for b, tokens_b in sorted(new.items()):
+            s = rows[b]
+            event = self._emit(s, tokens_b, counting=b in decode)
+            if s.finish_reason is not None:
+                self._release(s)
+            yield s, event
+
+    # ------------------------------------------------------------------ draft / accept / propose
+
+    def _draft(self, s: Seq) -> np.ndarray:
+        """Tree tokens (T,): candidates [root, head1 top-K, ..., headD top-K] gathered by the tree
+        (by top-k index; for lossless sequences by sibling rank, matching how their draws are laid out)."""
+        tree = self.tree
+        if tree.depth_max == 0:
+            return np.array([s.root], dtype=np.int64)
+        candidates = np.concatenate([[s.root], s.proposals.reshape(-1)])  # (1 + D*K,)
+        gather = self.walk.rank_gather if s.params.rule == "lossless" else tree.gather_index
+        return candidates[gather]
+
+    def _accept(self, s: Seq, tokens: np.ndarray, target: np.ndarray, host: np.ndarray | None) -> tuple[int, int]:
+        """Last accepted node and bonus token by the sequence's rule."""
+        tree = self.tree
+        rule = s.params.rule
+        if rule == "greedy":
+            best, accepted = greedy_accept(tree, tokens[None], target[None])  # (1,), (1,)
+            last = int(tree.retrieve[best[0], accepted[0]])
+            return last, int(target[last])
+        probs = _lazy_probs(host[s.row], s.params)
+        if rule == "lossless":
+            return lossless_accept(self.walk, tokens, probs, s.drafts_q, s.rng)
+        return typical_accept(tree, tokens, probs, s.params.posterior_threshold, s.params.posterior_alpha, s.rng)
+
+    def _propose(self, nodes: np.ndarray, which: np.ndarray) -> None:
+        """Heads at ``nodes[b]`` for the rows in ``which`` (B,): their top-K ids, or for lossless
+        sampling draws without replacement from each head's warped distribution q_d
+        (``walk.draws[d]`` of them, placed by rank)."""
+        tree, walk = self.tree, self.walk
+        ids = self.backend.propose(nodes, tree.top_k)[:, : tree.depth_max]  # (B, D, K)
+        head_logits = None
+        for b in np.flatnonzero(which):
+            s = self.rows[b]
+            s.proposals = np.array(ids[b])  # (D, K) a copy: the backend's buffer is reused
+            if s.params.rule == "lossless":
+                head_logits = self.backend.head_logits() if head_logits is None else head_logits  # (B, n, V) host
+                q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
+                for d in range(tree.depth_max):
+                    s.proposals[d, : walk.draws[d]] = draw_without_replacement(s.rng, q[d], int(walk.draws[d]))
+                s.drafts_q = q
+
+    def _room(self, s: Seq) -> int:
+        """Most drafted tokens the sequence may still accept (a step emits accepted + 1)."""
+        by_context = self.rt.max_context - s.length - 2  # root pending: total = length + 1
+        by_budget = s.max_new_tokens - len(s.tokens) - 1
+        return max(min(by_context, by_budget), 0)
+
+    # ------------------------------------------------------------------ emit
+
+    def _emit(self, s: Seq, new: list[int], *, counting: bool) -> StreamEvent:
+        """Append new tokens; apply EOS, stop strings, budget and context; the streamed delta."""
+        codec, eos = self.rt.codec, self.rt.eos
+        if counting:
+            s.stats.steps += 1
+            s.stats.accepted_per_step.append(len(new))
+        before = len(s.tokens)
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new = new[: i + 1]
+                s.finish_reason = "stop"
+                break
+        s.tokens.extend(int(t) for t in new)
+        s.text = codec.decode(s.tokens)
+        cut = _first_stop(s.text, s.stops)
+        if cut is not None:
+            s.finish_reason = "stop"
+            while len(s.tokens) > before + 1 and _first_stop(codec.decode(s.tokens[:-1]), s.stops) is not None:
+                s.tokens.pop()  # keep only the tokens up to the one completing the stop string
+            s.text = s.text[:cut]
+        if s.finish_reason is None and (len(s.tokens) >= s.max_new_tokens or s.length + 1 >= self.rt.max_context):
+            s.finish_reason = "length"
+        s.stats.new_tokens = len(s.tokens)
+        end = len(s.text) if s.finish_reason or not s.text.endswith("\ufffd") else len(s.text.rstrip("\ufffd"))
+        delta = s.text[len(s.sent) : end]
+        s.sent = s.text[:end]
+        return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason)
+
+
+def _lazy_probs(logits: np.ndarray, params: SamplingParams):
+    """node -> the base model's warped distribution at that node, float64 [V], from one
+    sequence's step logits [W, V]; computed only for the nodes a rule visits."""
+    cache: dict[int, np.ndarray] = {}
+
+    def probs(node: int) -> np.ndarray:
+        if node not in cache:
+            cache[node] = warp(logits[node][None], params)[0]
+        return cache[node]
+
+    return probs
+
+
+def parse_stops(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Stop strings as a tuple; an empty one is refused."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise PromptError("stop strings must be non-empty text: remove the empty one")
+    return stops
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
