@@ -19,6 +19,7 @@ class RuntimeConfig:
     prefill_chunk: int = 64  # prompt tokens per engine call: bounds the per-step buffers (logits are chunk x vocab)
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
     threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
+    cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
 
     def __post_init__(self):
         if self.max_batch is not None and self.max_batch < 1:

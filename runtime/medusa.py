@@ -112,7 +112,7 @@ class MedusaRuntime:
     def _tensorrt(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend  # tensorrt and torch only on this path
 
-        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=getattr(cfg, "cuda_graph", False))
+        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph)
         meta = backend.meta
         info = _EngineInfo(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
         return backend, FileTextCodec(backend.files.tokenizer), info

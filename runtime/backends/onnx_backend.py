@@ -68,6 +68,9 @@ class OnnxBackend:
                 f"{meta.max_batch} / {meta.max_context}: export again with larger --max-batch / --max-context"
             )
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
+        if meta.dtype not in DTYPES:
+            raise EngineError(f"{files.step} holds {meta.dtype} weights, which ONNX Runtime on this machine cannot run: "
+                              f"export with --dtype fp32 or fp16 for ONNX Runtime ({meta.dtype} is for TensorRT plans)")
         self.dtype = DTYPES[meta.dtype]
         kv_row = meta.num_layers * meta.num_kv_heads * meta.head_dim  # elements per slot per sequence
         self.kv_row = kv_row

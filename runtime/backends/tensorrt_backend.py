@@ -250,6 +250,31 @@ class TensorRTBackend:
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""
         return self.step_engine.view("logits", self.step_engine.shapes["logits"])
 
+    def logits_rows(self, rows, nodes) -> np.ndarray:
+        """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""
+        logits = self.logits()
+        picked = logits[list(map(int, rows)), list(map(int, nodes))]  # (N, V) a small device copy
+        self.stream.synchronize()
+        return picked.float().cpu().numpy()  # host sync: sampling walks the tree on the host
+
+    def host_logits(self) -> np.ndarray:
+        """Base logits of the last step on the host [B, T, V] (sampling rows only)."""
+        self.stream.synchronize()
+        return self.logits().float().cpu().numpy()  # host sync: sampling walks the tree on the host
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
+        [slots, layers, new_batch, ...] layout (the batch size changes every element's place in the
+        flat buffer). A copy of the committed slots when the row count changes; not per step."""
+        import torch
+
+        if slots == 0 or len(rows) == 0:
+            return
+        with torch.cuda.stream(self.stream):
+            for old, new in zip(self._cache(old_batch), self._cache(new_batch)):
+                moved = old[:slots, :, list(map(int, rows))].clone()  # (slots, layers, n, Hkv, D)
+                new[:slots, :, : len(rows)] = moved
+
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) into slots cache_lengths[b] + 0.. in place."""
         import torch
@@ -291,9 +316,10 @@ class TensorRTBackend:
             topk = heads.view("head_topk", heads.shapes["head_topk"])  # (B, n, K)
             return self._download("head_topk", topk)[:, :, :top_k]
 
-    def head_logits(self):
-        """The heads' logits [B, n, V] of the last ``propose``, on the device."""
-        return self.heads_engine.view("head_logits", self.heads_engine.shapes["head_logits"])
+    def head_logits(self) -> np.ndarray:
+        """The heads' logits [B, n, V] of the last ``propose``, on the host (lossless drafting draws there)."""
+        self.stream.synchronize()
+        return self.heads_engine.view("head_logits", self.heads_engine.shapes["head_logits"]).float().cpu().numpy()
 
 
 class _StepGraph:
