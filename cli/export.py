@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of the weight matmuls (ONNX Runtime only)")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
     p.add_argument("--no-verify", action="store_true", help="skip the checker and the ONNX Runtime vs torch comparison")
+    p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         detail = ", ".join(f"{k} {v:.2e}" for k, v in result.diffs.items())
         print(f"verified against torch: max abs difference {worst:.2e} (tolerance {result.tolerance:g}; {detail})")
     if trt_config is None:
-        return 0
+        return _triton_repo(args.triton_repo, result.files.step)
     sys.stdout.flush()
     try:
         from medusa_trt.exporter.tensorrt_build import build_engines
@@ -79,6 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         return fail("medusa-export", exc)
     print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.sidecar.name}")
+    return _triton_repo(args.triton_repo, files.step)
+
+
+def _triton_repo(repo: str | None, engine: Path) -> int:
+    """--triton-repo: the repository medusa-triton-repo writes, for the engine just built (replacing an older one)."""
+    if repo is None:
+        return 0
+    try:
+        from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
+
+        folder = write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, overwrite=True))
+    except USER_ERRORS as exc:
+        return fail("medusa-export", exc)
+    print(f"wrote {folder}/config.pbtxt, {folder.name}/1/model.py: serve it with medusa-serve {repo}")
     return 0
 
 

@@ -1,0 +1,307 @@
+"""The Triton Python-backend model that serves a medusa-trt engine (copied as ``<repo>/medusa/1/model.py``).
+
+Triton runs this file in its Python stub process; it imports the lean runtime only (numpy,
+onnxruntime, tokenizers: never torch or transformers, unless the engine is a TensorRT ``.plan``,
+whose backend brings tensorrt and torch).
+The model is *decoupled*: a request gets any number of responses and then the final flag.
+
+    initialize   MedusaRuntime over the engine named in config.pbtxt + a ContinuousBatcher
+    execute      each request: parse its tensors into a batching.Request and submit it; bad input
+                 gets one error response with the final flag, at once; a good one gets a thread
+                 that forwards the batcher's StreamEvents as responses (stream=true: one per
+                 engine step; else one at the end)
+    (watchdog)   every CANCEL_POLL_S, requests the client cancelled or dropped free their row
+    finalize     close the batcher: requests still running end as cancelled
+
+Inputs: ``text_input`` (BYTES, required), optional ``max_tokens`` INT32, ``temperature`` FP32,
+``top_p`` FP32, ``top_k`` INT32, ``stop`` BYTES [-1], ``seed`` UINT64, ``stream`` BOOL.
+Outputs per response: ``text_output`` (the new text), ``token_ids`` (the new tokens),
+``finish_reason`` ("" until the last response, then "stop" or "length"; a request cancelled
+by its client or by shutdown ends with a CANCELLED error response instead).
+Triton rejects input tensors the config does not name; this model rejects every request
+parameter (Triton's generate endpoint turns JSON fields that match no input into parameters).
+
+Outside Triton (tests) the module imports without ``triton_python_backend_utils``:
+``parse_request`` and ``ServeDefaults`` need neither the stub nor an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime.errors import MedusaError
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported outside Triton's stub (tests of the request parsing)
+    pb_utils = None
+
+CANCEL_POLL_S = 0.2  # how often queued and running requests are checked for client cancellation
+INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream")
+
+
+class RequestError(MedusaError):
+    """A request the model cannot run (bad or missing input); answered with an error response."""
+
+
+@dataclass(frozen=True)
+class ServeDefaults:
+    """Per-request defaults, from config.pbtxt's parameters (written by ``exporter.triton_repo``)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    """config.pbtxt ``parameters`` as plain strings (Triton hands them over as {key: {string_value}})."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def defaults_from(params: dict[str, str]) -> ServeDefaults:
+    chat = params.get("chat_template", "auto").strip().lower()
+    if chat not in ("auto", "true", "false"):
+        raise MedusaError(f"config.pbtxt parameter chat_template is {chat!r}: use auto, true or false")
+    return ServeDefaults(
+        max_tokens=int(params.get("default_max_tokens") or ServeDefaults.max_tokens),
+        temperature=float(params.get("default_temperature") or ServeDefaults.temperature),
+        top_p=float(params.get("default_top_p") or ServeDefaults.top_p),
+        chat_template=None if chat == "auto" else chat == "true",
+    )
+
+
+def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaults: ServeDefaults):
+    """A ``batching.Request`` and the stream flag from a request's tensors (name -> array or None).
+
+    Raises ``RequestError`` / ``SamplingError`` with a message that names the offending input."""
+    from medusa_trt.runtime.batching import Request
+    from medusa_trt.runtime.sampling import SamplingParams
+
+    if parameters:
+        raise RequestError(f"unknown request parameter(s) {sorted(parameters)}: this model takes only the inputs {', '.join(INPUTS)}")
+    unknown = sorted(set(inputs) - set(INPUTS))
+    if unknown:  # Triton already refuses tensors the config does not name; kept for direct callers
+        raise RequestError(f"unknown input(s) {unknown}: this model takes {', '.join(INPUTS)}")
+
+    def scalar(name, kind):
+        value = inputs.get(name)
+        if value is None:
+            return None
+        if value.size != 1:
+            raise RequestError(f"{name} must hold one value, got shape {list(value.shape)}")
+        return kind(value.reshape(-1)[0])
+
+    text = inputs.get("text_input")
+    if text is None:
+        raise RequestError("text_input is required: send the prompt as a BYTES tensor of shape [1]")
+    if text.size != 1:
+        raise RequestError(f"text_input must hold one prompt, got shape {list(text.shape)}")
+    prompt = _text(text.reshape(-1)[0], "text_input")
+    if not prompt:
+        raise RequestError("text_input is empty: send a prompt")
+    max_tokens = scalar("max_tokens", int)
+    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    stop = inputs.get("stop")
+    stops = tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else ()
+    if any(not s for s in stops):
+        raise RequestError("stop holds an empty string: remove it")
+    temperature = scalar("temperature", float)
+    top_p = scalar("top_p", float)
+    sampling = SamplingParams(  # validates; raises SamplingError
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=scalar("top_k", int) or 0,
+        seed=scalar("seed", int),
+    )
+    stream = bool(scalar("stream", bool))
+    request = Request(prompt=prompt, max_new_tokens=max_tokens, stop=stops or None, sampling=sampling, chat_template=defaults.chat_template)
+    return request, stream
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name} is not valid UTF-8: {exc}") from exc
+    return str(value)
+
+
+class TritonPythonModel:
+    """Triton's entry points; see the module doc."""
+
+    def initialize(self, args):
+        from medusa_trt.runtime import MedusaRuntime
+        from medusa_trt.runtime.batching import ContinuousBatcher
+
+        config = json.loads(args["model_config"])
+        params = model_parameters(config)
+        self.defaults = defaults_from(params)
+        engine = Path(params.get("engine", ""))
+        if not params.get("engine"):
+            raise MedusaError("config.pbtxt has no 'engine' parameter: write the repository with medusa-triton-repo --engine E")
+        if not engine.is_absolute():  # relative to the model's folder (an engine copied into the repository)
+            engine = Path(args["model_repository"]) / engine
+        if not engine.is_file():
+            raise MedusaError(f"engine {engine} (config.pbtxt parameter 'engine') does not exist: "
+                              "export it with medusa-export --out, or rewrite the repository with medusa-triton-repo --engine")
+
+        def opt_int(key):
+            return int(params[key]) if params.get(key) else None
+
+        runtime = MedusaRuntime(str(engine), max_batch=opt_int("max_batch"), max_context=opt_int("max_context"),
+                                threads=opt_int("threads"), tree=params.get("tree") or None)
+        self.runtime = runtime
+        self.batcher = ContinuousBatcher(runtime).start()
+        self._live: dict[int, _Live] = {}  # request id -> the request in flight
+        self._lock = threading.Lock()  # guards _live
+        self._stopping = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="medusa-cancel-watch", daemon=True)
+        self._watchdog.start()
+        pb_utils.Logger.log_info(f"medusa: {engine} ({runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
+                                 f"max_batch {runtime.max_batch}, max_context {runtime.max_context}")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed, stream = parse_request(_inputs(request), json.loads(request.parameters() or "{}"), self.defaults)
+                handle = self.batcher.submit(parsed)  # PromptError (empty, too long) / SamplingError here
+            except MedusaError as exc:
+                _send_error(sender, str(exc), "INVALID_ARG")
+                continue
+            except Exception as exc:  # noqa: BLE001 - an unexpected failure answers this request, the model stays up
+                pb_utils.Logger.log_error(f"medusa: request failed: {exc!r}")
+                _send_error(sender, f"internal error: {exc}", "INTERNAL")
+                continue
+            live = _Live(request, handle, sender)
+            live.thread = threading.Thread(target=self._forward, args=(live, stream), name=f"medusa-req-{handle.id}", daemon=True)
+            with self._lock:
+                self._live[handle.id] = live
+            live.thread.start()
+        # decoupled: nothing to return, responses go through each request's sender
+
+    def _forward(self, live: _Live, stream: bool) -> None:
+        """Send one request's events as responses; the last one carries the final flag."""
+        text, tokens = [], []
+        try:
+            for event in live.handle:
+                if event.finish_reason == "cancelled":
+                    live.error("request cancelled" if not self._stopping.is_set() else "the server is shutting down", "CANCELLED")
+                    return
+                if stream:
+                    live.send(_response(event.text, event.token_ids, event.finish_reason or ""), final=event.finish_reason is not None)
+                else:
+                    text.append(event.text)
+                    tokens += event.token_ids
+                    if event.finish_reason:
+                        live.send(_response("".join(text), tokens, event.finish_reason), final=True)
+        except MedusaError as exc:  # the engine failed: every running request ends with the error
+            live.error(str(exc), "INTERNAL")
+        except Exception as exc:  # noqa: BLE001 - the client went away mid-stream: free the row, keep serving
+            pb_utils.Logger.log_warn(f"medusa: request {live.handle.id} ended early: {exc!r}")
+            live.handle.cancel()
+            live.close()
+        finally:
+            with self._lock:
+                self._live.pop(live.handle.id, None)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(CANCEL_POLL_S):
+            with self._lock:
+                running = list(self._live.values())
+            for live in running:
+                if live.cancelled():
+                    with self._lock:
+                        self._live.pop(live.handle.id, None)
+                    pb_utils.Logger.log_info(f"medusa: request {live.handle.id} cancelled by the client: its row is freed")
+                    live.handle.cancel()
+
+    def finalize(self):
+        self._stopping.set()
+        self.batcher.close()  # running and waiting requests end as cancelled
+        with self._lock:
+            running = list(self._live.values())
+        for live in running:
+            live.thread.join(timeout=5)
+        self._watchdog.join(timeout=5)
+
+
+class _Live:
+    """One request in flight: its Triton request and response sender, its batching handle and the
+    thread forwarding its events. Triton frees a request's response factory once the final
+    response is sent, and ``is_cancelled()`` after that reads freed memory (the server crashes),
+    so the final send and the cancellation poll hold ``lock``, and ``done`` is set before the
+    final send."""
+
+    def __init__(self, request, handle, sender):
+        self.request, self.handle, self.sender = request, handle, sender
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.done = False
+
+    def send(self, response, *, final: bool) -> None:
+        if not final:
+            self.sender.send(response)
+            return
+        with self.lock:
+            self.done = True
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def error(self, message: str, code: str) -> None:
+        with self.lock:
+            if not self.done:
+                self.done = True
+                _send_error(self.sender, message, code)
+
+    def close(self) -> None:
+        """The final flag alone, after a failed send (Triton holds the request until it comes)."""
+        with self.lock:
+            if not self.done:
+                self.done = True
+                try:
+                    self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except Exception:  # noqa: BLE001, S110 - the sender is closed already: nothing is pending
+                    pass
+
+    def cancelled(self) -> bool:
+        with self.lock:
+            if self.done:
+                return False
+            try:
+                return bool(self.request.is_cancelled())
+            except Exception:  # noqa: BLE001 - not answerable: treat as running, the forwarder ends it
+                return False
+
+
+def _inputs(request) -> dict[str, np.ndarray | None]:
+    out = {}
+    for name in INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        out[name] = None if tensor is None else tensor.as_numpy()
+    return out
+
+
+def _response(text: str, token_ids: list[int], finish_reason: str):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("token_ids", np.asarray(token_ids, dtype=np.int64)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+    ])
+
+
+def _send_error(sender, message: str, code: str) -> None:
+    error_type = pb_utils.TritonError
+    error = error_type(message, getattr(error_type, code)) if hasattr(error_type, code) else error_type(message)
+    try:
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as exc:  # noqa: BLE001 - the client is gone; nothing left to tell it
+        pb_utils.Logger.log_warn(f"medusa: could not send error response ({exc!r}): {message}")

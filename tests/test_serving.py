@@ -1,0 +1,360 @@
+"""Serving: the Triton model repository writer, request parsing, and a real tritonserver.
+
+The server tests start the ``tritonserver`` bundled in nvidia-pytriton on free loopback ports
+over a repository for the stories engine, then check over gRPC streams (tritonclient) and the
+HTTP generate endpoint: streamed greedy output equals ``MedusaRuntime``'s; 16 concurrent
+requests each get their solo output; bad requests get error responses while others are served;
+stopping by pid leaves no process and no shared-memory segment. They skip, saying why, without
+nvidia-pytriton / tritonclient or when the stub's Python has numpy 2 (see cli/serve.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import STORY_PROMPTS, medusa_model
+from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, find_triton, repo_main, stream_generate, stub_env
+from medusa_trt.cli.serve import main as serve_main
+from medusa_trt.exporter.triton_model import RequestError, ServeDefaults, parse_request
+from medusa_trt.exporter.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
+from medusa_trt.runtime.sampling import SamplingError
+
+# ---------------------------------------------------------------------------------- repository writer
+
+
+@pytest.fixture
+def fake_engine(tmp_path) -> Path:
+    """The files the writer checks (it never opens the graph)."""
+    engine = tmp_path / "eng" / "model.onnx"
+    (tmp_path / "eng" / "model.tokenizer").mkdir(parents=True)
+    (tmp_path / "eng" / "model.tokenizer" / "tokenizer.json").write_text("{}")
+    engine.write_bytes(b"onnx")
+    return engine
+
+
+def _parse_config(text: str):
+    model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from google.protobuf import text_format
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def test_repo_layout_and_config(fake_engine, tmp_path):
+    folder = write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", tree="chain-2", max_batch=8,
+                                                max_tokens=64, temperature=0.5, top_p=0.9))
+    assert folder == (tmp_path / "repo" / "medusa").resolve()
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["1", "1/model.py", "config.pbtxt"]
+    assert (folder / "1" / "model.py").read_text() == MODEL_FILE.read_text()
+    config = _parse_config((folder / "config.pbtxt").read_text())  # a valid ModelConfig for Triton
+    assert (config.name, config.backend, config.max_batch_size) == ("medusa", "python", 0)
+    assert config.model_transaction_policy.decoupled
+    assert [(i.name, i.optional) for i in config.input] == [
+        ("text_input", False), ("max_tokens", True), ("temperature", True), ("top_p", True), ("top_k", True),
+        ("stop", True), ("seed", True), ("stream", True)]
+    types = {i.name: (i.data_type, list(i.dims)) for i in [*config.input, *config.output]}
+    pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    assert types["text_input"] == (pb.TYPE_STRING, [1]) and types["stop"] == (pb.TYPE_STRING, [-1])
+    assert types["seed"] == (pb.TYPE_UINT64, [1]) and types["stream"] == (pb.TYPE_BOOL, [1])
+    assert types["text_output"] == (pb.TYPE_STRING, [-1]) and types["token_ids"] == (pb.TYPE_INT64, [-1])
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["engine"] == str(fake_engine.resolve()) and Path(params["engine"]).is_absolute()
+    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "max_batch": "8", "max_context": "", "threads": "",
+                                       "default_max_tokens": "64", "default_temperature": "0.5", "default_top_p": "0.9",
+                                       "chat_template": "auto"}
+
+
+def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "other" / "1").mkdir(parents=True)  # another model in the repository is left alone
+    write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo))
+    with pytest.raises(TritonRepoError, match="exists"):
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo))
+    write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, max_tokens=7, overwrite=True))
+    assert "default_max_tokens\" value: { string_value: \"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
+
+    def broken(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shutil, "copyfile", broken)  # fails half-way: the old model stays, nothing else appears
+    with pytest.raises(OSError, match="disk full"):
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, max_tokens=9, overwrite=True))
+    assert sorted(p.name for p in repo.iterdir()) == ["medusa", "other"]
+    assert "\"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
+    with pytest.raises(OSError):
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "fresh"))
+    assert list((tmp_path / "fresh").iterdir()) == []
+
+
+def test_repo_bad_input(fake_engine, tmp_path, capsys):
+    with pytest.raises(TritonRepoError, match="does not exist: export one with medusa-export"):
+        write_triton_repo(TritonRepoConfig(engine=tmp_path / "missing.onnx", repo=tmp_path / "repo"))
+    shutil.rmtree(fake_engine.with_name("model.tokenizer"))
+    with pytest.raises(TritonRepoError, match="no tokenizer"):
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo"))
+    with pytest.raises(TritonRepoError, match="max_batch must be >= 1"):
+        TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", max_batch=0)
+    assert not (tmp_path / "repo").exists()
+    code = repo_main(["--engine", str(tmp_path / "missing.onnx"), "--out", str(tmp_path / "repo")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("medusa-triton-repo: error: ") and "does not exist" in err
+
+
+# ---------------------------------------------------------------------------------- request parsing
+
+
+def _inputs(text="Hello", **fields):
+    out = {"text_input": np.array([text.encode()], dtype=object)}
+    for name, value in fields.items():
+        out[name] = value if isinstance(value, np.ndarray) else np.array([value])
+    return out
+
+
+def test_parse_request_defaults_and_fields():
+    defaults = ServeDefaults(max_tokens=33, temperature=0.0, top_p=1.0)
+    request, stream = parse_request(_inputs(), {}, defaults)
+    assert (request.prompt, request.max_new_tokens, request.sampling.temperature, request.stop, stream) == ("Hello", 33, 0.0, None, False)
+    request, stream = parse_request(_inputs("Hi", max_tokens=np.array([5], dtype=np.int32), temperature=np.array([0.7], dtype=np.float32),
+                                            top_p=np.array([0.9], dtype=np.float32), top_k=np.array([4], dtype=np.int32),
+                                            seed=np.array([7], dtype=np.uint64), stream=np.array([True]),
+                                            stop=np.array([b"\n\n", b"The end"], dtype=object)), {}, defaults)
+    assert request.max_new_tokens == 5 and request.stop == ("\n\n", "The end") and stream
+    assert (request.sampling.top_k, request.sampling.seed) == (4, 7) and abs(request.sampling.temperature - 0.7) < 1e-6
+
+
+@pytest.mark.parametrize("inputs,params,error,message", [
+    (_inputs(""), {}, RequestError, "text_input is empty"),
+    (_inputs(max_tokens=np.array([-3], dtype=np.int32)), {}, RequestError, "max_tokens must be >= 1, got -3"),
+    (_inputs(temperature=np.array([-1.0], dtype=np.float32)), {}, SamplingError, "temperature must be >= 0"),
+    (_inputs(top_p=np.array([1.5], dtype=np.float32)), {}, SamplingError, "top_p must be in"),
+    (_inputs(stop=np.array([b""], dtype=object)), {}, RequestError, "empty string"),
+    (_inputs(), {"frequency_penalty": 1}, RequestError, "unknown request parameter(s) ['frequency_penalty']"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, RequestError, "not valid UTF-8"),
+    ({}, {}, RequestError, "text_input is required"),
+])
+def test_parse_request_rejects(inputs, params, error, message):
+    with pytest.raises(error) as info:
+        parse_request(inputs, params, ServeDefaults())
+    assert message in str(info.value)
+
+
+def test_serve_bad_repository(tmp_path, capsys):
+    with pytest.raises(ServeError, match="does not exist: write one with medusa-triton-repo"):
+        TritonServer(ServeConfig(repo=tmp_path / "nope")).start()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ServeError, match="no model in"):
+        TritonServer(ServeConfig(repo=tmp_path / "empty")).start()
+    assert serve_main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("medusa-serve: error: no model in")
+
+
+def test_export_writes_the_repository_too(engine, tmp_path, capsys):
+    from medusa_trt.cli.export import _triton_repo
+
+    assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0
+    assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0  # exporting again replaces it
+    assert capsys.readouterr().out.count("serve it with medusa-serve") == 2
+    assert str(Path(engine).resolve()) in (tmp_path / "repo" / "medusa" / "config.pbtxt").read_text()
+
+
+# ---------------------------------------------------------------------------------- the real server
+
+PROMPTS = STORY_PROMPTS + ["Sam saw a frog", "The sky was blue and", "Mia had a kite. It was red and", "Bob",
+                           "Anna wanted a puppy", "The rain fell on the", "A big bear", "Tom and his mom baked",
+                           "The moon was bright", "Kim found a shiny", "There was a little car", "The fish swam"]
+LENGTHS = [40, 7, 25, 33, 12, 48, 3, 20, 30, 16, 44, 9, 27, 5, 38, 21]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def engine(export_engine, stories_base, stories_fitted):
+    return export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
+
+
+@pytest.fixture(scope="module")
+def runtime(engine):
+    from medusa_trt.runtime import MedusaRuntime
+
+    return MedusaRuntime(str(engine))
+
+
+def solo(runtime, prompt, n):
+    return runtime.generate(prompt, max_new_tokens=n, chat_template=False)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'medusa-trt[serve]')")
+    try:
+        find_triton()
+        stub_env(None)
+    except ServeError as exc:
+        pytest.skip(str(exc))
+    repo = tmp_path_factory.mktemp("triton-repo")
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16))
+    before = _shm()
+    server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log"))
+    server.start()
+    server.shm_before = before
+    yield server
+    server.stop()
+
+
+def test_missing_engine_fails_the_start_with_the_reason(server, engine, tmp_path):
+    repo = tmp_path / "repo"
+    folder = write_triton_repo(TritonRepoConfig(engine=engine, repo=repo))
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text().replace(str(Path(engine).resolve()), str(tmp_path / "moved.onnx")))
+    with pytest.raises(ServeError, match=r"exited with status \d+ while loading medusa: .*moved.onnx .*does not exist"):
+        TritonServer(ServeConfig(repo=repo)).start()
+
+
+def test_a_killed_server_leaves_nothing_behind(server, engine, tmp_path):
+    """A server killed with SIGKILL mid-generation: its stub may run on, busy, on its own; stop()
+    ends the process group and removes the shared memory the stub held."""
+    import signal
+
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo"))
+    doomed = TritonServer(ServeConfig(repo=tmp_path / "repo")).start()
+    chunks = stream_generate(doomed.grpc_address, PROMPTS[0], max_tokens=240)
+    next(chunks)  # generating
+    os.kill(doomed.pid, signal.SIGKILL)
+    with pytest.raises(RequestFailed):
+        list(chunks)
+    doomed.stop()
+    for _ in range(50):  # SIGKILL is delivered at once, the exit takes a moment
+        if not _processes_mentioning(doomed.shm_prefix):
+            break
+        threading.Event().wait(0.1)
+    assert _processes_mentioning(doomed.shm_prefix) == [], doomed.leftovers
+    assert not any(s.startswith(doomed.shm_prefix) for s in _shm()), doomed.leftovers
+
+
+def _generate(server, prompt, n, **kw):
+    chunks = list(stream_generate(server.grpc_address, prompt, max_tokens=n, **kw))
+    return chunks, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
+
+def test_streamed_generation_equals_runtime(server, runtime):
+    prompt = STORY_PROMPTS[2]
+    chunks, tokens, text = _generate(server, prompt, 40)
+    want = solo(runtime, prompt, 40)
+    assert tokens == want.token_ids and text == want.text
+    assert len(chunks) > 1 and len(chunks) < 40  # streamed, one response per engine step, several tokens per step
+    assert [c.finish_reason for c in chunks[:-1]] == [""] * (len(chunks) - 1) and chunks[-1].finish_reason == want.finish_reason
+    # one response with stream=false; and max_tokens from config.pbtxt when the request sends none
+    (only,) = list(stream_generate(server.grpc_address, prompt, max_tokens=40, stream=False))
+    assert only.token_ids == want.token_ids and only.text == want.text
+    assert [t for c in stream_generate(server.grpc_address, prompt) for t in c.token_ids] == solo(runtime, prompt, 16).token_ids
+
+
+def test_sixteen_concurrent_requests_each_get_their_solo_output(server, runtime):
+    results, errors = {}, []
+
+    def client(i):
+        try:
+            results[i] = _generate(server, PROMPTS[i], LENGTHS[i])
+        except Exception as exc:  # noqa: BLE001 - reported below with the request's index
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i, prompt in enumerate(PROMPTS):  # 16 requests over the engine's 4 rows: most waited for a free one
+        want = solo(runtime, prompt, LENGTHS[i])
+        assert results[i][1] == want.token_ids, f"request {i} ({prompt!r}, {LENGTHS[i]} tokens) differs from its solo run"
+        assert results[i][2] == want.text
+
+
+def test_bad_requests_get_errors_while_others_are_served(server, runtime):
+    import tritonclient.grpc as grpcclient
+
+    long_prompt = "Once upon a time there was a big dog. " * 40  # over the engine's 256-token context
+    unknown = grpcclient.InferInput("frequency_penalty", [1], "FP32")
+    unknown.set_data_from_numpy(np.array([0.5], dtype=np.float32))
+    bad = [
+        ({"text": ""}, "text_input is empty"),
+        ({"text": long_prompt}, "max_context is 256"),
+        ({"text": "Hi", "max_tokens": -4}, "max_tokens must be >= 1, got -4"),
+        ({"text": "Hi", "temperature": -1.0}, "temperature must be >= 0"),
+        ({"text": "Hi", "extra_inputs": [unknown]}, "unexpected inference input 'frequency_penalty'"),  # refused by Triton
+        ({"text": "Hi", "parameters": {"frequency_penalty": 0.5}}, "unknown request parameter(s) ['frequency_penalty']"),
+    ]
+    running = {}
+    worker = threading.Thread(target=lambda: running.update(out=_generate(server, PROMPTS[5], 48)))
+    worker.start()  # a good request streams while the bad ones come and go
+    for kwargs, message in bad:
+        text = kwargs.pop("text")
+        with pytest.raises(RequestFailed) as info:
+            list(stream_generate(server.grpc_address, text, **kwargs))
+        assert message in str(info.value)
+    worker.join(timeout=120)
+    assert running["out"][1] == solo(runtime, PROMPTS[5], 48).token_ids
+    assert _generate(server, PROMPTS[0], 12)[1] == solo(runtime, PROMPTS[0], 12).token_ids
+
+    # Triton's HTTP generate endpoint: JSON fields that name no input arrive as parameters -> refused
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def post(body):
+        request = urllib.request.Request(f"{server.http_url}/v2/models/medusa/generate", data=json.dumps(body).encode(), method="POST")
+        try:
+            with opener.open(request, timeout=60) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return json.loads(exc.read())
+
+    assert "unknown request parameter(s) ['presence_penalty']" in post({"text_input": "Hi", "presence_penalty": 1})["error"]
+    answer = post({"text_input": PROMPTS[1], "max_tokens": 10})
+    want = solo(runtime, PROMPTS[1], 10)
+    assert answer["text_output"] == want.text and answer["token_ids"] == want.token_ids and answer["finish_reason"] == want.finish_reason
+
+
+def test_cancelled_stream_frees_its_row(server, runtime):
+    for i, _ in enumerate(stream_generate(server.grpc_address, PROMPTS[0], max_tokens=200)):
+        if i == 2:
+            break  # the client goes away mid-generation
+    assert _generate(server, PROMPTS[3], 20)[1] == solo(runtime, PROMPTS[3], 20).token_ids
+    for _ in range(50):
+        if "cancelled by the client" in server.log_text():
+            break
+        threading.Event().wait(0.1)
+    assert "cancelled by the client: its row is freed" in server.log_text()
+
+
+def test_stop_by_pid_leaves_nothing_behind(server):
+    pid, prefix = server.pid, server.shm_prefix
+    assert _processes_mentioning(prefix), "the Python backend stub runs with the server's shared-memory prefix"
+    code = server.stop()  # SIGTERM to the pid; Triton unloads the model, the stub frees its shared memory
+    assert code == 0, server.log_text()[-3000:]
+    assert server.leftovers == [], "stop() had to kill the server or remove shared memory it left"
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert _processes_mentioning(prefix) == [], "a tritonserver or stub process is still running"
+    assert [s for s in _shm() - server.shm_before if s.startswith(prefix)] == []
+    assert not server.run_dir.exists()
