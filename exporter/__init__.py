@@ -1,10 +1,27 @@
-"""medusa_trt.exporter: base models and heads, the export wrapper (and, later, ONNX/TensorRT export)."""
+"""medusa_trt.exporter: base models and heads, the export wrapper, ONNX / TensorRT export, the
+Triton model repository.
 
-from medusa_trt.exporter.heads import HeadsConfig, HeadsFormatError, HeadsMismatchError, MedusaHeads, init_heads, load_heads, save_heads
-from medusa_trt.exporter.models import BaseModel, ModelLoadError, load_base_model
-from medusa_trt.exporter.wrapper import MedusaModel, load_medusa
+Names are imported on first use (PEP 562), so a module that needs no torch (``triton_repo``)
+can be imported from the lean install; everything else here needs the ``export`` extra.
+"""
 
-__all__ = [
-    "BaseModel", "HeadsConfig", "HeadsFormatError", "HeadsMismatchError", "MedusaHeads", "MedusaModel",
-    "ModelLoadError", "init_heads", "load_base_model", "load_heads", "load_medusa", "save_heads",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "HeadsConfig": "heads", "HeadsFormatError": "heads", "HeadsMismatchError": "heads", "MedusaHeads": "heads",
+    "init_heads": "heads", "load_heads": "heads", "save_heads": "heads",
+    "BaseModel": "models", "ModelLoadError": "models", "load_base_model": "models",
+    "MedusaModel": "wrapper", "load_medusa": "wrapper",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -223,3 +223,18 @@ def test_lean_medusa_bench_without_hf(lean_venv, stories_engine, prompts_file, t
     assert report["prompts"] == 2 and set(report["methods"]) == {"plain[model]", "medusa[model]"}, report["methods"]
     assert all(m["identical_to_reference"] == 1.0 for m in report["methods"].values())
     assert "medusa[model]" in stdout
+
+
+@pytest.mark.slow
+def test_lean_writes_a_triton_repository_whose_model_imports_no_torch(lean_venv, stories_engine, tmp_path):
+    """The serving path is lean too: the repository writer and the served model.py (run by Triton's
+    Python backend over this install) import no torch or transformers."""
+    out = _lean(lean_venv, "medusa-triton-repo", "--engine", str(stories_engine), "--out", str(tmp_path / "repo"), cwd=tmp_path)
+    model = tmp_path / "repo" / "medusa" / "1" / "model.py"
+    assert "wrote" in out and model.is_file() and (tmp_path / "repo" / "medusa" / "config.pbtxt").is_file()
+    code = (
+        "import sys, runpy; from medusa_trt.runtime import MedusaRuntime; "
+        f"MedusaRuntime({str(stories_engine)!r}).generate('Once', max_new_tokens=2); runpy.run_path({str(model)!r}); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'onnx'}))"
+    )
+    assert _lean(lean_venv, "python", "-c", code, cwd=tmp_path).strip() == "[]"
