@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, parse_stops
+from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.text import PromptError
 
@@ -96,12 +96,10 @@ class ContinuousBatcher:
         rt = self.runtime
         if not isinstance(request.sampling, SamplingParams):
             raise PromptError("Request.sampling must be a SamplingParams")
-        if request.max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        stops = request_limits(request.max_new_tokens, request.stop)
         if isinstance(request.prompt, list) and not request.prompt:
             raise PromptError("prompt 0 is empty: pass some text or token ids")
         _, batch = rt._prompts(request.prompt, request.chat_template)
-        stops = parse_stops(request.stop)
         seq = Seq(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling)
         handle = RequestHandle(seq, self)
         with self._cond:

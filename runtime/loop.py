@@ -110,7 +110,6 @@ class Scheduler:
         self.rt = runtime
         self.backend, self.tree, self.walk = runtime.backend, runtime.tree, runtime._walk
         self.rows: list[Seq | None] = []  # len = the engine's batch B for the next step
-        self.verify_seconds = self.heads_seconds = 0.0
 
     # ------------------------------------------------------------------ rows
 
@@ -194,7 +193,6 @@ class Scheduler:
         tick = time.perf_counter()
         target = self.backend.step(ids, positions, mask, lengths)  # (B, W) base argmax per node
         spent = time.perf_counter() - tick
-        self.verify_seconds += spent
 
         commit_nodes = np.zeros((batch, max(width, tree.depth_max + 1)), dtype=np.int64)  # (B, A)
         counts = np.zeros(batch, dtype=np.int64)  # (B,)
@@ -236,7 +234,6 @@ class Scheduler:
             tick = time.perf_counter()
             self._propose(heads_at, wants_heads)
             spent = time.perf_counter() - tick
-            self.heads_seconds += spent
             for b in np.flatnonzero(wants_heads):
                 rows[b].stats.heads_seconds += spent
         for b, tokens_b in sorted(new.items()):
@@ -338,8 +335,10 @@ def _lazy_probs(logits: np.ndarray, params: SamplingParams):
     return probs
 
 
-def parse_stops(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """Stop strings as a tuple; an empty one is refused."""
+def request_limits(max_new_tokens: int, stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Check a request's budget and stop strings (an empty one is refused); the stops as a tuple."""
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if stop is None:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)

@@ -24,7 +24,7 @@ import numpy as np
 from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, RuntimeConfig, default_tree
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.loop import Scheduler, Seq, StreamEvent, parse_stops
+from medusa_trt.runtime.loop import Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
@@ -42,6 +42,11 @@ class _EngineInfo:
     max_top_k: int  # most proposals per head the engine returns
     eos_token_ids: tuple | list
     is_chat: bool
+
+    @classmethod
+    def from_meta(cls, meta) -> _EngineInfo:
+        """From an exported engine's ``EngineMeta`` (ONNX or TensorRT)."""
+        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
 
 
 class MedusaRuntime:
@@ -104,18 +109,14 @@ class MedusaRuntime:
         from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
 
         backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads)
-        meta = backend.meta
-        info = _EngineInfo(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
-        return backend, FileTextCodec(backend.files.tokenizer), info
+        return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod
     def _tensorrt(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend  # tensorrt and torch only on this path
 
         backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph)
-        meta = backend.meta
-        info = _EngineInfo(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
-        return backend, FileTextCodec(backend.files.tokenizer), info
+        return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod
     def _torch(model, cfg: RuntimeConfig):
@@ -180,11 +181,9 @@ class MedusaRuntime:
             self._lock.release()
 
     def _sequences(self, prompts, max_new_tokens, stop, chat_template, sampling, fields) -> tuple[bool, list[Seq]]:
-        if max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = request_limits(max_new_tokens, stop)
         single, batch = self._prompts(prompts, chat_template)
         params = broadcast_params(len(batch), sampling, **fields)
-        stops = parse_stops(stop)
         return single, [Seq(i, ids, max_new_tokens, stops, p) for i, (ids, p) in enumerate(zip(batch, params))]
 
     # ----------------------------------------------------------------- inputs

@@ -133,10 +133,6 @@ class OnnxBackend:
         self.session.run_with_iobinding(io)
         return self._views["next_ids"]
 
-    def logits(self) -> np.ndarray:
-        """Base logits of the last step [B, T, V] (a view of the preallocated buffer)."""
-        return self._views["logits"]
-
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
         [slots, layers, new_batch, ...] layout (the batch size changes every element's place in

@@ -56,10 +56,6 @@ class TorchBackend:
         self._logits, self._hidden, self._new_key, self._new_value = logits, hidden, new_key, new_value
         return next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
 
-    def logits(self) -> torch.Tensor:
-        """Base logits of the last step [B, T, V], on the device."""
-        return self._logits
-
     @torch.inference_mode()
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` to row i (this cache's layout does not depend on the batch size)."""
