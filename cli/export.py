@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="onnx", choices=["onnx", "plugin"],
                    help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)")
     p.add_argument("--opset", type=int, default=23)
-    p.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of the weight matmuls (ONNX Runtime only)")
+    p.add_argument("--quantize", choices=["int8", "heads-int8"],
+                   help="ONNX Runtime dynamic int8: int8 = every weight matmul (faster, output differs from fp32); "
+                        "heads-int8 = the heads graph only (drafts cost less, output identical to fp32)")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
     p.add_argument("--no-verify", action="store_true", help="skip the checker and the ONNX Runtime vs torch comparison")
     p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if trt_config is None and args.dtype == "bf16":
             raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16")
         if trt_config is not None and args.quantize:
-            raise ExportError("--quantize int8 makes ONNX Runtime's dynamic int8 graph, which TensorRT does not build: drop it for a .plan")
+            raise ExportError(f"--quantize {args.quantize} makes ONNX Runtime's dynamic int8 graph, which TensorRT does not build: drop it for a .plan")
         check_output_path(onnx_out)
         config = ExportConfig(out=onnx_out, tree=args.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
                               dtype=args.dtype, opset=args.opset, quantize=args.quantize, verify=not args.no_verify, attention=args.attention)

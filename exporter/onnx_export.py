@@ -39,6 +39,10 @@ from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
 
+# None: fp32 throughout. "int8": ONNX Runtime dynamic int8 on every weight matmul (faster, output
+# differs from fp32). "heads-int8": only the heads graph, which proposes drafts and never decides a
+# token, so the output stays identical to fp32 while the heads' vocabulary projections cost less.
+QUANTIZE_MODES = (None, "int8", "heads-int8")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max abs logit difference ONNX Runtime vs torch
 UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kernels: nothing to compare with
@@ -58,7 +62,7 @@ class ExportConfig:
     max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
     dtype: str = "fp32"  # fp32 | fp16
     opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
-    quantize: str | None = None  # None | "int8": dynamic quantization of the weight matmuls
+    quantize: str | None = None  # None | "int8": dynamic int8 weight matmuls | "heads-int8": the heads graph only (lossless)
     verify: bool = True  # checker + ONNX Runtime vs torch after export
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
 
@@ -69,12 +73,12 @@ class ExportConfig:
             raise ExportError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_FORMS)}")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype} is not one of {', '.join(DTYPES)}")
-        if self.quantize not in (None, "int8"):
-            raise ExportError(f"--quantize {self.quantize} is not supported: use int8")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ExportError(f"--quantize {self.quantize} is not supported: use one of {', '.join(m for m in QUANTIZE_MODES if m)}")
         if self.quantize and self.attention != "onnx":
-            raise ExportError("--quantize int8 quantizes the standard graph for ONNX Runtime: drop --attention plugin")
+            raise ExportError(f"--quantize {self.quantize} quantizes the standard graph for ONNX Runtime: drop --attention plugin")
         if self.quantize and self.dtype != "fp32":
-            raise ExportError("--quantize int8 starts from fp32 weights: drop --dtype fp16")
+            raise ExportError(f"--quantize {self.quantize} starts from fp32 weights: drop --dtype {self.dtype}")
         for name in ("max_batch", "max_context", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} must be >= 1")
@@ -227,7 +231,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
             bar.update()
             if config.quantize:
                 bar.set_postfix_str("quantizing int8")
-                _quantize(staged.step, meta)
+                if config.quantize == "int8":
+                    _quantize(staged.step, meta)
                 if model.num_heads:
                     _quantize(staged.heads, meta)
             bar.update()
@@ -237,7 +242,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(model, staged, tree, strict=config.quantize is None, tolerance=TOLERANCE[config.dtype])
+                diffs = verify_engine(model, staged, tree, strict=config.quantize != "int8", strict_heads=config.quantize is None,
+                                      tolerance=TOLERANCE[config.dtype])
             bar.update()
         _move_into_place(staged, final)
     finally:

@@ -46,7 +46,7 @@ class EngineMeta:
     max_tokens: int  # most new tokens one step takes (tree nodes, prefill chunk)
     eos_token_ids: list
     is_chat: bool
-    quantization: str = "none"  # none | int8 (dynamic, weight matmuls)
+    quantization: str = "none"  # none | int8 (dynamic, weight matmuls) | heads-int8 (the heads graph only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
 
     def to_json(self) -> str:

@@ -83,6 +83,24 @@ def test_int8_engine_runs_and_reports_agreement(tmp_path, capsys, stories_base):
     assert len(result.token_ids) == 16
 
 
+def test_heads_int8_engine_keeps_fp32_tokens(export_engine, stories_engine, stories_base, stories_fitted):
+    """Only the heads graph is quantized: drafts may change, the accepted tokens may not."""
+    import onnx
+
+    engine = export_engine("stories-heads-int8", medusa_model(stories_base, stories_fitted), quantize="heads-int8")
+    assert read_meta(engine).quantization == "heads-int8"
+    files = EngineFiles.beside(engine)
+    heads_ops = {n.op_type for n in onnx.load(str(files.heads)).graph.node}
+    step_ops = {n.op_type for n in onnx.load(str(files.step), load_external_data=False).graph.node}
+    assert "DynamicQuantizeLinear" in heads_ops and "DynamicQuantizeLinear" not in step_ops
+    prompts = ["Once upon a time", "Tim had a red ball", "The sun was hot and"]
+    quantized = MedusaRuntime(engine).generate(prompts, max_new_tokens=24)
+    reference = MedusaRuntime(stories_engine).generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in quantized] == [r.token_ids for r in reference]
+    # the heads still draft: some steps accept more than one token
+    assert max(r.stats.mean_accepted for r in quantized) > 1.0
+
+
 def test_cli_export_and_run(tmp_path, capsys):
     out = tmp_path / "e.onnx"
     code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3", "--out", str(out), "--max-context", "128")
