@@ -62,6 +62,7 @@ class TrainConfig:
     holdout: float = 0.05  # fraction of sequences kept for the accuracy report
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps
+    bf16: bool = False  # heads' matmuls in bfloat16 autocast (about 2x faster on CPUs with AVX512-BF16/AMX); loss in fp32
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 1:
@@ -272,7 +273,9 @@ def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch
         batch = order[offset * config.batch_size : (offset + 1) * config.batch_size]
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
-        loss, per_head = medusa_loss(heads(hidden[batch]), targets[batch], config.decay)  # heads: (P, n, V)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            logits = heads(hidden[batch])  # (P, n, V)
+        loss, per_head = medusa_loss(logits, targets[batch], config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
