@@ -41,8 +41,9 @@ def _config(tmp_path, name="heads", **overrides) -> TrainConfig:
     return TrainConfig(**(base | overrides))
 
 
-def test_training_lowers_loss_and_raises_head1_accuracy(stories_base, tmp_path):
-    config = _config(tmp_path, epochs=6)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_training_lowers_loss_and_raises_head1_accuracy(stories_base, tmp_path, bf16):
+    config = _config(tmp_path, epochs=6, bf16=bf16)
     cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
     assert cached["hidden"].shape[0] == cached["targets"].shape[0] > 500
     untrained, _ = train_heads(stories_base, dataclasses.replace(config, epochs=0, out=str(tmp_path / "untrained")), cached)
