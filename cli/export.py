@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("medusa-export", exc)
     print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
     if result.diffs:
-        worst = max(result.diffs.values())
+        checked = {k: v for k, v in result.diffs.items() if not (args.quantize == "heads-int8" and k == "head logits")}
         detail = ", ".join(f"{k} {v:.2e}" for k, v in result.diffs.items())
-        print(f"verified against torch: max abs difference {worst:.2e} (tolerance {result.tolerance:g}; {detail})")
+        note = "; int8 head logits are drafts, not held to it" if len(checked) < len(result.diffs) else ""
+        print(f"verified against torch: max abs difference {max(checked.values()):.2e} (tolerance {result.tolerance:g}{note}; {detail})")
     if trt_config is None:
         return _triton_repo(args.triton_repo, result.files.step)
     sys.stdout.flush()
