@@ -1,9 +1,10 @@
-"""Training prompts written for this project: task templates x topics, deterministic.
+"""Training prompts written for this project: templates x fillers, 1828 distinct, deterministic.
 
 Self-distillation needs prompts, not answers (the base model writes the answers). These cover
-the kinds of requests a chat model serves (writing, explanation, reasoning, math, code,
-extraction, translation, summarising, advice), and are deliberately *not* taken from Spec-Bench,
-which is kept for evaluation only.
+the kinds of requests a chat model serves (writing, explanation, factual questions, roleplay,
+word problems and puzzles, code, translation both ways, passages to summarise, extract from and
+ask about, advice), and are deliberately *not* taken from Spec-Bench, which is kept for
+evaluation only; ``assets/calibration_prompts.jsonl`` holds prompts disjoint from these.
 """
 
 from __future__ import annotations
