@@ -28,9 +28,9 @@ def _diff(a: torch.Tensor, b: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, strict_heads: bool | None = None) -> dict[str, float]:
-    """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails above
-    ``tolerance``; ``strict_heads`` (default: ``strict``) says whether the heads graph counts."""
+def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, loose: tuple[str, ...] = ()) -> dict[str, float]:
+    """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails when one
+    above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it)."""
     import onnx
     import onnxruntime as ort
 
@@ -73,8 +73,7 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         hidden = ours["hidden"][:, 0]
         head_topk, head_logits = heads.run(None, {"hidden": np.ascontiguousarray(hidden)})
         diffs["head logits"] = _diff(model.propose(torch.from_numpy(hidden).to(device)), head_logits)
-    strict_heads = strict if strict_heads is None else strict_heads
-    worst = max(v for k, v in diffs.items() if strict_heads or k != "head logits")
+    worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     if strict and worst > tolerance:
         raise VerificationError(
