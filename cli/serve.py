@@ -391,13 +391,8 @@ class TritonServer:
                 os.kill(self.proc.pid, signal.SIGTERM)
                 code = self.wait(self.config.exit_timeout + 30)
                 if code is None:
-                    log.warning("tritonserver (pid %d) did not stop after SIGTERM: killing it", self.proc.pid)
-                    self.leftovers.append("SIGKILL")
-                    try:
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    code = self.proc.wait()
+                    self._kill_group("tritonserver (pid %d) did not stop after SIGTERM: killing it", "SIGKILL")
+                    self.proc.wait()
             code = self.proc.returncode
             self._reap_group()
         shm = Path("/dev/shm")
@@ -423,8 +418,12 @@ class TritonServer:
             except (ProcessLookupError, PermissionError):
                 return
             time.sleep(0.1)
-        log.warning("processes of tritonserver's group (pid %d) outlived it: killing them", self.proc.pid)
-        self.leftovers.append("orphaned processes")
+        self._kill_group("processes of tritonserver's group (pid %d) outlived it: killing them", "orphaned processes")
+
+    def _kill_group(self, warning: str, leftover: str) -> None:
+        """SIGKILL the server's process group, logging ``warning`` (with the pid) and recording ``leftover``."""
+        log.warning(warning, self.proc.pid)
+        self.leftovers.append(leftover)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
