@@ -50,3 +50,31 @@ def add_sampling_args(p) -> None:
 
 def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, acceptance=args.acceptance)
+
+
+def entry(prog: str):
+    """Wrap a command's ``main(argv) -> int``: Ctrl-C is one line and exit 130, a closed pipe
+    (``| head``) exit 141 with no traceback, undecodable bytes in a file or argument one line."""
+
+    def wrap(main):
+        import functools
+        import os
+
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> int:
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 130
+            except BrokenPipeError:
+                # the reader went away: point stdout at /dev/null so the interpreter's final flush stays quiet
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 141
+            except UnicodeError as exc:  # a prompt file or argument that is not UTF-8 text
+                where = f" ({exc.reason} at position {exc.start})" if hasattr(exc, "start") else ""
+                return fail(prog, MedusaError(f"input is not valid UTF-8 text{where}: save the file as UTF-8 or pass UTF-8 text"))
+
+        return run
+
+    return wrap

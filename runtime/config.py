@@ -20,6 +20,7 @@ class RuntimeConfig:
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
     threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
     cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
+    verify_checksums: bool = False  # check every engine file's sha256 against the export's manifest (servers: once at load)
 
     def __post_init__(self):
         if self.max_batch is not None and self.max_batch < 1:

@@ -108,7 +108,8 @@ class MedusaRuntime:
     def _onnx(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
 
-        backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads)
+        backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads,
+                              checksums=cfg.verify_checksums)
         return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod

@@ -16,6 +16,7 @@ import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, open_session, read_meta
+from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def default_providers() -> list[str]:
 class OnnxBackend:
     name = "onnxruntime"
 
-    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, providers=None, threads: int | None = None):
+    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, providers=None, threads: int | None = None,
+                 checksums: bool = False):
         import onnxruntime as ort
 
         files = EngineFiles.beside(path)
@@ -52,6 +54,7 @@ class OnnxBackend:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if not files.step.is_file():
             raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
+        check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.session = open_session(files.step, options, providers)
         self.meta: EngineMeta = read_meta(files.step, self.session)
         meta = self.meta
@@ -61,6 +64,10 @@ class OnnxBackend:
             if not files.heads.is_file():
                 raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or export again")
             self.heads_session = open_session(files.heads, options, providers)
+            heads_meta = read_meta(files.heads, self.heads_session)
+            if heads_meta != meta:
+                raise EngineError(f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
+                                  "keep the files of one export together or export again")
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
         if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
             raise EngineError(

@@ -1,0 +1,89 @@
+"""The engine's file manifest: the size and sha256 of every file an export wrote.
+
+``model.files.json`` sits beside ``model.onnx`` (or ``engine.plan``) and lists each file of the
+engine (graphs, external data, tokenizer files) by its path relative to the engine's folder.
+Every load checks the sizes (a truncated or replaced file is named before ONNX Runtime reads
+it); a server checks the sha256 sums once at load (``checksums=True``), which catches a file
+corrupted in place. Engines exported before the manifest existed load with one log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from medusa_trt.runtime.engine import EngineError, EngineFiles
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 20
+
+
+def manifest_path(files: EngineFiles) -> Path:
+    """model.onnx -> model.files.json (engine.plan -> engine.files.json)."""
+    stem = files.step.with_suffix("")
+    return stem.with_name(stem.name + ".files.json")
+
+
+def engine_file_list(files: EngineFiles) -> list[Path]:
+    """Every file that belongs to the engine: the graphs, their external data, the tokenizer files."""
+    folder = files.step.parent
+    found = []
+    for p in (files.step, files.heads, files.sidecar):
+        found += [q for q in (p, p.with_name(p.name + ".data")) if q.is_file()]
+    found += [p for p in sorted(folder.glob(files.step.name + "*.data")) if p not in found]  # other external data names
+    if files.tokenizer.is_dir():
+        found += sorted(p for p in files.tokenizer.rglob("*") if p.is_file())
+    return found
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(files: EngineFiles) -> Path:
+    """Record size and sha256 of every engine file (call it on the staged files, before they move)."""
+    folder = files.step.parent
+    entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256(p)} for p in engine_file_list(files)}
+    path = manifest_path(files)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"version": MANIFEST_VERSION, "files": entries}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def check_manifest(files: EngineFiles, *, checksums: bool = False) -> bool:
+    """Raise ``EngineError`` naming the first engine file that is missing, has another size or
+    (with ``checksums``) another sha256 than the export recorded. False when there is no manifest."""
+    path = manifest_path(files)
+    if not path.is_file():
+        log.info("%s has no %s (exported before manifests): its files are not checked", files.step, path.name)
+        return False
+    try:
+        entries = json.loads(path.read_text())["files"]
+        assert isinstance(entries, dict)
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{path} is not a valid engine manifest: export the engine again") from exc
+    folder = files.step.parent
+    for name, entry in sorted(entries.items()):
+        f = folder / name
+        if not f.is_file():
+            raise EngineError(f"engine file {f} is missing: copy the whole engine (every file listed in {path.name}) or export again")
+        size = f.stat().st_size
+        if size != entry.get("size"):
+            raise EngineError(f"engine file {f} has {size} bytes but the export wrote {entry.get('size')} "
+                              "(truncated or replaced): copy it again or export again")
+    if checksums:
+        for name, entry in sorted(entries.items()):
+            f = folder / name
+            if sha256(f) != entry.get("sha256"):
+                raise EngineError(f"engine file {f} does not match its recorded sha256 (corrupted): copy it again or export again")
+    return True
