@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -37,13 +38,42 @@ def load_model(model: str, heads: str | None, untrained_heads: int | None, head_
     return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line (``prog: error: ...``, exit 2): the full usage is in --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into one usage line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_sampling_args(p) -> None:
     """--temperature / --top-p / --top-k / --seed / --acceptance (defaults: SamplingParams')."""
     g = p.add_argument_group("sampling (default: greedy)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (lossless by default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this cumulative probability")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    g.add_argument("--seed", type=int, help="seed of each sequence's generator (same seed, same output)")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--seed", type=non_negative_int, help="seed of each sequence's generator (same seed, same output)")
     g.add_argument("--acceptance", choices=["greedy", "typical", "lossless"],
                    help="acceptance rule: lossless keeps the base model's distribution exactly; typical accepts more, not exactly")
 
