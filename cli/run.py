@@ -9,20 +9,19 @@ Bad input (missing model, heads for another model, invalid tree, prompt too long
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 import time
 
-from medusa_trt.cli.common import USER_ERRORS, add_sampling_args, fail, sampling_kwargs, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, add_sampling_args, entry, fail, positive_int, sampling_kwargs, setup_logging
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-run", description="Generate text with Medusa speculative decoding.")
+def build_parser() -> Parser:
+    p = Parser(prog="medusa-run", description="Generate text with Medusa speculative decoding.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--engine", help="an exported .onnx engine (ONNX Runtime; no torch needed)")
     source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend)")
@@ -33,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads (default: final hidden)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--tree", help="tree preset name, chain-N, or a JSON file (default: a chain over the heads)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
-    p.add_argument("--max-context", type=int, help="default: the engine's, or 1024 for --model")
-    p.add_argument("--max-batch", type=int, help="default: the engine's, or 4 for --model")
+    p.add_argument("--max-context", type=positive_int, help="default: the engine's, or 1024 for --model")
+    p.add_argument("--max-batch", type=positive_int, help="default: the engine's, or 4 for --model")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same engine and print the speedup")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
@@ -70,10 +69,22 @@ def _stream(runtime, prompt: str, gen: dict) -> tuple[str, float]:
     return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
 
 
+def _check_options(args) -> None:
+    """Refuse options that would be silently ignored in this combination."""
+    if args.stream and len(args.prompt) > 1:
+        raise PromptError("--stream prints one prompt's tokens as they come: pass one --prompt, or drop --stream for a batch")
+    if args.json and (args.stream or args.compare_plain):
+        raise PromptError("--json prints each whole result as one JSON object: drop --stream / --compare-plain")
+    if args.engine and args.device:
+        raise PromptError("--device goes with --model (torch backend); an --engine runs on ONNX Runtime's providers")
+
+
+@entry("medusa-run")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
+        _check_options(args)
         from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
         from medusa_trt.runtime.sampling import SamplingParams
 

@@ -92,8 +92,11 @@ class ContinuousBatcher:
         return self
 
     def submit(self, request: Request) -> RequestHandle:
-        """Queue a request; raises ``PromptError`` / ``SamplingError`` for bad input."""
+        """Queue a request; raises ``PromptError`` / ``SamplingError`` for bad input (token ids are
+        checked for type and range here, so a bad request never reaches a step shared with others)."""
         rt = self.runtime
+        if not isinstance(request, Request):
+            raise PromptError(f"submit takes a Request, got {type(request).__name__}")
         if not isinstance(request.sampling, SamplingParams):
             raise PromptError("Request.sampling must be a SamplingParams")
         stops = request_limits(request.max_new_tokens, request.stop)
@@ -145,12 +148,19 @@ class ContinuousBatcher:
                     scheduler.add(joining)
                 for seq, event in scheduler.step():
                     self._deliver(seq, event)
-            except Exception as exc:  # noqa: BLE001 - an engine failure ends every request with the error, not a hang
-                log.exception("engine step failed; ending all requests")
-                with self._cond:
-                    self._closed = True
-                self._finish_all(exc)
-                return
+            except Exception as exc:  # noqa: BLE001 - a failed step ends the requests in it with the error, not a hang
+                log.exception("engine step failed; ending the %d requests in it", scheduler.active)
+                self._fail_running(scheduler, exc)
+                self._scheduler = scheduler = Scheduler(self.runtime)  # fresh rows; waiting requests still run
+
+    def _fail_running(self, scheduler: Scheduler, error: BaseException) -> None:
+        """End the requests of a failed step with the error; the batcher keeps serving the others."""
+        for seq in [s for s in scheduler.rows if s is not None]:
+            seq.finish_reason = seq.finish_reason or "error"
+            with self._cond:
+                handle = self._handles.pop(seq.index, None)
+            if handle is not None:
+                handle._events.put(error)
 
     def _deliver(self, seq: Seq, event: StreamEvent) -> None:
         with self._cond:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from medusa_trt.runtime.acceptance import greedy_accept, lossless_accept, typical_accept
+from medusa_trt.runtime.config import is_int
 from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
 from medusa_trt.runtime.text import PromptError
 
@@ -306,17 +307,18 @@ class Scheduler:
                 s.finish_reason = "stop"
                 break
         s.tokens.extend(int(t) for t in new)
+        searched = max(len(s.text) - _longest(s.stops) + 1, 0)  # earlier text was searched last step
         s.text = codec.decode(s.tokens)
-        cut = _first_stop(s.text, s.stops)
+        cut = _first_stop(s.text, s.stops, searched)
         if cut is not None:
             s.finish_reason = "stop"
-            while len(s.tokens) > before + 1 and _first_stop(codec.decode(s.tokens[:-1]), s.stops) is not None:
+            while len(s.tokens) > before + 1 and _first_stop(codec.decode(s.tokens[:-1]), s.stops, searched) is not None:
                 s.tokens.pop()  # keep only the tokens up to the one completing the stop string
             s.text = s.text[:cut]
         if s.finish_reason is None and (len(s.tokens) >= s.max_new_tokens or s.length + 1 >= self.rt.max_context):
             s.finish_reason = "length"
         s.stats.new_tokens = len(s.tokens)
-        end = len(s.text) if s.finish_reason or not s.text.endswith("\ufffd") else len(s.text.rstrip("\ufffd"))
+        end = len(s.text) if s.finish_reason else _safe_end(s.text, s.stops)
         delta = s.text[len(s.sent) : end]
         s.sent = s.text[:end]
         return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason)
@@ -337,16 +339,40 @@ def _lazy_probs(logits: np.ndarray, params: SamplingParams):
 
 def request_limits(max_new_tokens: int, stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     """Check a request's budget and stop strings (an empty one is refused); the stops as a tuple."""
-    if max_new_tokens < 1:
-        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if stop is None:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or not s for s in stops):
         raise PromptError("stop strings must be non-empty text: remove the empty one")
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(f"stop string {s!r} is not valid UTF-8 text: pass UTF-8 text") from exc
     return stops
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the first stop string begins in ``text[start:]`` (absolute index), or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(found) if found else None
+
+
+def _longest(stops: tuple[str, ...]) -> int:
+    return max((len(s) for s in stops), default=1)
+
+
+def _safe_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of an unfinished sequence's text may be streamed: not an incomplete multi-byte
+    character (U+FFFD at the end), and not a tail that could still grow into a stop string
+    (a suffix that is a proper prefix of one), as vLLM and TGI hold back."""
+    end = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), held, -1):  # longest first; only longer than what is held already
+            if text.endswith(stop[:k], 0, end):
+                held = k
+                break
+    return end - held

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, RuntimeConfig, default_tree
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.loop import Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
@@ -40,13 +40,14 @@ class _EngineInfo:
     tree: list  # default tree paths
     tree_name: str
     max_top_k: int  # most proposals per head the engine returns
+    vocab_size: int  # token ids must be below it
     eos_token_ids: tuple | list
     is_chat: bool
 
     @classmethod
     def from_meta(cls, meta) -> _EngineInfo:
         """From an exported engine's ``EngineMeta`` (ONNX or TensorRT)."""
-        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.eos_token_ids, meta.is_chat)
+        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat)
 
 
 class MedusaRuntime:
@@ -76,7 +77,9 @@ class MedusaRuntime:
         self._check_tree(self.tree)
         self._walk: TreeWalk = tree_walk(self.tree)
         limit = self.backend.max_tokens
-        if limit is not None and min(cfg.prefill_chunk, self.max_context) > limit:
+        if cfg.prefill_chunk is None:  # the default fits any engine
+            self.config = cfg = dataclasses.replace(cfg, prefill_chunk=min(DEFAULT_PREFILL_CHUNK, limit or DEFAULT_PREFILL_CHUNK))
+        elif limit is not None and min(cfg.prefill_chunk, self.max_context) > limit:
             raise EngineError(f"prefill_chunk {cfg.prefill_chunk} exceeds the engine's {limit} tokens per step: lower it")
         self.codec = TextCodec(tokenizer) if tokenizer is not None else codec
         self.eos = frozenset(int(i) for i in info.eos_token_ids)
@@ -123,13 +126,17 @@ class MedusaRuntime:
     def _torch(model, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.torch_backend import TorchBackend  # torch only on this path
 
-        max_context = cfg.max_context or DEFAULT_MAX_CONTEXT
+        positions = getattr(model, "max_positions", None)
+        max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT)
+        if positions is not None and max_context > positions:
+            raise EngineError(f"max_context {max_context} exceeds the model's {positions} positions: lower max_context")
         window = getattr(model, "sliding_window", None)
         if window is not None and max_context > window:
             raise EngineError(f"max_context {max_context} exceeds the model's sliding window {window}: lower max_context")
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
         name = default_tree(model.num_heads)
-        info = _EngineInfo(model.num_heads, resolve_tree(name)[1], name, model.vocab_size, model.eos_token_ids, getattr(model, "is_chat", False))
+        info = _EngineInfo(model.num_heads, resolve_tree(name)[1], name, model.vocab_size, model.vocab_size, model.eos_token_ids,
+                           getattr(model, "is_chat", False))
         return backend, TextCodec(model.tokenizer), info
 
     # ----------------------------------------------------------------- public API
@@ -190,16 +197,23 @@ class MedusaRuntime:
     # ----------------------------------------------------------------- inputs
 
     def _prompts(self, prompts, chat_template: bool | None) -> tuple[bool, list[list[int]]]:
-        chat = self.is_chat if chat_template is None else bool(chat_template)
+        """Check prompts at the door (text, or token ids of the right type and range): a bad one
+        raises ``PromptError`` here and never reaches the engine."""
+        if chat_template is not None and not isinstance(chat_template, bool):
+            raise PromptError(f"chat_template must be True, False or None, got {chat_template!r}")
+        chat = self.is_chat if chat_template is None else chat_template
         if chat and not self.codec.has_chat_template:
             raise PromptError("chat_template=True but the tokenizer has no chat template")
-        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts))
-        items = [prompts] if single else list(prompts)
+        if isinstance(prompts, (bytes, bytearray, memoryview)):
+            raise PromptError("prompts are text (str) or lists of token ids, not bytes: decode the bytes first")
+        single = isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) > 0
+                                              and not any(isinstance(t, (str, bytes)) or _is_sequence(t) for t in prompts))
+        items = [prompts] if single else list(prompts) if _is_sequence(prompts) else None
         if not items:
-            raise PromptError("no prompts given")
+            raise PromptError("no prompts given: pass a string, a list of token ids, or a list of those")
         batch = []
         for i, item in enumerate(items):
-            ids = self.codec.encode(item, chat=chat) if isinstance(item, str) else [int(t) for t in item]
+            ids = self.codec.encode(item, chat=chat) if isinstance(item, str) else self._token_ids(i, item)
             if not ids:
                 raise PromptError(f"prompt {i} is empty: pass some text or token ids")
             if len(ids) + 1 > self.max_context:
@@ -209,3 +223,17 @@ class MedusaRuntime:
                 )
             batch.append(ids)
         return single, batch
+
+    def _token_ids(self, i: int, item) -> list[int]:
+        vocab = self._info.vocab_size
+        if isinstance(item, (bytes, bytearray, memoryview)) or not _is_sequence(item):
+            raise PromptError(f"prompt {i} is a {type(item).__name__}: pass text (str) or a list of token ids")
+        bad = [t for t in item if not is_int(t) or not 0 <= t < vocab][:1]
+        if bad:
+            bad = bad[0]
+            raise PromptError(f"prompt {i} has token id {bad!r}: token ids are integers in [0, {vocab}) for this engine's vocabulary")
+        return [int(t) for t in item]
+
+
+def _is_sequence(x) -> bool:
+    return isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes, bytearray, memoryview))

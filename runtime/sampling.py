@@ -7,6 +7,7 @@ so the same seed gives the same output whatever else shares the batch.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,16 @@ class SamplingParams:
     posterior_alpha: float = 0.3
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "posterior_threshold", "posterior_alpha"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise SamplingError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise SamplingError(f"{name} must be an integer, got {value!r}")
+        if self.top_k is None:
+            raise SamplingError("top_k must be an integer (0 turns it off), got None")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

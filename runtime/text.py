@@ -15,6 +15,25 @@ class PromptError(MedusaError):
     """A prompt the user passed cannot be run; the message says what to change."""
 
 
+class TokenizerError(MedusaError):
+    """The tokenizer files beside an engine cannot be used; the message names the file."""
+
+
+def check_text(text: str) -> None:
+    """A prompt or stop string must be non-empty text that encodes as UTF-8 (command-line bytes
+    that are not UTF-8 arrive as lone surrogates)."""
+    if not text:
+        raise PromptError("empty prompt: pass some text or token ids")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"the prompt is not valid UTF-8 text (position {exc.start}): pass UTF-8 text") from exc
+
+
+def _short(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
 @dataclass
 class TextCodec:
     tokenizer: object
@@ -24,8 +43,7 @@ class TextCodec:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
     def encode(self, text: str, *, chat: bool) -> list[int]:
-        if not text:
-            raise PromptError("empty prompt: pass some text or token ids")
+        check_text(text)
         if chat:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
@@ -51,34 +69,56 @@ class FileTextCodec:
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise PromptError(f"tokenizer files missing in {folder}: copy the engine's .tokenizer folder beside it or export again")
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own untyped errors
+            raise TokenizerError(f"{folder / 'tokenizer.json'} cannot be read ({_short(exc)}): copy the engine's tokenizer folder again or export again") from exc
         config_file = folder / "tokenizer_config.json"
-        self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template_file = folder / "chat_template.jinja"
-        self.chat_template = template_file.read_text() if template_file.is_file() else self.config.get("chat_template")
+        try:
+            self.config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+            if not isinstance(self.config, dict):
+                raise ValueError("not a JSON object")
+            template_file = folder / "chat_template.jinja"
+            self.chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else self.config.get("chat_template")
+        except ValueError as exc:  # JSON or UTF-8 errors
+            raise TokenizerError(f"tokenizer files in {folder} are corrupt ({_short(exc)}): copy them again or export again") from exc
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TokenizerError(f"{config_file}: chat_template is not a string (multiple named templates are not supported): export again")
         self._template = None
+        if self.chat_template is not None:
+            self._compile(folder)
+
+    def _compile(self, folder) -> None:
+        """Compile the chat template once, so a broken one is named at load, not on the first request."""
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise PromptError(f"chat template refused the prompt: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(self.chat_template)
+        except TemplateError as exc:
+            raise TokenizerError(f"the chat template in {folder} is not valid Jinja ({_short(exc)}): fix it or export again") from exc
 
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
     def _render(self, text: str) -> str:
-        if self._template is None:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
 
-            def raise_exception(message):
-                raise PromptError(f"chat template refused the prompt: {message}")
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
-        return self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **special)
+        try:
+            return self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **special)
+        except TemplateError as exc:
+            raise PromptError(f"the engine's chat template failed on this prompt ({_short(exc)}): pass chat_template=False") from exc
 
     def encode(self, text: str, *, chat: bool) -> list[int]:
-        if not text:
-            raise PromptError("empty prompt: pass some text or token ids")
+        check_text(text)
         if chat:  # the template writes the special tokens itself
             return self.tokenizer.encode(self._render(text), add_special_tokens=False).ids
         return self.tokenizer.encode(text).ids
