@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)")
     p.add_argument("--opset", type=int, default=23)
     p.add_argument("--quantize", choices=["int8", "heads-int8"],
-                   help="ONNX Runtime dynamic int8: int8 = every weight matmul (faster, output differs from fp32); "
-                        "heads-int8 = the heads graph only (drafts cost less, output identical to fp32)")
+                   help="ONNX Runtime int8: int8 = dynamic int8 on every weight matmul (faster, output differs from fp32 "
+                        "and a row's output depends on its batch); heads-int8 = the heads graph only, one activation scale per row "
+                        "(drafts cost less, output identical to fp32, same samples solo or batched)")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
     p.add_argument("--no-verify", action="store_true", help="skip the checker and the ONNX Runtime vs torch comparison")
     p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")

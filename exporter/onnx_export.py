@@ -40,7 +40,8 @@ from medusa_trt.runtime.tree import CompiledTree, load_tree
 log = logging.getLogger(__name__)
 
 # None: fp32 throughout. "int8": ONNX Runtime dynamic int8 on every weight matmul (faster, output
-# differs from fp32). "heads-int8": only the heads graph, which proposes drafts and never decides a
+# differs from fp32). "heads-int8": only the heads graph, int8 with one activation scale per row (a
+# sequence's drafts do not depend on its batch neighbours), which proposes drafts and never decides a
 # token, so the output stays identical to fp32 while the heads' vocabulary projections cost less.
 QUANTIZE_MODES = (None, "int8", "heads-int8")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
@@ -166,7 +167,10 @@ def _save(program, path: Path, meta: EngineMeta) -> None:
 
 
 def _quantize(path: Path, meta: EngineMeta) -> None:
-    """Dynamic int8 quantization of the weight matmuls, in place; metadata carried over."""
+    """Dynamic int8 quantization of the weight matmuls, in place; metadata carried over.
+
+    One activation scale per call spans every row and token of it, so a row's output depends on
+    the other rows of the batch (the step graph of ``--quantize int8``; the heads use ``_quantize_rows``)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -174,11 +178,101 @@ def _quantize(path: Path, meta: EngineMeta) -> None:
     quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                      use_external_data_format=False, extra_options={"MatMulConstBOnly": True})
     proto = onnx.load(str(quantized))
+    quantized.unlink()
+    _replace_graph(path, proto, meta)
+
+
+def _quantize_rows(path: Path, meta: EngineMeta) -> None:
+    """Int8 weight matmuls with one activation scale per row (per hidden vector), in place.
+
+    Weights: symmetric int8, one scale per output column. Activations: each row x scaled by
+    max|x| / 127 and offset to uint8 (zero point 128, ONNX Runtime's fast u8 x s8 kernels), so
+    the integer product is exact and every output row depends on its own input row only: a
+    sequence gets the same head logits solo and in any batch. As fast as ``_quantize``'s
+    per-call scale on the SmolLM2 heads, and closer to fp32 (per-column weight scales)."""
+    import onnx
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    model = ONNXModel(onnx.load(str(path)))
+    model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
+    graph = model.model.graph
+    weights = {t.name: t for t in graph.initializer}
+    nodes, quantized = [], {}
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        if weight is None or len(weight.dims) != 2:
+            nodes.append(node)
+            continue
+        if weight.name not in quantized:
+            quantized[weight.name] = _int8_columns(weight)
+            graph.initializer.extend(quantized[weight.name])
+        nodes += _row_int8_matmul(node, *(t.name for t in quantized[weight.name]))
+    graph.initializer.extend(_row_constants())
+    del graph.node[:]
+    graph.node.extend(nodes)
+    model.remove_unused_constant()  # the float weights
+    _replace_graph(path, model.model, meta)
+
+
+def _int8_columns(weight) -> tuple:
+    """A float weight (K, N) as int8 values (K, N) and one fp32 scale per column (N,)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    w = numpy_helper.to_array(weight).astype(np.float32)
+    scale = np.maximum(np.abs(w).max(axis=0), np.finfo(np.float32).tiny) / 127.0  # (N,)
+    values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(scale.astype(np.float32), weight.name + "_int8_scale")
+
+
+def _row_constants() -> list:
+    """The scalars every ``_row_int8_matmul`` shares."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    values = {"rowq_127": np.float32(127.0), "rowq_tiny": np.float32(np.finfo(np.float32).tiny), "rowq_128": np.float32(128.0),
+              "rowq_zero_point": np.uint8(128), "rowq_last_axis": np.array([-1], dtype=np.int64)}
+    return [numpy_helper.from_array(np.asarray(v), k) for k, v in values.items()]
+
+
+def _row_int8_matmul(node, weight: str, weight_scale: str) -> list:
+    """y = x @ W for x (..., K): per-row scale s = max|x| / 127, xq = round(x / s) + 128 (uint8),
+    y = (xq - 128) @ Wq * s * w_scale, the integer product exact in int32."""
+    from onnx import TensorProto, helper
+
+    x, y = node.input[0], node.output[0]
+    prefix = f"{node.name or y}_rowq"
+
+    def n(name: str) -> str:
+        return y if name == "y" else f"{prefix}_{name}"
+
+    def op(kind: str, inputs: list[str], name: str, **attrs):
+        return helper.make_node(kind, inputs, [n(name)], name=f"{prefix}_{name}", **attrs)
+
+    return [
+        op("Abs", [x], "abs"),
+        op("ReduceMax", [n("abs"), "rowq_last_axis"], "max", keepdims=1),  # (..., 1)
+        op("Max", [n("max"), "rowq_tiny"], "max_safe"),
+        op("Div", [n("max_safe"), "rowq_127"], "scale"),  # (..., 1): the row's scale
+        op("Div", [x, n("scale")], "scaled"),  # in [-127, 127]
+        op("Round", [n("scaled")], "rounded"),
+        op("Add", [n("rounded"), "rowq_128"], "offset"),  # in [1, 255]
+        op("Cast", [n("offset")], "xq", to=TensorProto.UINT8),
+        op("MatMulInteger", [n("xq"), weight, "rowq_zero_point"], "acc"),  # (..., N) int32, exact
+        op("Cast", [n("acc")], "acc_float", to=TensorProto.FLOAT),
+        op("Mul", [n("acc_float"), n("scale")], "row_scaled"),
+        op("Mul", [n("row_scaled"), weight_scale], "y"),
+    ]
+
+
+def _replace_graph(path: Path, proto, meta: EngineMeta) -> None:
+    """Write ``proto`` over the graph at ``path`` (and its external data), metadata carried over."""
+    import onnx
+
     del proto.metadata_props[:]
     proto.metadata_props.add(key=META_KEY, value=meta.to_json())
     for f in path.parent.glob(path.name + "*"):
         f.unlink()
-    quantized.unlink()
     onnx.save(proto, str(path))
 
 
@@ -236,7 +330,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 if config.quantize == "int8":
                     _quantize(staged.step, meta)
                 if model.num_heads:
-                    _quantize(staged.heads, meta)
+                    _quantize_rows(staged.heads, meta)
             bar.update()
             if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
                 log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype)

@@ -92,7 +92,7 @@ def test_heads_int8_engine_keeps_fp32_tokens(export_engine, stories_engine, stor
     files = EngineFiles.beside(engine)
     heads_ops = {n.op_type for n in onnx.load(str(files.heads)).graph.node}
     step_ops = {n.op_type for n in onnx.load(str(files.step), load_external_data=False).graph.node}
-    assert "DynamicQuantizeLinear" in heads_ops and "DynamicQuantizeLinear" not in step_ops
+    assert "MatMulInteger" in heads_ops and "MatMulInteger" not in step_ops
     prompts = ["Once upon a time", "Tim had a red ball", "The sun was hot and"]
     quantized = MedusaRuntime(engine).generate(prompts, max_new_tokens=24)
     reference = MedusaRuntime(stories_engine).generate(prompts, max_new_tokens=24)
@@ -224,3 +224,40 @@ def test_external_data_travels_with_both_graphs(tmp_path, monkeypatch, stories_b
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 2**40)
     onnx_export.export_onnx(model, onnx_export.ExportConfig(out=out, tree="chain-4", max_context=128, verify=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.heads.onnx", "big.onnx", "big.tokenizer"]
+
+
+# ----------------------------------------------------------------------------- int8 heads: rows independent
+
+
+@pytest.fixture(scope="module")
+def heads_int8_random(export_engine, stories_base):
+    """stories260K with random heads, heads graph in int8."""
+    from conftest import random_heads
+
+    return export_engine("stories-random-heads-int8", medusa_model(stories_base, random_heads(stories_base)), quantize="heads-int8")
+
+
+def test_int8_head_logits_of_a_row_do_not_depend_on_its_batch(heads_int8_random):
+    """One row's int8 head logits are bitwise the same solo and beside other rows (a dynamic
+    activation scale over the whole batch would tie them to their neighbours)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(EngineFiles.beside(heads_int8_random).heads), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((4, session.get_inputs()[0].shape[1])).astype(np.float32)
+    hidden *= np.array([1.0, 40.0, 0.05, 5.0], dtype=np.float32)[:, None]  # neighbours of very different scale
+    for batch in (2, 3, 4):
+        _, together = session.run(None, {"hidden": hidden[:batch]})
+        for row in range(batch):
+            _, solo = session.run(None, {"hidden": hidden[row : row + 1]})
+            assert np.array_equal(solo[0], together[row]), f"row {row} of {batch}: max difference {np.abs(solo[0] - together[row]).max():.3g}"
+
+
+def test_int8_heads_sample_the_same_tokens_solo_and_batched(heads_int8_random):
+    prompts = ["Once upon a time", "Tim had a red ball and a big dog that liked to run", "The sun"]
+    runtime = MedusaRuntime(heads_int8_random)
+    together = runtime.generate(prompts, max_new_tokens=24, temperature=0.7, seed=1)
+    for prompt, row in zip(prompts, together):
+        solo = runtime.generate(prompt, max_new_tokens=24, temperature=0.7, seed=1)
+        assert solo.token_ids == row.token_ids, prompt
