@@ -6,9 +6,24 @@
 The server is the ``tritonserver`` binary and Python backend bundled in the PyPI package
 ``nvidia-pytriton`` (which runs on CPU). ``medusa-serve`` finds them without importing pytriton,
 lays out a backend folder for this Python version's stub in a temporary run folder, binds every
-endpoint to 127.0.0.1 (``--host`` to change), loads the repository's models explicitly, waits
-until the server is ready and prints the ports; Ctrl-C or SIGTERM stops it (graceful first,
-then by force), and whatever shared-memory segment its Python backend leaves is removed.
+endpoint to 127.0.0.1, loads the repository's models, waits until the server is ready and
+prints the ports; Ctrl-C or SIGTERM stops it (graceful first, then by force), and whatever
+shared-memory segment its Python backend leaves is removed.
+
+Security: Triton's model-repository API (load / unload, which would let any client upload a
+``model.py`` and run it) is closed: the server runs with ``--model-control-mode=none`` over a
+run-folder repository that links only the chosen models, so the set of models is fixed at start
+and every load or unload request is refused. The model-repository API again (a second lock)
+and the shared-memory, trace and logging APIs, which this model does not use, are restricted on
+HTTP and gRPC to a header holding a random key that nothing is told (it is on tritonserver's
+command line, which local users can read: loopback binding is what keeps others out). Endpoints
+bind loopback; another ``--host`` (which exposes an unauthenticated server to the network)
+needs ``--allow-remote`` and is logged as a warning.
+
+Lifetime: a small watchdog process (a pipe from medusa-serve on its stdin) outlives medusa-serve
+only to clean up after it: if medusa-serve dies without stopping the server (``kill -9``, a
+crash), the pipe closes, and the watchdog kills tritonserver's process group (the server and
+its stubs), removes the Python backend's shared-memory segments and the run folder.
 
 The stub's Python: Triton runs ``model.py`` in a stub process that embeds libpython and takes
 its packages from the ``python3`` first on ``PATH``. ``medusa-serve`` puts the chosen
@@ -39,6 +54,7 @@ import argparse
 import atexit
 import dataclasses
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
@@ -54,7 +70,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.serve")
@@ -201,6 +217,23 @@ class ServeConfig:
     log_file: str | os.PathLike | None = None  # server output; None: a file in the run folder
     startup_timeout: float = 300.0  # seconds to wait for the models to load
     exit_timeout: int = 15  # seconds the server waits for running requests on stop before we kill it
+    allow_remote: bool = False  # a host other than loopback: the server has no authentication
+
+    def __post_init__(self):
+        if not is_loopback(self.host) and not self.allow_remote:
+            raise ServeError(f"--host {self.host} is not a loopback address: the server would take requests from other machines "
+                             "without authentication; pass --allow-remote to do that on purpose (behind a firewall or an "
+                             "authenticating proxy), or keep the default 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -220,6 +253,9 @@ class TritonServer:
         self.shm_prefix = f"medusa_trt_{os.getpid()}_{os.urandom(4).hex()}_"
         self.leftovers: list[str] = []  # what stop() had to clean up: "SIGKILL", shared-memory names
         self._log = None
+        self._watchdog: subprocess.Popen | None = None
+        # header and value that unlock the restricted APIs (shared memory, trace, logging): told to no one
+        self._restricted = f"medusa-trt-admin={os.urandom(16).hex()}"
 
     @property
     def pid(self) -> int | None:
@@ -257,6 +293,8 @@ class TritonServer:
     def _models(self, repo: Path) -> tuple[str, ...]:
         if self.config.models:
             for name in self.config.models:
+                if not name or Path(name).name != name or name.startswith("."):
+                    raise ServeError(f"model name {name!r} must be a plain folder name of {repo}")
                 if not (repo / name / "config.pbtxt").is_file():
                     raise ServeError(f"{repo / name}/config.pbtxt not found: write the model with medusa-triton-repo --out {repo}")
             return tuple(self.config.models)
@@ -265,14 +303,16 @@ class TritonServer:
             raise ServeError(f"no model in {repo} (no */config.pbtxt): write one with medusa-triton-repo --engine E --out {repo}")
         return found
 
-    def command(self, dist: TritonDist, models: tuple[str, ...]) -> list[str]:
+    def command(self, dist: TritonDist) -> list[str]:
         c, host = self.config, self.config.host
+        restricted = f"{','.join(RESTRICTED_APIS)}:{self._restricted}"
         return [
             str(dist.binary),
-            f"--model-repository={Path(c.repo).resolve()}",
+            f"--model-repository={self.run_dir / 'models'}",  # links to the chosen models only
             f"--backend-directory={self.run_dir / 'backends'}",
             f"--cache-directory={dist.caches}",
-            "--model-control-mode=explicit", *[f"--load-model={m}" for m in models],
+            "--model-control-mode=none",  # every model loads at start; the model-repository API is refused
+            f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
             f"--grpc-address={host}", f"--grpc-port={c.grpc_port}",
             f"--http-address={host}", f"--http-port={c.http_port}",
             f"--metrics-address={host}", f"--metrics-port={c.metrics_port}", "--allow-gpu-metrics=false",
@@ -293,10 +333,12 @@ class TritonServer:
         stub = dist.stub(env.version)
         if not stub.is_file():
             raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {env.version}: use Python 3.8-3.13 for the stub's environment")
+        if not is_loopback(self.config.host):
+            log.warning("tritonserver binds %s: it serves other machines, without authentication", self.config.host)
         requested = self.config
         for attempt in range(3):
-            self._launch(dist, env, stub, models)
             try:
+                self._launch(dist, env, stub, models)
                 self._wait_ready(models)
                 return self
             except BaseException as exc:
@@ -326,6 +368,11 @@ class TritonServer:
 
         # The backend folder: the bundled Python backend plus the stub for this Python version.
         self.run_dir = Path(tempfile.mkdtemp(prefix="medusa-serve-"))
+        self._watchdog = _start_watchdog(self.run_dir, self.shm_prefix)
+        repo = self.run_dir / "models"  # the models the server may load, and nothing else
+        repo.mkdir()
+        for name in models:
+            (repo / name).symlink_to(Path(self.config.repo).expanduser().resolve() / name, target_is_directory=True)
         backend = self.run_dir / "backends" / "python"
         backend.mkdir(parents=True)
         for item in dist.python_backend.iterdir():
@@ -341,11 +388,12 @@ class TritonServer:
         if not self.inherit_output:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log
-        cmd = self.command(dist, models)
-        log.info("starting %s", " ".join(cmd))
+        cmd = self.command(dist)
+        log.info("starting %s", " ".join(cmd).replace(self._restricted, "medusa-trt-admin=<random>"))
         # its own session: Ctrl-C in a terminal reaches medusa-serve only, which stops the server in order
         self.proc = subprocess.Popen(cmd, env=server_env, stdout=out, stderr=None if out is None else subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._tell_watchdog(f"pid {self.proc.pid}")
         _RUNNING.add(self)
 
     def _wait_ready(self, models: tuple[str, ...]) -> None:
@@ -405,8 +453,23 @@ class TritonServer:
             self._log = None
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._tell_watchdog("done")
         _RUNNING.discard(self)
         return code
+
+    def _tell_watchdog(self, line: str) -> None:
+        """``pid N``: the server to kill if medusa-serve dies; ``done``: stopped and cleaned, exit."""
+        if self._watchdog is None:
+            return
+        try:
+            self._watchdog.stdin.write(f"{line}\n".encode())
+            self._watchdog.stdin.flush()
+            if line == "done":
+                self._watchdog.stdin.close()
+                self._watchdog.wait(10)
+                self._watchdog = None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("the server's watchdog (pid %d) did not take %r: %s", self._watchdog.pid, line, exc)
 
     def _reap_group(self, grace: float = 5.0) -> None:
         """The stubs live in the server's process group; one whose server died (a crash, a kill)
@@ -431,6 +494,58 @@ class TritonServer:
 
 
 _RUNNING: set[TritonServer] = set()
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")  # open to the holder of the random key only (nobody)
+
+# The watchdog: stdin is a pipe from medusa-serve. "pid N" names the server (a process-group
+# leader), "done" means medusa-serve stopped it and cleaned up. End of input without "done":
+# medusa-serve died; kill the server's group, then remove its shared memory and run folder.
+_WATCHDOG = r"""
+import os, shutil, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+run_dir, shm_prefix = sys.argv[1], sys.argv[2]
+pid = None
+for line in sys.stdin.buffer:
+    word, _, value = line.decode().strip().partition(" ")
+    if word == "done":
+        sys.exit(0)
+    if word == "pid":
+        pid = int(value)
+
+def group_alive(pgid):
+    for entry in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in "ZX":  # a zombie holds no port and no memory
+            return True
+    return False
+
+if pid is not None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10
+    while group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+if os.path.isdir("/dev/shm"):
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(shm_prefix):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+shutil.rmtree(run_dir, ignore_errors=True)
+"""
+
+
+def _start_watchdog(run_dir: Path, shm_prefix: str) -> subprocess.Popen:
+    """The process that cleans up after a medusa-serve that died (see the module doc). Its own
+    session: Ctrl-C in the terminal does not reach it; it ends when medusa-serve says "done"."""
+    return subprocess.Popen([sys.executable, "-I", "-c", _WATCHDOG, str(run_dir), shm_prefix], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 class RequestFailed(MedusaError):
@@ -448,14 +563,14 @@ class Chunk:
 
 # Python types of the model's optional inputs, as Triton types them (exporter/triton_repo.py)
 _INPUT_TYPES = {"max_tokens": ("INT32", "int32"), "temperature": ("FP32", "float32"), "top_p": ("FP32", "float32"),
-                "top_k": ("INT32", "int32"), "seed": ("UINT64", "uint64"), "stream": ("BOOL", "bool")}
+                "top_k": ("INT32", "int32"), "seed": ("UINT64", "uint64"), "stream": ("BOOL", "bool"), "timeout_s": ("FP32", "float32")}
 
 
 def stream_generate(address: str, text: str, *, model: str = "medusa", stop=None, timeout: float = 300.0, extra_inputs=(),
                     parameters: dict | None = None, **inputs):
     """Generate over one gRPC stream (tritonclient), yielding a ``Chunk`` per response; raises
     ``RequestFailed`` for an error response. ``inputs``: max_tokens, temperature, top_p, top_k,
-    seed, stream (default True); ``extra_inputs``: ready-made ``InferInput``s and ``parameters``:
+    seed, stream (default True), timeout_s; ``extra_inputs``: ready-made ``InferInput``s and ``parameters``:
     request parameters (the model refuses both unless they are its own; tests send them)."""
     import queue
 
@@ -518,23 +633,34 @@ def _stop_all() -> None:  # a script that forgot stop() or died of an exception 
 # ---------------------------------------------------------------------------------- commands
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 for a free one."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-serve", description="Serve a Triton model repository (medusa-triton-repo) with tritonserver.")
+    p = Parser(prog="medusa-serve", description="Serve a Triton model repository (medusa-triton-repo) with tritonserver.")
     p.add_argument("repo", nargs="?", help="the model repository folder")
     p.add_argument("--model", action="append", help="model to load (repeatable; default: every model in the repository)")
-    p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds (default: loopback only)")
-    p.add_argument("--port-grpc", type=int, default=8001, help="gRPC port (0: a free one)")
-    p.add_argument("--port-http", type=int, default=8000, help="HTTP port (0: a free one)")
-    p.add_argument("--port-metrics", type=int, default=8002, help="metrics port (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds (default: loopback only; others need --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host other than loopback: the server then takes unauthenticated requests from the network")
+    p.add_argument("--port-grpc", type=port, default=8001, help="gRPC port (0: a free one)")
+    p.add_argument("--port-http", type=port, default=8000, help="HTTP port (0: a free one)")
+    p.add_argument("--port-metrics", type=port, default=8002, help="metrics port (0: a free one)")
     p.add_argument("--python-env", help=f"environment (venv) the Python backend stub runs model.py in; needs numpy<2 (default: ${STUB_ENV_VAR} or this one)")
     p.add_argument("--make-stub-env", metavar="DIR", help="make a venv with numpy<2 over this environment's packages for --python-env, then exit")
-    p.add_argument("--log-verbose", type=int, nargs="?", const=1, default=0, help="tritonserver verbose logging level (1 if given bare)")
+    p.add_argument("--log-verbose", type=non_negative_int, nargs="?", const=1, default=0, help="tritonserver verbose logging level (1 if given bare)")
     p.add_argument("--log-file", help="write the server's output there instead of the terminal")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
+@entry("medusa-serve")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -548,10 +674,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.repo:
         parser.error("the model repository is required")
-    config = ServeConfig(repo=args.repo, models=tuple(args.model or ()), host=args.host,
-                         grpc_port=args.port_grpc or None, http_port=args.port_http or None, metrics_port=args.port_metrics or None,
-                         python_env=args.python_env, log_verbose=args.log_verbose, log_file=args.log_file,
-                         startup_timeout=args.startup_timeout)
+    try:
+        config = ServeConfig(repo=args.repo, models=tuple(args.model or ()), host=args.host, allow_remote=args.allow_remote,
+                             grpc_port=args.port_grpc or None, http_port=args.port_http or None, metrics_port=args.port_metrics or None,
+                             python_env=args.python_env, log_verbose=args.log_verbose, log_file=args.log_file,
+                             startup_timeout=args.startup_timeout)
+    except ServeError as exc:
+        return fail("medusa-serve", exc)
     server = TritonServer(config, inherit_output=args.log_file is None)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the server as Ctrl-C does, loading or serving
     try:
@@ -587,15 +716,20 @@ def _serve(server: TritonServer, repo: str) -> int:
 
 
 def build_repo_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-triton-repo", description="Write a Triton model repository that serves an exported engine.")
+    p = Parser(prog="medusa-triton-repo", description="Write a Triton model repository that serves an exported engine.")
     p.add_argument("--engine", required=True, help="an exported .onnx or .plan engine (named by absolute path, not copied)")
     p.add_argument("--out", required=True, help="the model repository folder (created; other models in it are kept)")
     p.add_argument("--model-name", default="medusa")
     p.add_argument("--tree", help="tree preset, chain-N or JSON file (default: the engine's; chain-0: plain decoding)")
-    p.add_argument("--max-batch", type=int, help="concurrent sequences (default: the engine's)")
-    p.add_argument("--max-context", type=int, help="default: the engine's")
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own)")
-    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of a request that sends none")
+    p.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
+    p.add_argument("--max-context", type=positive_int, help="default: the engine's")
+    p.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="max_tokens of a request that sends none")
+    p.add_argument("--max-tokens-limit", type=positive_int,
+                   help="a request asking for more new tokens is refused (default: 1024, or the context if smaller)")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds from arrival after which a request ends with finish_reason timeout; a request may ask for "
+                        "less with its timeout_s input (default 0: no deadline)")
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of a request that sends none (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="top_p of a request that sends none")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto", help="apply the chat template to text_input (auto: the engine's default)")
@@ -604,6 +738,7 @@ def build_repo_parser() -> argparse.ArgumentParser:
     return p
 
 
+@entry("medusa-triton-repo")
 def repo_main(argv: list[str] | None = None) -> int:
     args = build_repo_parser().parse_args(argv)
     setup_logging(args.verbose)
@@ -612,7 +747,8 @@ def repo_main(argv: list[str] | None = None) -> int:
 
         folder = write_triton_repo(TritonRepoConfig(
             engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, max_batch=args.max_batch,
-            max_context=args.max_context, threads=args.threads, max_tokens=args.max_tokens, temperature=args.temperature,
+            max_context=args.max_context, threads=args.threads, max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
+            request_timeout=args.request_timeout, temperature=args.temperature,
             top_p=args.top_p, chat_template={"auto": None, "on": True, "off": False}[args.chat_template], overwrite=args.force))
     except USER_ERRORS as exc:
         return fail("medusa-triton-repo", exc)

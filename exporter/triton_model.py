@@ -5,19 +5,26 @@ onnxruntime, tokenizers: never torch or transformers, unless the engine is a Ten
 whose backend brings tensorrt and torch).
 The model is *decoupled*: a request gets any number of responses and then the final flag.
 
-    initialize   MedusaRuntime over the engine named in config.pbtxt + a ContinuousBatcher
+    initialize   MedusaRuntime over the engine named in config.pbtxt (every engine file's sha256
+                 checked against the export's manifest, once) + a ContinuousBatcher
     execute      each request: parse its tensors into a batching.Request and submit it; bad input
                  gets one error response with the final flag, at once; a good one gets a thread
                  that forwards the batcher's StreamEvents as responses (stream=true: one per
                  engine step; else one at the end)
-    (watchdog)   every CANCEL_POLL_S, requests the client cancelled or dropped free their row
+    (watchdog)   every CANCEL_POLL_S, requests the client cancelled or dropped free their row, and
+                 requests past their deadline end with finish_reason "timeout"
     finalize     close the batcher: requests still running end as cancelled
 
 Inputs: ``text_input`` (BYTES, required), optional ``max_tokens`` INT32, ``temperature`` FP32,
-``top_p`` FP32, ``top_k`` INT32, ``stop`` BYTES [-1], ``seed`` UINT64, ``stream`` BOOL.
+``top_p`` FP32, ``top_k`` INT32, ``stop`` BYTES [-1], ``seed`` UINT64, ``stream`` BOOL,
+``timeout_s`` FP32 (seconds from arrival; at most the server's ``request_timeout``).
 Outputs per response: ``text_output`` (the new text), ``token_ids`` (the new tokens),
-``finish_reason`` ("" until the last response, then "stop" or "length"; a request cancelled
-by its client or by shutdown ends with a CANCELLED error response instead).
+``finish_reason`` ("" until the last response, then "stop", "length" or "timeout"; a request
+cancelled by its client or by shutdown ends with a CANCELLED error response instead).
+Limits: ``max_tokens`` above the config's ``max_tokens_limit`` is refused (not clamped: the
+client learns its request was not served as asked). Stop strings: the text sent (streamed or
+not) is the runtime's stream events' text, which holds back any tail that could still become a
+stop string, so no part of a stop string is ever sent.
 Triton rejects input tensors the config does not name; this model rejects every request
 parameter (Triton's generate endpoint turns JSON fields that match no input into parameters).
 
@@ -28,7 +35,9 @@ Outside Triton (tests) the module imports without ``triton_python_backend_utils`
 from __future__ import annotations
 
 import json
+import math
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +51,7 @@ except ImportError:  # imported outside Triton's stub (tests of the request pars
     pb_utils = None
 
 CANCEL_POLL_S = 0.2  # how often queued and running requests are checked for client cancellation
-INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream")
+INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "timeout_s")
 
 
 class RequestError(MedusaError):
@@ -57,6 +66,17 @@ class ServeDefaults:
     temperature: float = 0.0
     top_p: float = 1.0
     chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
+    max_tokens_limit: int = 1024  # a request asking for more new tokens is refused
+    request_timeout: float = 0.0  # seconds from arrival until a request ends with "timeout"; 0: no deadline
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A parsed request: what the batcher runs, how it is answered, when it must end."""
+
+    request: object  # batching.Request
+    stream: bool  # one response per engine step (else one at the end)
+    timeout: float | None  # seconds from arrival; None: no deadline
 
 
 def model_parameters(model_config: dict) -> dict[str, str]:
@@ -73,11 +93,13 @@ def defaults_from(params: dict[str, str]) -> ServeDefaults:
         temperature=float(params.get("default_temperature") or ServeDefaults.temperature),
         top_p=float(params.get("default_top_p") or ServeDefaults.top_p),
         chat_template=None if chat == "auto" else chat == "true",
+        max_tokens_limit=int(params.get("max_tokens_limit") or ServeDefaults.max_tokens_limit),
+        request_timeout=float(params.get("request_timeout") or ServeDefaults.request_timeout),
     )
 
 
-def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaults: ServeDefaults):
-    """A ``batching.Request`` and the stream flag from a request's tensors (name -> array or None).
+def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaults: ServeDefaults) -> ServeRequest:
+    """A ``ServeRequest`` from a request's tensors (name -> array or None).
 
     Raises ``RequestError`` / ``SamplingError`` with a message that names the offending input."""
     from medusa_trt.runtime.batching import Request
@@ -109,6 +131,9 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaul
     max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > defaults.max_tokens_limit:
+        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {defaults.max_tokens_limit} new tokens per request "
+                           "(medusa-triton-repo --max-tokens-limit): ask for fewer")
     stop = inputs.get("stop")
     stops = tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else ()
     if any(not s for s in stops):
@@ -123,7 +148,19 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaul
     )
     stream = bool(scalar("stream", bool))
     request = Request(prompt=prompt, max_new_tokens=max_tokens, stop=stops or None, sampling=sampling, chat_template=defaults.chat_template)
-    return request, stream
+    return ServeRequest(request, stream, _timeout(scalar("timeout_s", float), defaults.request_timeout))
+
+
+def _timeout(asked: float | None, server: float) -> float | None:
+    """The request's deadline in seconds: its own ``timeout_s`` (at most the server's), else the server's."""
+    if asked is None:
+        return server or None
+    if not math.isfinite(asked) or asked <= 0:
+        raise RequestError(f"timeout_s must be a number of seconds > 0, got {asked}")
+    if server and asked > server:
+        raise RequestError(f"timeout_s {asked:g} exceeds this server's request_timeout of {server:g} s "
+                           "(medusa-triton-repo --request-timeout): ask for less")
+    return asked
 
 
 def _text(value, name: str) -> str:
@@ -157,8 +194,9 @@ class TritonPythonModel:
         def opt_int(key):
             return int(params[key]) if params.get(key) else None
 
+        # verify_checksums: a file corrupted in place (same size) is named here, once, not served
         runtime = MedusaRuntime(str(engine), max_batch=opt_int("max_batch"), max_context=opt_int("max_context"),
-                                threads=opt_int("threads"), tree=params.get("tree") or None)
+                                threads=opt_int("threads"), tree=params.get("tree") or None, verify_checksums=True)
         self.runtime = runtime
         self.batcher = ContinuousBatcher(runtime).start()
         self._live: dict[int, _Live] = {}  # request id -> the request in flight
@@ -172,9 +210,10 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            arrived = time.monotonic()
             try:
-                parsed, stream = parse_request(_inputs(request), json.loads(request.parameters() or "{}"), self.defaults)
-                handle = self.batcher.submit(parsed)  # PromptError (empty, too long) / SamplingError here
+                parsed = parse_request(_inputs(request), json.loads(request.parameters() or "{}"), self.defaults)
+                handle = self.batcher.submit(parsed.request)  # PromptError (empty, too long) / SamplingError here
             except MedusaError as exc:
                 _send_error(sender, str(exc), "INVALID_ARG")
                 continue
@@ -182,8 +221,8 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"medusa: request failed: {exc!r}")
                 _send_error(sender, f"internal error: {exc}", "INTERNAL")
                 continue
-            live = _Live(request, handle, sender)
-            live.thread = threading.Thread(target=self._forward, args=(live, stream), name=f"medusa-req-{handle.id}", daemon=True)
+            live = _Live(request, handle, sender, None if parsed.timeout is None else arrived + parsed.timeout)
+            live.thread = threading.Thread(target=self._forward, args=(live, parsed.stream), name=f"medusa-req-{handle.id}", daemon=True)
             with self._lock:
                 self._live[handle.id] = live
             live.thread.start()
@@ -194,6 +233,9 @@ class TritonPythonModel:
         text, tokens = [], []
         try:
             for event in live.handle:
+                if event.finish_reason == "cancelled" and live.timed_out:  # its deadline passed (_watch)
+                    live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
+                    return
                 if event.finish_reason == "cancelled":
                     live.error("request cancelled" if not self._stopping.is_set() else "the server is shutting down", "CANCELLED")
                     return
@@ -218,11 +260,16 @@ class TritonPythonModel:
         while not self._stopping.wait(CANCEL_POLL_S):
             with self._lock:
                 running = list(self._live.values())
+            now = time.monotonic()
             for live in running:
                 if live.cancelled():
                     with self._lock:
                         self._live.pop(live.handle.id, None)
                     pb_utils.Logger.log_info(f"medusa: request {live.handle.id} cancelled by the client: its row is freed")
+                    live.handle.cancel()
+                elif live.deadline is not None and now >= live.deadline and not live.timed_out:
+                    live.timed_out = True  # read by _forward when the cancelled event comes
+                    pb_utils.Logger.log_info(f"medusa: request {live.handle.id} passed its deadline: it ends with finish_reason timeout")
                     live.handle.cancel()
 
     def finalize(self):
@@ -242,8 +289,10 @@ class _Live:
     so the final send and the cancellation poll hold ``lock``, and ``done`` is set before the
     final send."""
 
-    def __init__(self, request, handle, sender):
+    def __init__(self, request, handle, sender, deadline: float | None):
         self.request, self.handle, self.sender = request, handle, sender
+        self.deadline = deadline  # time.monotonic() after which the request ends with "timeout"; None: none
+        self.timed_out = False
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.done = False

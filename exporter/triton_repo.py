@@ -2,7 +2,10 @@
 
     write_triton_repo(TritonRepoConfig(engine="build/model.onnx", repo="build/triton"))
 
-writes, atomically (a temporary folder beside it, then one rename):
+reads the engine's metadata first (without loading its graph) and refuses, naming the limit and
+the fix, what the server could not serve: more rows or context than the engine was exported
+for, a tree its heads cannot propose, a missing heads graph or a file of another size than the
+export recorded. Then it writes, atomically (a temporary folder beside it, then one rename):
 
     build/triton/medusa/config.pbtxt     Python backend, decoupled (streaming), the parameters below
     build/triton/medusa/1/model.py       exporter/triton_model.py, copied as is
@@ -13,6 +16,11 @@ repository, copy the engine files into ``medusa/`` and set the ``engine`` parame
 relative name (``model.onnx``); relative paths are resolved against the model's folder.
 ``max_batch_size`` is 0: the runtime batches requests itself (continuous batching), so Triton
 must hand them over one by one, as they come.
+
+Per-request limits recorded in config.pbtxt: ``max_tokens_limit`` (a request asking for more
+new tokens is refused, as OpenAI-like servers do: one client cannot hold a row for the whole
+context) and ``request_timeout`` (seconds from arrival after which a request ends with
+finish_reason "timeout"; a request may ask for a shorter one with its ``timeout_s`` input).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.runtime.engine import EngineFiles
+from medusa_trt.runtime.engine import META_KEY, EngineError, EngineFiles, EngineMeta
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
@@ -43,7 +51,9 @@ INPUTS = [
     ("stop", "TYPE_STRING", [-1], True),
     ("seed", "TYPE_UINT64", [1], True),
     ("stream", "TYPE_BOOL", [1], True),
+    ("timeout_s", "TYPE_FP32", [1], True),
 ]
+DEFAULT_MAX_TOKENS_LIMIT = 1024  # most new tokens one request may ask for (clipped to the engine's context)
 OUTPUTS = [
     ("text_output", "TYPE_STRING", [-1]),
     ("token_ids", "TYPE_INT64", [-1]),
@@ -65,6 +75,8 @@ class TritonRepoConfig:
     max_context: int | None = None  # None: the engine's
     threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
     max_tokens: int = 128  # default max_tokens of a request that sends none
+    max_tokens_limit: int | None = None  # a request asking for more is refused; None: DEFAULT_MAX_TOKENS_LIMIT or the context
+    request_timeout: float = 0.0  # seconds from arrival; then the request ends with finish_reason "timeout"; 0: none
     temperature: float = 0.0  # default sampling of a request that sends none: greedy
     top_p: float = 1.0
     chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
@@ -79,12 +91,21 @@ class TritonRepoConfig:
                 raise TritonRepoError(f"{name} must be >= 1, got {value}")
         if self.max_tokens < 1:
             raise TritonRepoError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise TritonRepoError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if not self.request_timeout >= 0 or self.request_timeout == float("inf"):
+            raise TritonRepoError(f"request_timeout must be a number of seconds >= 0 (0: none), got {self.request_timeout}")
+        if not 0 <= self.temperature < float("inf") or not 0 < self.top_p <= 1:
             raise TritonRepoError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
 
 
 def check_engine(engine: str | os.PathLike) -> Path:
     """The engine's absolute path, after checking the files the runtime will open are there."""
+    return _engine(engine)[0]
+
+
+def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
+    """The engine's absolute path and metadata, after checking the files the runtime will open."""
     path = Path(engine).expanduser().resolve()
     files = EngineFiles.beside(path)
     if path.suffix not in (".onnx", ".plan"):
@@ -95,19 +116,131 @@ def check_engine(engine: str | os.PathLike) -> Path:
         raise TritonRepoError(f"engine {path} has no tokenizer beside it ({files.tokenizer}/tokenizer.json): export it again")
     if path.suffix == ".plan" and not files.sidecar.is_file():
         raise TritonRepoError(f"TensorRT engine {path} has no metadata sidecar {files.sidecar.name}: build it with medusa-export")
-    return path
+    meta = read_engine_meta(path)
+    if meta.num_heads and not files.heads.is_file():
+        raise TritonRepoError(f"engine {path} has {meta.num_heads} Medusa heads but its heads graph {files.heads} is missing: "
+                              "copy it beside the engine or export again")
+    from medusa_trt.runtime.manifest import check_manifest
+
+    check_manifest(files)  # sizes only (the server checks the sha256 sums once at load)
+    return path, meta
+
+
+def read_engine_meta(path: Path) -> EngineMeta:
+    """An engine's metadata without loading its graph: the TensorRT sidecar, or the ONNX
+    ``metadata_props`` read from the protobuf wire format (ONNX Runtime would load every weight)."""
+    if path.suffix == ".plan":
+        sidecar = EngineFiles.beside(path).sidecar
+        return EngineMeta.from_json(sidecar.read_text(encoding="utf-8", errors="replace"), source=str(sidecar))
+    props = onnx_metadata_props(path)
+    if META_KEY not in props:
+        raise EngineError(f"{path} is not a medusa-trt engine (no '{META_KEY}' metadata): export it with medusa-export")
+    return EngineMeta.from_json(props[META_KEY], source=str(path))
+
+
+_MODEL_METADATA_PROPS = 14  # ModelProto.metadata_props: repeated StringStringEntryProto {key = 1, value = 2}
+
+
+def onnx_metadata_props(path: Path) -> dict[str, str]:
+    """ModelProto.metadata_props of an .onnx file; the other top-level fields (the graph) are
+    skipped by their length, so this reads a few bytes of even a multi-GB model."""
+    props = {}
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while f.tell() < size:
+            field, wire = divmod(_varint(f, path), 8)
+            if wire == 2:
+                length = _varint(f, path)
+                if field == _MODEL_METADATA_PROPS:
+                    props.update([_string_entry(f.read(length), path)])
+                else:
+                    f.seek(length, os.SEEK_CUR)
+            elif wire == 0:
+                _varint(f, path)
+            elif wire in (1, 5):  # fixed 64 / 32 bits
+                f.seek(8 if wire == 1 else 4, os.SEEK_CUR)
+            else:
+                raise EngineError(f"{path} is not an ONNX file (protobuf wire type {wire}): pass the .onnx medusa-export wrote")
+        if f.tell() > size:
+            raise EngineError(f"{path} is truncated ({size} bytes): copy it again or export again")
+    return props
+
+
+def _varint(f, path: Path) -> int:
+    value = shift = 0
+    while True:
+        byte = f.read(1)
+        if not byte or shift > 63:
+            raise EngineError(f"{path} is truncated or not an ONNX file: copy it again or export again")
+        value |= (byte[0] & 0x7F) << shift
+        shift += 7
+        if not byte[0] & 0x80:
+            return value
+
+
+def _string_entry(data: bytes, path: Path) -> tuple[str, str]:
+    """A StringStringEntryProto's (key, value)."""
+    import io
+
+    buf, fields = io.BytesIO(data), {1: b"", 2: b""}
+    while buf.tell() < len(data):
+        field, wire = divmod(_varint(buf, path), 8)
+        if wire != 2:
+            raise EngineError(f"{path}: malformed metadata entry: export the engine again")
+        fields[field] = buf.read(_varint(buf, path))
+    return fields[1].decode("utf-8", "replace"), fields[2].decode("utf-8", "replace")
+
+
+def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Path) -> int:
+    """Refuse, naming the limit and the fix, what the engine cannot serve; the effective
+    per-request max_tokens limit."""
+    for name, flag in (("max_batch", "--max-batch"), ("max_context", "--max-context")):
+        asked, limit = getattr(config, name), getattr(meta, name)
+        if asked is not None and asked > limit:
+            raise TritonRepoError(f"{flag} {asked} exceeds the engine's {name} {limit} ({engine.name} was exported with "
+                                  f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}")
+    if config.tree is not None:
+        _check_tree(config.tree, meta)
+    context = config.max_context or meta.max_context
+    if config.max_tokens_limit is not None and config.max_tokens_limit > context:
+        raise TritonRepoError(f"--max-tokens-limit {config.max_tokens_limit} exceeds the context of {context} tokens (prompt included): "
+                              f"pass at most {context}")
+    limit = config.max_tokens_limit or min(DEFAULT_MAX_TOKENS_LIMIT, context)
+    if config.max_tokens > limit:
+        raise TritonRepoError(f"--max-tokens {config.max_tokens} (the default of a request) exceeds the per-request limit {limit}: "
+                              f"lower --max-tokens or raise --max-tokens-limit")
+    return limit
+
+
+def _check_tree(tree: str, meta: EngineMeta) -> None:
+    from medusa_trt.runtime.tree import load_tree
+
+    compiled = load_tree(tree, max_depth=meta.num_heads)  # InvalidTreeError names the path and the fix
+    if compiled.top_k > meta.top_k:
+        raise TritonRepoError(f"tree {compiled.name} needs top-{compiled.top_k} proposals per head but the engine's heads give "
+                              f"top-{meta.top_k}: use a tree with smaller indices, or export the engine with this tree")
+    if compiled.num_nodes > meta.max_tokens:
+        raise TritonRepoError(f"tree {compiled.name} has {compiled.num_nodes} nodes but the engine takes at most {meta.max_tokens} "
+                              "tokens per step: use a smaller tree, or export with a larger --max-tokens")
+
+
+def check_repo_path(repo: str | os.PathLike) -> Path:
+    """The repository folder (absolute): an existing folder, or a new one whose parent exists."""
+    repo = Path(repo).expanduser().resolve()
+    if repo.exists() and not repo.is_dir():
+        raise TritonRepoError(f"{repo} exists and is not a folder: choose a folder for the model repository")
+    if not repo.exists() and not repo.parent.is_dir():
+        raise TritonRepoError(f"cannot create the model repository {repo}: its parent folder {repo.parent} does not exist; create it first")
+    return repo
 
 
 def _tree_value(tree: str | None) -> str:
     if tree is None:
         return ""
-    from medusa_trt.runtime.tree import load_tree
-
-    load_tree(tree)  # fails here (InvalidTreeError) rather than when the server loads the model
     return str(Path(tree).resolve()) if Path(tree).is_file() else tree
 
 
-def config_pbtxt(config: TritonRepoConfig, engine: Path) -> str:
+def config_pbtxt(config: TritonRepoConfig, engine: Path, max_tokens_limit: int) -> str:
     """The model configuration (protobuf text format)."""
     params = {
         "engine": str(engine),
@@ -116,6 +249,8 @@ def config_pbtxt(config: TritonRepoConfig, engine: Path) -> str:
         "max_context": "" if config.max_context is None else str(config.max_context),
         "threads": "" if config.threads is None else str(config.threads),
         "default_max_tokens": str(config.max_tokens),
+        "max_tokens_limit": str(max_tokens_limit),
+        "request_timeout": repr(float(config.request_timeout)),
         "default_temperature": repr(float(config.temperature)),
         "default_top_p": repr(float(config.top_p)),
         "chat_template": "auto" if config.chat_template is None else str(config.chat_template).lower(),
@@ -149,33 +284,53 @@ def config_pbtxt(config: TritonRepoConfig, engine: Path) -> str:
 def write_triton_repo(config: TritonRepoConfig) -> Path:
     """Write ``repo/<model_name>/`` (config.pbtxt, 1/model.py); returns the model folder.
 
-    Atomic: the folder is built under a temporary name in the repository and renamed into place,
-    so a server never sees half a model; an existing one is replaced only with ``overwrite``."""
-    engine = check_engine(config.engine)
-    text = config_pbtxt(config, engine)
-    repo = Path(config.repo).expanduser().resolve()
+    Atomic: the folder is built under a temporary name and renamed into place, so a server never
+    sees half a model and a failure leaves nothing; a new repository is built whole beside its
+    place (its parent must exist); an existing model is replaced only with ``overwrite``."""
+    repo = check_repo_path(config.repo)
+    engine, meta = _engine(config.engine)
+    text = config_pbtxt(config, engine, check_against_engine(config, meta, engine))
     final = repo / config.model_name
     if final.exists() and not config.overwrite:
         raise TritonRepoError(f"{final} exists: pass --force (overwrite=True) to replace it, or choose another --model-name")
-    repo.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{config.model_name}.tmp-", dir=repo))
+    if not repo.exists():
+        staging = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=repo.parent))
+        try:
+            _stage_model(staging / config.model_name, text)
+            os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the server may run as another user
+            os.rename(staging, repo)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    else:
+        _replace_model(repo, config.model_name, text)
+    log.info("wrote %s (engine %s)", final, engine)
+    return final
+
+
+def _stage_model(folder: Path, text: str) -> None:
+    (folder / "1").mkdir(parents=True)
+    shutil.copyfile(MODEL_FILE, folder / "1" / "model.py")
+    (folder / "config.pbtxt").write_text(text, encoding="utf-8")
+    os.chmod(folder, 0o755)
+
+
+def _replace_model(repo: Path, name: str, text: str) -> None:
+    """Stage ``repo/<name>`` under a temporary name in ``repo``, then rename it over the old one."""
+    final = repo / name
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=repo))
     old = None
     try:
-        (staging / "1").mkdir()
-        shutil.copyfile(MODEL_FILE, staging / "1" / "model.py")
-        (staging / "config.pbtxt").write_text(text, encoding="utf-8")
-        os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the server may run as another user
+        _stage_model(staging / "model", text)
         if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{config.model_name}.old-", dir=repo))
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=repo))
             os.rename(final, old / "model")
-        os.rename(staging, final)
+        os.rename(staging / "model", final)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
         if old is not None and (old / "model").exists() and not final.exists():
             os.rename(old / "model", final)  # put the previous model back
         raise
     finally:
+        shutil.rmtree(staging, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    log.info("wrote %s (engine %s)", final, engine)
-    return final

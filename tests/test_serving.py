@@ -26,19 +26,47 @@ from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonS
 from medusa_trt.cli.serve import main as serve_main
 from medusa_trt.exporter.triton_model import RequestError, ServeDefaults, parse_request
 from medusa_trt.exporter.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
+from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.sampling import SamplingError
 
 # ---------------------------------------------------------------------------------- repository writer
 
 
+FAKE_META = EngineMeta(format_version=FORMAT_VERSION, model="fake", architecture="llama", dtype="fp32", vocab_size=512,
+                       hidden_size=64, num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, top_k=10, tree=[[0], [1], [0, 0]],
+                       tree_name="fake", max_batch=4, max_context=256, max_tokens=64, eos_token_ids=[2], is_chat=False)
+
+
+def _pb(field: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field (lengths below 2**14 here)."""
+    n = len(data)
+    length = bytes([n]) if n < 128 else bytes([n & 0x7F | 0x80, n >> 7])
+    return bytes([field << 3 | 2]) + length + data
+
+
+def write_fake_engine(folder: Path, meta: EngineMeta = FAKE_META) -> Path:
+    """An .onnx whose only content is the medusa_trt metadata (ModelProto field 14), its heads
+    graph and tokenizer: what the writer reads (it never opens the graph)."""
+    engine = folder / "model.onnx"
+    (folder / "model.tokenizer").mkdir(parents=True)
+    (folder / "model.tokenizer" / "tokenizer.json").write_text("{}")
+    model = b"\x08\x08" + _pb(14, _pb(1, META_KEY.encode()) + _pb(2, meta.to_json().encode()))  # ir_version 8, metadata_props
+    engine.write_bytes(model)
+    EngineFiles.beside(engine).heads.write_bytes(model)
+    return engine
+
+
 @pytest.fixture
 def fake_engine(tmp_path) -> Path:
-    """The files the writer checks (it never opens the graph)."""
-    engine = tmp_path / "eng" / "model.onnx"
-    (tmp_path / "eng" / "model.tokenizer").mkdir(parents=True)
-    (tmp_path / "eng" / "model.tokenizer" / "tokenizer.json").write_text("{}")
-    engine.write_bytes(b"onnx")
-    return engine
+    return write_fake_engine(tmp_path / "eng")
+
+
+def test_metadata_is_read_without_loading_the_graph(engine, fake_engine):
+    from medusa_trt.exporter.triton_repo import read_engine_meta
+    from medusa_trt.runtime.engine import read_meta
+
+    assert read_engine_meta(fake_engine) == FAKE_META
+    assert read_engine_meta(Path(engine)) == read_meta(engine)  # the same as ONNX Runtime reads it
 
 
 def _parse_config(text: str):
@@ -49,7 +77,7 @@ def _parse_config(text: str):
 
 
 def test_repo_layout_and_config(fake_engine, tmp_path):
-    folder = write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", tree="chain-2", max_batch=8,
+    folder = write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", tree="chain-2", max_batch=2,
                                                 max_tokens=64, temperature=0.5, top_p=0.9))
     assert folder == (tmp_path / "repo" / "medusa").resolve()
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["1", "1/model.py", "config.pbtxt"]
@@ -59,7 +87,7 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
     assert config.model_transaction_policy.decoupled
     assert [(i.name, i.optional) for i in config.input] == [
         ("text_input", False), ("max_tokens", True), ("temperature", True), ("top_p", True), ("top_k", True),
-        ("stop", True), ("seed", True), ("stream", True)]
+        ("stop", True), ("seed", True), ("stream", True), ("timeout_s", True)]
     types = {i.name: (i.data_type, list(i.dims)) for i in [*config.input, *config.output]}
     pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
     assert types["text_input"] == (pb.TYPE_STRING, [1]) and types["stop"] == (pb.TYPE_STRING, [-1])
@@ -67,9 +95,9 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
     assert types["text_output"] == (pb.TYPE_STRING, [-1]) and types["token_ids"] == (pb.TYPE_INT64, [-1])
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["engine"] == str(fake_engine.resolve()) and Path(params["engine"]).is_absolute()
-    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "max_batch": "8", "max_context": "", "threads": "",
-                                       "default_max_tokens": "64", "default_temperature": "0.5", "default_top_p": "0.9",
-                                       "chat_template": "auto"}
+    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "max_batch": "2", "max_context": "", "threads": "",
+                                       "default_max_tokens": "64", "max_tokens_limit": "256", "request_timeout": "0.0",
+                                       "default_temperature": "0.5", "default_top_p": "0.9", "chat_template": "auto"}
 
 
 def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
@@ -91,7 +119,8 @@ def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
     assert "\"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
     with pytest.raises(OSError):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "fresh"))
-    assert list((tmp_path / "fresh").iterdir()) == []
+    assert not (tmp_path / "fresh").exists()  # a new repository is built beside its place, then renamed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "repo"]
 
 
 def test_repo_bad_input(fake_engine, tmp_path, capsys):
@@ -120,13 +149,21 @@ def _inputs(text="Hello", **fields):
 
 def test_parse_request_defaults_and_fields():
     defaults = ServeDefaults(max_tokens=33, temperature=0.0, top_p=1.0)
-    request, stream = parse_request(_inputs(), {}, defaults)
-    assert (request.prompt, request.max_new_tokens, request.sampling.temperature, request.stop, stream) == ("Hello", 33, 0.0, None, False)
-    request, stream = parse_request(_inputs("Hi", max_tokens=np.array([5], dtype=np.int32), temperature=np.array([0.7], dtype=np.float32),
-                                            top_p=np.array([0.9], dtype=np.float32), top_k=np.array([4], dtype=np.int32),
-                                            seed=np.array([7], dtype=np.uint64), stream=np.array([True]),
-                                            stop=np.array([b"\n\n", b"The end"], dtype=object)), {}, defaults)
-    assert request.max_new_tokens == 5 and request.stop == ("\n\n", "The end") and stream
+    parsed = parse_request(_inputs(), {}, defaults)
+    request = parsed.request
+    assert (request.prompt, request.max_new_tokens, request.sampling.temperature, request.stop, parsed.stream) == ("Hello", 33, 0.0, None, False)
+    assert parsed.timeout is None
+    parsed = parse_request(_inputs("Hi", max_tokens=np.array([5], dtype=np.int32), temperature=np.array([0.7], dtype=np.float32),
+                                   top_p=np.array([0.9], dtype=np.float32), top_k=np.array([4], dtype=np.int32),
+                                   seed=np.array([7], dtype=np.uint64), stream=np.array([True]), timeout_s=np.array([2.5], dtype=np.float32),
+                                   stop=np.array([b"\n\n", b"The end"], dtype=object)), {}, defaults)
+    request = parsed.request
+    assert request.max_new_tokens == 5 and request.stop == ("\n\n", "The end") and parsed.stream and parsed.timeout == 2.5
+    limited = ServeDefaults(max_tokens=16, max_tokens_limit=64, request_timeout=10.0)
+    assert parse_request(_inputs(max_tokens=np.array([64], dtype=np.int32)), {}, limited).request.max_new_tokens == 64
+    assert parse_request(_inputs(), {}, limited).timeout == 10.0  # the server's deadline when the request sets none
+    with pytest.raises(RequestError, match="timeout_s 20 exceeds this server's request_timeout of 10 s"):
+        parse_request(_inputs(timeout_s=np.array([20.0], dtype=np.float32)), {}, limited)
     assert (request.sampling.top_k, request.sampling.seed) == (4, 7) and abs(request.sampling.temperature - 0.7) < 1e-6
 
 
@@ -137,6 +174,9 @@ def test_parse_request_defaults_and_fields():
     (_inputs(top_p=np.array([1.5], dtype=np.float32)), {}, SamplingError, "top_p must be in"),
     (_inputs(stop=np.array([b""], dtype=object)), {}, RequestError, "empty string"),
     (_inputs(), {"frequency_penalty": 1}, RequestError, "unknown request parameter(s) ['frequency_penalty']"),
+    (_inputs(max_tokens=np.array([2**31 - 1], dtype=np.int32)), {}, RequestError, "max_tokens 2147483647 exceeds this server's limit of 1024"),
+    (_inputs(timeout_s=np.array([-1.0], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0, got -1.0"),
+    (_inputs(timeout_s=np.array([np.nan], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0"),
     ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, RequestError, "not valid UTF-8"),
     ({}, {}, RequestError, "text_input is required"),
 ])
@@ -341,11 +381,13 @@ def test_cancelled_stream_frees_its_row(server, runtime):
         if i == 2:
             break  # the client goes away mid-generation
     assert _generate(server, PROMPTS[3], 20)[1] == solo(runtime, PROMPTS[3], 20).token_ids
-    for _ in range(50):
-        if "cancelled by the client" in server.log_text():
+    # the cancellation poll frees the row, or (on a loaded machine, first) the failed send to the gone client does
+    freed = ("cancelled by the client: its row is freed", "ended early")
+    for _ in range(100):
+        if any(f in server.log_text() for f in freed):
             break
         threading.Event().wait(0.1)
-    assert "cancelled by the client: its row is freed" in server.log_text()
+    assert any(f in server.log_text() for f in freed)
 
 
 def test_stop_by_pid_leaves_nothing_behind(server):
