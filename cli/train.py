@@ -3,7 +3,9 @@
     medusa-train --model smollm2-135m --out assets/heads [--heads 4] [--layers 1] [--shared-lm-head] [--decay 0.8]
 
 Interrupt it at any time: rerun the same command and it continues from its work folder
-(``<out>.work/``: generated sequences, cached hidden states, checkpoints).
+(``<out>.work/``: generated sequences, cached hidden states, checkpoints). A rerun with settings
+that change the data or the training is refused, naming them; ``--restart`` discards what no
+longer matches instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--restart", action="store_true",
+                   help="discard work-folder progress made with other settings instead of refusing (progress made with these settings is kept: resuming is exact)")
     p.add_argument("--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
+@entry("medusa-train")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from medusa_trt.exporter.models import load_base_model
-        from medusa_trt.training.train import TrainConfig, run
+        from medusa_trt.training.train import TrainConfig, check_inputs, run
 
         config = TrainConfig(
             out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head,
@@ -53,13 +58,15 @@ def main(argv: list[str] | None = None) -> int:
             num_prompts=args.num_prompts, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, bf16=args.bf16,
         )
+        check_inputs(config)  # before the model loads: a bad file costs no waiting
         torch.manual_seed(args.seed)
-        metrics = run(load_base_model(args.model), config)
+        metrics = run(load_base_model(args.model), config, restart=args.restart)
     except USER_ERRORS as exc:
         return fail("medusa-train", exc)
+    losses = metrics["loss_first"][:1] + metrics["loss_last"][-1:]
+    loss = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
+    print(f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps{loss}")
     held = metrics.get("holdout")
-    print(f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps, "
-          f"loss {metrics['loss_first'][0]:.3f} -> {metrics['loss_last'][-1]:.3f}")
     if held:
         print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))
         print("holdout top-5 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top5"]))

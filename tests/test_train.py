@@ -46,7 +46,7 @@ def test_training_lowers_loss_and_raises_head1_accuracy(stories_base, tmp_path, 
     config = _config(tmp_path, epochs=6, bf16=bf16)
     cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
     assert cached["hidden"].shape[0] == cached["targets"].shape[0] > 500
-    untrained, _ = train_heads(stories_base, dataclasses.replace(config, epochs=0, out=str(tmp_path / "untrained")), cached)
+    untrained, _ = train_heads(stories_base, dataclasses.replace(config, out=str(tmp_path / "untrained")), cached, stop_after=0)
     before = head_accuracy(untrained, cached["hidden"], cached["targets"])["top1"][0]
     before_loss = medusa_loss(untrained(cached["hidden"]), cached["targets"], 0.8)[0].item()
     heads, metrics = train_heads(stories_base, config, cached)
@@ -137,3 +137,152 @@ def test_cli_one_line_errors(capsys, tmp_path):
     assert main(["--model", "/nonexistent.gguf", "--out", str(tmp_path / "h")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("medusa-train: error: ") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- the work folder: what is resumed, what is refused
+
+
+def _lengths(config) -> list[int]:
+    import json
+
+    records = [json.loads(line) for line in (config.workdir / "sequences.jsonl").read_text().splitlines()]
+    return [len(r["ids"]) - r["start"] for r in records]
+
+
+def test_changed_new_tokens_is_not_resumed_on_the_old_data(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=4, new_tokens=16, epochs=1)
+    build_sequences(stories_base, config)
+    before = (config.workdir / "sequences.jsonl").read_bytes()
+    shorter = dataclasses.replace(config, new_tokens=8)
+    with pytest.raises(TrainError, match=r"--new-tokens was 16, now 8.*--restart"):
+        run(stories_base, shorter)
+    with pytest.raises(TrainError, match=r"--new-tokens was 16, now 8"):  # the stage alone refuses too
+        build_sequences(stories_base, shorter)
+    assert (config.workdir / "sequences.jsonl").read_bytes() == before and not (tmp_path / "heads").exists()
+    metrics = run(stories_base, shorter, restart=True)
+    assert metrics["sequences"] == 4 and max(_lengths(shorter)) == 8
+
+
+def test_changed_model_is_not_resumed_on_the_old_data(stories_base, tmp_path):
+    import shutil
+
+    from medusa_trt.exporter import load_base_model
+
+    config = _config(tmp_path, num_prompts=2, new_tokens=8)
+    build_sequences(stories_base, config)
+    other = tmp_path / "other.gguf"
+    shutil.copy(stories_base.name, other)
+    with pytest.raises(TrainError, match=r"holds data from another configuration \(--model was .*stories260K.gguf, now .*other.gguf"):
+        build_sequences(load_base_model(other), config)
+
+
+def test_changed_prompts_file_is_not_resumed_but_a_moved_one_is(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=2, new_tokens=8)
+    first = build_sequences(stories_base, config)
+    moved = tmp_path / "moved.txt"
+    moved.write_bytes(open(config.data, "rb").read())
+    assert build_sequences(stories_base, dataclasses.replace(config, data=str(moved))) == first  # same content: resumed
+    moved.write_text("The dog ran\nA big ship\n")
+    with pytest.raises(TrainError, match=r"--data was a file with sha256 \w+, now a file with sha256 \w+"):
+        build_sequences(stories_base, dataclasses.replace(config, data=str(moved)))
+
+
+def test_changed_head_layer_recomputes_the_cache(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=2, new_tokens=8)
+    sequences = build_sequences(stories_base, config)
+    final = cache_hidden(stories_base, sequences, config)
+    layer0 = cache_hidden(stories_base, sequences, dataclasses.replace(config, head_layer=0))
+    assert not torch.equal(final["hidden"], layer0["hidden"])
+    assert torch.equal(cache_hidden(stories_base, sequences, config)["hidden"], final["hidden"])
+
+
+def test_changed_training_settings_refused_before_any_work_then_restarted_on_the_same_data(stories_base, tmp_path, monkeypatch):
+    from medusa_trt.runtime import MedusaRuntime
+
+    config = _config(tmp_path, num_prompts=4, new_tokens=8, epochs=1)
+    cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
+    train_heads(stories_base, config, cached, stop_after=2)
+    monkeypatch.setattr(MedusaRuntime, "generate", lambda *a, **k: pytest.fail("the sequences were generated again"))
+    with pytest.raises(TrainError, match=r"another configuration \(--lr was 0.01, now 0.005\).*--restart"):
+        run(stories_base, dataclasses.replace(config, lr=5e-3))
+    metrics = run(stories_base, dataclasses.replace(config, lr=5e-3), restart=True)  # checkpoint dropped, sequences kept
+    assert metrics["steps"] == metrics["total_steps"] and metrics["sequences"] == 4
+
+
+def test_interrupted_run_resumes_where_it_stopped(stories_base, tmp_path, monkeypatch):
+    """A run stopped during training (Ctrl-C) continues from its checkpoint on the next run, with
+    no generation, and ends with the heads of an uninterrupted run."""
+    import medusa_trt.training.train as train_module
+    from medusa_trt.runtime import MedusaRuntime
+
+    straight = run(stories_base, _config(tmp_path, "straight", num_prompts=6, new_tokens=16, epochs=2, batch_size=16))
+    config = _config(tmp_path, "interrupted", num_prompts=6, new_tokens=16, epochs=2, batch_size=16)
+    original = train_module.train_heads
+
+    def stopped(base, cfg, cached):
+        original(base, cfg, cached, stop_after=3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train_heads", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run(stories_base, config)
+    assert {"fingerprint.json", "sequences.jsonl", "cache.safetensors", "checkpoint.pt"} <= {p.name for p in config.workdir.iterdir()}
+    monkeypatch.setattr(train_module, "train_heads", original)
+    monkeypatch.setattr(MedusaRuntime, "generate", lambda *a, **k: pytest.fail("the sequences were generated again"))
+    resumed = run(stories_base, config)
+    assert resumed["steps"] == straight["steps"] and resumed["loss_last"] == straight["loss_last"]
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "straight" / "heads.safetensors")), load_file(str(tmp_path / "interrupted" / "heads.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_record_cut_off_by_a_kill_is_generated_again(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=4, new_tokens=8)
+    expected = build_sequences(stories_base, config)
+    file = config.workdir / "sequences.jsonl"
+    lines = file.read_bytes().split(b"\n")
+    file.write_bytes(b"\n".join(lines[:2]) + b"\n" + lines[2][:7])  # killed while writing the third record
+    assert build_sequences(stories_base, config) == expected
+    assert len(file.read_text().splitlines()) == 4
+    file.write_bytes(b"\n".join(lines[:1] + [b"\xff{oops"] + lines[2:]))
+    with pytest.raises(TrainError, match=r"sequences.jsonl line 2 is not a sequence record.*--restart"):
+        build_sequences(stories_base, config)
+
+
+def test_fewer_prompts_resume_on_fewer_sequences(stories_base, tmp_path):
+    config = _config(tmp_path, num_prompts=4, new_tokens=8)
+    four = build_sequences(stories_base, config)
+    assert build_sequences(stories_base, dataclasses.replace(config, num_prompts=2)) == four[:2]
+
+
+def test_stopped_before_any_progress_leaves_no_work_folder(stories_base, tmp_path, monkeypatch):
+    from medusa_trt.runtime import MedusaRuntime
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(MedusaRuntime, "generate", interrupted)
+    config = _config(tmp_path, num_prompts=2, new_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        run(stories_base, config)
+    assert not config.workdir.exists() and not (tmp_path / "heads").exists()
+
+
+def test_cli_refuses_a_stale_work_folder_then_restarts(capsys, tmp_path):
+    from conftest import STORIES
+
+    from medusa_trt.cli.train import main
+
+    prompts = tmp_path / "stories.txt"
+    prompts.write_text("\n".join(STORY_STARTS[:4]))
+    argv = ["--model", str(STORIES), "--out", str(tmp_path / "h"), "--data", str(prompts), "--num-prompts", "4",
+            "--epochs", "1", "--batch-size", "64"]
+    assert main(argv + ["--new-tokens", "12"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--new-tokens", "6"]) == 2
+    err = "\n".join(line for line in capsys.readouterr().err.split("\n") if "\r" not in line)  # less progress bars
+    assert err.startswith("medusa-train: error: ") and err.count("\n") == 1, err
+    assert "--new-tokens was 12, now 6" in err and "--restart" in err
+    assert main(argv + ["--new-tokens", "6", "--restart"]) == 0
+    assert "wrote" in capsys.readouterr().out

@@ -11,15 +11,26 @@ Stages, each resumable from what it left in the work folder ``<out>.work/``:
      (``checkpoint.pt``: heads, optimizer, step) so an interrupted run continues exactly.
 The data order is a function of (seed, epoch), so a resumed run gives the same heads as an
 uninterrupted one.
+
+What a work folder may be resumed with is written down in it: ``fingerprint.json`` holds everything
+that determines the sequences (model identity, prompts file content, new tokens, chat template,
+generate engine); the cache carries its own key (fingerprint, sequences, head layer, heads), and the
+checkpoint the training configuration. A run with other settings is refused, naming the setting,
+unless ``restart`` discards what no longer matches. The work folder is created with the first
+progress (a finished sequence, the cache, a checkpoint) and never left without any.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import pickle
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +48,20 @@ IGNORE = -100  # target of a position whose future token lies past the sequence
 
 class TrainError(MedusaError):
     """Training cannot run as configured."""
+
+
+# least value of each whole-number setting
+_AT_LEAST = {"num_heads": 1, "num_layers": 1, "num_prompts": 1, "new_tokens": 1, "generate_batch": 1, "epochs": 1,
+             "batch_size": 1, "warmup_steps": 0, "seed": 0, "checkpoint_every": 1}
+_MAX_SEED = 2**32 - 1  # the batch order's generator is seeded with seed * 1000 + epoch
+# the command-line flag of a TrainConfig field, for messages
+_FLAGS = {"num_heads": "--heads", "num_layers": "--layers", "warmup_steps": "warmup steps", "generate_batch": "generate batch",
+          "weight_decay": "weight decay", "holdout": "holdout", "chat_template": "chat template"}
+GENERATE_CONTEXT = 1024  # prompt + continuation tokens of the self-distillation runtime (at most the model's positions)
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True)
@@ -65,10 +90,24 @@ class TrainConfig:
     bf16: bool = False  # heads' matmuls in bfloat16 autocast (about 2x faster on CPUs with AVX512-BF16/AMX); loss in fp32
 
     def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise TrainError("--heads and --layers must be >= 1")
+        for name, least in _AT_LEAST.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise TrainError(f"{_flag(name)} {value} must be a whole number >= {least}")
+        if self.seed > _MAX_SEED:
+            raise TrainError(f"--seed {self.seed} must be at most {_MAX_SEED}")
+        if self.head_layer is not None and (isinstance(self.head_layer, bool) or not isinstance(self.head_layer, int) or self.head_layer < 0):
+            raise TrainError(f"--head-layer {self.head_layer} must be a decoder layer index >= 0 (leave it out for the final hidden state)")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise TrainError(f"--lr {self.lr} must be a positive number, e.g. 1e-3")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise TrainError(f"weight decay {self.weight_decay} must be a number >= 0")
         if not 0.0 < self.decay <= 1.0:
             raise TrainError(f"--decay {self.decay} must be in (0, 1]")
+        if not 0.0 <= self.holdout < 1.0:
+            raise TrainError(f"holdout {self.holdout} must be in [0, 1): the fraction of sequences kept for the accuracy report")
+        if self.teacher_forced and self.data is None:
+            raise TrainError("--teacher-forced needs --data: a corpus whose own tokens are the labels")
 
     @property
     def workdir(self) -> Path:
@@ -93,42 +132,265 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float) 
     return (weights * per_head).sum(), per_head.detach()
 
 
-# ----------------------------------------------------------------------------- stage 1: sequences
+# ----------------------------------------------------------------------------- inputs
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """Every file the configuration names, checked before anything is loaded or written."""
+    out = Path(config.out)
+    if not out.parent.is_dir():
+        raise TrainError(f"cannot write {out}: folder {out.parent} does not exist")
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out} is a file: pass a folder path for the heads")
+    if config.workdir.exists() and not config.workdir.is_dir():
+        raise TrainError(f"{config.workdir} (the work folder of --out {out}) is a file: remove it or pass another --out")
+    if config.generate_engine is not None and not Path(config.generate_engine).exists():
+        raise TrainError(f"--generate-engine {config.generate_engine} does not exist: pass an .onnx engine exported from --model")
+    if not _read_prompts(config):
+        raise TrainError(f"--data {config.data} holds no prompts: one per line (.txt) or one JSON object per line (.jsonl)")
+
+
+def check_model(base, config: TrainConfig) -> None:
+    """What the configuration asks of the base model, checked right after loading it."""
+    cfg = base.model.config
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if config.head_layer is not None and layers is not None and not config.head_layer < layers:
+        raise TrainError(f"--head-layer {config.head_layer} is out of range: {base.name} has decoder layers 0..{layers - 1} "
+                         "(leave it out for the final hidden state)")
+    context = min(GENERATE_CONTEXT, getattr(cfg, "max_position_embeddings", None) or GENERATE_CONTEXT)
+    if not config.teacher_forced and config.new_tokens >= context:
+        raise TrainError(f"--new-tokens {config.new_tokens} leaves no room for the prompt: {base.name} generates at most "
+                         f"{context} tokens per sequence; pass fewer")
 
 
 def _read_prompts(config: TrainConfig) -> list[str]:
+    """The first ``num_prompts`` prompts; a bad file is named with its line and the fix."""
     if config.data is None:
         from medusa_trt.training.prompts import training_prompts
 
         return training_prompts(config.num_prompts, config.seed)
     path = Path(config.data)
+    if not path.exists():
+        raise TrainError(f"--data {path} does not exist: pass a prompts file (.jsonl or .txt, one prompt per line)")
     if not path.is_file():
-        raise TrainError(f"--data {path} does not exist")
+        raise TrainError(f"--data {path} is not a file: pass a prompts file (.jsonl or .txt, one prompt per line)")
     if "spec_bench" in path.name:
         raise TrainError(f"{path} is the evaluation set: train on other prompts (Spec-Bench is kept for evaluation)")
-    texts = []
-    for line in path.read_text().splitlines():
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TrainError(f"cannot read --data {path}: {exc.strerror}") from exc
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    texts: list[str] = []
+    for number, data in enumerate(raw.splitlines(), 1):  # bytes split on \n and \r only: JSON strings may hold U+2028
+        if len(texts) == config.num_prompts:
+            break
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TrainError(f"--data {path} line {number} is not UTF-8 text (byte {exc.start + 1} of the line): "
+                             "save the file as UTF-8") from exc
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        texts.append(_prompt_of(line, path, number) if path.suffix == ".jsonl" else line)
+    return texts
+
+
+def _prompt_of(line: str, path: Path, number: int) -> str:
+    """The prompt of one .jsonl record: turns[0], prompt or text."""
+    where = f"--data {path} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TrainError(f"{where} is not JSON ({exc.msg}): write one JSON object per line, or use a .txt file") from exc
+    if not isinstance(record, dict):
+        raise TrainError(f"{where} is not a JSON object: write one object per line with turns, prompt or text")
+    if "turns" in record:
+        turns = record["turns"]
+        prompt = turns[0] if isinstance(turns, list) and turns else None
+    else:
+        prompt = record.get("prompt") or record.get("text")
+        if prompt is None:
+            raise TrainError(f"{where} has no turns, prompt or text field: give each record one of them")
+    if not isinstance(prompt, str):
+        raise TrainError(f"{where}: the prompt (turns[0], prompt or text) is not a string")
+    return prompt
+
+
+# ----------------------------------------------------------------------------- work folder
+
+FINGERPRINT = "fingerprint.json"
+SEQUENCES = "sequences.jsonl"
+CACHE = "cache.safetensors"
+CHECKPOINT = "checkpoint.pt"
+# TrainConfig fields a checkpoint is not tied to: the work folder stands for --out, the fingerprint
+# for the data file and engine by content and identity, and the generate batch changes no token
+_NOT_TRAINING = ("out", "data", "generate_engine", "generate_batch")
+
+
+def _path_identity(path: Path) -> str:
+    """Resolved path, size and modification time of a file, or of every file in a folder: cheap, and
+    changes when the file is replaced."""
+    path = path.expanduser().resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return str(path) + " " + " ".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def data_fingerprint(base, config: TrainConfig) -> dict:
+    """Everything that determines the sequences (and with them the cached hidden states), keyed by
+    the flag a user changes, so a difference can be named."""
+    from medusa_trt.exporter.models import BUILTIN_MODELS
+
+    cfg = base.model.config
+    name = str(base.name)
+    builtin = name in BUILTIN_MODELS or not Path(name).expanduser().exists()
+    fingerprint = {
+        "--model": name if builtin else str(Path(name).expanduser().resolve()),
+        "model files": f"{type(base.model).__name__} vocab {cfg.vocab_size} hidden {cfg.hidden_size} layers "
+                       f"{getattr(cfg, 'num_hidden_layers', '?')}" + ("" if builtin else " " + _sha256(_path_identity(Path(name)).encode())),
+        "--data": f"built-in prompts (--seed {config.seed})" if config.data is None  # a file by content, wherever it lies
+                  else f"a file with sha256 {_sha256(Path(config.data).read_bytes())}",
+        "--teacher-forced": config.teacher_forced,
+    }
+    if not config.teacher_forced:
+        engine = config.generate_engine
+        fingerprint |= {"--new-tokens": config.new_tokens, "chat template": config.chat_template,
+                        "--generate-engine": engine and f"{Path(engine).name} ({_sha256(_path_identity(Path(engine)).encode())})"}
+    return fingerprint
+
+
+def _differences(old: dict, new: dict) -> str:
+    keys = [k for k in dict.fromkeys([*new, *old]) if old.get(k) != new.get(k)]
+    return "; ".join(f"{k} was {old.get(k)}, now {new.get(k)}" for k in keys)
+
+
+def _read_json(file: Path) -> dict | None:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _has_progress(work: Path) -> bool:
+    return work.is_dir() and any(p.name != FINGERPRINT for p in work.iterdir())
+
+
+def _training_view(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _NOT_TRAINING}
+
+
+def _checkpoint_differences(checkpoint: Path, config: TrainConfig) -> str | None:
+    """None when the checkpoint continues ``config``'s training, else what differs."""
+    try:  # mmap: only the small config is read, not the heads and optimizer state
+        stored = torch.load(checkpoint, mmap=True, weights_only=False)["config"]
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+        return f"it cannot be read ({type(exc).__name__})"
+    old, new = _training_view(stored), _training_view(dataclasses.asdict(config))
+    return None if old == new else _differences({_flag(k): v for k, v in old.items()}, {_flag(k): v for k, v in new.items()})
+
+
+def check_workdir(base, config: TrainConfig, *, restart: bool = False) -> None:
+    """Refuse a work folder whose progress was made with other settings, naming them; with
+    ``restart``, discard that progress instead (what matches is kept: resuming is exact)."""
+    _check_data(base, config, restart=restart)
+    checkpoint = config.workdir / CHECKPOINT
+    if checkpoint.is_file() and (why := _checkpoint_differences(checkpoint, config)) is not None:
+        if not restart:
+            raise TrainError(f"{checkpoint} was written by another configuration ({why}): pass --restart to train "
+                             "from step 0 on the same data, or another --out")
+        log.warning("--restart: discarding %s (%s)", checkpoint, why)
+        checkpoint.unlink()
+
+
+def _check_data(base, config: TrainConfig, *, restart: bool = False) -> None:
+    """The work folder's sequences and cache, refused (or discarded, with ``restart``, or when
+    there is no progress to lose) unless its fingerprint is the configuration's."""
+    work = config.workdir
+    if not work.exists():
+        return
+    if not work.is_dir():
+        raise TrainError(f"{work} (the work folder of --out {config.out}) is a file: remove it or pass another --out")
+    stored, current = _read_json(work / FINGERPRINT), data_fingerprint(base, config)
+    if stored == current:
+        return
+    if _has_progress(work):
+        why = _differences(stored, current) if stored is not None else f"it has no readable {FINGERPRINT}"
+        if not restart:
+            raise TrainError(f"{work} holds data from another configuration ({why}): pass --restart to discard it, "
+                             "or another --out")
+        log.warning("--restart: discarding %s (%s)", work, why)
+    shutil.rmtree(work)
+
+
+def _open_workdir(base, config: TrainConfig) -> Path:
+    """The work folder, created with its fingerprint when the first progress is about to be written."""
+    work = config.workdir
+    if not (work / FINGERPRINT).is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        tmp = work / (FINGERPRINT + ".tmp")
+        tmp.write_text(json.dumps(data_fingerprint(base, config), indent=2))
+        os.replace(tmp, work / FINGERPRINT)
+    return work
+
+
+def _drop_if_empty(config: TrainConfig) -> None:
+    """A work folder without progress (a run stopped before its first sequence) is removed."""
+    work = config.workdir
+    if work.is_dir() and not _has_progress(work):
+        shutil.rmtree(work)
+
+
+# ----------------------------------------------------------------------------- stage 1: sequences
+
+
+def _read_sequences(file: Path) -> list[dict]:
+    """Finished records of ``sequences.jsonl``; an unfinished last line (the run was killed while
+    writing it) is cut off so that appending continues cleanly."""
+    if not file.is_file():
+        return []
+    raw = file.read_bytes()
+    *lines, tail = raw.split(b"\n")  # tail: b"" when the file ends with a newline
+    done = []
+    for number, line in enumerate(lines, 1):
+        try:
             record = json.loads(line)
-            texts.append(record["turns"][0] if "turns" in record else record.get("prompt") or record["text"])
-        else:
-            texts.append(line)
-    return texts[: config.num_prompts]
+        except ValueError:  # not JSON, or not UTF-8
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("ids"), list) and isinstance(record.get("start"), int)):
+            raise TrainError(f"{file} line {number} is not a sequence record (the file is damaged): pass --restart to "
+                             "generate the sequences again")
+        done.append(record)
+    if tail:
+        log.warning("%s: dropping its unfinished last record (the run was stopped while writing it)", file)
+        with open(file, "r+b") as f:
+            f.truncate(len(raw) - len(tail))
+    return done
 
 
 def build_sequences(base, config: TrainConfig) -> list[tuple[list[int], int]]:
     """(token ids, first labelled index) per sequence, appended to the work folder as they finish."""
-    work = config.workdir
-    work.mkdir(parents=True, exist_ok=True)
-    file = work / "sequences.jsonl"
-    done = [json.loads(line) for line in file.read_text().splitlines()] if file.is_file() else []
+    _check_data(base, config)
     prompts = _read_prompts(config)
+    file = config.workdir / SEQUENCES
     tokenizer = base.tokenizer
     if config.teacher_forced:
         seqs = [(tokenizer(t)["input_ids"], 1) for t in prompts]
         return [(ids, start) for ids, start in seqs if len(ids) > config.num_heads + 2]
+    done = _read_sequences(file)[: len(prompts)]  # prompts are a prefix of one fixed list: fewer asked, fewer used
+    todo = prompts[len(done):]
+    if todo:
+        _generate(base, config, todo, done, len(prompts))
+    return [(r["ids"], r["start"]) for r in done]
+
+
+def _generate(base, config: TrainConfig, todo: list[str], done: list[dict], total: int) -> None:
+    """Greedy continuations of ``todo``, each batch appended to ``sequences.jsonl`` (and ``done``) as it finishes."""
     from medusa_trt.exporter.wrapper import MedusaModel
     from medusa_trt.runtime import MedusaRuntime
 
@@ -138,20 +400,26 @@ def build_sequences(base, config: TrainConfig) -> list[tuple[list[int], int]]:
         if (meta.vocab_size, meta.hidden_size) != (base.model.config.vocab_size, base.model.config.hidden_size):
             raise TrainError(f"--generate-engine {config.generate_engine} was exported from another model ({meta.model})")
     else:
-        runtime = MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=1024)
+        runtime = MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=GENERATE_CONTEXT)
     step = runtime.max_batch
     chat = config.chat_template and runtime.is_chat
-    todo = prompts[len(done):]
-    with open(file, "a") as sink, tqdm(total=len(prompts), initial=len(done), desc="self-distillation", unit="prompt", disable=None) as bar:
-        for i in range(0, len(todo), step):
-            batch = [runtime.codec.encode(p, chat=chat) for p in todo[i : i + step]]
-            for ids, result in zip(batch, runtime.generate(batch, max_new_tokens=config.new_tokens)):
-                record = {"ids": ids + result.token_ids, "start": len(ids)}
-                sink.write(json.dumps(record) + "\n")
-                done.append(record)
-            sink.flush()
-            bar.update(len(batch))
-    return [(r["ids"], r["start"]) for r in done]
+    sink = None
+    try:
+        with tqdm(total=total, initial=len(done), desc="self-distillation", unit="prompt", disable=None) as bar:
+            for i in range(0, len(todo), step):
+                batch = [runtime.codec.encode(p, chat=chat) for p in todo[i : i + step]]
+                results = runtime.generate(batch, max_new_tokens=config.new_tokens)
+                if sink is None:  # the work folder appears with the first finished batch
+                    sink = open(_open_workdir(base, config) / SEQUENCES, "a")
+                for ids, result in zip(batch, results):
+                    record = {"ids": ids + result.token_ids, "start": len(ids)}
+                    sink.write(json.dumps(record) + "\n")
+                    done.append(record)
+                sink.flush()
+                bar.update(len(batch))
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 # ----------------------------------------------------------------------------- stage 2: cache
@@ -160,13 +428,17 @@ def build_sequences(base, config: TrainConfig) -> list[tuple[list[int], int]]:
 @torch.no_grad()
 def cache_hidden(base, sequences: list[tuple[list[int], int]], config: TrainConfig) -> dict[str, torch.Tensor]:
     """Hidden states at labelled positions [N, H] with targets [N, n] and a sequence id [N]."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    file = config.workdir / "cache.safetensors"
+    file = config.workdir / CACHE
+    key = _sha256(json.dumps([data_fingerprint(base, config), config.head_layer, config.num_heads, sequences]).encode())
     if file.is_file():
-        cached = load_file(str(file))
-        if cached["targets"].shape[1] == config.num_heads and int(cached["sequence"].max()) + 1 == len(sequences):
-            return cached
+        with safe_open(str(file), "pt") as f:
+            stored = (f.metadata() or {}).get("key")
+        if stored == key:
+            return load_file(str(file))
+        log.info("%s was computed for other sequences, head layer or heads: computing it again", file)
     model = base.model
     hidden_parts, target_parts, seq_parts = [], [], []
     for s, (ids, start) in enumerate(tqdm(sequences, desc="caching hidden states", unit="seq", disable=None)):
@@ -181,8 +453,9 @@ def cache_hidden(base, sequences: list[tuple[list[int], int]], config: TrainConf
         target_parts.append(targets)
         seq_parts.append(torch.full((len(positions),), s))
     cached = {"hidden": torch.cat(hidden_parts), "targets": torch.cat(target_parts), "sequence": torch.cat(seq_parts)}
+    file = _open_workdir(base, config) / CACHE
     tmp = file.with_suffix(".tmp")
-    save_file(cached, str(tmp))
+    save_file(cached, str(tmp), metadata={"key": key})
     os.replace(tmp, file)
     return cached
 
@@ -236,12 +509,15 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
     train_idx, held_idx = _split(cached, config)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch_size)
     total = steps_per_epoch * config.epochs
-    checkpoint = config.workdir / "checkpoint.pt"
+    if not len(train_idx):
+        raise TrainError(f"no training positions: all {int(cached['sequence'].max()) + 1} sequences are held out; give more prompts")
+    checkpoint = _open_workdir(base, config) / CHECKPOINT
     step, history = 0, []
     if checkpoint.is_file():
+        if (why := _checkpoint_differences(checkpoint, config)) is not None:
+            raise TrainError(f"{checkpoint} was written by another configuration ({why}): pass --restart to train "
+                             "from step 0 on the same data, or another --out")
         state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != dataclasses.asdict(config):
-            raise TrainError(f"{checkpoint} was written by another configuration: delete {config.workdir} to start over")
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
@@ -266,7 +542,7 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
 
 def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch, total, step, history, bar, stop_after) -> int:
     """Optimizer steps from ``step`` on; the batch order depends only on (seed, epoch)."""
-    checkpoint = config.workdir / "checkpoint.pt"
+    checkpoint = config.workdir / CHECKPOINT
     while step < total and (stop_after is None or step < stop_after):
         epoch, offset = divmod(step, steps_per_epoch)
         order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))]
@@ -296,18 +572,25 @@ def _save_checkpoint(path: Path, heads, optimizer, step, history, config) -> Non
     os.replace(tmp, path)
 
 
-def run(base, config: TrainConfig) -> dict:
-    """All stages; writes the heads folder (with train_config.json and metrics.json) and returns the metrics."""
-    out = Path(config.out)
-    if not out.parent.is_dir():
-        raise TrainError(f"cannot write {out}: folder {out.parent} does not exist")
+def run(base, config: TrainConfig, *, restart: bool = False) -> dict:
+    """All stages, resuming from the work folder; writes the heads folder (with train_config.json and
+    metrics.json) and returns the metrics. ``restart`` discards work-folder progress made with other
+    settings instead of refusing it."""
+    check_inputs(config)
+    check_model(base, config)
+    check_workdir(base, config, restart=restart)
     torch.manual_seed(config.seed)
-    sequences = build_sequences(base, config)
-    if not sequences:
-        raise TrainError("no training sequences: give more or longer prompts")
-    cached = cache_hidden(base, sequences, config)
-    heads, metrics = train_heads(base, config, cached)
+    try:
+        sequences = build_sequences(base, config)
+        if not sequences:
+            raise TrainError("no training sequences: give more or longer prompts")
+        cached = cache_hidden(base, sequences, config)
+        heads, metrics = train_heads(base, config, cached)
+    except BaseException:
+        _drop_if_empty(config)
+        raise
     metrics["sequences"] = len(sequences)
+    out = Path(config.out)
     save_heads(heads, out)
     (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
