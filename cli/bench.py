@@ -11,66 +11,159 @@ with the same temperature / top-p / top-k, prompt i seeded with seed + i):
 Repeat ``--engine`` to compare engines (an int8 one against fp32, say): each gets ``plain`` and
 ``medusa`` rows, and greedy agreement is measured against the first engine's plain decoding.
 Repeat ``--acceptance`` to compare rules (lossless, typical) on the same engine and tree.
-Writes a JSON report and a PNG plot; prints a table. Agreement between methods is only
-meaningful for greedy decoding.
+Prints a table; with ``--out FILE.json`` also writes the JSON report and a PNG plot beside it
+(``FILE.png``, with matplotlib). Agreement between methods is only meaningful for greedy decoding.
+Bad input prints one ``medusa-bench: error: ...`` line and exits 2, before any engine loads.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.bench")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-bench", description="Benchmark Medusa against plain decoding and transformers.")
+LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of the hf-lookup row unless --lookup-tokens says otherwise
+SEED = 0  # prompt i samples with SEED + i unless --seed says otherwise
+
+
+def build_parser() -> Parser:
+    from medusa_trt.runtime.sampling import SamplingParams
+
+    p = Parser(prog="medusa-bench", description="Benchmark Medusa against plain decoding and transformers.")
     p.add_argument("--engine", action="append", required=True, help="an exported .onnx engine; repeat to compare engines")
-    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL: turns[0] is the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--every", type=int, default=1, help="use every N-th prompt (a subset spread over all categories)")
+    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")
+    p.add_argument("--every", type=positive_int, default=1, help="use every N-th prompt (a subset spread over all categories)")
     p.add_argument("--tree", action="append", help="tree for the medusa rows (default: each engine's own); repeat to compare trees")
     p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
-    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the hf-lookup row")
-    p.add_argument("--threads", type=int, help="intra-op threads for ONNX Runtime and torch")
-    p.add_argument("--out", default="build/bench.json", help="JSON report; the plot goes beside it as .png")
-    g = p.add_argument_group("sampling (default: greedy)")
+    p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
+    p.add_argument("--threads", type=positive_int, help="intra-op threads for ONNX Runtime and torch")
+    p.add_argument("--out", help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); "
+                                 "default: print the table only, write nothing")
+    g = p.add_argument_group("sampling (default: greedy; these need --temperature above 0)")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i, the same for every method")
+    g.add_argument("--top-p", type=float, help=f"default {SamplingParams.top_p}")
+    g.add_argument("--top-k", type=non_negative_int, help=f"default {SamplingParams.top_k} (all tokens)")
+    g.add_argument("--seed", type=non_negative_int, help=f"prompt i is sampled with seed + i, the same for every method (default {SEED})")
     g.add_argument("--acceptance", action="append", choices=["typical", "lossless"],
-                   help="acceptance rule of the medusa rows when sampling (default lossless); repeat to compare")
+                   help="acceptance rule of the medusa rows (default lossless); repeat to compare")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
-def read_prompts(path: str, limit: int | None) -> list[str]:
+def check_options(args) -> None:
+    """Refuse options that would be silently ignored or would make rows collide; fill in the sampling defaults."""
+    from medusa_trt.runtime.sampling import SamplingParams
+
+    if args.no_hf:
+        for flag, value in (("--model", args.model), ("--lookup-tokens", args.lookup_tokens)):
+            if value is not None:
+                raise MedusaError(f"{flag} applies to the transformers rows, which --no-hf skips: drop one of the two")
+    if args.temperature <= 0:
+        given = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed),
+                                          ("--acceptance", args.acceptance)) if value is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise MedusaError(f"{' / '.join(given)} {verb} when sampling: add --temperature (e.g. 0.7), or drop it for greedy decoding")
+    names = [Path(e).stem for e in args.engine]
+    for what, values in (("--engine", names), ("--tree", args.tree or []), ("--acceptance", args.acceptance or [])):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise MedusaError(f"{what} {repeated[0]} is given twice: its rows would overwrite each other "
+                              f"({'engines are named by file stem: rename one' if what == '--engine' else 'drop the repeat'})")
+    args.top_p = SamplingParams.top_p if args.top_p is None else args.top_p
+    args.top_k = SamplingParams.top_k if args.top_k is None else args.top_k
+    args.seed = SEED if args.seed is None else args.seed
+    args.lookup_tokens = args.lookup_tokens or LOOKUP_TOKENS
+
+
+def read_prompts(path: str, limit: int | None = None) -> list[str]:
+    """turns[0] of every record of a Spec-Bench style JSONL file (UTF-8, one JSON object a line, blank lines skipped)."""
     file = Path(path)
+    if file.is_dir():
+        raise MedusaError(f"prompts file {file} is a folder: pass a .jsonl file")
     if not file.is_file():
         raise MedusaError(f"prompts file {file} does not exist")
-    prompts = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(json.loads(line)["turns"][0])
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise MedusaError(f"{file}:{n}: not a Spec-Bench record with turns[0] ({exc})") from exc
+    prompts = [_prompt(file, n, raw) for n, raw in enumerate(file.read_bytes().splitlines(), 1) if raw.strip()]
     if not prompts:
-        raise MedusaError(f"{file} holds no prompts")
+        raise MedusaError(f"{file} holds no prompts: write one JSON record a line, such as {{\"turns\": [\"Hello\"]}}")
     return prompts[:limit] if limit else prompts
+
+
+def _prompt(file: Path, n: int, raw: bytes) -> str:
+    """The prompt on line n, or an error naming the file, the line and the fix."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MedusaError(f"{file}:{n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}): "
+                          "save the file as UTF-8") from exc
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise MedusaError(f"{file}:{n}: not a JSON record ({exc.msg} at column {exc.colno}): "
+                          "write one JSON object a line, such as {\"turns\": [\"Hello\"]}") from exc
+    turns = record.get("turns") if isinstance(record, dict) else None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+        raise MedusaError(f"{file}:{n}: not a Spec-Bench record with turns[0] (a non-empty string): "
+                          "write it as {\"turns\": [\"Hello\"]}")
+    return turns[0]
+
+
+# ----------------------------------------------------------------- the output files
+
+
+def check_out(raw: str, suffix: str, companions: tuple[str, ...] = ()) -> Path:
+    """--out as a file that can be written, checked before any work: its folder exists and takes new
+    files, and neither it nor a companion written beside it (``.png``, ...) is a folder."""
+    out = Path(raw)
+    if raw.endswith(("/", os.sep)) or out.is_dir():
+        raise MedusaError(f"--out {raw} is a folder: name the file to write, such as {out / ('report' + suffix)}")
+    if out.suffix != suffix:
+        raise MedusaError(f"--out {out} must end in {suffix}")
+    folder = out.parent
+    if not folder.is_dir():
+        what = f"{folder} is not a folder" if folder.exists() else f"folder {folder} does not exist"
+        raise MedusaError(f"cannot write {out}: {what}; create it or pick another --out")
+    for path in (out.with_suffix(c) for c in companions):
+        if path.is_dir():
+            raise MedusaError(f"cannot write {path} beside --out {out}: it is a folder; pick another --out")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{out.name}.", suffix=".probe"):
+            pass  # the folder takes new files: the temp files of staged() will go there
+    except OSError as exc:
+        raise MedusaError(f"cannot write {out}: folder {folder} is not writable ({exc.strerror}); pick another --out") from exc
+    return out
+
+
+@contextlib.contextmanager
+def staged(*targets: Path):
+    """Yield a temp path beside each target (same suffix); when the block succeeds each temp that was
+    written is renamed onto its target, whatever happens no temp is left: a reader never sees half a
+    file and a failure leaves nothing behind."""
+    temps = [t.with_name(f".{t.stem}.{os.getpid()}.tmp{t.suffix}") for t in targets]
+    try:
+        yield temps
+        for tmp, target in zip(temps, targets):
+            if tmp.exists():
+                tmp.replace(target)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
 
 
 class _Row:
@@ -148,14 +241,12 @@ def run_bench(args) -> dict:
 
     sampled = args.temperature > 0
     rules = (args.acceptance or ["lossless"]) if sampled else [None]
-    if args.acceptance and not sampled:
-        raise MedusaError("--acceptance applies when sampling: add --temperature (e.g. 0.7)")
 
     def params(rule, i):  # prompt i: the same seed for every method
         return SamplingParams(args.temperature, args.top_p, args.top_k, seed=args.seed + i, acceptance=rule)
 
     params(rules[0], 0)  # bad sampling options fail before any engine loads
-    prompts = read_prompts(args.prompts, None)[:: max(args.every, 1)][: args.limit]
+    prompts = read_prompts(args.prompts)[:: args.every][: args.limit]
     engines = []  # (name, plain runtime, {row name: (medusa runtime, rule)}) sharing one session per engine
     for path in args.engine:
         own = MedusaRuntime(path, max_batch=1, threads=args.threads)
@@ -256,20 +347,35 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+@entry("medusa-bench")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        out = Path(args.out)
-        if not out.parent.is_dir():
-            raise MedusaError(f"cannot write {out}: folder {out.parent} does not exist")
+        out = check_out(args.out, ".json", (".png",)) if args.out else None  # before any benchmark work
+        check_options(args)
         report = run_bench(args)
+        written = write_report(report, out) if out else []
     except USER_ERRORS as exc:
         return fail("medusa-bench", exc)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out)
-    plotted = plot(report, out.with_suffix(".png"))
+    print_table(report, written)
+    sys.stdout.flush()  # a closed pipe (| head) surfaces here, where entry() turns it into a quiet exit
+    return 0
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """The JSON report at ``out`` and the plot beside it, each written whole or not at all; returns what was written."""
+    png = out.with_suffix(".png")
+    try:
+        with staged(out, png) as (tmp_json, tmp_png):
+            tmp_json.write_text(json.dumps(report, indent=2))
+            plotted = plot(report, tmp_png)
+    except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
+        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out") from exc
+    return [out, png] if plotted else [out]
+
+
+def print_table(report: dict, written: list[Path]) -> None:
     print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
           f"agreement vs {report['reference']}")
     print(f"{'method':<40}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
@@ -282,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
               f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms")
-    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
-    return 0
+    if written:
+        print("wrote " + " and ".join(str(p) for p in written))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def test_bench_reports_every_method(tmp_path, capsys, export_engine, stories_bas
     assert abs(methods["hf"]["speedup_vs_plain"] * methods["plain[model]"]["tokens_per_s"] - methods["hf"]["tokens_per_s"]) < 1e-6
     assert report["heads_cost"]["heads_all_nodes_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
-    assert "medusa[model:mc_sim_7b_63]" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.png", "p.jsonl"]  # written by rename: no temps
+    printed = capsys.readouterr().out
+    assert "medusa[model:mc_sim_7b_63]" in printed and f"wrote {out} and {out.with_suffix('.png')}" in printed
 
 
 def test_bench_bad_prompts_file(tmp_path, capsys, export_engine, stories_base, stories_fitted):
