@@ -5,70 +5,90 @@
 
 Writes the chosen tree (``{"name": "calibrated-<T>", "paths": ..., "top_k": ...}``, what
 ``--tree`` and ``load_tree`` read), a plot beside it (``.png``) and a report (``.report.json``:
-accuracy, latencies, the whole curve, the choice and the config). Bad input prints one
-``medusa-calibrate: error: ...`` line and exits 2.
+accuracy, latencies, the whole curve, the choice and the config); each file is written whole or
+not at all. Bad input prints one ``medusa-calibrate: error: ...`` line and exits 2, before any
+engine or model loads.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.bench import check_out, read_prompts, staged
+from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.calibrate")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser() -> Parser:
     from medusa_trt.training.calibrate import CalibrateConfig
 
     d = CalibrateConfig()
-    p = argparse.ArgumentParser(prog="medusa-calibrate", description="Choose the Medusa tree with the highest expected tokens/s on this hardware.")
+    p = Parser(prog="medusa-calibrate", description="Choose the Medusa tree with the highest expected tokens/s on this hardware.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--engine", help="an exported .onnx engine; it carries its heads (ONNX Runtime)")
     source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend; needs --heads)")
     p.add_argument("--heads", help="Medusa heads folder, with --model")
-    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL: turns[0] is the prompt")
+    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
     p.add_argument("--out", required=True, help="tree JSON to write; the plot (.png) and report (.report.json) go beside it")
-    p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="greedy tokens decoded per prompt")
-    p.add_argument("--max-nodes", type=int, default=d.max_nodes, help="largest tree considered, root included")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="ranks considered per head")
-    p.add_argument("--context", type=int, default=d.context, help="committed tokens the step latency is timed over")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="timed calls per tree size (median kept)")
-    p.add_argument("--threads", type=int, help="intra-op threads for ONNX Runtime")
-    p.add_argument("--device", help="torch backend: cpu or cuda (default: cpu)")
+    p.add_argument("--limit", type=positive_int, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d.max_new_tokens, help="greedy tokens decoded per prompt")
+    p.add_argument("--max-nodes", type=positive_int, default=d.max_nodes, help="largest tree considered, root included")
+    p.add_argument("--top-k", type=positive_int, default=d.top_k, help="ranks considered per head")
+    p.add_argument("--context", type=non_negative_int, default=d.context, help="committed tokens the step latency is timed over")
+    p.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed calls per tree size (median kept)")
+    p.add_argument("--threads", type=positive_int, help="intra-op threads of ONNX Runtime (--engine) or torch (--model)")
+    p.add_argument("--device", help="with --model: cpu or cuda (default: cpu)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+def check_options(args) -> None:
+    """Refuse options that do not go with the chosen backend (they would be silently ignored)."""
+    if args.engine and (args.heads or args.device):
+        raise MedusaError("--heads and --device go with --model; an engine carries its heads and runs on ONNX Runtime")
+    if args.model and not args.heads:
+        raise MedusaError("--model needs --heads: calibration measures the Medusa heads' accuracy")
+    if args.device and args.device != "cpu" and args.device.partition(":")[0] != "cuda":
+        raise MedusaError(f"--device {args.device}: pass cpu or cuda (cuda:N for another GPU)")
 
 
 def _runtime(args):
     from medusa_trt.runtime import MedusaRuntime
 
     if args.engine:
-        if args.heads or args.device:
-            raise MedusaError("--heads and --device go with --model; an engine carries its heads and runs on ONNX Runtime")
         return MedusaRuntime(args.engine, max_batch=1, threads=args.threads)
-    if not args.heads:
-        raise MedusaError("--model needs --heads: calibration measures the Medusa heads' accuracy")
     from medusa_trt.cli.common import load_model
 
     device = args.device or "cpu"
-    return MedusaRuntime(load_model(args.model, args.heads, None, None, device), max_batch=1, device=device)
+    if device != "cpu" and not _cuda_visible():
+        raise MedusaError(f"--device {device}: torch sees no CUDA GPU here; pass --device cpu")
+    model = load_model(args.model, args.heads, None, None, device)  # imports torch, or says which extra to install
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return MedusaRuntime(model, max_batch=1, device=device)
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True  # load_model says which extra to install
+    return torch.cuda.is_available()
 
 
 def calibrate(args):
     """Measure and choose; returns (report dict, acc, choice, best chain). Writes nothing."""
-    from medusa_trt.cli.bench import read_prompts
     from medusa_trt.runtime.tree import compile_tree
     from medusa_trt.training import calibrate as cal
 
-    if args.limit is not None and args.limit < 1:
-        raise MedusaError(f"--limit must be >= 1, got {args.limit}")
     config = cal.CalibrateConfig(max_nodes=args.max_nodes, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                                  context=args.context, repeats=args.repeats)
     prompts = read_prompts(args.prompts, args.limit)
@@ -105,37 +125,41 @@ def calibrate(args):
     return report, acc, choice, chain
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # atomic: a reader never sees half a file
-
-
-def _plot(acc, choice, chain, path: Path) -> None:
+def _plot(acc, choice, chain, path: Path) -> bool:
+    """The calibration plot at ``path``; False (and a warning) without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         log.warning("matplotlib not installed: no plot (pip install matplotlib)")
-        return
+        return False
     from medusa_trt.training.calibrate import plot_calibration
 
     plot_calibration(acc, choice, path, chain=chain)
+    return True
 
 
+def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
+    """The tree at ``out``, its report and plot beside it, each whole or not at all; returns what was written."""
+    report_path, plot_path = out.with_suffix(".report.json"), out.with_suffix(".png")
+    try:
+        with staged(out, report_path, plot_path) as (tmp_tree, tmp_report, tmp_plot):
+            tmp_tree.write_text(json.dumps(report["tree"]))
+            tmp_report.write_text(json.dumps(report, indent=2))
+            plotted = _plot(acc, choice, chain, tmp_plot)
+    except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
+        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out") from exc
+    return [out, report_path] + ([plot_path] if plotted else [])
+
+
+@entry("medusa-calibrate")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        out = Path(args.out)
-        if not out.parent.is_dir():
-            raise MedusaError(f"cannot write {out}: folder {out.parent} does not exist")
-        if out.suffix != ".json":
-            raise MedusaError(f"--out {out} must end in .json")
+        out = check_out(args.out, ".json", (".png", ".report.json"))  # before any measuring
+        check_options(args)
         report, acc, choice, chain = calibrate(args)
-        plot_path, report_path = out.with_suffix(".png"), out.with_suffix(".report.json")
-        _write(out, json.dumps(report["tree"]))
-        _write(report_path, json.dumps(report, indent=2))
-        _plot(acc, choice, chain, plot_path)
+        written = write_outputs(out, report, acc, choice, chain)
     except USER_ERRORS as exc:
         return fail("medusa-calibrate", exc)
     chain_t = chain.num_nodes
@@ -145,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{choice.expected_tokens_per_s:.1f} tokens/s expected")
     print(f"best chain chain-{chain_t - 1}: {chain_t} nodes, {chain.expected_tokens_per_step:.2f} tokens/step, "
           f"{chain.expected_tokens_per_s:.1f} tokens/s expected")
-    print(f"wrote {out}, {plot_path} and {report_path}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    sys.stdout.flush()  # a closed pipe (| head) surfaces here, where entry() turns it into a quiet exit
     return 0
 
 

@@ -167,6 +167,7 @@ def test_cli_end_to_end(capsys, tmp_path, fitted_engine):
     tree = load_tree(out, max_depth=4)
     assert tree.name == f"calibrated-{tree.num_nodes}" and 1 <= tree.num_nodes <= 24
     assert out.with_suffix(".png").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "tree.json", "tree.png", "tree.report.json"]  # no temps
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert report["positions"] > 50 and report["acc"][0][0] > 0.2
     assert sorted(int(k) for k in report["step_ms"]) == [1, 2, 4, 8, 16, 24]
@@ -197,20 +198,86 @@ def test_cli_torch_model_and_heads(capsys, tmp_path, stories_fitted):
     assert report["backend"] == "torch" and report["prompts"] == 2 and np.shape(report["acc"]) == (4, 4)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--prompts", "/nonexistent/p.jsonl"], "prompts file /nonexistent/p.jsonl does not exist"),
-    (["--heads", "/tmp/x"], "go with --model"),
-    (["--out", "/nonexistent/dir/tree.json"], "folder /nonexistent/dir does not exist"),
-    (["--out", "tree.txt"], "must end in .json"),
-    (["--engine", "/nonexistent/m.onnx"], "/nonexistent/m.onnx does not exist"),
-    (["--max-nodes", "0"], "max_nodes must be >= 1"),
-])
-def test_bad_input_is_one_line(capsys, tmp_path, args, message):
-    """Each fails before an engine is opened, so no export is needed."""
-    base = {"--engine": str(tmp_path / "absent.onnx"), "--prompts": str(_prompts_file(tmp_path)), "--out": str(tmp_path / "t.json")}
-    base |= dict(zip(args[::2], args[1::2]))
-    code = main([x for kv in base.items() for x in kv])
+BAD = [  # (argv changes, fragment of the one line); a None value drops the flag; {tmp} is the test's folder
+    ({"--prompts": "/nonexistent/p.jsonl"}, "prompts file /nonexistent/p.jsonl does not exist"),
+    ({"--prompts": "{tmp}/outdir"}, "prompts file {tmp}/outdir is a folder"),
+    ({"--prompts": "{tmp}/p-latin1.jsonl"}, "{tmp}/p-latin1.jsonl:3: not UTF-8 text (byte 0xe9 at column 16): save the file as UTF-8"),
+    ({"--prompts": "{tmp}/p-malformed.jsonl"}, "{tmp}/p-malformed.jsonl:3: not a JSON record"),
+    ({"--prompts": "{tmp}/p-no-turns.jsonl"}, "{tmp}/p-no-turns.jsonl:1: not a Spec-Bench record with turns[0]"),
+    ({"--prompts": "{tmp}/p-turn-not-text.jsonl"}, "p-turn-not-text.jsonl:1: not a Spec-Bench record"),
+    ({"--prompts": "{tmp}/p-empty.jsonl"}, "{tmp}/p-empty.jsonl holds no prompts"),
+    ({"--heads": "/tmp/x"}, "go with --model"),
+    ({"--device": "cpu"}, "go with --model"),
+    ({"--engine": None, "--model": "stories260K"}, "--model needs --heads"),
+    ({"--engine": None, "--model": "stories260K", "--heads": "{tmp}/outdir", "--device": "tpu"}, "--device tpu: pass cpu or cuda"),
+    ({"--out": "/nonexistent/dir/tree.json"}, "folder /nonexistent/dir does not exist"),
+    ({"--out": "{tmp}/p-good.jsonl/tree.json"}, "{tmp}/p-good.jsonl is not a folder"),
+    ({"--out": "/sys/medusa-tree.json"}, "folder /sys is not writable"),
+    ({"--out": "tree.txt"}, "must end in .json"),
+    ({"--out": "{tmp}/outdir/"}, "--out {tmp}/outdir/ is a folder: name the file to write"),
+    ({"--out": "{tmp}/outdir"}, "--out {tmp}/outdir is a folder"),
+    ({"--out": "{tmp}/plotdir.json"}, "cannot write {tmp}/plotdir.png beside --out {tmp}/plotdir.json: it is a folder"),
+    ({"--out": "{tmp}/reportdir.json"}, "cannot write {tmp}/reportdir.report.json beside --out"),
+    ({"--engine": "/nonexistent/m.onnx"}, "/nonexistent/m.onnx does not exist"),
+    ({"--limit": "0"}, "argument --limit: must be >= 1, got 0"),
+    ({"--max-nodes": "0"}, "argument --max-nodes: must be >= 1, got 0"),
+    ({"--max-new-tokens": "-1"}, "argument --max-new-tokens: must be >= 1, got -1"),
+    ({"--top-k": "0"}, "argument --top-k: must be >= 1, got 0"),
+    ({"--context": "-1"}, "argument --context: must be >= 0, got -1"),
+    ({"--repeats": "0"}, "argument --repeats: must be >= 1, got 0"),
+    ({"--repeats": "two"}, "argument --repeats: expected a whole number, got 'two'"),
+    ({"--threads": "-3"}, "argument --threads: must be >= 1, got -3"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """tmp_path with bad prompt files, folders where outputs would go, and an empty cwd."""
+    from test_bench_bad_input import PROMPT_FILES
+
+    for name, data in PROMPT_FILES.items():
+        (tmp_path / f"p-{name}.jsonl").write_bytes(data)
+    for sub in ("outdir", "plotdir.png", "reportdir.report.json", "cwd"):
+        (tmp_path / sub).mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes,message", BAD, ids=[" ".join(f"{k} {v}" for k, v in c[0].items()) for c in BAD])
+def test_bad_input_is_one_line(capsys, folder, changes, message):
+    """Each fails before an engine is opened, so no export is needed; nothing is left on disk."""
+    from test_bench_bad_input import _snapshot, assert_one_line
+
+    before = _snapshot(folder)
+    argv = {"--engine": str(folder / "absent.onnx"), "--prompts": str(folder / "p-good.jsonl"), "--out": str(folder / "t.json")}
+    argv |= {k: v if v is None else v.format(tmp=folder) for k, v in changes.items()}
+    try:
+        code = main([x for k, v in argv.items() if v is not None for x in (k, v)])
+    except SystemExit as exc:  # usage errors (cli.common.Parser: one line, exit 2)
+        code = exc.code
+    assert code not in (0, None)
+    assert_one_line(capsys.readouterr().err, "medusa-calibrate", message.format(tmp=folder))
+    assert _snapshot(folder) == before
+
+
+def test_cli_write_failure_leaves_nothing(capsys, tmp_path, fitted_engine, monkeypatch):
+    """The plot fails half-written after the tree and report are staged: one line, no file, no temp."""
+    import errno
+
+    from medusa_trt.cli import calibrate as cli
+
+    def full_disk(acc, choice, chain, path):
+        path.write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "_plot", full_disk)
+    prompts = _prompts_file(tmp_path)
+    out = tmp_path / "out" / "tree.json"
+    out.parent.mkdir()
+    code = main(["--engine", str(fitted_engine), "--prompts", str(prompts), "--out", str(out), "--limit", "1",
+                 "--max-new-tokens", "8", "--max-nodes", "4", "--context", "16", "--repeats", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("medusa-calibrate: error: ") and message in lines[0], err
+    assert err.strip() == f"medusa-calibrate: error: cannot write {out}: No space left on device: check the folder " \
+                          "(free space, permissions) or pick another --out"
+    assert list(out.parent.iterdir()) == []
