@@ -157,6 +157,9 @@ def test_model_repository_api_is_refused(server, runtime):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
+    cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--model-control-mode=none" in cmdline and not any(a.startswith(b"--load-model") for a in cmdline)
+
     evil = {"parameters": {"config": json.dumps({"name": "evil", "backend": "python"}),
                            "file:1/model.py": "aW1wb3J0IG9zOyBvcy5zeXN0ZW0oJ3RvdWNoIC90bXAvcHduZWQnKQ=="}}  # base64 of os.system(...)
     for path, body in [("/v2/repository/models/evil/load", evil), ("/v2/repository/models/medusa/unload", {}),
@@ -306,15 +309,22 @@ def test_bad_parameters_get_errors_while_a_good_request_finishes(server, runtime
         ({"timeout_s": -1.0}, "timeout_s must be a number of seconds > 0"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ]
-    running = {}
+    extreme = [{"temperature": 1e-30, "seed": 2**64 - 1}, {"temperature": 0.5, "top_k": 2**31 - 1}, {"temperature": 1e30, "top_p": 1e-30}]
+    running, odd = {}, {}
     worker = threading.Thread(target=lambda: running.update(out=_text(server, STORY_PROMPTS[2], max_tokens=60)))
     worker.start()
+    odd_workers = [threading.Thread(target=lambda i=i, kw=kw: odd.update({i: _text(server, "Hi", max_tokens=12, **kw)[0]}))
+                   for i, kw in enumerate(extreme)]  # valid but extreme: served beside the good request
+    for t in odd_workers:
+        t.start()
     for inputs, message in bad:
         with pytest.raises(RequestFailed) as info:
             list(stream_generate(server.grpc_address, "Hi", **inputs))
         assert message in str(info.value), (inputs, str(info.value))
-    worker.join(timeout=120)
+    for t in [worker, *odd_workers]:
+        t.join(timeout=120)
     assert running["out"][1] == runtime.generate(STORY_PROMPTS[2], max_new_tokens=60, chat_template=False).text
+    assert sorted(odd) == [0, 1, 2] and all(chunks[-1].finish_reason in ("length", "stop") for chunks in odd.values())
 
 
 # ---------------------------------------------------------------------------------- stop strings
