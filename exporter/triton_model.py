@@ -22,7 +22,9 @@ Outputs per response: ``text_output`` (the new text), ``token_ids`` (the new tok
 ``finish_reason`` ("" until the last response, then "stop", "length" or "timeout"; a request
 cancelled by its client or by shutdown ends with a CANCELLED error response instead).
 Limits: ``max_tokens`` above the config's ``max_tokens_limit`` is refused (not clamped: the
-client learns its request was not served as asked). Stop strings: the text sent (streamed or
+client learns its request was not served as asked). A request past its deadline frees its row
+and ends with finish_reason "timeout" after what it had sent (a tail held back because it could
+still become a stop string is not sent). Stop strings: the text sent (streamed or
 not) is the runtime's stream events' text, which holds back any tail that could still become a
 stop string, so no part of a stop string is ever sent.
 Triton rejects input tensors the config does not name; this model rejects every request

@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter.triton_model import ServeDefaults
 from medusa_trt.runtime.engine import META_KEY, EngineError, EngineFiles, EngineMeta
 from medusa_trt.runtime.errors import MedusaError
 
@@ -53,7 +54,7 @@ INPUTS = [
     ("stream", "TYPE_BOOL", [1], True),
     ("timeout_s", "TYPE_FP32", [1], True),
 ]
-DEFAULT_MAX_TOKENS_LIMIT = 1024  # most new tokens one request may ask for (clipped to the engine's context)
+DEFAULT_MAX_TOKENS_LIMIT = ServeDefaults.max_tokens_limit  # most new tokens one request may ask for (clipped to the context)
 OUTPUTS = [
     ("text_output", "TYPE_STRING", [-1]),
     ("token_ids", "TYPE_INT64", [-1]),
@@ -152,7 +153,10 @@ def onnx_metadata_props(path: Path) -> dict[str, str]:
             if wire == 2:
                 length = _varint(f, path)
                 if field == _MODEL_METADATA_PROPS:
-                    props.update([_string_entry(f.read(length), path)])
+                    entry = f.read(length)
+                    if len(entry) < length:
+                        raise EngineError(f"{path} is truncated ({size} bytes): copy it again or export again")
+                    props.update([_string_entry(entry, path)])
                 else:
                     f.seek(length, os.SEEK_CUR)
             elif wire == 0:

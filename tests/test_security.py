@@ -386,6 +386,8 @@ REPO_CASES = {
     "negative timeout": (["--request-timeout", "-1"], "request_timeout must be a number of seconds >= 0"),
     "max-batch not a number": (["--max-batch", "x"], "expected a whole number"),
     "missing engine": (["@missing-engine"], "does not exist: export one with medusa-export"),
+    "engine truncated": (["@truncated"], "truncated"),
+    "engine not ONNX": (["@garbage"], "is not an ONNX file"),
 }
 
 
@@ -411,6 +413,10 @@ def test_triton_repo_bad_input_is_one_line(case, tmp_path):
         out = tmp_path / "nonexistent" / "deep" / "repo"
     elif extra == ["@missing-engine"]:
         engine = tmp_path / "eng" / "gone.onnx"
+    elif extra == ["@truncated"]:
+        engine.write_bytes(engine.read_bytes()[:40])
+    elif extra == ["@garbage"]:
+        engine.write_bytes(b"\x07" * 64)
     extra = [] if extra[0].startswith("@") else extra
     before = _snapshot(tmp_path)
     done = _run(["repo_main", "--engine", str(engine), "--out", str(out), *extra], tmp_path)
