@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,10 @@ BUILTIN_MODELS = {
 
 class ModelLoadError(MedusaError):
     """The base model cannot be loaded or is not supported."""
+
+
+# what the gguf reader raises on a file that is not GGUF, or is cut short
+_BAD_GGUF = (ValueError, IndexError, KeyError, struct.error, EOFError)
 
 
 @dataclass
@@ -96,6 +101,32 @@ def _gguf_with_valid_pad(path: Path) -> Path:
     return target
 
 
+def _readable_gguf(path: Path) -> Path:
+    """``_gguf_with_valid_pad``, with a file that is not GGUF or is cut short named as such."""
+    try:
+        return _gguf_with_valid_pad(path)
+    except _BAD_GGUF as exc:
+        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise ModelLoadError(f"{path} is not a valid GGUF file (truncated or corrupt: {reason}): download it again or pass another model") from exc
+
+
+def _weights_errors() -> tuple[type[BaseException], ...]:
+    """The error safetensors raises on a corrupt or truncated weights file."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
+
+
+def _bad_weights(path: Path, exc: BaseException) -> ModelLoadError:
+    """A corrupt weights file in a model folder, named (the only one, or the folder's)."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    where = str(files[0]) if len(files) == 1 else f"a .safetensors file in {path}"
+    reason = " ".join(str(exc).split())[:160]
+    return ModelLoadError(f"{where} is not a valid safetensors file (truncated or corrupt: {reason}): download or save the model again")
+
+
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -134,7 +165,7 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
-        path = _gguf_with_valid_pad(path)
+        path = _readable_gguf(path)
         folder, extra = path.parent, {"gguf_file": path.name}
     else:
         folder = path
@@ -151,6 +182,8 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
     except ModelLoadError:
         raise
+    except _weights_errors() as exc:
+        raise _bad_weights(path, exc) from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     finally:
