@@ -8,15 +8,19 @@ against torch and prints the max abs difference. With ``--out engine.plan`` it w
 that way, then builds engine.plan, engine.heads.plan and the metadata sidecar engine.plan.json with
 TensorRT; without TensorRT or a GPU it stops there with one line saying what to install (the ONNX
 files stay, no .plan is written). Bad input: one error line, exit status 2, nothing left on disk.
+Ctrl-C (exit 130) or SIGTERM (exit 143) removes the staging folder too; one killed outright
+(SIGKILL) is removed by the next export to the same name.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="engine path: .onnx (ONNX Runtime) or .plan (TensorRT; the .onnx is written beside it)")
     p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file")
     p.add_argument("--max-batch", type=int, default=4)
-    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
     p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per step (tree nodes, prefill chunk)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weights, KV cache and logits (bf16: .plan only)")
     p.add_argument("--attention", default="onnx", choices=["onnx", "plugin"],
@@ -46,13 +50,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(SystemExit):
+    """SIGTERM, raised where the process is: a BaseException, so every ``finally`` (the staging
+    folder's removal) runs and no ``except Exception`` swallows it."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While exporting, SIGTERM unwinds the stack like Ctrl-C instead of killing the process."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@entry("medusa-export")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
+        with _sigterm_unwinds():
+            return _export(args)
+    except _Terminated as exc:
+        print("medusa-export: terminated", file=sys.stderr)
+        return exc.code
+
+
+def _export(args) -> int:
+    try:
         from medusa_trt.cli.common import load_model
         from medusa_trt.exporter.onnx_export import ExportConfig, ExportError, check_output_path, export_onnx
         from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
+
+        if args.untrained_heads is not None and args.untrained_heads < 0:
+            raise ExportError(f"--untrained-heads {args.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
 
         out = Path(args.out)
         trt_config = TensorRTConfig(plan=out, timing_cache=args.timing_cache) if out.suffix == ".plan" else None

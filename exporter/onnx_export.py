@@ -1,12 +1,14 @@
 """Export a ``MedusaModel`` to ONNX: the step graph, the heads graph, metadata and tokenizer.
 
 Files written for ``--out build/model.onnx`` (all first into a temporary folder beside it, then
-moved into place, the step graph last, so a failed export leaves nothing behind):
+moved into place, the step graph last, so a failed export leaves nothing behind; the folder of an
+export killed outright is removed by the next export to the same name):
 
   build/model.onnx            step graph (DESIGN.md step contract), metadata under ``medusa_trt``
   build/model.onnx.data       its weights, when they are large
   build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, V]
   build/model.tokenizer/      tokenizer files (chat template included)
+  build/model.files.json      size and sha256 of each file above (``runtime/manifest.py``)
 
 Then the graphs are checked: the ONNX checker, and ONNX Runtime against the torch model on a
 prefill and a tree step, with the max abs difference printed and a stated tolerance enforced.
@@ -19,9 +21,12 @@ verifies that graph too. ``attention="onnx"`` (the default) keeps standard ops o
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -33,8 +38,9 @@ from tqdm.auto import tqdm
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.backends.onnx_backend import STEP_INPUTS, STEP_OUTPUTS
-from medusa_trt.runtime.config import default_tree
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16} 
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max abs logit difference ONNX Runtime vs torch
 UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kernels: nothing to compare with
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
+OPSETS = range(18, 24)  # torch's ONNX exporter starts at 18; 23 (the default) is the newest checked with ONNX Runtime
+MIN_CONTEXT = 2  # a prompt token and one generated one (the runtime's floor too)
+STAGING_OWNER = ".owner"  # in a staging folder: "pid host" of the exporting process
 
 
 class ExportError(MedusaError):
@@ -58,8 +67,8 @@ class ExportError(MedusaError):
 class ExportConfig:
     out: Path  # the step graph's path, ending in .onnx
     tree: str | list | None = None  # the engine's default tree; None: a chain over the heads
-    max_batch: int = 4  # sequences per step the engine is built and checked for
-    max_context: int = 1024  # committed + new tokens per sequence
+    max_batch: int = DEFAULT_MAX_BATCH  # sequences per step the engine is built and checked for
+    max_context: int | None = None  # committed + new tokens per sequence; None: 1024 or the model's positions if fewer
     max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
     dtype: str = "fp32"  # fp32 | fp16
     opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
@@ -80,9 +89,12 @@ class ExportConfig:
             raise ExportError(f"--quantize {self.quantize} quantizes the standard graph for ONNX Runtime: drop --attention plugin")
         if self.quantize and self.dtype != "fp32":
             raise ExportError(f"--quantize {self.quantize} starts from fp32 weights: drop --dtype {self.dtype}")
-        for name in ("max_batch", "max_context", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ExportError(f"--{name.replace('_', '-')} must be >= 1")
+        for name, least in (("max_batch", 1), ("max_context", MIN_CONTEXT), ("max_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ExportError(f"--{name.replace('_', '-')} {value} is too small: it must be >= {least}")
+        if self.opset not in OPSETS:
+            raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
 
 
 def check_output_path(out: Path) -> None:
@@ -115,6 +127,7 @@ def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int) -> t
 
 
 def _export_step(model: MedusaModel, config: ExportConfig):
+    """``config.max_context`` is resolved (an int) here."""
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
     tokens = torch.export.Dim("tokens", min=1, max=max(config.max_tokens, 3))
     past = torch.export.Dim("past", min=0, max=config.max_context)
@@ -130,7 +143,7 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     previous, model.attention_form = model.attention_form, config.attention
     try:
         return torch.onnx.export(
-            model, _example_inputs(model, 2, 3, 5), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
+            model, _example_inputs(model, 2, 3, min(5, config.max_context)), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
             input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False, custom_translation_table=table,
         )
     finally:
@@ -288,19 +301,15 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     """Export, check and put the engine files in place."""
     out = Path(config.out)
     check_output_path(out)
+    config = _fit_to_model(model, config)
     if model.num_heads == 0 and config.tree not in (None, "chain-0"):
         raise ExportError("the model has no Medusa heads, so only the tree chain-0 fits: pass --heads or drop --tree")
     tree = load_tree(config.tree if config.tree is not None else default_tree(model.num_heads), max_depth=model.num_heads)
     if tree.num_nodes > config.max_tokens:
         raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
-    if config.max_context > (model.max_positions or config.max_context):
-        raise ExportError(f"--max-context {config.max_context} exceeds the model's {model.max_positions} positions")
     meta = engine_meta(model, tree, config)
     final = EngineFiles.beside(out)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as exc:
-        raise ExportError(f"cannot write {out}: folder {out.parent} is not writable ({exc.strerror})") from exc
+    tmp = make_staging(out)
     staged = EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
     diffs: dict[str, float] = {}
@@ -338,8 +347,10 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(model, staged, tree, strict=config.quantize != "int8", loose=loose, tolerance=TOLERANCE[config.dtype])
+                diffs = verify_engine(model, staged, tree, strict=config.quantize != "int8", loose=loose, tolerance=TOLERANCE[config.dtype],
+                                      max_tokens=config.max_tokens)
             bar.update()
+        write_manifest(staged)
         _move_into_place(staged, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -347,18 +358,74 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     return ExportResult(final, diffs, TOLERANCE[config.dtype], loose)
 
 
+def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:
+    """The config with ``max_context`` resolved against the model's positions; a head layer checked."""
+    positions = model.max_positions
+    if config.max_context is None:
+        config = dataclasses.replace(config, max_context=min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT))
+    elif positions and config.max_context > positions:
+        raise ExportError(f"--max-context {config.max_context} exceeds the model's {positions} positions: pass at most {positions}")
+    layers, layer = model.base.config.num_hidden_layers, model.head_layer
+    if layer is not None and not 0 <= layer < layers:
+        raise ExportError(f"--head-layer {layer} is not a decoder layer of the model: pass 0..{layers - 1}")
+    return config
+
+
+def make_staging(out: Path) -> Path:
+    """A fresh hidden folder beside ``out`` for the files of one export (or build), marked with
+    this process; stale ones of earlier exports to the same name whose process is gone go first."""
+    sweep_stale_staging(out)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        (tmp / STAGING_OWNER).write_text(f"{os.getpid()} {socket.gethostname()}")
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: folder {out.parent} is not writable ({exc.strerror})") from exc
+    return tmp
+
+
+def sweep_stale_staging(out: Path) -> list[Path]:
+    """Remove the staging folders of exports to ``out`` killed before their cleanup ran (SIGKILL,
+    a crash): those whose owning process no longer runs on this host. Returns what was removed."""
+    removed = []
+    for folder in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.*"):
+        if folder.is_dir() and _owner_gone(folder / STAGING_OWNER):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed %s, left by an export that was killed", folder)
+            removed.append(folder)
+    return removed
+
+
+def _owner_gone(owner: Path) -> bool:
+    """True only when ``owner`` names a process of this host that has exited; a folder without
+    one (being created, or not ours) or from another host is left alone."""
+    try:
+        pid, host = owner.read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # runs, as another user
+        return False
+    return False
+
+
 def _move_into_place(staged: EngineFiles, final: EngineFiles) -> None:
     """Every staged sibling (heads graph, external data files, tokenizer) first, the step graph
     last: a reader never finds the graph without its files. Stale siblings of an earlier export
-    under the same name are removed."""
+    under the same name (manifest included) are removed."""
     folder, target = staged.step.parent, final.step.parent
     staged_names = {p.name for p in folder.iterdir()}
-    ours = [final.heads, final.tokenizer] + [p.with_name(p.name + ".data") for p in (final.step, final.heads)]
+    ours = [final.heads, final.tokenizer, manifest_path(final)] + [p.with_name(p.name + ".data") for p in (final.step, final.heads)]
     for old in ours:  # only files this exporter writes: never a user's neighbour
         if old.exists() and old.name not in staged_names:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     for src in sorted(folder.iterdir()):
-        if src == staged.step:
+        if src == staged.step or src.name == STAGING_OWNER:
             continue
         dst = target / src.name
         if dst.is_dir():

@@ -6,6 +6,8 @@ moved into place, the step engine last:
 
   build/engine.heads.plan   heads engine (absent without heads)
   build/engine.plan.json    the runtime's metadata (``EngineMeta``): a plan carries none of its own
+  build/engine.files.json   size and sha256 of the plans, the sidecar and the tokenizer files
+                            (``runtime/manifest.py``; it replaces the ONNX export's of the same name)
   build/engine.plan         step engine
   build/timing.cache        TensorRT's tactic timing cache, read and extended by every build there
 
@@ -33,13 +35,13 @@ import importlib
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.exporter.onnx_export import ExportError
+from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.manifest import manifest_path, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -251,11 +253,26 @@ def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange
         parse_path.unlink(missing_ok=True)
 
 
+def _move_plans_into_place(staged: EngineFiles, final: EngineFiles, *, tokenizer: bool) -> None:
+    """Heads plan, sidecar, manifest (and the tokenizer when the plan is not beside its ONNX, which
+    already has it) first, the step plan last; a stale heads plan of an earlier build is removed."""
+    if final.heads.exists() and not staged.heads.exists():
+        final.heads.unlink()
+    for path in (staged.heads, staged.sidecar, manifest_path(staged)):
+        if path.exists():
+            os.replace(path, final.step.parent / path.name)
+    if tokenizer:
+        shutil.rmtree(final.tokenizer, ignore_errors=True)
+        os.replace(staged.tokenizer, final.tokenizer)
+    os.replace(staged.step, final.step)
+
+
 def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> EngineFiles:
     """Build the step (and heads) engines of an exported ONNX engine; write the metadata sidecar.
 
     ``onnx_path`` is what ``export_onnx`` wrote (its metadata is read from the graph). Files are
-    staged under temporary names in the plan's folder and moved into place, the step plan last."""
+    staged in a hidden folder beside the plan (swept by a later build if this one is killed), the
+    manifest written over the staged files, and moved into place, the step plan last."""
     import onnx
 
     onnx_path = Path(onnx_path)
@@ -274,24 +291,18 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json
-    sidecar = final.sidecar
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.step.name}.", dir=final.step.parent))
+    tmp = make_staging(final.step)
     try:
-        staged_step, staged_heads = tmp / final.step.name, tmp / final.heads.name
-        _build_one(trt, src.step, staged_step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
+        staged = EngineFiles.beside(tmp / final.step.name)
+        _build_one(trt, src.step, staged.step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
         if meta.num_heads:
             heads_proto = onnx.load(str(src.heads), load_external_data=False)
-            _build_one(trt, src.heads, staged_heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
-        (tmp / sidecar.name).write_text(meta.to_json())
-        if final.heads.exists() and not staged_heads.exists():
-            final.heads.unlink()  # a stale heads plan of an earlier build under this name
-        for path in (staged_heads, tmp / sidecar.name):
-            if path.exists():
-                os.replace(path, final.step.parent / path.name)
-        os.replace(staged_step, final.step)
+            _build_one(trt, src.heads, staged.heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
+        staged.sidecar.write_text(meta.to_json())
+        shutil.copytree(src.tokenizer, staged.tokenizer)  # staged with the plans so the manifest covers it
+        write_manifest(staged)
+        _move_plans_into_place(staged, final, tokenizer=final.tokenizer != src.tokenizer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if final.tokenizer != src.tokenizer:  # a plan elsewhere than its ONNX: bring the tokenizer along
-        shutil.copytree(src.tokenizer, final.tokenizer, dirs_exist_ok=True)
     log.info("wrote %s (TensorRT %s)", final.step, trt.__version__)
     return final

@@ -1,8 +1,8 @@
 """Check an exported engine against the torch model it came from.
 
 The ONNX checker first, then ONNX Runtime and torch on the same inputs: a right-padded prefill of
-two prompts of different lengths (chain mask, empty cache), then a tree step over the committed
-prefill cache, then the heads graph. Returns the max abs difference per output.
+two prompts of different lengths (chain mask, empty cache; at most 7 tokens and never more than
+the engine's tokens per step), then a tree step over the committed prefill cache, then the heads graph. Returns the max abs difference per output.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
 
+PREFILL_TOKENS = 7  # the longer checked prompt; the other is 4 (right-padded, ragged)
+
 
 class VerificationError(MedusaError):
     """The exported graph disagrees with the torch model beyond the tolerance."""
@@ -28,9 +30,11 @@ def _diff(a: torch.Tensor, b: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, loose: tuple[str, ...] = ()) -> dict[str, float]:
+def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, loose: tuple[str, ...] = (),
+                  max_tokens: int = PREFILL_TOKENS) -> dict[str, float]:
     """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails when one
-    above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it)."""
+    above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
+    ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill."""
     import onnx
     import onnxruntime as ort
 
@@ -47,19 +51,20 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         theirs = model(*(torch.from_numpy(np.ascontiguousarray(v)).to(device) for v in feeds.values()))
         return ours, dict(zip(["logits", "hidden", "next_ids", "new_key", "new_value"], theirs))
 
-    # prefill: prompts of 7 and 4 tokens, right-padded, empty cache
-    counts = np.array([7, 4])
-    ids = gen.integers(0, model.vocab_size, size=(2, 7)).astype(np.int64)
-    positions = np.broadcast_to(np.arange(7), (2, 7)).astype(np.int64)
-    mask = np.broadcast_to(np.tril(np.ones((7, 7), dtype=bool)), (2, 7, 7)).copy()
+    # prefill: prompts of 7 and 4 tokens (fewer when a step takes fewer), right-padded, empty cache
+    width = min(PREFILL_TOKENS, max_tokens)
+    counts = np.array([width, max(1, width * 4 // PREFILL_TOKENS)])
+    ids = gen.integers(0, model.vocab_size, size=(2, width)).astype(np.int64)
+    positions = np.broadcast_to(np.arange(width), (2, width)).astype(np.int64)
+    mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (2, width, width)).copy()
     empty = np.zeros((0, spec.num_layers, 2, spec.num_kv_heads, spec.head_dim), dtype=np_dtype)
     ours, theirs = run(ids, positions, mask, np.zeros(2, dtype=np.int64), empty, empty)
     diffs = {
         "prefill logits": max(_diff(theirs["logits"][b, : counts[b]], ours["logits"][b, : counts[b]]) for b in range(2)),
         "prefill new K/V": max(_diff(theirs["new_key"][: counts[b], :, b], ours["new_key"][: counts[b], :, b]) for b in range(2)),
     }
-    # tree step over the committed prefill (ragged: 7 and 4 tokens)
-    past_key = ours["new_key"].copy()  # (7, layers, 2, Hkv, D); slots past a row's length are invisible
+    # tree step over the committed prefill (ragged: counts tokens)
+    past_key = ours["new_key"].copy()  # (width, layers, 2, Hkv, D); slots past a row's length are invisible
     past_value = ours["new_value"].copy()
     t = tree.num_nodes
     tree_ids = gen.integers(0, model.vocab_size, size=(2, t)).astype(np.int64)
