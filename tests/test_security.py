@@ -62,7 +62,8 @@ def serving():
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("security-repo")
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT))
-    server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log")).start()
+    log_file = tmp_path_factory.mktemp("security-log") / "tritonserver.log"  # not test_serving's log
+    server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=log_file)).start()
     yield server
     server.stop()
 
