@@ -10,14 +10,13 @@ longer matches instead.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
+from medusa_trt.cli.common import Parser, USER_ERRORS, entry, fail, setup_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-train", description="Train Medusa heads on a frozen base model (self-distillation).")
+def build_parser() -> Parser:
+    p = Parser(prog="medusa-train", description="Train Medusa heads on a frozen base model (self-distillation).")
     p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
     p.add_argument("--out", required=True, help="heads folder to write")
     p.add_argument("--heads", type=int, default=4, help="number of heads")

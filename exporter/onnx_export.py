@@ -8,7 +8,7 @@ export killed outright is removed by the next export to the same name):
   build/model.onnx.data       its weights, when they are large
   build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, V]
   build/model.tokenizer/      tokenizer files (chat template included)
-  build/model.files.json      size and sha256 of each file above (``runtime/manifest.py``)
+  build/model.onnx.files.json size and sha256 of each file above (``runtime/manifest.py``)
 
 Then the graphs are checked: the ONNX checker, and ONNX Runtime against the torch model on a
 prefill and a tree step, with the max abs difference printed and a stated tolerance enforced.
@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
-from medusa_trt.runtime.backends.onnx_backend import STEP_INPUTS, STEP_OUTPUTS
+from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest

@@ -6,8 +6,8 @@ moved into place, the step engine last:
 
   build/engine.heads.plan   heads engine (absent without heads)
   build/engine.plan.json    the runtime's metadata (``EngineMeta``): a plan carries none of its own
-  build/engine.files.json   size and sha256 of the plans, the sidecar and the tokenizer files
-                            (``runtime/manifest.py``; it replaces the ONNX export's of the same name)
+  build/engine.plan.files.json size and sha256 of the plans, the sidecar and the tokenizer files
+                            (``runtime/manifest.py``; the ONNX export beside it keeps its own)
   build/engine.plan         step engine
   build/timing.cache        TensorRT's tactic timing cache, read and extended by every build there
 

@@ -1,6 +1,6 @@
 """The engine's file manifest: the size and sha256 of every file an export wrote.
 
-``model.files.json`` sits beside ``model.onnx`` (or ``engine.plan``) and lists each file of the
+``model.onnx.files.json`` sits beside ``model.onnx`` (``engine.plan.files.json`` beside ``engine.plan``) and lists each file of the
 engine (graphs, external data, tokenizer files) by its path relative to the engine's folder.
 Every load checks the sizes (a truncated or replaced file is named before ONNX Runtime reads
 it); a server checks the sha256 sums once at load (``checksums=True``), which catches a file
@@ -24,9 +24,9 @@ _CHUNK = 1 << 20
 
 
 def manifest_path(files: EngineFiles) -> Path:
-    """model.onnx -> model.files.json (engine.plan -> engine.files.json)."""
-    stem = files.step.with_suffix("")
-    return stem.with_name(stem.name + ".files.json")
+    """model.onnx -> model.onnx.files.json, engine.plan -> engine.plan.files.json (an ONNX export and
+    the TensorRT plan built from it may share a folder and a stem)."""
+    return files.step.with_name(files.step.name + ".files.json")
 
 
 def engine_file_list(files: EngineFiles) -> list[Path]:

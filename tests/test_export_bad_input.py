@@ -125,7 +125,7 @@ def external_engine(tmp_path, monkeypatch, stories_base):
 def test_export_writes_the_manifest(external_engine):
     import json
 
-    manifest = json.loads((external_engine.parent / "m.files.json").read_text())["files"]
+    manifest = json.loads((external_engine.parent / "m.onnx.files.json").read_text())["files"]
     assert {"m.onnx", "m.onnx.data", "m.heads.onnx", "m.heads.onnx.data", "m.tokenizer/tokenizer.json"} <= set(manifest)
     for name, entry in manifest.items():
         assert (external_engine.parent / name).stat().st_size == entry["size"], name

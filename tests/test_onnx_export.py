@@ -218,13 +218,13 @@ def test_external_data_travels_with_both_graphs(tmp_path, monkeypatch, stories_b
     model = medusa_model(stories_base, stories_fitted)
     onnx_export.export_onnx(model, onnx_export.ExportConfig(out=out, tree="chain-4", max_context=128))
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["big.files.json", "big.heads.onnx", "big.heads.onnx.data", "big.onnx", "big.onnx.data", "big.tokenizer"], names
+    assert names == ["big.heads.onnx", "big.heads.onnx.data", "big.onnx", "big.onnx.data", "big.onnx.files.json", "big.tokenizer"], names
     expected = MedusaRuntime(model, tree="chain-4").generate(stories_prompts[:2], max_new_tokens=12)
     got = MedusaRuntime(out).generate(stories_prompts[:2], max_new_tokens=12)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 2**40)
     onnx_export.export_onnx(model, onnx_export.ExportConfig(out=out, tree="chain-4", max_context=128, verify=False))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.files.json", "big.heads.onnx", "big.onnx", "big.tokenizer"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.heads.onnx", "big.onnx", "big.onnx.files.json", "big.tokenizer"]
 
 
 # ----------------------------------------------------------------------------- int8 heads: rows independent

@@ -199,7 +199,7 @@ def test_plan_export_without_tensorrt_keeps_the_onnx_and_writes_no_plan(tmp_path
     assert "pip install tensorrt" in err and f"the ONNX graph is written to {tmp_path / 'engine.onnx'}" in err
     assert stdout.startswith(f"wrote {tmp_path / 'engine.onnx'}")
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["engine.heads.onnx", "engine.onnx", "engine.tokenizer"], names  # no .plan, no sidecar, no temp folder
+    assert names == ["engine.heads.onnx", "engine.onnx", "engine.onnx.files.json", "engine.tokenizer"], names  # no .plan, no sidecar, no temp folder
 
 
 # ----------------------------------------------------------------------------- with TensorRT and a GPU
@@ -234,7 +234,7 @@ def test_tensorrt_tokens_match_onnxruntime(built_plans, stories_prompts, attenti
 @needs_tensorrt
 @pytest.mark.gpu
 def test_tensorrt_backend_binds_by_name_and_never_reallocates(built_plans, stories_prompts):
-    from medusa_trt.runtime.backends.tensorrt_backend import STEP_INPUTS, STEP_OUTPUTS
+    from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS
 
     runtime = MedusaRuntime(built_plans["plugin"], tree=CUSTOM_TREE)
     backend = runtime.backend
@@ -242,7 +242,8 @@ def test_tensorrt_backend_binds_by_name_and_never_reallocates(built_plans, stori
     before = {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()}
     runtime.generate(stories_prompts, max_new_tokens=16)
     assert {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()} == before
-    assert tuple(backend.head_logits().shape)[1:] == (backend.meta.num_heads, backend.meta.vocab_size)
+    proposals = backend.propose(np.zeros(1, dtype=np.int64), 1)
+    assert tuple(proposals.logits().shape)[1:] == (backend.meta.num_heads, backend.meta.vocab_size)
 
 
 @needs_tensorrt

@@ -35,13 +35,12 @@ from pathlib import Path
 
 import numpy as np
 from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.contract import HEADS_OUTPUTS, STEP_OUTPUTS, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
+from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
 
-STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
-STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
-HEADS_INPUTS, HEADS_OUTPUTS = ("hidden",), ("head_topk", "head_logits")
 INSTALL_HINT = "install TensorRT 10+ (pip install tensorrt) and a CUDA build of torch on a machine with an NVIDIA GPU"
 
 
@@ -147,11 +146,13 @@ class _Engine:
 class TensorRTBackend:
     name = "tensorrt"
 
-    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, cuda_graph: bool = False):
+    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, cuda_graph: bool = False,
+                 checksums: bool = False):
         trt = _import_tensorrt()
         import torch
 
         self.files = files = EngineFiles.beside(path)
+        check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.meta = meta = read_plan_meta(files.step)
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
         if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
@@ -223,10 +224,10 @@ class TensorRTBackend:
 
     # ----------------------------------------------------------------- the step contract
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> np.ndarray:
-        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B].
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B] (``contract.Backend``).
 
-        Returns the base model's argmax after each node, int64 [B, T] (a view of pinned memory)."""
+        The argmax comes back through pinned memory; logits stay on the device until asked for."""
         import torch
 
         batch, tokens = input_ids.shape
@@ -244,20 +245,21 @@ class TensorRTBackend:
             else:
                 self.step_engine.run(shapes)
             next_ids = self.step_engine.view("next_ids", self.step_engine.shapes["next_ids"])
-            return self._download("next_ids", next_ids)
+            argmax = self._download("next_ids", next_ids)
+        return StepOutput(argmax, self._host_logits, self._logits_rows)
 
     def logits(self):
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""
         return self.step_engine.view("logits", self.step_engine.shapes["logits"])
 
-    def logits_rows(self, rows, nodes) -> np.ndarray:
+    def _logits_rows(self, rows, nodes) -> np.ndarray:
         """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""
         logits = self.logits()
         picked = logits[list(map(int, rows)), list(map(int, nodes))]  # (N, V) a small device copy
         self.stream.synchronize()
         return picked.float().cpu().numpy()  # host sync: sampling walks the tree on the host
 
-    def host_logits(self) -> np.ndarray:
+    def _host_logits(self) -> np.ndarray:
         """Base logits of the last step on the host [B, T, V] (sampling rows only)."""
         self.stream.synchronize()
         return self.logits().float().cpu().numpy()  # host sync: sampling walks the tree on the host
@@ -295,7 +297,7 @@ class TensorRTBackend:
             key[dst_d, :, rows_d] = new_key[src_d, :, rows_d]  # (N, layers, Hkv, D)
             value[dst_d, :, rows_d] = new_value[src_d, :, rows_d]
 
-    def propose(self, nodes: np.ndarray, top_k: int) -> np.ndarray:
+    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host."""
         import torch
 
@@ -314,9 +316,10 @@ class TensorRTBackend:
             heads.view("hidden", (batch, meta.hidden_size)).copy_(hidden[self._rows[:batch], index])  # (B, H)
             heads.run({"hidden": (batch, meta.hidden_size)})
             topk = heads.view("head_topk", heads.shapes["head_topk"])  # (B, n, K)
-            return self._download("head_topk", topk)[:, :, :top_k]
+            ids = self._download("head_topk", topk)[:, :, :top_k]
+        return Proposals(ids, self._head_logits)
 
-    def head_logits(self) -> np.ndarray:
+    def _head_logits(self) -> np.ndarray:
         """The heads' logits [B, n, V] of the last ``propose``, on the host (lossless drafting draws there)."""
         self.stream.synchronize()
         return self.heads_engine.view("head_logits", self.heads_engine.shapes["head_logits"]).float().cpu().numpy()
