@@ -4,8 +4,9 @@
 
 Methods, on the same prompt token ids (greedy by default; with --temperature every method samples
 with the same temperature / top-p / top-k, prompt i seeded with seed + i):
-  * ``plain``      : autoregressive decoding on the same engine (tree chain-0)
-  * ``medusa``     : the engine's tree (or ``--tree``)
+  * ``plain``      : autoregressive decoding on the same engine (no drafters)
+  * ``medusa``     : the engine's drafters (``--draft`` repeatable: one row per drafter set) with
+                     the engine's heads template (or ``--tree``, repeatable)
   * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
   * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
 Repeat ``--engine`` to compare engines (an int8 one against fp32, say): each gets ``plain`` and
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.bench")
@@ -48,7 +49,10 @@ def build_parser() -> Parser:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")
     p.add_argument("--every", type=positive_int, default=1, help="use every N-th prompt (a subset spread over all categories)")
-    p.add_argument("--tree", action="append", help="tree for the medusa rows (default: each engine's own); repeat to compare trees")
+    p.add_argument("--tree", action="append", help="heads template for the medusa rows (default: each engine's own); repeat to compare")
+    p.add_argument("--draft", action="append", type=drafter_list, metavar="LIST",
+                   help="drafter set of a medusa row, comma-separated (heads,lookup,recycle); repeat for one row each "
+                        "(default: every drafter the engine supports)")
     p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
     p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
@@ -81,7 +85,8 @@ def check_options(args) -> None:
             verb = "applies" if len(given) == 1 else "apply"
             raise MedusaError(f"{' / '.join(given)} {verb} when sampling: add --temperature (e.g. 0.7), or drop it for greedy decoding")
     names = [Path(e).stem for e in args.engine]
-    for what, values in (("--engine", names), ("--tree", args.tree or []), ("--acceptance", args.acceptance or [])):
+    drafts = [",".join(d) or "none" for d in args.draft or []]
+    for what, values in (("--engine", names), ("--tree", args.tree or []), ("--acceptance", args.acceptance or []), ("--draft", drafts)):
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise MedusaError(f"{what} {repeated[0]} is given twice: its rows would overwrite each other "
@@ -169,10 +174,12 @@ def staged(*targets: Path):
 class _Row:
     def __init__(self, name: str):
         self.name, self.tokens, self.seconds, self.steps = name, 0, 0.0, []
-        self.verify_seconds = self.heads_seconds = 0.0
+        self.verify_seconds = self.heads_seconds = self.host_seconds = 0.0
         self.outputs: list[list[int]] = []
 
-    def add(self, token_ids: list[int], seconds: float, accepted: list[int] | None = None, verify: float = 0.0, heads: float = 0.0):
+    def add(self, token_ids: list[int], seconds: float, accepted: list[int] | None = None, verify: float = 0.0, heads: float = 0.0,
+            host: float = 0.0):
+        self.host_seconds += host
         self.tokens += len(token_ids)
         self.seconds += seconds
         self.steps += accepted or []
@@ -189,6 +196,7 @@ class _Row:
             "seconds": self.seconds,
             "mean_accepted_per_step": float(np.mean(self.steps)) if self.steps else None,
             "heads_share_of_step_time": self.heads_seconds / (self.verify_seconds + self.heads_seconds) if self.verify_seconds else None,
+            "host_ms_per_step": 1000 * self.host_seconds / len(self.steps) if self.steps else None,
             "identical_to_reference": float(np.mean(same)),
             "matching_prefix_fraction": float(np.mean(prefix)),
         }
@@ -251,15 +259,18 @@ def run_bench(args) -> dict:
     for path in args.engine:
         own = MedusaRuntime(path, max_batch=1, threads=args.threads)
         name = Path(path).stem
-        trees = args.tree or [None]
-        runtimes = [own.with_tree(tree) if tree else own for tree in trees]
+        trees, drafts = args.tree or [None], args.draft or [None]
         variants = {}
-        for rt in runtimes:
-            for rule in rules:
-                label = name if len(trees) == 1 else f"{name}:{rt.tree.name}"
-                label += f":{rule}" if len(rules) > 1 else ""
-                variants[f"medusa[{label}]"] = (rt, rule)
-        engines.append((name, (own.with_tree("chain-0"), rules[0]), variants))
+        for tree in trees:
+            with_tree = own.with_tree(tree) if tree else own
+            for draft in drafts:
+                rt = with_tree.with_drafters(draft) if draft is not None else with_tree
+                for rule in rules:
+                    label = name if len(trees) == 1 else f"{name}:{rt.tree.name}"
+                    label += f":{','.join(rt.drafting.names) or 'none'}" if len(drafts) > 1 else ""
+                    label += f":{rule}" if len(rules) > 1 else ""
+                    variants[f"medusa[{label}]"] = (rt, rule)
+        engines.append((name, (own.plain(), rules[0]), variants))
     first = next(iter(engines[0][2].values()))[0]
     meta = first.backend.meta
     ids = [first.codec.encode(p, chat=first.is_chat) for p in prompts]
@@ -276,14 +287,16 @@ def run_bench(args) -> dict:
         for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
             for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
                 r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=params(rule, i))
-                rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds)
+                rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds,
+                              r.stats.host_seconds)
         if hf is not None:
             rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None, params(None, i)))
             rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens, params(None, i)))
     reference = rows[f"plain[{engines[0][0]}]"]
     report = {
         "engines": args.engine, "model": meta.model, "tree": first.tree.name, "tree_nodes": first.tree.num_nodes,
-        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes} for _, _, v in engines for key, (rt, _) in v.items()},
+        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes, "drafters": list(rt.drafting.names)}
+                  for _, _, v in engines for key, (rt, _) in v.items()},
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                      "acceptance": rules} if sampled else "greedy",
         "prompts": len(prompts), "prompts_file": str(args.prompts), "every": args.every, "max_new_tokens": args.max_new_tokens,
@@ -317,7 +330,10 @@ def _heads_cost(runtime) -> dict | None:
     every = timed(lambda: session.run(None, {"hidden": np.zeros((t, meta.hidden_size), dtype=dtype)}))
     tree = runtime.tree
     step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + 128, tree.mask[None], np.array([128])))
-    return {"tree_nodes": t, "verify_step_ms_ctx128": step, "heads_one_node_ms": one, "heads_all_nodes_ms": every}
+    three = np.tril(np.ones((1, 3, 3), dtype=bool))
+    step3 = timed(lambda: backend.step(np.zeros((1, 3), dtype=np.int64), np.arange(3)[None] + 128, three, np.array([128])))
+    return {"tree_nodes": t, "verify_step_ms_ctx128": step, "verify_3_nodes_ms_ctx128": step3, "heads_one_node_ms": one,
+            "heads_all_nodes_ms": every}
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -378,16 +394,18 @@ def write_report(report: dict, out: Path) -> list[Path]:
 def print_table(report: dict, written: list[Path]) -> None:
     print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
           f"agreement vs {report['reference']}")
-    print(f"{'method':<40}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}")
+    print(f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}{'host ms/step':>14}")
     for name, m in report["methods"].items():
         acc = f"{m['mean_accepted_per_step']:.2f}" if m["mean_accepted_per_step"] else "-"
         vs_hf = f"{m['speedup_vs_hf']:.2f}x" if m.get("speedup_vs_hf") else "-"
         same = "-" if report["sampling"] != "greedy" else f"{m['identical_to_reference']:.0%}"  # samples differ by design
-        print(f"{name:<40}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{same:>11}")
+        host = f"{m['host_ms_per_step']:.2f}" if m.get("host_ms_per_step") is not None else "-"
+        print(f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{same:>11}{host:>14}")
     cost = report["heads_cost"]
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
-              f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms")
+              f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms "
+              f"({cost['verify_3_nodes_ms_ctx128']:.1f} ms with 3 nodes)")
     if written:
         print("wrote " + " and ".join(str(p) for p in written))
 

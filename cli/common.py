@@ -14,6 +14,10 @@ USER_ERRORS = (MedusaError, FileNotFoundError, PermissionError, IsADirectoryErro
 
 
 def setup_logging(verbose: bool) -> None:
+    if not verbose:  # transformers' own bars (the GGUF loader's) read this when it is first imported
+        import os
+
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         for noisy in ("transformers", "torch.onnx", "onnxscript"):
@@ -65,6 +69,19 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def drafter_list(text: str) -> tuple[str, ...]:
+    """argparse type for --draft: 'heads,lookup,recycle', any subset, or 'none' (plain decoding)."""
+    from medusa_trt.runtime.drafting import DRAFTERS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names in ((), ("none",)):
+        return ()
+    unknown = [n for n in names if n not in DRAFTERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown drafter {unknown[0]!r}: use a comma-separated subset of {','.join(DRAFTERS)}, or none")
+    return names
 
 
 def add_sampling_args(p) -> None:

@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, add_sampling_args, entry, fail, positive_int, sampling_kwargs, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, add_sampling_args, drafter_list, entry, fail, positive_int, sampling_kwargs, setup_logging
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
@@ -31,7 +31,9 @@ def build_parser() -> Parser:
                        help="N untrained heads (identity blocks + shared lm_head): shows the loop, not a speedup")
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads (default: final hidden)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    p.add_argument("--tree", help="tree preset name, chain-N, or a JSON file (default: a chain over the heads)")
+    p.add_argument("--tree", help="the heads' template: preset name, chain-N, or a JSON file (default: the engine's, or a chain over the heads)")
+    p.add_argument("--draft", type=drafter_list, metavar="LIST",
+                   help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             from medusa_trt.cli.common import load_model
 
             model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device)
-        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree,
+        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree, drafters=args.draft,
                                device=None if args.engine else device)
         runtime = MedusaRuntime(model, config)
         gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None,
@@ -119,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"--- prompt {i} ({r.finish_reason})")
                 print(r.text)
             line, rate = _summary(results)
-        print(f"medusa ({runtime.tree.name}, {runtime.tree.num_nodes} nodes): {line}")
+        drafters = ",".join(runtime.drafting.names) or "none"
+        print(f"medusa (drafters {drafters}, heads template {runtime.tree.name}): {line}")
         if args.compare_plain:
-            plain = runtime.with_tree("chain-0")
+            plain = runtime.plain()
             plain_results = plain.generate(args.prompt, **gen)
             plain_line, plain_rate = _summary(plain_results)
             print(f"plain decoding (same engine): {plain_line}")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.runtime.contract import STEP_OUTPUTS
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.runtime.tree import CompiledTree
 
@@ -49,7 +50,7 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         feeds = dict(input_ids=ids, position_ids=positions, tree_mask=mask, cache_lengths=lengths, past_key=past_key, past_value=past_value)
         ours = dict(zip(names, session.run(None, feeds)))
         theirs = model(*(torch.from_numpy(np.ascontiguousarray(v)).to(device) for v in feeds.values()))
-        return ours, dict(zip(["logits", "hidden", "next_ids", "new_key", "new_value"], theirs))
+        return ours, dict(zip(STEP_OUTPUTS, theirs))
 
     # prefill: prompts of 7 and 4 tokens (fewer when a step takes fewer), right-padded, empty cache
     width = min(PREFILL_TOKENS, max_tokens)

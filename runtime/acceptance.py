@@ -173,3 +173,136 @@ def typical_accept(
             best, best_len, best_ll = row, run, ll
     last = int(tree.retrieve[best, best_len])
     return last, sample(rng, probs[last] if last in probs else base_probs(last))
+
+
+# ---------------------------------------------------------------------------- rules on per-step trees
+#
+# The loop builds a new tree per row and step (``drafting.builder.StepTree``) from several
+# drafters. A node is either one of head d's draws (lossless sampling: ``draw = (d-1) * K + j``,
+# the j-th draw without replacement from q_d) or a deterministic draft (retrieved, recycled, or a
+# head's top-k in greedy / typical decoding), whose draft distribution is the point mass on its token.
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: list  # accepted nodes from the root (root included)
+    bonus: int  # the base model's token after the last of them
+
+
+class GreedyRule:
+    """Drafted token accepted iff it equals the base argmax at its parent; the bonus is the argmax
+    at the last accepted node. Children are disjoint by token, so at most one child matches."""
+
+    name = "greedy"
+    needs_logits = False  # the step's argmax is enough
+    sampled_drafts = False  # heads draft their top-k
+
+    def accept(self, tree, argmax: np.ndarray, probs, seq) -> Verdict:
+        node, path = 0, [0]
+        while True:
+            want = int(argmax[node])
+            nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
+            if nxt is None:
+                return Verdict(path, want)
+            node = nxt
+            path.append(node)
+
+
+class TypicalRule:
+    """Medusa-2's typical acceptance on any tree (see ``typical_accept``): NOT distribution-preserving."""
+
+    name = "typical"
+    needs_logits = True
+    sampled_drafts = False
+
+    def accept(self, tree, argmax, probs, seq) -> Verdict:
+        params = seq.params
+        ok = np.zeros(tree.num_nodes, dtype=bool)
+        ok[0] = True
+        logp = np.zeros(tree.num_nodes)
+        for node in range(1, tree.num_nodes):  # parents first: only below accepted nodes
+            above = int(tree.parent[node])
+            if not ok[above]:
+                continue
+            p = probs(above)
+            nz = p[p > 0]
+            entropy = float(-(nz * np.log(nz)).sum())
+            p_x = p[tree.tokens[node]]
+            ok[node] = p_x > min(params.posterior_threshold, params.posterior_alpha * np.exp(-entropy))
+            logp[node] = (np.log(p_x) if p_x > 0 else -np.inf) + logp[above]
+        candidates = np.flatnonzero(ok)
+        best = max(candidates, key=lambda n: (tree.depth[n], logp[n], -n))  # longest, then likeliest, then first
+        return Verdict(tree.path(int(best)), sample(seq.rng, probs(int(best))))
+
+
+class LosslessRule:
+    """Recursive rejection sampling on a tree whose siblings mix sampled and deterministic drafts.
+
+    At the current node (root first) with target r = p_node, the children are tried in tree order
+    (a node's sampled head draws first, by rank, then its deterministic drafts). Child x is tested
+    against the distribution it was drawn from given everything drawn before it:
+      - head d's j-th draw: q^(j) = q_d with its draws 0..j-1 removed, renormalised (draws made
+        without replacement; a draw the budget left out of the tree still counts as removed);
+      - a deterministic draft: the point mass on x, so q(x) = 1.
+    Accept with probability min(1, r(x) / q(x)); on rejection r <- norm(max(0, r - q)) (for a point
+    mass: r with x removed, renormalised) and the next sibling is tried; when every child is
+    rejected the bonus token is drawn from r.
+
+    Exactness: for one draft x ~ q against target r, P(accept, x = y) = min(q(y), r(y)) and the
+    rejected mass is max(0, r - q), so a rejection followed by a sample of norm(max(0, r - q))
+    yields r (the single-draft argument of ``lossless_accept``). By induction over the siblings left
+    it suffices that each tested token is distributed as the q it is tested against given the
+    history, and that this q does not depend on the base model's randomness. Both hold here: head
+    draws were made from q_d before verification, and the tested draws are a subsequence in draw
+    order of one without-replacement sequence, so draw j given draws 0..j-1 is q^(j) whether or
+    not the earlier ones were tested; a deterministic draft is a function of the committed context
+    (the retrieval index, the successor table), i.e. a point mass given the history, and a
+    point mass equal to an already rejected token just has r(x) = 0. Which drafts enter the tree
+    depends only on committed context and earlier steps, never on this step's uniforms. The
+    accepted token at each depth is therefore distributed as p at its parent and the bonus as p at
+    the last accepted node: the emitted tokens are exactly autoregressive samples of p.
+    """
+
+    name = "lossless"
+    needs_logits = True
+    sampled_drafts = True  # heads draw without replacement from their warped distributions
+
+    def accept(self, tree, argmax, probs, seq) -> Verdict:
+        rng, node, path = seq.rng, 0, [0]
+        top_k = seq.proposals.shape[1] if seq.proposals is not None else 1
+        while True:
+            residual = probs(node)
+            accepted = None
+            q_head, head, removed = None, -1, 0
+            for child in tree.children[node]:
+                x = int(tree.tokens[child])
+                if tree.draw[child] >= 0:
+                    d, j = divmod(int(tree.draw[child]), top_k)
+                    if d != head:
+                        q_head, head, removed = seq.drafts_q[d].astype(np.float64, copy=True), d, 0
+                    if j > removed:
+                        q_head[seq.proposals[d, removed:j]] = 0.0  # earlier draws, tested or not
+                        removed = j
+                    total = q_head.sum()
+                    if total <= 0:
+                        continue
+                    q = q_head / total
+                    if accepts(rng.random(), residual[x], q[x]):
+                        accepted = child
+                        break
+                    left = np.maximum(residual - q, 0.0)
+                else:  # point mass on x
+                    if accepts(rng.random(), residual[x], 1.0):
+                        accepted = child
+                        break
+                    left = residual.copy()
+                    left[x] = 0.0
+                total = left.sum()
+                residual = left / total if total > 0 else residual
+            if accepted is None:
+                return Verdict(path, sample(rng, residual))
+            node = accepted
+            path.append(node)
+
+
+RULES_BY_NAME = {"greedy": GreedyRule(), "typical": TypicalRule(), "lossless": LosslessRule()}

@@ -16,7 +16,9 @@ DEFAULT_PREFILL_CHUNK = 64  # capped by the engine's tokens per step
 class RuntimeConfig:
     max_batch: int | None = None  # sequences decoded together (cache rows); None: the engine's, or 4 for a torch model
     max_context: int | None = None  # prompt + generated tokens per sequence; None: the engine's, or 1024
-    tree: str | tuple | list | None = None  # preset name, chain-N, JSON file or paths; None: the engine's tree or a chain
+    tree: str | tuple | list | None = None  # the heads' template: preset name, chain-N, JSON file or paths; None: the engine's tree or a chain
+    drafters: tuple[str, ...] | None = None  # heads, lookup, recycle; None: every drafter the engine supports; (): plain decoding
+    step_cost: dict | None = None  # verify cost by tokens per step, relative (the tree budget); None: drafting.DEFAULT_STEP_COST
     prefill_chunk: int | None = None  # prompt tokens per engine call (bounds the per-step buffers); None: min(64, the engine's tokens per step)
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
     threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
@@ -28,6 +30,16 @@ class RuntimeConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < least):
                 raise MedusaError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.drafters is not None:
+            names = (self.drafters,) if isinstance(self.drafters, str) else self.drafters
+            if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+                raise MedusaError(f"drafters must be a tuple of names (heads, lookup, recycle), got {self.drafters!r}")
+            object.__setattr__(self, "drafters", tuple(names))
+        if self.step_cost is not None:
+            table = self.step_cost
+            if not isinstance(table, dict) or not table or not all(is_int(k) and k >= 1 and isinstance(v, (int, float)) and v > 0
+                                                                  for k, v in table.items()):
+                raise MedusaError(f"step_cost must map tokens per step (integers >= 1) to positive costs, got {table!r}")
         for name in ("cuda_graph", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise MedusaError(f"{name} must be True or False, got {getattr(self, name)!r}")

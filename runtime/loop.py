@@ -1,22 +1,25 @@
 """The draft -> verify -> accept -> commit loop over engine rows that sequences join and leave.
 
 Per sequence the loop keeps ``length`` committed tokens in its cache row, a *root* token (the
-base model's choice after them, already emitted, not yet in the cache) and the heads' proposals
-made at the last committed node. One engine step serves every occupied row at once:
+base model's choice after them, already emitted, not yet in the cache) and its drafters (the
+Medusa heads, retrieval, recycled successors: ``drafting``). One engine step serves every
+occupied row at once; ``Scheduler.step`` reads as four functions over a ``StepPlan``:
 
-  prefill rows:  the next ``prefill_chunk`` prompt tokens under a causal mask; when the prompt
-                 is done, the root is the base model's token after it and the heads propose
-  decode rows:   draft   tree tokens = [root, proposals] gathered by the compiled tree  (T,)
-                 verify  the tree at positions length + depth, under the tree mask
-                 accept  the rule picks the last accepted node and the bonus token
-                 commit  K/V of root + accepted nodes into the row; bonus = next root;
-                         proposals = heads at the last accepted node
-  empty rows:    one padding token over an empty cache (never committed)
+  draft    each decode row's drafters propose candidates below its root; ``build_tree`` merges
+           them into one trie and keeps the nodes worth their verify cost. Prefill rows take
+           the next ``prefill_chunk`` prompt tokens under a causal mask; empty rows one padding
+           token over an empty cache (never committed).
+  verify   one engine call over the plan: every node at position length + depth, under its
+           row's tree mask; returns the base model's argmax after every node (``StepOutput``)
+  accept   each row's rule object (greedy / typical / lossless) picks the accepted path and the
+           bonus token; the sequence's acceptance statistics learn from the nodes it tested
+  commit   K/V of root + accepted nodes into the row; bonus = next root; the heads propose at
+           the last accepted node; drafters observe what was emitted and scored; text is emitted
 
-The step is T_step = max over rows wide; a row's unused columns are padding nodes that see
-only themselves and are never committed, so they change nothing a real node computes. A step
-emits accepted + 1 tokens per decode row. A finished or cancelled sequence frees its row at
-once; a waiting one takes a free row between steps (continuous batching).
+The step is W = max over rows wide; a row's unused columns are padding nodes that see only
+themselves and are never committed, so they change nothing a real node computes. A step emits
+accepted + 1 tokens per decode row. A finished or cancelled sequence frees its row at once; a
+waiting one takes a free row between steps (continuous batching).
 
 Rows and the cache layout: the engine takes the cache as [slots, layers, B, Hkv, D] with B the
 step's row count, and ONNX Runtime / TensorRT need that block contiguous, so changing B
@@ -33,8 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from medusa_trt.runtime.acceptance import greedy_accept, lossless_accept, typical_accept
+from medusa_trt.runtime.acceptance import RULES_BY_NAME, Verdict
 from medusa_trt.runtime.config import is_int
+from medusa_trt.runtime.contract import StepOutput
+from medusa_trt.runtime.drafting.builder import StepTree, build_tree
+from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
 from medusa_trt.runtime.text import PromptError
 
@@ -48,6 +54,7 @@ class GenerationStats:
     seconds: float = 0.0  # wall time from joining the batch to finishing
     verify_seconds: float = 0.0  # of which engine steps this sequence took part in after its prefill
     heads_seconds: float = 0.0  # of which Medusa heads calls
+    host_seconds: float = 0.0  # of which host work of its steps: draft, tree, accept, commit, emit
 
     @property
     def mean_accepted(self) -> float:
@@ -95,6 +102,11 @@ class Seq:
     length: int = 0  # committed tokens in its cache row
     prefilled: int = 0  # prompt tokens committed so far
     root: int = 0
+    history: list[int] = field(default_factory=list)  # prompt + emitted tokens (the root last), grown in place
+    rule: object = None  # acceptance rule object (acceptance.RULES_BY_NAME)
+    drafters: list = field(default_factory=list)  # this sequence's drafter objects (drafting.Drafter)
+    heads: object = None  # its HeadsDrafter, if the heads draft
+    accept_stats: AcceptanceStats | None = None  # online acceptance estimates per drafter key
     proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
     drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
     started: float = 0.0
@@ -103,13 +115,26 @@ class Seq:
         return GenerationResult(self.text, self.tokens, self.finish_reason or "cancelled", self.stats)
 
 
+@dataclass
+class StepPlan:
+    """One engine step: its inputs for every row and what each row drafted."""
+
+    ids: np.ndarray  # int64 (B, W): tree tokens, prompt chunk or padding
+    positions: np.ndarray  # int64 (B, W): length + depth (trees), length + i (prompt chunks)
+    mask: np.ndarray  # bool (B, W, W): tree / causal mask; padding columns see only themselves
+    lengths: np.ndarray  # int64 (B,): committed tokens per row before the step
+    trees: dict  # row -> StepTree for decode rows
+    prefill: dict  # row -> prompt tokens this step, for prefill rows
+    started: float  # perf_counter when drafting began (host overhead accounting)
+
+
 class Scheduler:
     """Runs the loop for a ``MedusaRuntime`` over up to ``max_batch`` rows. Not thread-safe:
     one thread calls ``add`` and ``step`` (``ContinuousBatcher`` wraps it for servers)."""
 
     def __init__(self, runtime):
         self.rt = runtime
-        self.backend, self.tree, self.walk = runtime.backend, runtime.tree, runtime._walk
+        self.backend, self.tree = runtime.backend, runtime.tree
         self.rows: list[Seq | None] = []  # len = the engine's batch B for the next step
 
     # ------------------------------------------------------------------ rows
@@ -136,6 +161,11 @@ class Scheduler:
             s.rng = s.params.generator()
             s.stats = GenerationStats(prompt_tokens=len(s.prompt))
             s.length = s.prefilled = 0
+            s.history = list(s.prompt)
+            s.rule = RULES_BY_NAME[s.params.rule]
+            s.accept_stats = AcceptanceStats()
+            s.drafters = self.rt.drafting.make(s.history, sampled=s.rule.sampled_drafts)
+            s.heads = next((d for d in s.drafters if d.name == "heads"), None)
             s.started = now
 
     def _resize(self, width: int) -> None:
@@ -168,119 +198,137 @@ class Scheduler:
             yield s, StreamEvent(s.index, [], "", "cancelled")
         if not self.active:
             return
-        rt, tree = self.rt, self.tree
-        rows = self.rows
-        batch = len(rows)
-        chunk = rt.config.prefill_chunk
+        plan = self._draft()
+        tick = time.perf_counter()
+        out = self.backend.step(plan.ids, plan.positions, plan.mask, plan.lengths)  # verify
+        verify = time.perf_counter() - tick
+        verdicts = self._accept(plan, out)
+        yield from self._commit(plan, out, verdicts, verify)
+
+    def _draft(self) -> StepPlan:
+        """Every row's input for the step: a tree per decode row, a prompt chunk per prefill row."""
+        started = time.perf_counter()
+        rows, chunk = self.rows, self.rt.config.prefill_chunk
         prefill = {b: min(chunk, len(s.prompt) - s.prefilled) for b, s in enumerate(rows) if s is not None and s.prefilled < len(s.prompt)}
         decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
-        width = max([tree.num_nodes] * bool(decode) + list(prefill.values()) + [1])
+        trees = {b: self._tree(rows[b]) for b in decode}
+        batch = len(rows)
+        width = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
         ids = np.zeros((batch, width), dtype=np.int64)  # (B, W)
         positions = np.zeros((batch, width), dtype=np.int64)  # (B, W)
         mask = np.broadcast_to(np.eye(width, dtype=bool), (batch, width, width)).copy()  # (B, W, W): padding sees itself
         lengths = np.array([s.length if s is not None else 0 for s in rows], dtype=np.int64)  # (B,)
-        tokens: dict[int, np.ndarray] = {}
-        for b in decode:
-            tokens[b] = self._draft(rows[b])  # (T,); -1 where a head had no draw left
-            ids[b, : tree.num_nodes] = np.maximum(tokens[b], 0)
+        for b, tree in trees.items():
+            n = tree.num_nodes
+            ids[b, :n] = tree.tokens
             positions[b] = lengths[b]
-            positions[b, : tree.num_nodes] += tree.depth
-            mask[b, : tree.num_nodes, : tree.num_nodes] = tree.mask
+            positions[b, :n] += tree.depth
+            mask[b, :n, :n] = tree.mask()
         for b, n in prefill.items():
             s = rows[b]
             ids[b, :n] = s.prompt[s.prefilled : s.prefilled + n]
             positions[b] = lengths[b] + np.minimum(np.arange(width), n - 1)
             mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
-        tick = time.perf_counter()
-        target = self.backend.step(ids, positions, mask, lengths)  # (B, W) base argmax per node
-        spent = time.perf_counter() - tick
+        return StepPlan(ids, positions, mask, lengths, trees, prefill, started)
 
-        commit_nodes = np.zeros((batch, max(width, tree.depth_max + 1)), dtype=np.int64)  # (B, A)
+    def _tree(self, s: Seq) -> StepTree:
+        """Draft: the sequence's drafters' candidates merged under the step's budget."""
+        depth = min(self._room(s), self.rt.drafting.max_depth)
+        if depth == 0 or not s.drafters:
+            return StepTree.chain(s.root)
+        if s.heads is not None:
+            s.heads.proposals = s.proposals
+        fragments = [d.propose(s.history, depth) for d in s.drafters]
+        return build_tree(s.root, fragments, s.accept_stats, max_nodes=self.rt.drafting.max_nodes, cost=self.rt.drafting.cost)
+
+    def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
+        """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""
+        verdicts, host = {}, None
+        for b, tree in plan.trees.items():
+            s = self.rows[b]
+            probs = None
+            if s.rule.needs_logits:
+                host = out.logits() if host is None else host  # (B, W, V) base logits on the host, fetched once
+                probs = _lazy_probs(host[b], s.params)
+            verdict = s.rule.accept(tree, out.argmax[b, : tree.num_nodes], probs, s)
+            _learn(s.accept_stats, tree, verdict.path)
+            room = self._room(s)
+            if len(verdict.path) - 1 > room:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
+                verdict = Verdict(verdict.path[: room + 1], int(tree.tokens[verdict.path[room + 1]]))
+            verdicts[b] = verdict
+        return verdicts
+
+    def _commit(self, plan: StepPlan, out: StepOutput, verdicts: dict[int, Verdict], verify: float) -> Iterator[tuple[Seq, StreamEvent]]:
+        """K/V of root + accepted nodes into each row, new roots, heads proposals, drafters
+        updated, text emitted; finished sequences free their rows."""
+        rows, argmax = self.rows, out.argmax
+        batch, width = plan.ids.shape
+        commit_nodes = np.zeros((batch, max(width, max((len(v.path) for v in verdicts.values()), default=1))), dtype=np.int64)  # (B, A)
         counts = np.zeros(batch, dtype=np.int64)  # (B,)
         heads_at = np.zeros(batch, dtype=np.int64)  # (B,) node whose hidden state feeds the heads
         wants_heads = np.zeros(batch, dtype=bool)  # (B,)
         new: dict[int, list[int]] = {}
-        host = None  # base logits on the host, fetched once if a sampled row needs them
-        for b in decode:
-            s = rows[b]
-            if s.params.rule != "greedy" and host is None:
-                host = self.backend.host_logits()
-            last, bonus = self._accept(s, tokens[b], target[b, : tree.num_nodes], host)
-            path = tree.retrieve[self.walk.row_of[last]]  # (D+1,) root-to-leaf nodes through last, -1 padded
-            accepted = min(int(tree.depth[last]), self._room(s))
-            if accepted < tree.depth[last]:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
-                bonus, last = int(tokens[b][path[accepted + 1]]), int(path[accepted])
-            new[b] = [int(t) for t in tokens[b][path[1 : accepted + 1]]] + [int(bonus)]
-            commit_nodes[b, : accepted + 1] = path[: accepted + 1]
-            counts[b] = accepted + 1  # root + accepted drafts enter the cache
-            s.root = int(bonus)
-            heads_at[b], wants_heads[b] = last, True
-            s.stats.verify_seconds += spent
-        for b, n in prefill.items():
+        for b, v in verdicts.items():
+            s, tree = rows[b], plan.trees[b]
+            new[b] = [int(t) for t in tree.tokens[v.path[1:]]] + [int(v.bonus)]
+            commit_nodes[b, : len(v.path)] = v.path
+            counts[b] = len(v.path)  # root + accepted drafts enter the cache
+            s.root = int(v.bonus)
+            heads_at[b], wants_heads[b] = v.path[-1], s.heads is not None
+            s.stats.verify_seconds += verify
+        for b, n in plan.prefill.items():
             s = rows[b]
             commit_nodes[b, :n] = np.arange(n)
             counts[b] = n
             if s.prefilled + n == len(s.prompt):  # the prompt is in: its last node gives the first new token
-                s.root = int(target[b, n - 1])
+                s.root = int(argmax[b, n - 1])
                 if s.params.rule != "greedy":
-                    s.root = sample(s.rng, warp(self.backend.logits_rows([b], [n - 1]), s.params)[0])
-                heads_at[b], wants_heads[b] = n - 1, True
+                    s.root = sample(s.rng, warp(out.logits_rows([b], [n - 1]), s.params)[0])
+                heads_at[b], wants_heads[b] = n - 1, s.heads is not None
                 new[b] = [s.root]
-        self.backend.commit(commit_nodes, counts, lengths)
-        for b, n in prefill.items():
+        self.backend.commit(commit_nodes, counts, plan.lengths)
+        for b, n in plan.prefill.items():
             rows[b].prefilled += n
         for b in np.flatnonzero(counts):
             rows[b].length += int(counts[b])
-        if tree.depth_max and wants_heads.any():  # plain decoding (chain-0) needs no proposals
+        heads = 0.0
+        if self.tree.depth_max and wants_heads.any():  # a chain-0 template needs no proposals
             tick = time.perf_counter()
             self._propose(heads_at, wants_heads)
-            spent = time.perf_counter() - tick
+            heads = time.perf_counter() - tick
             for b in np.flatnonzero(wants_heads):
-                rows[b].stats.heads_seconds += spent
+                rows[b].stats.heads_seconds += heads
+        events = []
         for b, tokens_b in sorted(new.items()):
             s = rows[b]
-            event = self._emit(s, tokens_b, counting=b in decode)
+            events.append((s, self._emit(s, tokens_b, counting=b in verdicts)))
+            tree = plan.trees.get(b)
+            scored = (tree.tokens, argmax[b, : tree.num_nodes, None]) if tree is not None else \
+                (plan.ids[b, : plan.prefill[b]], argmax[b, : plan.prefill[b], None])
+            for d in s.drafters:
+                d.observe(s.history, *scored)
+        host = time.perf_counter() - plan.started - verify - heads
+        for s, event in events:
+            s.stats.host_seconds += host
             if s.finish_reason is not None:
                 self._release(s)
             yield s, event
 
-    # ------------------------------------------------------------------ draft / accept / propose
-
-    def _draft(self, s: Seq) -> np.ndarray:
-        """Tree tokens (T,): candidates [root, head1 top-K, ..., headD top-K] gathered by the tree
-        (by top-k index; for lossless sequences by sibling rank, matching how their draws are laid out)."""
-        tree = self.tree
-        if tree.depth_max == 0:
-            return np.array([s.root], dtype=np.int64)
-        candidates = np.concatenate([[s.root], s.proposals.reshape(-1)])  # (1 + D*K,)
-        gather = self.walk.rank_gather if s.params.rule == "lossless" else tree.gather_index
-        return candidates[gather]
-
-    def _accept(self, s: Seq, tokens: np.ndarray, target: np.ndarray, host: np.ndarray | None) -> tuple[int, int]:
-        """Last accepted node and bonus token by the sequence's rule."""
-        tree = self.tree
-        rule = s.params.rule
-        if rule == "greedy":
-            best, accepted = greedy_accept(tree, tokens[None], target[None])  # (1,), (1,)
-            last = int(tree.retrieve[best[0], accepted[0]])
-            return last, int(target[last])
-        probs = _lazy_probs(host[s.row], s.params)
-        if rule == "lossless":
-            return lossless_accept(self.walk, tokens, probs, s.drafts_q, s.rng)
-        return typical_accept(tree, tokens, probs, s.params.posterior_threshold, s.params.posterior_alpha, s.rng)
+    # ------------------------------------------------------------------ propose
 
     def _propose(self, nodes: np.ndarray, which: np.ndarray) -> None:
         """Heads at ``nodes[b]`` for the rows in ``which`` (B,): their top-K ids, or for lossless
         sampling draws without replacement from each head's warped distribution q_d
         (``walk.draws[d]`` of them, placed by rank)."""
-        tree, walk = self.tree, self.walk
-        ids = self.backend.propose(nodes, tree.top_k)[:, : tree.depth_max]  # (B, D, K)
+        tree, walk = self.tree, self.rt._walk
+        proposals = self.backend.propose(nodes, tree.top_k)
+        ids = proposals.ids[:, : tree.depth_max]  # (B, D, K)
         head_logits = None
         for b in np.flatnonzero(which):
             s = self.rows[b]
             s.proposals = np.array(ids[b])  # (D, K) a copy: the backend's buffer is reused
-            if s.params.rule == "lossless":
-                head_logits = self.backend.head_logits() if head_logits is None else head_logits  # (B, n, V) host
+            if s.rule.sampled_drafts:
+                head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n, V) host
                 q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
                 for d in range(tree.depth_max):
                     s.proposals[d, : walk.draws[d]] = draw_without_replacement(s.rng, q[d], int(walk.draws[d]))
@@ -307,6 +355,7 @@ class Scheduler:
                 s.finish_reason = "stop"
                 break
         s.tokens.extend(int(t) for t in new)
+        s.history.extend(int(t) for t in new)
         searched = max(len(s.text) - _longest(s.stops) + 1, 0)  # earlier text was searched last step
         s.text = codec.decode(s.tokens)
         cut = _first_stop(s.text, s.stops, searched)
@@ -322,6 +371,17 @@ class Scheduler:
         delta = s.text[len(s.sent) : end]
         s.sent = s.text[:end]
         return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason)
+
+
+def _learn(stats: AcceptanceStats, tree: StepTree, path: list[int]) -> None:
+    """Update the acceptance estimates from the nodes this step tested: the children of every
+    accepted node (one of them accepted, unless the path ends there)."""
+    on_path = set(path)
+    for node in path:
+        for child in tree.children[node]:
+            accepted = child in on_path
+            for key in tree.keys[child]:
+                stats.update(key, accepted)
 
 
 def _lazy_probs(logits: np.ndarray, params: SamplingParams):

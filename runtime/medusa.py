@@ -23,6 +23,7 @@ import numpy as np
 
 from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
+from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.loop import Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
@@ -76,6 +77,7 @@ class MedusaRuntime:
         self._info = info
         self._check_tree(self.tree)
         self._walk: TreeWalk = tree_walk(self.tree)
+        self.drafting = self._drafting(self.tree, cfg.drafters, explicit_tree=cfg.tree is not None)
         limit = self.backend.max_tokens
         if cfg.prefill_chunk is None:  # the default fits any engine
             self.config = cfg = dataclasses.replace(cfg, prefill_chunk=min(DEFAULT_PREFILL_CHUNK, limit or DEFAULT_PREFILL_CHUNK))
@@ -86,15 +88,44 @@ class MedusaRuntime:
         self.is_chat = bool(info.is_chat) and self.codec.has_chat_template
         self._lock = threading.Lock()  # shared by with_tree copies: they share the KV cache
 
+    @property
+    def supported_drafters(self) -> tuple[str, ...]:
+        """Every drafter this engine and heads template can run (the default set)."""
+        return (("heads",) if self.num_heads and self.tree.depth_max else ()) + ("lookup", "recycle")
+
+    def _drafting(self, tree: CompiledTree, names, *, explicit_tree: bool) -> Drafting:
+        """The drafter set: ``names``, or by default every drafter the engine supports; an explicit
+        ``chain-0`` heads template with the default set keeps its old meaning, plain decoding."""
+        heads = bool(self.num_heads and tree.depth_max)
+        if names is None:
+            names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
+        config = DraftingConfig() if self.config.step_cost is None else DraftingConfig(cost=CostModel(dict(self.config.step_cost)))
+        return Drafting(tuple(names), HeadsTemplate(tree, tree_walk(tree)) if heads else None, config,
+                        engine_max_nodes=self.backend.max_tokens)
+
     def with_tree(self, tree) -> MedusaRuntime:
-        """The same engine and buffers with another tree (``chain-0``: plain decoding). Not for
-        concurrent use beside the original: they share the KV cache."""
+        """The same engine and buffers with another heads template (the drafters stay; ``chain-0``
+        with the default drafters is plain decoding). Not for concurrent use beside the original:
+        they share the KV cache."""
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, tree=tree)
         other.tree = load_tree(tree, max_depth=self.num_heads)
         self._check_tree(other.tree)
         other._walk = tree_walk(other.tree)
+        other.drafting = other._drafting(other.tree, None if self.config.drafters is None else
+                                         tuple(n for n in self.config.drafters if n != "heads" or other.tree.depth_max), explicit_tree=True)
         return other
+
+    def with_drafters(self, drafters) -> MedusaRuntime:
+        """The same engine and buffers with another drafter set (``()``: plain decoding)."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, drafters=drafters)
+        other.drafting = other._drafting(other.tree, other.config.drafters, explicit_tree=other.config.tree is not None)
+        return other
+
+    def plain(self) -> MedusaRuntime:
+        """Plain decoding on the same engine: no drafts, one token per step."""
+        return self.with_drafters(())
 
     def _check_tree(self, tree: CompiledTree) -> None:
         if tree.top_k > self._info.max_top_k:
@@ -119,7 +150,8 @@ class MedusaRuntime:
     def _tensorrt(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend  # tensorrt and torch only on this path
 
-        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph)
+        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph,
+                                  checksums=cfg.verify_checksums)
         return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod

@@ -25,7 +25,7 @@ def test_generates_and_summarises(capsys, stories_base):
     assert code == 0, err
     lines = out.strip().splitlines()
     assert "there was" in lines[0]
-    assert lines[1].startswith("medusa (chain-3, 4 nodes): 20 tokens,") and "accepted/step" in lines[1] and "tokens/s" in lines[1]
+    assert lines[1].startswith("medusa (drafters heads,lookup,recycle, heads template chain-3): 20 tokens,") and "accepted/step" in lines[1] and "tokens/s" in lines[1]
     assert lines[2].startswith("plain decoding (same engine): 20 tokens, 19 steps, 1.00 accepted/step")
     assert lines[3].startswith("speedup over plain decoding: ")
 
@@ -37,11 +37,11 @@ def test_saved_heads_batch_and_stream(capsys, stories_base, tmp_path):
     code, out, err = _run(capsys, "--model", str(STORIES), "--heads", str(tmp_path / "heads"), "--prompt", "One day",
                           "--prompt", "The cat", "--max-new-tokens", "10")
     assert code == 0, err
-    assert out.count("--- prompt") == 2 and "medusa (chain-2, 3 nodes): 20 tokens" in out
+    assert out.count("--- prompt") == 2 and "medusa (drafters heads,lookup,recycle, heads template chain-2): 20 tokens" in out
     code, out, err = _run(capsys, "--model", str(STORIES), "--heads", str(tmp_path / "heads"), "--prompt", "One day",
                           "--max-new-tokens", "10", "--stream", "--stop", "xyzzy")
     assert code == 0, err
-    assert "medusa (chain-2, 3 nodes): 10 tokens" in out
+    assert "heads template chain-2): 10 tokens" in out
 
 
 @pytest.fixture

@@ -54,11 +54,16 @@ def toy(stories_base):
     return toy_model(stories_base.tokenizer)
 
 
+# The perfect heads alone, every template node verified (a flat cost table): the tests below count
+# accepted tokens per step exactly, which retrieval drafts and a pruned tree would change.
+HEADS_ONLY = dict(drafters=("heads",), step_cost={1: 1.0, 64: 1.0})
+
+
 @pytest.mark.parametrize("tree", ["chain-4", "mc_sim_7b_63"])
 def test_perfect_heads_accept_depth_plus_one(toy, tree):
     if tree == "mc_sim_7b_63" and not TREES.is_file():
         pytest.skip(f"{TREES} missing")
-    runtime = MedusaRuntime(toy, tree=tree, max_context=128)
+    runtime = MedusaRuntime(toy, tree=tree, max_context=128, **HEADS_ONLY)
     result = runtime.generate([[3], [7, 11]], max_new_tokens=41)  # 1 from the prefill + 8 steps of 5
     for prompt, r in zip([[3], [7, 11]], result):
         expected, x = [], prompt[-1]
@@ -71,26 +76,26 @@ def test_perfect_heads_accept_depth_plus_one(toy, tree):
 
 
 def test_budget_cuts_the_last_step(toy):
-    r = MedusaRuntime(toy, tree="chain-4").generate([3], max_new_tokens=8)
+    r = MedusaRuntime(toy, tree="chain-4", **HEADS_ONLY).generate([3], max_new_tokens=8)
     assert len(r.token_ids) == 8 and r.finish_reason == "length"
     assert r.stats.accepted_per_step == [5, 2]
 
 
 def test_context_limit_ends_with_length(toy):
-    runtime = MedusaRuntime(toy, tree="chain-4", max_context=12)
+    runtime = MedusaRuntime(toy, tree="chain-4", max_context=12, **HEADS_ONLY)
     r = runtime.generate([1, 2, 3], max_new_tokens=100)
     assert r.finish_reason == "length"
     assert len(r.token_ids) + 3 == 12  # prompt + generated fills the context exactly
 
 
 def test_prompt_longer_than_context_is_a_clear_error(toy):
-    runtime = MedusaRuntime(toy, tree="chain-2", max_context=8)
+    runtime = MedusaRuntime(toy, tree="chain-2", max_context=8, **HEADS_ONLY)
     with pytest.raises(PromptError, match="prompt 0 has 8 tokens but max_context is 8"):
         runtime.generate(list(range(8)))
 
 
 def test_empty_prompt_and_bad_budget(toy):
-    runtime = MedusaRuntime(toy, tree="chain-2")
+    runtime = MedusaRuntime(toy, tree="chain-2", **HEADS_ONLY)
     with pytest.raises(PromptError, match="empty"):
         runtime.generate([[1], []])
     with pytest.raises(PromptError, match="max_new_tokens"):
@@ -112,7 +117,7 @@ def test_missing_engine_file_and_foreign_objects(tmp_path):
 def test_eos_stops_and_is_kept(stories_base):
     toy_eos = toy_model(stories_base.tokenizer)
     toy_eos.eos_token_ids = (_successor(_successor(_successor(4))),)  # the third token after 4
-    r = MedusaRuntime(toy_eos, tree="chain-4").generate([4], max_new_tokens=30)
+    r = MedusaRuntime(toy_eos, tree="chain-4", **HEADS_ONLY).generate([4], max_new_tokens=30)
     assert r.finish_reason == "stop"
     assert r.token_ids == [_successor(4), _successor(_successor(4)), toy_eos.eos_token_ids[0]]
 
@@ -120,7 +125,7 @@ def test_eos_stops_and_is_kept(stories_base):
 def test_ragged_batch_finishes_independently(stories_base):
     toy_eos = toy_model(stories_base.tokenizer)
     toy_eos.eos_token_ids = (9,)
-    results = MedusaRuntime(toy_eos, tree="chain-4").generate([[_successor_inverse(9)], [2]], max_new_tokens=20)
+    results = MedusaRuntime(toy_eos, tree="chain-4", **HEADS_ONLY).generate([[_successor_inverse(9)], [2]], max_new_tokens=20)
     assert results[0].token_ids == [9] and results[0].finish_reason == "stop"
     chain = [2]
     for _ in range(20):

@@ -270,19 +270,19 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         width = piece.shape[1]
         positions = length + np.arange(width, dtype=np.int64)[None, :]  # (1, W)
         mask = np.tril(np.ones((width, width), dtype=bool))[None]  # (1, W, W)
-        target = backend.step(piece, positions, mask, np.array([length], dtype=np.int64))  # (1, W)
+        target = backend.step(piece, positions, mask, np.array([length], dtype=np.int64)).argmax  # (1, W)
         backend.commit(np.arange(width, dtype=np.int64)[None, :], np.array([width]), np.array([length], dtype=np.int64))
         length += width
     tokens = [int(target[0, width - 1])]
-    proposals = [np.array(backend.propose(np.array([width - 1]), top_k)[0])]  # copy: the backend reuses its buffer
+    proposals = [np.array(backend.propose(np.array([width - 1]), top_k).ids[0])]  # copy: the backend reuses its buffer
     one = np.ones((1, 1, 1), dtype=bool)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and length + 1 < max_context:
         lengths = np.array([length], dtype=np.int64)
-        target = backend.step(np.array([[tokens[-1]]], dtype=np.int64), lengths[:, None], one, lengths)  # (1, 1)
+        target = backend.step(np.array([[tokens[-1]]], dtype=np.int64), lengths[:, None], one, lengths).argmax  # (1, 1)
         backend.commit(np.zeros((1, 1), dtype=np.int64), np.array([1]), lengths)
         length += 1
         tokens.append(int(target[0, 0]))
-        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k)[0]))  # (n_heads, K)
+        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k).ids[0]))  # (n_heads, K)
     return tokens, np.stack(proposals).astype(np.int64)  # (n, n_heads, K)
 
 

@@ -1,6 +1,6 @@
-"""Engine backends: each runs the step contract of DESIGN.md on its own buffers.
-
-A backend offers ``step`` (score T tokens, keep logits/hidden/new K/V on the device, return the
-base model's argmax per node to the host), ``commit`` (copy chosen nodes' K/V into the cache)
-and ``propose`` (Medusa heads at one node per sequence, top-k ids to the host).
+"""Engine backends: each runs the step contract of DESIGN.md on its own buffers and speaks
+``runtime.contract.Backend``: ``step`` (score W tokens per row, keep logits / hidden / new K/V,
+return a ``StepOutput`` with the base argmax per node on the host and the logits on demand),
+``commit`` (copy chosen nodes' K/V into the cache), ``relayout`` and ``propose`` (Medusa heads
+at one node per row, a ``Proposals`` with the top-k ids on the host).
 """

@@ -15,14 +15,13 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
-STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
-STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
 
 
 def default_providers() -> list[str]:
@@ -106,8 +105,8 @@ class OnnxBackend:
     def _view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return self._out[name][: int(np.prod(shape))].reshape(shape)
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> np.ndarray:
-        """Same contract as the torch backend; returns the base argmax per node [B, T]."""
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+        """The step contract (``contract.Backend``); outputs are views of the preallocated buffers."""
         batch, tokens = input_ids.shape
         if tokens > self.meta.max_tokens:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.meta.max_tokens}")
@@ -138,7 +137,8 @@ class OnnxBackend:
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self.session.run_with_iobinding(io)
-        return self._views["next_ids"]
+        logits = self._views["logits"]
+        return StepOutput(self._views["next_ids"], lambda: logits, lambda rows, nodes: logits[rows, nodes])
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
@@ -155,18 +155,6 @@ class OnnxBackend:
         shape = (self.max_context, self.meta.num_layers, batch, self.meta.num_kv_heads, self.meta.head_dim)
         return flat[: int(np.prod(shape))].reshape(shape)
 
-    def logits_rows(self, rows, nodes) -> np.ndarray:
-        """Base logits of the last step at (rows[i], nodes[i]): [N, V], copied (sampling reads a few rows)."""
-        return self._views["logits"][np.asarray(rows), np.asarray(nodes)]
-
-    def host_logits(self) -> np.ndarray:
-        """Base logits of the last step [B, T, V] (a view of the preallocated buffer)."""
-        return self._views["logits"]
-
-    def head_logits(self) -> np.ndarray:
-        """Medusa heads' logits of the last ``propose`` call, fp32 [B, n, V] (a view)."""
-        return self._head_logits_view
-
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
         key, value = self._cache_views(nodes.shape[0])
@@ -174,8 +162,8 @@ class OnnxBackend:
         key[dst, :, rows] = self._views["new_key"][src, :, rows]
         value[dst, :, rows] = self._views["new_value"][src, :, rows]
 
-    def propose(self, nodes: np.ndarray, top_k: int) -> np.ndarray:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids [B, n, K]."""
+    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views."""
         meta = self.meta
         if top_k > meta.top_k:
             raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
@@ -188,6 +176,5 @@ class OnnxBackend:
         io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
         io.bind_output("head_logits", "cpu", 0, np.float32, list(head_logits.shape), head_logits.ctypes.data)
         self.heads_session.run_with_iobinding(io)
-        self._head_logits_view = head_logits
-        return topk[:, :, :top_k]
+        return Proposals(topk[:, :, :top_k], lambda: head_logits)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.contract import Proposals, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +33,15 @@ class TorchBackend:
         self.cache_value = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         log.info("torch backend on %s: KV cache %s (%.1f MiB)", self.device, tuple(shape),
                  2 * self.cache_key.numel() * self.cache_key.element_size() / 2**20)
-        self._logits = self._hidden = self._new_key = self._new_value = self._head_logits = None
+        self._hidden = self._new_key = self._new_value = None
         self.max_tokens = None  # no limit on new tokens per step
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> np.ndarray:
-        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B].
-
-        Returns the base model's argmax after each node, int64 [B, T] on the host."""
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B] (``contract.Backend``)."""
         batch = input_ids.shape[0]
         past = int(cache_lengths.max())  # host value: the view length must be a Python int
         logits, hidden, next_ids, new_key, new_value = self.model(
@@ -53,8 +52,16 @@ class TorchBackend:
             self.cache_key[:past, :, :batch],
             self.cache_value[:past, :, :batch],
         )
-        self._logits, self._hidden, self._new_key, self._new_value = logits, hidden, new_key, new_value
-        return next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
+        self._hidden, self._new_key, self._new_value = hidden, new_key, new_value
+        argmax = next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
+        return StepOutput(argmax, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes))
+
+    @torch.inference_mode()
+    def _host(self, t: torch.Tensor, rows=None, nodes=None) -> np.ndarray:
+        """``t`` (or its rows ``t[rows, nodes]``) in fp32 on the host."""
+        if rows is not None:
+            t = t[self._tensor(np.asarray(rows, dtype=np.int64)), self._tensor(np.asarray(nodes, dtype=np.int64))]
+        return t.float().cpu().numpy()  # host sync: sampling walks the tree, and draws drafts, on the host
 
     @torch.inference_mode()
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
@@ -66,20 +73,6 @@ class TorchBackend:
             cache[:slots, :, : len(rows)] = cache[:slots, :, index]  # advanced indexing reads a copy first
 
     @torch.inference_mode()
-    def logits_rows(self, rows, nodes) -> np.ndarray:
-        """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""
-        index = (self._tensor(np.asarray(rows, dtype=np.int64)), self._tensor(np.asarray(nodes, dtype=np.int64)))
-        return self._logits[index].float().cpu().numpy()  # host sync: sampling walks the tree on the host
-
-    def host_logits(self) -> np.ndarray:
-        """Base logits of the last step on the host [B, T, V] (no copy for fp32 on the CPU)."""
-        return self._logits.float().cpu().numpy()  # host sync: sampling walks the tree on the host
-
-    def head_logits(self) -> np.ndarray:
-        """Medusa heads' logits of the last ``propose`` call on the host, fp32 [B, n, V]."""
-        return self._head_logits.float().cpu().numpy()  # host sync: draft draws are made on the host
-
-    @torch.inference_mode()
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) into slots cache_lengths[b] + 0.. in place."""
         rows, src, dst = (self._tensor(a) for a in commit_indices(nodes, counts, cache_lengths))  # each (N,)
@@ -87,10 +80,10 @@ class TorchBackend:
         self.cache_value[dst, :, rows] = self._new_value[src, :, rows]
 
     @torch.inference_mode()
-    def propose(self, nodes: np.ndarray, top_k: int) -> np.ndarray:
+    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host."""
         rows = torch.arange(nodes.shape[0], device=self.device)
         hidden = self._hidden[rows, self._tensor(nodes)]  # (B, H)
         logits = self.model.propose(hidden)  # (B, n, V)
-        self._head_logits = logits
-        return logits.topk(top_k, dim=-1).indices.cpu().numpy()  # host sync: drafting gathers on the host
+        ids = logits.topk(top_k, dim=-1).indices.cpu().numpy()  # host sync: drafting gathers on the host
+        return Proposals(ids, lambda: self._host(logits))

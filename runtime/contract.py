@@ -1,0 +1,72 @@
+"""The engine step contract in one place: tensor names, what a step returns, and the Protocol
+between the loop and every backend (ONNX Runtime, TensorRT, torch). The exporter writes graphs
+with these names; the backends bind them; the loop only sees ``Backend``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
+STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
+HEADS_INPUTS = ("hidden",)
+HEADS_OUTPUTS = ("head_topk", "head_logits")
+
+
+@dataclass(frozen=True, eq=False)
+class StepOutput:
+    """What one verify / prefill step gives the host. Valid until the backend's next ``step``."""
+
+    argmax: np.ndarray  # int64 (B, W): the base model's choice after every node, on the host
+    _logits: Callable[[], np.ndarray]  # () -> float (B, W, V) on the host
+    _rows: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, nodes) -> float (N, V) on the host
+
+    def logits(self) -> np.ndarray:
+        """Base logits (B, W, V) on the host, fetched on first use (sampling rules only)."""
+        return self._logits()
+
+    def logits_rows(self, rows, nodes) -> np.ndarray:
+        """Base logits at (rows[i], nodes[i]): (N, V) on the host, a small copy."""
+        return self._rows(np.asarray(rows), np.asarray(nodes))
+
+
+@dataclass(frozen=True, eq=False)
+class Proposals:
+    """The Medusa heads at one node per row. Valid until the backend's next ``propose``."""
+
+    ids: np.ndarray  # int64 (B, n, K): each head's top-K tokens, best first, on the host
+    _logits: Callable[[], np.ndarray]  # () -> float32 (B, n, V) on the host
+
+    def logits(self) -> np.ndarray:
+        """The heads' logits (B, n, V) on the host, fetched on first use (lossless draws only)."""
+        return self._logits()
+
+
+class Backend(Protocol):
+    """One engine, its KV cache and output buffers, allocated once."""
+
+    name: str
+    max_batch: int  # rows
+    max_context: int  # cache slots per row
+    max_tokens: int | None  # most new tokens one step takes (None: no limit)
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+        """Score (B, W) new tokens at ``position_ids`` over each row's first ``cache_lengths`` slots
+        under ``tree_mask`` (B, W, W); keeps their K/V (uncommitted) and hidden states."""
+        ...
+
+    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` of the last step into slots cache_lengths[b] + 0.."""
+        ...
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Move cache rows ``rows[i]`` to row i when the step's row count changes."""
+        ...
+
+    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
+        """The heads at node ``nodes[b]`` of the last step, for every row."""
+        ...

@@ -1,0 +1,140 @@
+"""Merge every drafter's candidates into one trie per row and keep the best nodes under a budget.
+
+Each node's *conditional* estimate c = P(accepted | parent accepted) comes from the sequence's
+online statistics (``stats.AcceptanceStats``); a node proposed by several drafters combines them
+as a noisy-or, 1 - prod(1 - c_i). Its *path* estimate s = c * s(parent) is the probability that
+it is accepted, so a tree with nodes S emits 1 + sum_{n in S} s_n tokens in expectation (the
+events "n is on the accepted path" for the nodes of one depth are disjoint). The builder takes
+nodes in decreasing s (parents never below their children: c <= 1, ties broken by depth) and
+stops at the count n that maximises (1 + sum of the first n) / cost(n + 1): the measured verify
+cost per step width (``CostModel``), so a flat-cost engine gets bigger trees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment
+from medusa_trt.runtime.drafting.stats import AcceptanceStats
+
+# Verify-step cost by tokens per step, relative to one token: SmolLM2-135M on ONNX Runtime fp32,
+# 2 CPU threads, 256-token context (medusa-calibrate's table; ../shared/README.md agrees).
+DEFAULT_STEP_COST = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.29, 16: 1.55, 32: 2.71, 64: 3.63}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    table: dict = field(default_factory=lambda: dict(DEFAULT_STEP_COST))  # tokens per step -> relative cost
+
+    def __post_init__(self):
+        sizes = sorted(self.table)
+        object.__setattr__(self, "_x", np.array(sizes, dtype=np.float64))
+        object.__setattr__(self, "_y", np.array([self.table[s] for s in sizes], dtype=np.float64))
+
+    def cost(self, tokens: np.ndarray) -> np.ndarray:
+        """Relative cost of steps of ``tokens`` tokens (linear between measured sizes, and beyond them)."""
+        x, y = self._x, self._y
+        t = np.asarray(tokens, dtype=np.float64)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
+        return np.where(t <= x[-1], np.interp(t, x, y), y[-1] + (t - x[-1]) * slope)
+
+
+@dataclass(frozen=True, eq=False)
+class StepTree:
+    """One row's verify tree for one step: root first, parents before children, siblings in the
+    order acceptance tries them (sampled head draws first, by rank)."""
+
+    tokens: np.ndarray  # int64 [N]: root token first
+    parent: np.ndarray  # int64 [N]: root -1
+    depth: np.ndarray  # int64 [N]: root 0
+    draw: np.ndarray  # int64 [N]: head d's j-th draw as d * K + j, DETERMINISTIC for retrieved / recycled / greedy drafts
+    keys: tuple  # [N]: per node, the statistics keys of the drafters that proposed it (root: ())
+    sources: tuple  # [N]: per node, the names of the drafters that proposed it
+    children: tuple  # [N]: per node, its children in test order
+    score: np.ndarray  # float64 [N]: estimated probability that the node is accepted (root 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def mask(self) -> np.ndarray:
+        """bool [N, N]: [i, j] iff j is i or an ancestor of i (the verify step's tree mask)."""
+        n = self.num_nodes
+        mask = np.eye(n, dtype=bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parent[i]]
+        return mask
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root to ``node``."""
+        out = [node]
+        while self.parent[out[-1]] >= 0:
+            out.append(int(self.parent[out[-1]]))
+        return out[::-1]
+
+    @classmethod
+    def chain(cls, root: int) -> StepTree:
+        """The root alone: plain decoding."""
+        return cls(np.array([root], dtype=np.int64), np.array([-1], dtype=np.int64), np.zeros(1, dtype=np.int64),
+                   np.full(1, DETERMINISTIC, dtype=np.int64), ((),), ((),), ((),), np.ones(1))
+
+
+def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, max_nodes: int, cost: CostModel) -> StepTree:
+    """One row's tree from the drafters' fragments (see the module doc); ``max_nodes`` caps the
+    tree (root included). The budget is chosen per row against the single-row cost table."""
+    fragments = sorted(fragments, key=lambda f: not (f.draw >= 0).any())  # sampled drafts first: they keep their own nodes
+    tokens, parent, depth, draw = [int(root)], [-1], [0], [DETERMINISTIC]
+    keys: list[list] = [[]]
+    sources: list[list] = [[]]
+    kids: list[dict] = [{}]
+    for frag in fragments:
+        mapped = np.empty(frag.size, dtype=np.int64)
+        for i in range(frag.size):
+            above = 0 if frag.parent[i] < 0 else int(mapped[frag.parent[i]])
+            tok = int(frag.tokens[i])
+            node = kids[above].get(tok)
+            if node is None:
+                node = len(tokens)
+                kids[above][tok] = node
+                tokens.append(tok)
+                parent.append(above)
+                depth.append(depth[above] + 1)
+                draw.append(int(frag.draw[i]))
+                keys.append([])
+                sources.append([])
+                kids.append({})
+            keys[node].append(frag.keys[i])
+            if frag.source not in sources[node]:
+                sources[node].append(frag.source)
+            mapped[i] = node
+    count = len(tokens)
+    score = np.ones(count)
+    for i in range(1, count):  # parents first
+        miss = 1.0
+        for key in keys[i]:
+            miss *= 1.0 - stats.estimate(key)
+        score[i] = (1.0 - miss) * score[parent[i]]
+    depth_arr = np.array(depth, dtype=np.int64)
+    order = np.lexsort((np.arange(count), depth_arr, -score))[1:]  # best first, the root (score 1, depth 0) leads
+    gain = 1.0 + np.cumsum(score[order])  # (count-1,) expected tokens emitted with the first n drafted nodes
+    limit = min(count - 1, max_nodes - 1)
+    n = 0
+    if limit > 0:
+        sizes = np.arange(1, limit + 1)
+        value = gain[:limit] / cost.cost(sizes + 1)
+        n = int(sizes[np.argmax(value)]) if value.max() > 1.0 / cost.cost(np.array([1]))[0] else 0
+    chosen = np.sort(np.concatenate([[0], order[:n]]))
+    chosen = chosen[np.lexsort((chosen, depth_arr[chosen]))]  # by depth, then insertion order (siblings in test order)
+    new = np.full(count, -1, dtype=np.int64)
+    new[chosen] = np.arange(len(chosen))
+    new_parent = np.array([-1] + [int(new[parent[i]]) for i in chosen[1:]], dtype=np.int64)
+    children: list[list[int]] = [[] for _ in chosen]
+    for j in range(1, len(chosen)):
+        children[new_parent[j]].append(j)
+    return StepTree(
+        tokens=np.array(tokens, dtype=np.int64)[chosen], parent=new_parent, depth=depth_arr[chosen],
+        draw=np.array(draw, dtype=np.int64)[chosen], keys=tuple(tuple(keys[i]) for i in chosen),
+        sources=tuple(tuple(sources[i]) for i in chosen), children=tuple(tuple(c) for c in children), score=score[chosen],
+    )

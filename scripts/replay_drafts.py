@@ -1,0 +1,136 @@
+"""Offline replay: what each drafter set would accept on real greedy outputs, without an engine.
+
+For each prompt the base model's greedy continuation is generated once (plain decoding on the
+torch backend), then one forward pass over prompt + continuation gives every position's hidden
+state, hence the heads' top-k there. The replay walks the continuation as the runtime would: at
+each step the sequence's drafters (the runtime's own objects: ``medusa_trt.runtime.drafting``)
+propose, ``build_tree`` merges them under the cost model, and greedy acceptance is the longest
+tree path that matches the true continuation. Its tokens/step equal the runtime's greedy figure
+up to float ties (the recycle table sees only on-path successors here, so its figure is a lower
+bound). Use it to calibrate priors, budgets and drafter sets before running the benchmark.
+
+    .venv/bin/python scripts/replay_drafts.py --model smollm2-135m --heads assets/smollm2-135m-medusa \\
+        --tree mc_sim_7b_63 --prompts ../shared/data/spec_bench_dev.jsonl --every 3 --max-new-tokens 128 \\
+        --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --out docs/replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from medusa_trt.exporter import load_medusa
+from medusa_trt.runtime import MedusaRuntime
+from medusa_trt.runtime.drafting import CostModel, build_tree
+from medusa_trt.runtime.drafting.stats import AcceptanceStats
+
+log = logging.getLogger("replay_drafts")
+
+
+def _prompts(path: Path, every: int, limit: int | None) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = [r["turns"][0] if "turns" in r else r["prompt"] for r in rows][::every]
+    return texts[:limit] if limit else texts
+
+
+@torch.no_grad()
+def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
+    """int64 [L, D, K]: the heads' top-k at every position of ``ids`` (one causal forward pass)."""
+    spec = model.kv_spec
+    n = len(ids)
+    empty = torch.zeros((0, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+    _, hidden, _, _, _ = model(
+        torch.tensor([ids]), torch.arange(n)[None], torch.tril(torch.ones(n, n, dtype=torch.bool))[None],
+        torch.zeros(1, dtype=torch.int64), empty, empty,
+    )
+    return model.propose(hidden[0]).topk(top_k, dim=-1).indices.numpy()  # (L, D, K)
+
+
+def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],
+           cost: CostModel) -> list[int]:
+    """Tokens emitted per step when drafting with ``names`` along the true continuation."""
+    drafting = runtime.with_drafters(names).drafting
+    history = list(prompt) + continuation[:1]
+    drafters = drafting.make(list(prompt), sampled=False)
+    heads = next((d for d in drafters if d.name == "heads"), None)
+    stats = AcceptanceStats()
+    steps, pos = [], 0  # continuation[pos] is the root
+    depth_cap = drafting.max_depth
+    while pos + 1 < len(continuation):
+        room = len(continuation) - pos - 1
+        if heads is not None:
+            heads.proposals = topk[len(prompt) + pos - 1]  # heads at the last committed node (the root's parent)
+        fragments = [d.propose(history, min(room, depth_cap)) for d in drafters]
+        tree = build_tree(history[-1], fragments, stats, max_nodes=drafting.max_nodes, cost=cost)
+        node, path = 0, [0]
+        while True:
+            want = continuation[pos + len(path)] if pos + len(path) < len(continuation) else -1
+            nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
+            if nxt is None:
+                break
+            node = nxt
+            path.append(node)
+        on_path = set(path)
+        for p in path:
+            for child in tree.children[p]:
+                for key in tree.keys[child]:
+                    stats.update(key, child in on_path)
+        emitted = len(path)  # accepted drafts + the bonus
+        new = continuation[pos + 1 : pos + 1 + emitted]
+        truth = np.array(continuation[pos : pos + len(new) + 1])
+        history.extend(new)
+        for d in drafters:
+            d.observe(history, truth[:-1], truth[1:, None])  # on-path successors only
+        steps.append(len(new))
+        pos += len(new)
+    return steps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--heads", default="assets/smollm2-135m-medusa")
+    p.add_argument("--tree", default="mc_sim_7b_63", help="the heads' template")
+    p.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench_dev.jsonl"))
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft", action="append", help="comma-separated drafter set; repeatable (default: several)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sets = [tuple(x for x in d.split(",") if x and x != "none") for d in (args.draft or
+            ["heads", "lookup", "recycle", "heads,lookup", "heads,lookup,recycle"])]
+    model = load_medusa(args.model, args.heads)
+    runtime = MedusaRuntime(model, tree=args.tree, max_context=1024, max_batch=1)
+    plain = runtime.plain()
+    cost = runtime.drafting.cost
+    results = {",".join(s) or "none": [] for s in sets}
+    for text in tqdm(_prompts(args.prompts, args.every, args.limit), desc="replay", unit="prompt"):
+        ids = runtime.codec.encode(text, chat=runtime.is_chat)[-900:]
+        out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
+        continuation = [int(t) for t in out.token_ids]
+        topk = head_topk(model, ids + continuation, runtime.tree.top_k)[:, : runtime.tree.depth_max]
+        for names in sets:
+            results[",".join(names) or "none"].append(replay(runtime, ids, continuation, topk, names, cost))
+    table = {}
+    for name, per_prompt in results.items():
+        steps = [x for s in per_prompt for x in s]
+        table[name] = {"tokens_per_step": float(np.mean(steps)), "steps": len(steps), "tokens": int(np.sum(steps))}
+        print(f"{name:28s} {table[name]['tokens_per_step']:.3f} tokens/step over {len(steps)} steps")
+    if args.out:
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": table}, indent=1))
+        tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

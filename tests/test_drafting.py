@@ -1,0 +1,202 @@
+"""Drafters and the per-step tree builder, on hand-worked cases (numpy only, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from medusa_trt.runtime.acceptance import GreedyRule, LosslessRule, TypicalRule
+from medusa_trt.runtime.drafting import (
+    DETERMINISTIC, AcceptanceStats, CostModel, Fragment, HeadsDrafter, HeadsTemplate, LookupConfig, LookupDrafter,
+    NgramIndex, RecycleConfig, RecycleDrafter, StepTree, build_tree,
+)
+from medusa_trt.runtime.acceptance import tree_walk
+from medusa_trt.runtime.sampling import SamplingParams
+from medusa_trt.runtime.tree import compile_tree
+
+FLAT = CostModel({1: 1.0, 64: 1.0})  # every tree size costs the same: the builder keeps everything
+STEEP = CostModel({1: 1.0, 2: 10.0, 64: 100.0})  # any draft costs more than it can bring
+
+
+def _stats(value: float) -> AcceptanceStats:
+    return AcceptanceStats(prior=lambda key: value)
+
+
+# ------------------------------------------------------------------ fragments and drafters
+
+
+def test_fragment_paths_share_prefixes():
+    f = Fragment.paths("lookup", [[5, 6, 7], [5, 8]], [["a", "b", "c"], ["a", "d"]])
+    assert f.tokens.tolist() == [5, 6, 7, 8]
+    assert f.parent.tolist() == [-1, 0, 1, 0]
+    assert f.keys == ("a", "b", "c", "d") and (f.draw == DETERMINISTIC).all()
+
+
+def test_ngram_index_finds_the_longest_earlier_match_incrementally():
+    index = NgramIndex(LookupConfig(max_ngram=3, occurrences=2))
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
+    # suffix [1, 2, 3] occurred at 0..2 (followed by 4, 9, ...); [2, 3] also at 5..6 (followed by 5, 1)
+    assert index.continuations(3) == [(3, [4, 9, 2]), (2, [5, 1, 2])]
+    same = NgramIndex(LookupConfig(max_ngram=3, occurrences=2))
+    for tok in [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]:  # one token at a time: the same index
+        same.extend([tok])
+    assert same.continuations(3) == index.continuations(3)
+    assert NgramIndex(LookupConfig()).continuations(4) == []
+
+
+def test_ngram_index_keeps_a_bounded_number_of_occurrences():
+    index = NgramIndex(LookupConfig(max_ngram=1, occurrences=2))
+    index.extend([7, 1, 7, 2, 7, 3, 7, 4, 7])
+    assert index.continuations(1) == [(1, [4]), (1, [3])]  # the most recent two
+    assert all(len(v) <= 3 for v in index._after.values())
+
+
+def test_lookup_drafter_follows_the_history():
+    d = LookupDrafter(LookupConfig(max_length=4), [10, 11, 12, 13, 10])
+    f = d.propose([10, 11, 12, 13, 10], max_depth=3)
+    assert f.tokens.tolist() == [11, 12, 13] and f.parent.tolist() == [-1, 0, 1]
+    assert f.keys[0] == ("lookup", 1, 1)
+    f = d.propose([10, 11, 12, 13, 10, 11], max_depth=2)  # two more matched tokens
+    assert f.tokens.tolist() == [12, 13] and f.keys[0][1] == 2
+
+
+def test_recycle_drafter_proposes_remembered_successors():
+    d = RecycleDrafter(RecycleConfig(widths=(2, 1)))
+    assert d.propose([4], max_depth=2).size == 0
+    d.observe([4], np.array([4, 5, 6]), np.array([[5, 6], [7, 8], [9, 1]]))
+    f = d.propose([9, 4], max_depth=2)
+    assert f.tokens.tolist() == [5, 7, 6, 9]  # 4 -> {5, 6}; 5 -> 7; 6 -> 9
+    assert f.parent.tolist() == [-1, 0, -1, 2]
+    assert d.propose([9, 4], max_depth=1).tokens.tolist() == [5, 6]
+
+
+def test_heads_drafter_lays_proposals_out_by_the_template():
+    tree = compile_tree([[0], [1], [0, 0]])
+    drafter = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=False)
+    drafter.proposals = np.array([[20, 21], [30, 31]])
+    f = drafter.propose([1, 2], max_depth=2)
+    assert f.tokens.tolist() == [20, 21, 30] and f.parent.tolist() == [-1, -1, 0]
+    assert f.keys == (("heads", 1, 0), ("heads", 1, 1), ("heads", 2, 0))
+    assert drafter.propose([1, 2], max_depth=1).tokens.tolist() == [20, 21]
+    sampled = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=True)
+    sampled.proposals = np.array([[20, 21], [30, 31]])
+    assert sampled.propose([1], max_depth=2).draw.tolist() == [0, 1, 2]  # head 1 draws 0, 1; head 2 draw 0
+
+
+# ------------------------------------------------------------------ the builder
+
+
+def _heads_and_lookup():
+    heads = Fragment("heads", np.array([7, 8, 9]), np.array([-1, -1, 0]), (("h", 1), ("h", 2), ("h", 3)),
+                     np.full(3, DETERMINISTIC))
+    lookup = Fragment.paths("lookup", [[7, 10, 11]], [[("l", 1), ("l", 2), ("l", 3)]])
+    return heads, lookup
+
+
+def test_builder_merges_shared_prefixes_into_one_trie():
+    heads, lookup = _heads_and_lookup()
+    tree = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=FLAT)  # candidates enter in drafter order
+    # root 5; depth 1: 7 (heads + lookup), 8; depth 2: 9 (heads under 7), 10 (lookup under 7); depth 3: 11
+    assert tree.tokens.tolist() == [5, 7, 8, 9, 10, 11]
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 1, 4]
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 3]
+    assert tree.sources[1] == ("heads", "lookup") and tree.sources[4] == ("lookup",)
+    assert tree.children[0] == (1, 2) and tree.children[1] == (3, 4)
+    np.testing.assert_allclose(tree.score, [1, 0.75, 0.5, 0.375, 0.375, 0.1875])  # noisy-or for the shared node
+    mask = tree.mask()
+    assert mask[5].tolist() == [True, True, False, False, True, True]
+    assert mask.sum() == 6 + 5 + 4  # each node sees itself and its ancestors
+    assert tree.path(5) == [0, 1, 4, 5]
+
+
+def test_builder_budget_follows_the_cost_model():
+    heads, lookup = _heads_and_lookup()
+    assert build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=STEEP).num_nodes == 1
+    capped = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=3, cost=FLAT)
+    assert capped.tokens.tolist() == [5, 7, 8]  # the two best nodes (0.75, 0.5)
+    linear = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4, 6: 1.5, 64: 10})
+    tree = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=linear)
+    # gains 1.75, 2.25, 2.625, 3.0, 3.19 over costs 1.1..1.5: 3.0 / 1.4 is the best ratio (4 drafted nodes)
+    assert tree.num_nodes == 5 and sorted(tree.tokens.tolist()) == [5, 7, 8, 9, 10]
+
+
+def test_builder_keeps_sampled_head_draws_first_among_siblings():
+    heads = Fragment("heads", np.array([7, 8]), np.array([-1, -1]), (("h", 1), ("h", 1)), np.array([0, 1]))
+    lookup = Fragment.paths("lookup", [[3]], [[("l", 1)]])
+    tree = build_tree(5, [lookup, heads], _stats(0.3), max_nodes=64, cost=FLAT)
+    assert tree.tokens.tolist() == [5, 7, 8, 3] and tree.draw.tolist() == [-1, 0, 1, -1]
+
+
+def test_stats_learn_from_what_was_tested():
+    stats = AcceptanceStats(prior=lambda key: 0.5, weight=2)
+    assert stats.estimate(("x",)) == 0.5
+    stats.update(("x",), True)
+    stats.update(("x",), True)
+    assert stats.estimate(("x",)) == pytest.approx(3 / 4)
+
+
+# ------------------------------------------------------------------ rules on step trees
+
+
+def _tree():
+    heads, lookup = _heads_and_lookup()
+    return build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=FLAT)  # tokens [5, 7, 8, 9, 10, 11]
+
+
+def test_greedy_walks_the_matching_children():
+    tree = _tree()
+    argmax = np.array([7, 10, 0, 0, 11, 42])  # root -> 7 -> 10 -> 11, then the bonus 42
+    v = GreedyRule().accept(tree, argmax, None, None)
+    assert v.path == [0, 1, 4, 5] and v.bonus == 42
+    v = GreedyRule().accept(tree, np.array([3, 0, 0, 0, 0, 0]), None, None)
+    assert v.path == [0] and v.bonus == 3
+    assert GreedyRule().accept(StepTree.chain(5), np.array([6]), None, None).path == [0]
+
+
+class _Uniforms:
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+class _Seq:
+    def __init__(self, rng, params=SamplingParams(temperature=1.0)):
+        self.rng, self.params = rng, params
+        self.proposals = np.array([[1, 2]])
+        self.drafts_q = np.array([[0.1, 0.6, 0.3, 0.0]])
+
+
+def test_lossless_mixes_sampled_and_point_mass_siblings():
+    # root (token 9): head-1 draws 1 (q = .6) then 2 (q without 1 = .3/.4 = .75); a lookup draft 3 (point mass)
+    tree = StepTree(np.array([9, 1, 2, 3]), np.array([-1, 0, 0, 0]), np.array([0, 1, 1, 1]), np.array([-1, 0, 1, -1]),
+                    ((), ("h",), ("h",), ("l",)), ((), ("heads",), ("heads",), ("lookup",)), ((1, 2, 3), (), (), ()),
+                    np.ones(4))
+    p = np.array([0.1, 0.2, 0.3, 0.4])
+    probs = lambda node: p.copy()  # noqa: E731
+    # draw 1: u * .6 < .2 needs u < 1/3: reject at .5; residual max(0, p - q) = [0, 0, 0, .4] -> [0, 0, 0, 1]
+    # draw 2: q2 = q without draw 1 = [.25, 0, .75, 0]; residual(2) = 0: rejected; residual stays [0, 0, 0, 1]
+    # point mass 3: u * 1 < 1: accepted
+    seq = _Seq(_Uniforms(0.5, 0.6, 0.99, 0.0))  # the last: the bonus after the leaf
+    v = LosslessRule().accept(tree, None, probs, seq)
+    assert v.path == [0, 3] and seq.rng.values == []
+    # p = [.1, .2, .5, .2]: draw 1 rejected, residual [0, 0, .5, .5]; draw 2: u * .75 < .5 for u = .5: accepted
+    p2 = np.array([0.1, 0.2, 0.5, 0.2])
+    seq = _Seq(_Uniforms(0.5, 0.5, 0.0))
+    assert LosslessRule().accept(tree, None, lambda node: p2.copy(), seq).path == [0, 2]
+    # all rejected: a point mass on a token of zero residual mass is rejected; bonus from the residual
+    p = np.array([0.5, 0.5, 0.0, 0.0])
+    seq = _Seq(_Uniforms(0.99, 0.99, 0.0, 0.0))
+    v = LosslessRule().accept(tree, None, lambda node: p.copy(), seq)
+    assert v.path == [0] and v.bonus == 0  # residual after draw 1: [.4, 0, 0, 0] normalised -> 0
+
+
+def test_typical_on_a_step_tree_takes_the_longest_plausible_path():
+    tree = _tree()  # tokens [5, 7, 8, 9, 10, 11]
+    peaked = np.full(12, 1e-3)
+    peaked[[7, 10, 11]] = 1.0
+    peaked /= peaked.sum()
+    seq = _Seq(_Uniforms(0.0), SamplingParams(temperature=1.0, acceptance="typical"))
+    v = TypicalRule().accept(tree, None, lambda node: peaked, seq)
+    assert v.path == [0, 1, 4, 5]
