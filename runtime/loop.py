@@ -211,8 +211,8 @@ class Scheduler:
         rows, chunk = self.rows, self.rt.config.prefill_chunk
         prefill = {b: min(chunk, len(s.prompt) - s.prefilled) for b, s in enumerate(rows) if s is not None and s.prefilled < len(s.prompt)}
         decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
-        trees = {b: self._tree(rows[b]) for b in decode}
         batch = len(rows)
+        trees = {b: self._tree(rows[b], batch) for b in decode}
         width = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
         ids = np.zeros((batch, width), dtype=np.int64)  # (B, W)
         positions = np.zeros((batch, width), dtype=np.int64)  # (B, W)
@@ -231,7 +231,7 @@ class Scheduler:
             mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
         return StepPlan(ids, positions, mask, lengths, trees, prefill, started)
 
-    def _tree(self, s: Seq) -> StepTree:
+    def _tree(self, s: Seq, rows: int) -> StepTree:
         """Draft: the sequence's drafters' candidates merged under the step's budget."""
         depth = min(self._room(s), self.rt.drafting.max_depth)
         if depth == 0 or not s.drafters:
@@ -239,7 +239,8 @@ class Scheduler:
         if s.heads is not None:
             s.heads.proposals = s.proposals
         fragments = [d.propose(s.history, depth) for d in s.drafters]
-        return build_tree(s.root, fragments, s.accept_stats, max_nodes=self.rt.drafting.max_nodes, cost=self.rt.drafting.cost)
+        return build_tree(s.root, fragments, s.accept_stats, max_nodes=self.rt.drafting.max_nodes, cost=self.rt.drafting.cost,
+                          rows=rows)
 
     def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
         """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""
@@ -308,6 +309,8 @@ class Scheduler:
             for d in s.drafters:
                 d.observe(s.history, *scored)
         host = time.perf_counter() - plan.started - verify - heads
+        if verdicts and not plan.prefill:  # a pure decode step: what its width cost, heads call included
+            self.rt.drafting.cost.observe(batch, width, verify + heads)
         for s, event in events:
             s.stats.host_seconds += host
             if s.finish_reason is not None:

@@ -99,7 +99,8 @@ class MedusaRuntime:
         heads = bool(self.num_heads and tree.depth_max)
         if names is None:
             names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
-        config = DraftingConfig() if self.config.step_cost is None else DraftingConfig(cost=CostModel(dict(self.config.step_cost)))
+        config = DraftingConfig() if self.config.step_cost is None else \
+            DraftingConfig(cost=CostModel(dict(self.config.step_cost)), learn_cost=False)
         return Drafting(tuple(names), HeadsTemplate(tree, tree_walk(tree)) if heads else None, config,
                         engine_max_nodes=self.backend.max_tokens)
 

@@ -99,3 +99,31 @@ def test_smollm2(smollm2_base, smollm2_heads, export_engine, backend, tree, batc
 @pytest.fixture(scope="module")
 def smollm2_heads(smollm2_base):
     return random_heads(smollm2_base, shared=True)
+
+
+DRAFTER_SETS = {"all": None, "heads": ("heads",), "lookup": ("lookup",), "recycle": ("recycle",), "none": ()}
+REPEATS = [  # prompts whose n-grams recur, so lookup fires; the model continues them its own way, so some drafts are wrong
+    "Tom had a red ball. Tom had a red ball. Tom had a",
+    "One, two, three. One, two, three. One, two,",
+    "The dog ran to the park. The cat ran to the",
+    "Lily said hello. Ben said hello. Mom said",
+]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("drafters", list(DRAFTER_SETS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_drafter_set_is_greedy_identical(stories_base, stories_fitted, export_engine, backend, drafters, batch):
+    """Heads, retrieval and recycled drafts, alone, together or none: the same tokens as transformers."""
+    engine = _engine(backend, export_engine, "stories-fitted", medusa_model(stories_base, stories_fitted))
+    runtime = MedusaRuntime(engine, tree=CUSTOM_TREE, max_batch=batch, max_context=256, drafters=DRAFTER_SETS[drafters])
+    prompts = [stories_base.tokenizer(p)["input_ids"] for p in REPEATS][:batch] if batch > 1 else \
+        [stories_base.tokenizer(REPEATS[0])["input_ids"]]
+    results = runtime.generate(prompts, max_new_tokens=40)
+    for prompt, result in zip(prompts, results):
+        assert_greedy_identical(stories_base, prompt, result.token_ids, 40, stories_base.eos_token_ids)
+    accepted = [a for r in results for a in r.stats.accepted_per_step]
+    if drafters == "none":
+        assert set(accepted) == {1}
+    elif drafters in ("lookup", "all"):
+        assert max(accepted) >= 3, f"{drafters}: drafts never landed on repetitive prompts ({accepted})"

@@ -211,11 +211,22 @@ def test_small_step_engine_runs_with_the_default_prefill_chunk(export_engine, st
 # ---------------------------------------------------------------- engine files
 
 
-def _copy_engine(engine, folder):
+def _copy_engine(engine, folder, *, manifest: bool = False):
+    """A copy of the engine's files; without its manifest (as an engine exported before manifests,
+    or assembled by hand) unless asked, so the checks behind the manifest's are reached."""
     folder.mkdir()
     for p in engine.parent.iterdir():
+        if p.name.endswith(".files.json") and not manifest:
+            continue
         (shutil.copytree if p.is_dir() else shutil.copy2)(p, folder / p.name)
     return folder / engine.name
+
+
+def test_the_manifest_names_a_replaced_file_first(engine, tmp_path):
+    path = _copy_engine(engine, tmp_path / "engine", manifest=True)
+    (path.with_suffix(".tokenizer") / "tokenizer.json").write_text("{}")
+    with pytest.raises(EngineError, match=r"tokenizer\.json has 2 bytes but the export wrote"):
+        MedusaRuntime(path)
 
 
 @pytest.mark.parametrize("damage,message", [

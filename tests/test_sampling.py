@@ -193,8 +193,8 @@ def exact_joint(base, params: SamplingParams) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_counts(model, tree, params: SamplingParams) -> tuple[np.ndarray, float]:
-    runtime = MedusaRuntime(model, tree=tree, max_batch=2000, max_context=16)
+def sampled_counts(model, tree, params: SamplingParams, drafters=None) -> tuple[np.ndarray, float]:
+    runtime = MedusaRuntime(model, tree=tree, max_batch=2000, max_context=16, drafters=drafters)
     results = runtime.generate([PROMPT] * SAMPLES, max_new_tokens=3, sampling=[
         SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(SAMPLES)])
     counts = np.zeros((VOCAB,) * 3)
@@ -231,6 +231,7 @@ CASES = [
 
 @pytest.mark.parametrize("tree, params", CASES)
 def test_lossless_sampling_has_the_base_distribution(tiny8, tree, params):
+    """Every drafter at once (the default): sampled head draws and point-mass drafts among siblings."""
     base, model = tiny8
     probs = exact_joint(base, params)
     counts, mean_accepted = sampled_counts(model, tree, params)
@@ -241,20 +242,38 @@ def test_lossless_sampling_has_the_base_distribution(tiny8, tree, params):
     assert mean_accepted > 1.1, f"the heads never got a draft accepted ({mean_accepted:.2f} tokens/step): the test would not test drafting"
 
 
+@pytest.mark.parametrize("drafters, params", [
+    pytest.param(("lookup",), SamplingParams(temperature=0.7, top_p=0.9), id="lookup-t0.7-top_p0.9"),
+    pytest.param(("recycle",), SamplingParams(temperature=1.0, top_p=0.95), id="recycle-t1.0-top_p0.95"),
+    pytest.param(("heads", "lookup"), SamplingParams(temperature=1.0, top_p=0.95), id="heads+lookup-t1.0-top_p0.95"),
+])
+def test_lossless_sampling_with_deterministic_drafts_has_the_base_distribution(tiny8, drafters, params):
+    """Retrieved and recycled drafts are point masses: exact alone and mixed with sampled head draws.
+    An 8-token vocabulary makes the prompt's n-grams recur, so lookup fires on most steps."""
+    base, model = tiny8
+    counts, mean_accepted = sampled_counts(model, BRANCHING, params, drafters=drafters)
+    stat, quantile, impossible = chi_square(counts, exact_joint(base, params))
+    assert not impossible, impossible
+    assert stat < quantile, f"{drafters}: chi-square {stat:.1f} >= {quantile:.1f} (alpha {ALPHA})"
+    assert mean_accepted > 1.1, f"{drafters} never got a draft accepted ({mean_accepted:.2f} tokens/step)"
+
+
 def test_plain_sampling_has_the_base_distribution(tiny8):
     base, model = tiny8
     params = SamplingParams(temperature=1.0, top_p=0.9)
-    counts, _ = sampled_counts(model, "chain-0", params)
+    counts, steps = sampled_counts(model, "chain-0", params, drafters=())
+    assert steps == 1.0
     stat, quantile, impossible = chi_square(counts, exact_joint(base, params))
     assert not impossible and stat < quantile, (stat, quantile, impossible)
 
 
-def test_a_wrong_rule_fails_the_same_test(tiny8, monkeypatch):
-    """Test of the test: always accepting the draft gives the heads' distribution, not the base's."""
+@pytest.mark.parametrize("drafters", [("heads",), ("lookup",)])
+def test_a_wrong_rule_fails_the_same_test(tiny8, monkeypatch, drafters):
+    """Test of the test: always accepting the draft gives the drafts' distribution, not the base's."""
     base, model = tiny8
     params = SamplingParams(temperature=0.7, top_p=0.9)
     monkeypatch.setattr(acceptance, "accepts", lambda u, p_x, q_x: True)
-    counts, _ = sampled_counts(model, BRANCHING, params)
+    counts, _ = sampled_counts(model, BRANCHING, params, drafters=drafters)
     stat, quantile, impossible = chi_square(counts, exact_joint(base, params))
     assert impossible or stat > 10 * quantile, f"always-accept passed: chi-square {stat:.1f} vs {quantile:.1f}"
 

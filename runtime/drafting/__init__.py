@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medusa_trt.runtime.drafting.base import DETERMINISTIC, Drafter, Fragment
-from medusa_trt.runtime.drafting.builder import CostModel, StepTree, build_tree
+from medusa_trt.runtime.drafting.builder import CostModel, OnlineCost, StepTree, build_tree
 from medusa_trt.runtime.drafting.heads import HeadsDrafter, HeadsTemplate
 from medusa_trt.runtime.drafting.lookup import LookupConfig, LookupDrafter, NgramIndex
 from medusa_trt.runtime.drafting.recycle import RecycleConfig, RecycleDrafter
@@ -26,7 +26,8 @@ class DraftingConfig:
     recycle: RecycleConfig = RecycleConfig()
     max_depth: int = 8  # deepest draft (the heads stop at their own depth)
     max_nodes: int = 64  # largest tree, root included (the engine's tokens per step caps it too)
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel = field(default_factory=CostModel)  # the prior (or, with learn_cost False, the fixed) step cost
+    learn_cost: bool = True  # fit the real step cost online (OnlineCost) and prefer it to the table once it has data
 
 
 class Drafting:
@@ -40,7 +41,8 @@ class Drafting:
             raise MedusaError("drafter 'heads' needs Medusa heads and a tree deeper than chain-0: this engine or tree has none; "
                               "draft with lookup,recycle")
         self.names = tuple(n for n in DRAFTERS if n in names)
-        self.template, self.config, self.cost = template, config, config.cost
+        self.template, self.config = template, config
+        self.cost = OnlineCost(config.cost) if config.learn_cost else config.cost  # learns this engine's real step cost
         self.max_nodes = min(config.max_nodes, engine_max_nodes or config.max_nodes)
         depth = config.max_depth
         if self.names == ("heads",):
@@ -60,5 +62,5 @@ _FACTORIES = {
 
 
 __all__ = ["DETERMINISTIC", "DRAFTERS", "AcceptanceStats", "CostModel", "Drafter", "Drafting", "DraftingConfig", "Fragment",
-           "HeadsDrafter", "HeadsTemplate", "LookupConfig", "LookupDrafter", "NgramIndex", "RecycleConfig", "RecycleDrafter",
+           "HeadsDrafter", "HeadsTemplate", "LookupConfig", "OnlineCost", "LookupDrafter", "NgramIndex", "RecycleConfig", "RecycleDrafter",
            "StepTree", "build_tree"]

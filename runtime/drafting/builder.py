@@ -33,12 +33,44 @@ class CostModel:
         object.__setattr__(self, "_x", np.array(sizes, dtype=np.float64))
         object.__setattr__(self, "_y", np.array([self.table[s] for s in sizes], dtype=np.float64))
 
-    def cost(self, tokens: np.ndarray) -> np.ndarray:
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A fixed table learns nothing (``OnlineCost`` does)."""
+
+    def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
         """Relative cost of steps of ``tokens`` tokens (linear between measured sizes, and beyond them)."""
         x, y = self._x, self._y
         t = np.asarray(tokens, dtype=np.float64)
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
         return np.where(t <= x[-1], np.interp(t, x, y), y[-1] + (t - x[-1]) * slope)
+
+
+class OnlineCost:
+    """The step cost as this engine on this machine actually pays it: a least-squares line
+    t(W) = a + b * W through the last ``window`` steps' (width, seconds), kept per row count B
+    (seconds include the heads call, a fixed cost per step). Until a row count has ``min_samples``
+    steps over at least three widths, the prior table answers."""
+
+    def __init__(self, prior: CostModel, *, window: int = 128, min_samples: int = 16):
+        self.prior, self.window, self.min_samples = prior, window, min_samples
+        self._samples: dict[int, list[tuple[int, float]]] = {}
+        self._fit: dict[int, tuple[float, float]] = {}
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        samples = self._samples.setdefault(rows, [])
+        samples.append((width, seconds))
+        if len(samples) > self.window:
+            del samples[0]
+        if len(samples) >= self.min_samples and len({w for w, _ in samples}) >= 3:
+            w, t = np.array(samples, dtype=np.float64).T
+            b, a = np.polyfit(w, t, 1)
+            self._fit[rows] = (max(a, 1e-6), max(b, 0.0))
+
+    def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
+        fit = self._fit.get(rows)
+        if fit is None:
+            return self.prior.cost(tokens)
+        a, b = fit
+        return a + b * np.asarray(tokens, dtype=np.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,9 +113,9 @@ class StepTree:
                    np.full(1, DETERMINISTIC, dtype=np.int64), ((),), ((),), ((),), np.ones(1))
 
 
-def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, max_nodes: int, cost: CostModel) -> StepTree:
+def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, max_nodes: int, cost, rows: int = 1) -> StepTree:
     """One row's tree from the drafters' fragments (see the module doc); ``max_nodes`` caps the
-    tree (root included). The budget is chosen per row against the single-row cost table."""
+    tree (root included). ``cost`` is a ``CostModel`` or an ``OnlineCost`` (asked for ``rows`` rows)."""
     fragments = sorted(fragments, key=lambda f: not (f.draw >= 0).any())  # sampled drafts first: they keep their own nodes
     tokens, parent, depth, draw = [int(root)], [-1], [0], [DETERMINISTIC]
     keys: list[list] = [[]]
@@ -123,8 +155,9 @@ def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, 
     n = 0
     if limit > 0:
         sizes = np.arange(1, limit + 1)
-        value = gain[:limit] / cost.cost(sizes + 1)
-        n = int(sizes[np.argmax(value)]) if value.max() > 1.0 / cost.cost(np.array([1]))[0] else 0
+        costs = cost.cost(np.arange(1, limit + 2), rows)  # (limit + 1,) for 1 .. limit + 1 tokens
+        value = gain[:limit] / costs[1:]
+        n = int(sizes[np.argmax(value)]) if value.max() > 1.0 / costs[0] else 0
     chosen = np.sort(np.concatenate([[0], order[:n]]))
     chosen = chosen[np.lexsort((chosen, depth_arr[chosen]))]  # by depth, then insertion order (siblings in test order)
     new = np.full(count, -1, dtype=np.int64)
