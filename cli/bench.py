@@ -274,6 +274,15 @@ def run_bench(args) -> dict:
     first = next(iter(engines[0][2].values()))[0]
     meta = first.backend.meta
     ids = [first.codec.encode(p, chat=first.is_chat) for p in prompts]
+    room = min(rt.max_context for _, _, v in engines for rt, _ in v.values()) - args.max_new_tokens
+    fits = [i for i, x in enumerate(ids) if len(x) <= room]
+    if len(fits) < len(ids):
+        log.warning("skipping %d of %d prompts longer than %d tokens (the engine's context less --max-new-tokens)",
+                    len(ids) - len(fits), len(ids), room)
+        prompts, ids = [prompts[i] for i in fits], [ids[i] for i in fits]
+    if not ids:
+        raise MedusaError(f"no prompt fits the engine's context with --max-new-tokens {args.max_new_tokens}: "
+                          "export with a larger --max-context or lower --max-new-tokens")
     eos = sorted(first.eos)
     hf = None if args.no_hf else _hf_model(args.model or meta.model, args.threads)
     rows: dict[str, _Row] = {}

@@ -94,6 +94,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
+    decoded: tuple[int, int] = (0, 0)  # incremental detokenization: (prefix, read) offsets into tokens
     sent: str = ""  # text already streamed
     stats: GenerationStats = None  # type: ignore[assignment]
     cancelled: bool = False  # set from any thread; honoured between steps
@@ -360,7 +361,7 @@ class Scheduler:
         s.tokens.extend(int(t) for t in new)
         s.history.extend(int(t) for t in new)
         searched = max(len(s.text) - _longest(s.stops) + 1, 0)  # earlier text was searched last step
-        s.text = codec.decode(s.tokens)
+        s.text += _decode_tail(codec, s, final=False)
         cut = _first_stop(s.text, s.stops, searched)
         if cut is not None:
             s.finish_reason = "stop"
@@ -369,6 +370,8 @@ class Scheduler:
             s.text = s.text[:cut]
         if s.finish_reason is None and (len(s.tokens) >= s.max_new_tokens or s.length + 1 >= self.rt.max_context):
             s.finish_reason = "length"
+        if s.finish_reason is not None and cut is None:
+            s.text += _decode_tail(codec, s, final=True)  # an incomplete character at the very end, as decode() gives it
         s.stats.new_tokens = len(s.tokens)
         end = len(s.text) if s.finish_reason else _safe_end(s.text, s.stops)
         delta = s.text[len(s.sent) : end]
@@ -415,6 +418,20 @@ def request_limits(max_new_tokens: int, stop: str | list[str] | tuple[str, ...] 
         except UnicodeEncodeError as exc:
             raise PromptError(f"stop string {s!r} is not valid UTF-8 text: pass UTF-8 text") from exc
     return stops
+
+
+def _decode_tail(codec, s: Seq, *, final: bool) -> str:
+    """Text the newest tokens add, decoding only a short window (per-step cost flat in the output
+    length): decode(tokens[prefix:]) minus decode(tokens[prefix:read]), where the tokens before
+    ``read`` are already in the text and ``prefix`` gives the decoder their context (spaces,
+    merges). Held back while it ends in an incomplete multi-byte character, unless ``final``."""
+    prefix, read = s.decoded
+    before = codec.decode(s.tokens[prefix:read]) if read > prefix else ""
+    after = codec.decode(s.tokens[prefix:])
+    if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        return ""
+    s.decoded = (read, len(s.tokens))
+    return after[len(before):]
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

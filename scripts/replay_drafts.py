@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from medusa_trt.exporter import load_medusa
 from medusa_trt.runtime import MedusaRuntime
-from medusa_trt.runtime.drafting import CostModel, build_tree
+from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, build_tree
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 
 log = logging.getLogger("replay_drafts")
@@ -54,9 +54,11 @@ def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
 
 
 def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],
-           cost: CostModel) -> list[int]:
-    """Tokens emitted per step when drafting with ``names`` along the true continuation."""
+           cost: CostModel, config: DraftingConfig | None = None) -> list[int]:
+    """Tokens emitted per step when drafting with ``names`` (and ``config``) along the true continuation."""
     drafting = runtime.with_drafters(names).drafting
+    if config is not None:
+        drafting = Drafting(drafting.names, drafting.template, config, engine_max_nodes=drafting.max_nodes)
     history = list(prompt) + continuation[:1]
     drafters = drafting.make(list(prompt), sampled=False)
     heads = next((d for d in drafters if d.name == "heads"), None)
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft", action="append", help="comma-separated drafter set; repeatable (default: several)")
     p.add_argument("--out", type=Path)
+    p.add_argument("--cache", type=Path, help="keep the greedy outputs and head top-k here (.npz) and reuse them on the next run")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sets = [tuple(x for x in d.split(",") if x and x != "none") for d in (args.draft or
@@ -113,13 +116,24 @@ def main(argv=None) -> int:
     plain = runtime.plain()
     cost = runtime.drafting.cost
     results = {",".join(s) or "none": [] for s in sets}
-    for text in tqdm(_prompts(args.prompts, args.every, args.limit), desc="replay", unit="prompt"):
-        ids = runtime.codec.encode(text, chat=runtime.is_chat)[-900:]
-        out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
-        continuation = [int(t) for t in out.token_ids]
-        topk = head_topk(model, ids + continuation, runtime.tree.top_k)[:, : runtime.tree.depth_max]
+    cached = dict(np.load(args.cache, allow_pickle=True)) if args.cache and args.cache.is_file() else {}
+    saved = {}
+    for i, text in enumerate(tqdm(_prompts(args.prompts, args.every, args.limit), desc="replay", unit="prompt")):
+        if f"ids{i}" in cached:
+            ids, continuation, topk = (cached[f"{k}{i}"] for k in ("ids", "cont", "topk"))
+            ids, continuation = ids.tolist(), continuation.tolist()
+        else:
+            ids = runtime.codec.encode(text, chat=runtime.is_chat)
+            if len(ids) + args.max_new_tokens > 1024:
+                continue  # the runtime's context (the benchmark skips these too)
+            out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
+            continuation = [int(t) for t in out.token_ids]
+            topk = head_topk(model, ids + continuation, runtime.tree.top_k)[:, : runtime.tree.depth_max]
+        saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk}
         for names in sets:
             results[",".join(names) or "none"].append(replay(runtime, ids, continuation, topk, names, cost))
+    if args.cache and not cached:
+        np.savez(args.cache, **saved)
     table = {}
     for name, per_prompt in results.items():
         steps = [x for s in per_prompt for x in s]

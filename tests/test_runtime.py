@@ -259,3 +259,71 @@ def test_plain_decoding_never_runs_the_heads(stories_base, stories_prompts):
     result = runtime.generate(stories_prompts[:2], max_new_tokens=8)
     assert calls == [] and all(len(r.token_ids) == 8 for r in result)
     assert all(r.stats.heads_seconds == 0.0 for r in result)
+
+
+class _PermutationEngine:
+    """An engine double for host-cost measurements: the 'model' maps each token to a fixed
+    successor (a random permutation of the vocabulary), at no compute cost, so what is timed is
+    the host's work alone. Outputs cycle, so retrieval fires on most steps."""
+
+    name, max_tokens = "permutation", None
+
+    def __init__(self, vocab: int, max_batch: int, max_context: int):
+        import numpy as np
+
+        self.max_batch, self.max_context = max_batch, max_context
+        self.successor = np.random.default_rng(0).permutation(vocab)
+
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+        from medusa_trt.runtime.contract import StepOutput
+
+        return StepOutput(self.successor[input_ids], None, None)
+
+    def commit(self, nodes, counts, cache_lengths):
+        pass
+
+    def relayout(self, rows, old_batch, new_batch, slots):
+        pass
+
+
+@pytest.mark.parametrize("drafters", [(), ("lookup", "recycle")])
+def test_host_cost_per_step_stays_flat_over_a_long_generation(stories_base, monkeypatch, drafters):
+    """4,000 tokens through the stories260K tokenizer with every host stage real (drafting, tree,
+    acceptance, incremental detokenization, stop search): the host's time per emitted token must
+    not grow with the output; the last 500 steps' median within 1.5x of the first 500's. The engine is a
+    zero-cost double (``_PermutationEngine``) so that only host work is timed."""
+    import time
+
+    import numpy as np
+
+    from medusa_trt.runtime.loop import Scheduler
+
+    runtime = MedusaRuntime(medusa_model(stories_base, random_heads(stories_base, 2)), tree="chain-2", max_context=256,
+                            max_batch=1, drafters=drafters)
+    runtime.backend = _PermutationEngine(stories_base.model.config.vocab_size, 1, 4200)
+    runtime.max_context = 4200
+    runtime.eos = frozenset()  # the permutation would reach EOS: 4,000 tokens are wanted
+    spent: list[float] = []
+    for name in ("_draft", "_accept", "_commit"):
+        real = getattr(Scheduler, name)
+
+        def timed(self, *args, _real=real, _name=name, **kwargs):
+            tick = time.perf_counter()
+            out = _real(self, *args, **kwargs)
+            if _name == "_commit":
+                out = list(out)  # a generator: its work happens as it is consumed
+            if _name == "_draft":
+                spent.append(0.0)
+            spent[-1] += time.perf_counter() - tick
+            return iter(out) if _name == "_commit" else out
+
+        monkeypatch.setattr(Scheduler, name, timed)
+    result = runtime.generate([1, 5, 9], max_new_tokens=4000, stop=["never appears in a story"])
+    assert len(result.token_ids) == 4000, result.finish_reason
+    accepted = np.array(result.stats.accepted_per_step)
+    # per emitted token: a step's work follows its tree (retrieval drafts more once the text cycles), not the text's length
+    per_token = np.array(spent[1:]) / accepted  # the first entry is the prefill
+    first, last = np.median(per_token[:500]), np.median(per_token[-500:])
+    assert last < 1.5 * first, f"host time per token grew from {first * 1e3:.3f} ms to {last * 1e3:.3f} ms"
+    if drafters:
+        assert accepted.max() > 2  # retrieval drafted and landed
