@@ -94,6 +94,10 @@ def _export(args) -> int:
         if args.untrained_heads is not None and args.untrained_heads < 0:
             raise ExportError(f"--untrained-heads {args.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
 
+        if args.triton_repo:  # before the export's minutes, not after
+            from medusa_trt.exporter.triton_repo import check_repo_path
+
+            check_repo_path(args.triton_repo)
         out = Path(args.out)
         trt_config = TensorRTConfig(plan=out, timing_cache=args.timing_cache) if out.suffix == ".plan" else None
         onnx_out = onnx_beside(out) if trt_config else out

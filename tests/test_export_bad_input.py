@@ -68,6 +68,7 @@ CASES = {
     "opset too old": (["--opset", "5"], "--opset 5 is not supported: use 18..23"),
     "opset unknown": (["--opset", "99"], "--opset 99 is not supported"),
     "tree larger than max-tokens": (["--untrained-heads", "2", "--tree", "chain-2", "--max-tokens", "2"], "--max-tokens is 2"),
+    "triton repo under a missing folder": (["--triton-repo", "/nonexistent/deep/repo"], "its parent folder /nonexistent/deep does not exist"),
 }
 
 
@@ -103,7 +104,7 @@ def test_small_max_tokens_engine_is_verified_and_runs(tmp_path, capsys):
     assert code == 0, err
     assert "verified against torch" in stdout
     assert read_meta(out).max_tokens == 4
-    result = MedusaRuntime(out, prefill_chunk=4).generate("Once upon a time there was", max_new_tokens=10)
+    result = MedusaRuntime(out).generate("Once upon a time there was", max_new_tokens=10)  # the default chunk fits: min(64, 4)
     assert len(result.token_ids) == 10
 
 
