@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="onnx", choices=["onnx", "plugin"],
                    help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)")
     p.add_argument("--opset", type=int, default=23)
+    p.add_argument("--successors", type=int, default=DEFAULT_SUCCESSORS,
+                   help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
     p.add_argument("--quantize", choices=["int8", "heads-int8"],
                    help="ONNX Runtime int8: int8 = dynamic int8 on every weight matmul (faster, output differs from fp32 "
                         "and a row's output depends on its batch); heads-int8 = the heads graph only, one activation scale per row "
@@ -107,7 +110,8 @@ def _export(args) -> int:
             raise ExportError(f"--quantize {args.quantize} makes ONNX Runtime's dynamic int8 graph, which TensorRT does not build: drop it for a .plan")
         check_output_path(onnx_out)
         config = ExportConfig(out=onnx_out, tree=args.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
-                              dtype=args.dtype, opset=args.opset, quantize=args.quantize, verify=not args.no_verify, attention=args.attention)
+                              dtype=args.dtype, opset=args.opset, quantize=args.quantize, verify=not args.no_verify, attention=args.attention,
+                              successors=args.successors)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

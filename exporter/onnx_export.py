@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
-from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
@@ -75,8 +75,11 @@ class ExportConfig:
     quantize: str | None = None  # None | "int8": dynamic int8 weight matmuls | "heads-int8": the heads graph only (lossless)
     verify: bool = True  # checker + ONNX Runtime vs torch after export
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
+    successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
 
     def __post_init__(self):
+        if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
+            raise ExportError(f"--successors {self.successors} is out of range: pass 0 (no output) to 64")
         if Path(self.out).suffix != ".onnx":
             raise ExportError(f"--out {self.out} must end in .onnx")
         if self.attention not in ATTENTION_FORMS:
@@ -126,6 +129,19 @@ def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int) -> t
     )
 
 
+class _WithSuccessors(torch.nn.Module):
+    """The step graph plus ``next_topk`` (B, T, k): the base model's top-k after every node, which
+    the recycle drafter learns from, so greedy decoding never needs the logits on the host."""
+
+    def __init__(self, model: MedusaModel, k: int):
+        super().__init__()
+        self.model, self.k = model, k
+
+    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value):  # the step contract's inputs
+        logits, hidden, next_ids, new_key, new_value = self.model(input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value)
+        return logits, hidden, next_ids, new_key, new_value, logits.topk(self.k, dim=-1).indices
+
+
 def _export_step(model: MedusaModel, config: ExportConfig):
     """``config.max_context`` is resolved (an int) here."""
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
@@ -141,10 +157,12 @@ def _export_step(model: MedusaModel, config: ExportConfig):
 
         table = onnx_translation_table()
     previous, model.attention_form = model.attention_form, config.attention
+    k = min(config.successors, model.vocab_size)
+    graph, names = (_WithSuccessors(model, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (model, list(STEP_OUTPUTS))
     try:
         return torch.onnx.export(
-            model, _example_inputs(model, 2, 3, min(5, config.max_context)), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
-            input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False, custom_translation_table=table,
+            graph, _example_inputs(model, 2, 3, min(5, config.max_context)), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
+            input_names=list(STEP_INPUTS), output_names=names, verbose=False, custom_translation_table=table,
         )
     finally:
         model.attention_form = previous
@@ -170,6 +188,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
         is_chat=bool(model.is_chat), quantization=config.quantize or "none", attention=config.attention,
+        successors=min(config.successors, model.vocab_size),
     )
 
 

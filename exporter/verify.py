@@ -73,6 +73,12 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     tree_mask = np.broadcast_to(tree.mask, (2, t, t)).copy()
     ours, theirs = run(tree_ids, tree_pos, tree_mask, counts.astype(np.int64), past_key, past_value)
     diffs["tree logits"] = _diff(theirs["logits"], ours["logits"])
+    if "next_topk" in ours:  # the top-k ids must index the k largest logits (ties may order differently)
+        k = ours["next_topk"].shape[-1]
+        picked = np.take_along_axis(ours["logits"], ours["next_topk"], axis=-1)  # (2, T, k)
+        kth = -np.partition(-ours["logits"], k - 1, axis=-1)[..., k - 1 : k]  # (2, T, 1)
+        if not (picked >= kth - 1e-6).all():
+            raise VerificationError(f"{files.step.name}: next_topk does not hold the top-{k} logits: export again")
     diffs["tree hidden"] = _diff(theirs["hidden"], ours["hidden"])
     if model.num_heads:
         heads = ort.InferenceSession(str(files.heads), providers=["CPUExecutionProvider"])

@@ -196,6 +196,7 @@ class GreedyRule:
     name = "greedy"
     needs_logits = False  # the step's argmax is enough
     sampled_drafts = False  # heads draft their top-k
+    learnt_budget = True  # the tree may follow the cost learnt from every row: the output does not depend on the tree
 
     def accept(self, tree, argmax: np.ndarray, probs, seq) -> Verdict:
         node, path = 0, [0]
@@ -214,6 +215,7 @@ class TypicalRule:
     name = "typical"
     needs_logits = True
     sampled_drafts = False
+    learnt_budget = False  # the tree decides which uniforms a seed's generator spends: it must not depend on other rows
 
     def accept(self, tree, argmax, probs, seq) -> Verdict:
         params = seq.params
@@ -266,6 +268,7 @@ class LosslessRule:
     name = "lossless"
     needs_logits = True
     sampled_drafts = True  # heads draw without replacement from their warped distributions
+    learnt_budget = False  # as typical: the same seed, the same tokens, whatever shares the batch
 
     def accept(self, tree, argmax, probs, seq) -> Verdict:
         rng, node, path = seq.rng, 0, [0]

@@ -13,6 +13,8 @@ import numpy as np
 
 STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
 STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
+SUCCESSORS_OUTPUT = "next_topk"  # optional (B, W, k) int64: the base model's top-k after each node (engines since successors)
+DEFAULT_SUCCESSORS = 8  # its k unless medusa-export --successors says otherwise
 HEADS_INPUTS = ("hidden",)
 HEADS_OUTPUTS = ("head_topk", "head_logits")
 
@@ -22,6 +24,7 @@ class StepOutput:
     """What one verify / prefill step gives the host. Valid until the backend's next ``step``."""
 
     argmax: np.ndarray  # int64 (B, W): the base model's choice after every node, on the host
+    topk: np.ndarray | None  # int64 (B, W, k): its top-k there, best first (None: the engine has no successors output)
     _logits: Callable[[], np.ndarray]  # () -> float (B, W, V) on the host
     _rows: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, nodes) -> float (N, V) on the host
 

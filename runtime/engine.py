@@ -48,6 +48,7 @@ class EngineMeta:
     is_chat: bool
     quantization: str = "none"  # none | int8 (dynamic, weight matmuls) | heads-int8 (the heads graph only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
+    successors: int = 0  # k of the step graph's next_topk output (0: engines exported before it)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -62,7 +63,7 @@ class EngineMeta:
         if version != FORMAT_VERSION:
             raise EngineError(f"{source}: engine format version {version}, this runtime reads {FORMAT_VERSION}: export it again")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(raw) - {"quantization", "attention"}
+        missing = names - set(raw) - {"quantization", "attention", "successors"}
         if missing:
             raise EngineError(f"{source}: engine metadata lacks {sorted(missing)}: export it again")
         return cls(**{k: v for k, v in raw.items() if k in names})

@@ -240,8 +240,9 @@ class Scheduler:
         if s.heads is not None:
             s.heads.proposals = s.proposals
         fragments = [d.propose(s.history, depth) for d in s.drafters]
-        return build_tree(s.root, fragments, s.accept_stats, max_nodes=self.rt.drafting.max_nodes, cost=self.rt.drafting.cost,
-                          rows=rows)
+        drafting = self.rt.drafting
+        cost = drafting.cost if s.rule.learnt_budget else drafting.config.cost  # sampled rows: the fixed table, never their neighbours
+        return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=cost, rows=rows)
 
     def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
         """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""
@@ -305,8 +306,9 @@ class Scheduler:
             s = rows[b]
             events.append((s, self._emit(s, tokens_b, counting=b in verdicts)))
             tree = plan.trees.get(b)
-            scored = (tree.tokens, argmax[b, : tree.num_nodes, None]) if tree is not None else \
-                (plan.ids[b, : plan.prefill[b]], argmax[b, : plan.prefill[b], None])
+            n = tree.num_nodes if tree is not None else plan.prefill[b]
+            nxt = out.topk[b, :n] if out.topk is not None else argmax[b, :n, None]  # (n, k) successors, best first
+            scored = (tree.tokens if tree is not None else plan.ids[b, :n], nxt)
             for d in s.drafters:
                 d.observe(s.history, *scored)
         host = time.perf_counter() - plan.started - verify - heads

@@ -200,3 +200,15 @@ def test_typical_on_a_step_tree_takes_the_longest_plausible_path():
     seq = _Seq(_Uniforms(0.0), SamplingParams(temperature=1.0, acceptance="typical"))
     v = TypicalRule().accept(tree, None, lambda node: peaked, seq)
     assert v.path == [0, 1, 4, 5]
+
+
+def test_online_cost_learns_a_fixed_overhead_around_the_table():
+    from medusa_trt.runtime.drafting import OnlineCost
+
+    table = CostModel({1: 1.0, 8: 1.5, 64: 5.0})
+    cost = OnlineCost(table, min_samples=6)
+    assert cost.cost(np.array([1, 8])).tolist() == [1.0, 1.5]  # no data: the table
+    for w in (1, 4, 8, 2, 6, 8, 3, 1):  # seconds = 0.03 * table(w) + 0.006 (a heads call, say)
+        cost.observe(1, w, 0.03 * float(table.cost(np.array([w]))[0]) + 0.006)
+    np.testing.assert_allclose(cost.cost(np.array([1, 8])), [1.2, 1.7])  # overhead 0.006 / 0.03 = 0.2 table units
+    assert cost.cost(np.array([1]), rows=4)[0] == 1.0  # another row count has its own fit

@@ -277,7 +277,7 @@ class _PermutationEngine:
     def step(self, input_ids, position_ids, tree_mask, cache_lengths):
         from medusa_trt.runtime.contract import StepOutput
 
-        return StepOutput(self.successor[input_ids], None, None)
+        return StepOutput(self.successor[input_ids], None, None, None)
 
     def commit(self, nodes, counts, cache_lengths):
         pass

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS, Proposals, StepOutput
+from medusa_trt.runtime.contract import STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -90,6 +90,12 @@ class OnnxBackend:
             "new_key": np.zeros(width * kv_row, dtype=self.dtype),
             "new_value": np.zeros(width * kv_row, dtype=self.dtype),
         }
+        self.successors = meta.successors if SUCCESSORS_OUTPUT in {o.name for o in self.session.get_outputs()} else 0
+        if self.successors:
+            self._out[SUCCESSORS_OUTPUT] = np.zeros(width * self.successors, dtype=np.int64)
+        else:
+            log.info("%s has no %s output (exported before it): the recycle drafter learns the argmax only", files.step.name,
+                     SUCCESSORS_OUTPUT)
         if meta.num_heads:
             self._head_logits = np.zeros(self.max_batch * meta.num_heads * meta.vocab_size, dtype=np.float32)
             self._head_topk = np.zeros(self.max_batch * meta.num_heads * meta.top_k, dtype=np.int64)
@@ -129,6 +135,8 @@ class OnnxBackend:
             "new_key": self._view("new_key", kv),
             "new_value": self._view("new_value", kv),
         }
+        if self.successors:
+            self._views[SUCCESSORS_OUTPUT] = self._view(SUCCESSORS_OUTPUT, (batch, tokens, self.successors))
         io = self._binding
         io.clear_binding_inputs()
         io.clear_binding_outputs()
@@ -138,7 +146,7 @@ class OnnxBackend:
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self.session.run_with_iobinding(io)
         logits = self._views["logits"]
-        return StepOutput(self._views["next_ids"], lambda: logits, lambda rows, nodes: logits[rows, nodes])
+        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes])
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import HEADS_OUTPUTS, STEP_OUTPUTS, Proposals, StepOutput
+from medusa_trt.runtime.contract import HEADS_OUTPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -92,9 +92,10 @@ class _Engine:
         engine = self.engine
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
-        if inputs != set(max_inputs) or set(names) - inputs != set(outputs):
+        extra = set(names) - inputs - set(outputs)
+        if inputs != set(max_inputs) or not set(outputs) <= set(names) - inputs or extra - {SUCCESSORS_OUTPUT}:
             raise EngineError(f"{path} has I/O tensors {sorted(names)}, not the medusa-trt step contract: build it with medusa-export")
-        self.inputs, self.outputs = tuple(max_inputs), outputs
+        self.inputs, self.outputs = tuple(max_inputs), tuple(outputs) + tuple(sorted(extra))  # the optional successors output too
         for name, shape in max_inputs.items():  # the runtime's limits must lie inside the engine's one profile
             high = tuple(engine.get_tensor_profile_shape(name, 0)[2])  # (min, opt, max)
             if any(s > h for s, h in zip(shape, high)) or len(shape) != len(high):
@@ -103,7 +104,7 @@ class _Engine:
         self.context = self._new_context()
         for name, shape in max_inputs.items():
             self.context.set_input_shape(name, shape)
-        self.max_shapes = dict(max_inputs) | {n: tuple(self.context.get_tensor_shape(n)) for n in outputs}
+        self.max_shapes = dict(max_inputs) | {n: tuple(self.context.get_tensor_shape(n)) for n in self.outputs}
         self.buffers = {  # flat, so a view of any smaller shape starts at the same address
             n: torch.empty(math.prod(s), dtype=_torch_dtype(trt, engine.get_tensor_dtype(n)), device="cuda")
             for n, s in self.max_shapes.items()
@@ -246,7 +247,10 @@ class TensorRTBackend:
                 self.step_engine.run(shapes)
             next_ids = self.step_engine.view("next_ids", self.step_engine.shapes["next_ids"])
             argmax = self._download("next_ids", next_ids)
-        return StepOutput(argmax, self._host_logits, self._logits_rows)
+            topk = None
+            if SUCCESSORS_OUTPUT in self.step_engine.outputs:
+                topk = self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()  # host sync: recycle's table
+        return StepOutput(argmax, topk, self._host_logits, self._logits_rows)
 
     def logits(self):
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import Proposals, StepOutput
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, Proposals, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class TorchBackend:
         )
         self._hidden, self._new_key, self._new_value = hidden, new_key, new_value
         argmax = next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
-        return StepOutput(argmax, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes))
+        topk = logits.topk(DEFAULT_SUCCESSORS, dim=-1).indices.cpu().numpy()  # host sync: the recycle drafter's table
+        return StepOutput(argmax, topk, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes))
 
     @torch.inference_mode()
     def _host(self, t: torch.Tensor, rows=None, nodes=None) -> np.ndarray:

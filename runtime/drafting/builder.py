@@ -45,15 +45,17 @@ class CostModel:
 
 
 class OnlineCost:
-    """The step cost as this engine on this machine actually pays it: a least-squares line
-    t(W) = a + b * W through the last ``window`` steps' (width, seconds), kept per row count B
-    (seconds include the heads call, a fixed cost per step). Until a row count has ``min_samples``
-    steps over at least three widths, the prior table answers."""
+    """The step cost as this engine on this machine pays it, learnt online around the prior table's
+    shape: seconds(W) ~ s * table(W) + h, fitted by least squares through the last ``window``
+    steps' (width, seconds) per row count B (seconds include the heads call, which is the fixed
+    part h). The relative cost is table(W) + h / s: a measured fixed overhead per step makes bigger
+    trees worth more, while the table keeps the shape sane (no slope learnt from noise, so a bad
+    fit cannot lock the budget at the root). Until three widths are seen, the table alone answers."""
 
     def __init__(self, prior: CostModel, *, window: int = 128, min_samples: int = 16):
         self.prior, self.window, self.min_samples = prior, window, min_samples
         self._samples: dict[int, list[tuple[int, float]]] = {}
-        self._fit: dict[int, tuple[float, float]] = {}
+        self._overhead: dict[int, float] = {}  # B -> h / s in table units
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         samples = self._samples.setdefault(rows, [])
@@ -62,15 +64,13 @@ class OnlineCost:
             del samples[0]
         if len(samples) >= self.min_samples and len({w for w, _ in samples}) >= 3:
             w, t = np.array(samples, dtype=np.float64).T
-            b, a = np.polyfit(w, t, 1)
-            self._fit[rows] = (max(a, 1e-6), max(b, 0.0))
+            x = np.stack([self.prior.cost(w), np.ones_like(w)], axis=1)  # (N, 2)
+            (scale, fixed), *_ = np.linalg.lstsq(x, t, rcond=None)
+            if scale > 0:
+                self._overhead[rows] = max(fixed, 0.0) / scale
 
     def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
-        fit = self._fit.get(rows)
-        if fit is None:
-            return self.prior.cost(tokens)
-        a, b = fit
-        return a + b * np.asarray(tokens, dtype=np.float64)
+        return self.prior.cost(tokens) + self._overhead.get(rows, 0.0)
 
 
 @dataclass(frozen=True, eq=False)
