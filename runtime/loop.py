@@ -241,8 +241,9 @@ class Scheduler:
             s.heads.proposals = s.proposals
         fragments = [d.propose(s.history, depth) for d in s.drafters]
         drafting = self.rt.drafting
-        cost = drafting.cost if s.rule.learnt_budget else drafting.config.cost  # sampled rows: the fixed table, never their neighbours
-        return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=cost, rows=rows)
+        if not s.rule.learnt_budget:  # sampled rows: the fixed one-row table, so neighbours never change a seed's draws
+            return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.config.cost)
+        return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.cost, rows=rows)
 
     def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
         """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""

@@ -212,3 +212,13 @@ def test_online_cost_learns_a_fixed_overhead_around_the_table():
         cost.observe(1, w, 0.03 * float(table.cost(np.array([w]))[0]) + 0.006)
     np.testing.assert_allclose(cost.cost(np.array([1, 8])), [1.2, 1.7])  # overhead 0.006 / 0.03 = 0.2 table units
     assert cost.cost(np.array([1]), rows=4)[0] == 1.0  # another row count has its own fit
+
+
+def test_cost_of_a_batched_step_reads_the_table_at_its_token_count():
+    table = CostModel({1: 1.0, 4: 1.0, 8: 2.0, 16: 4.0})
+    assert table.cost(np.array([2]), rows=4)[0] == 2.0  # 8 tokens against 4
+    assert table.cost(np.array([2]))[0] == 1.0  # one row: 2 tokens cost what 1 does
+    heads, lookup = _heads_and_lookup()
+    one = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=table)
+    four = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=table, rows=4)
+    assert four.num_nodes < one.num_nodes  # the same drafts are worth fewer nodes when four rows share the step

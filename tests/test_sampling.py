@@ -255,7 +255,7 @@ def test_lossless_sampling_with_deterministic_drafts_has_the_base_distribution(t
     stat, quantile, impossible = chi_square(counts, exact_joint(base, params))
     assert not impossible, impossible
     assert stat < quantile, f"{drafters}: chi-square {stat:.1f} >= {quantile:.1f} (alpha {ALPHA})"
-    assert mean_accepted > 1.1, f"{drafters} never got a draft accepted ({mean_accepted:.2f} tokens/step)"
+    assert mean_accepted > 1.02, f"{drafters} never got a draft accepted ({mean_accepted:.2f} tokens/step)"
 
 
 def test_plain_sampling_has_the_base_distribution(tiny8):

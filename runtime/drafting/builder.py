@@ -37,9 +37,13 @@ class CostModel:
         """A fixed table learns nothing (``OnlineCost`` does)."""
 
     def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
-        """Relative cost of steps of ``tokens`` tokens (linear between measured sizes, and beyond them)."""
+        """Relative cost of a step of ``tokens`` tokens per row over ``rows`` rows, against one
+        token per row: the table read at rows x tokens (a step's work is its token count, linear
+        between measured sizes and beyond them)."""
+        return self._read(rows * np.asarray(tokens, dtype=np.float64)) / self._read(np.array([float(rows)]))[0]
+
+    def _read(self, t: np.ndarray) -> np.ndarray:
         x, y = self._x, self._y
-        t = np.asarray(tokens, dtype=np.float64)
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
         return np.where(t <= x[-1], np.interp(t, x, y), y[-1] + (t - x[-1]) * slope)
 
@@ -64,13 +68,13 @@ class OnlineCost:
             del samples[0]
         if len(samples) >= self.min_samples and len({w for w, _ in samples}) >= 3:
             w, t = np.array(samples, dtype=np.float64).T
-            x = np.stack([self.prior.cost(w), np.ones_like(w)], axis=1)  # (N, 2)
+            x = np.stack([self.prior.cost(w, rows), np.ones_like(w)], axis=1)  # (N, 2)
             (scale, fixed), *_ = np.linalg.lstsq(x, t, rcond=None)
             if scale > 0:
                 self._overhead[rows] = max(fixed, 0.0) / scale
 
     def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
-        return self.prior.cost(tokens) + self._overhead.get(rows, 0.0)
+        return self.prior.cost(tokens, rows) + self._overhead.get(rows, 0.0)
 
 
 @dataclass(frozen=True, eq=False)
