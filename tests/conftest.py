@@ -164,3 +164,16 @@ def export_engine(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def serving():
+    """Skip (saying why) where the real Triton server cannot run here."""
+    from medusa_trt.cli.serve import ServeError, find_triton, stub_env
+
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'medusa-trt[serve]')")
+    try:
+        find_triton()
+        stub_env(None)
+    except ServeError as exc:
+        pytest.skip(str(exc))

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STORY_PROMPTS, medusa_model
-from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, find_triton, stream_generate, stub_env
+from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, stream_generate
 from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
 from medusa_trt.runtime.engine import EngineFiles
 
@@ -45,17 +45,6 @@ def runtime(engine):
     from medusa_trt.runtime import MedusaRuntime
 
     return MedusaRuntime(str(engine))
-
-
-@pytest.fixture(scope="module")
-def serving():
-    """Skip (saying why) where the server cannot run here."""
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'medusa-trt[serve]')")
-    try:
-        find_triton()
-        stub_env(None)
-    except ServeError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import STORY_PROMPTS, medusa_model
-from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, find_triton, repo_main, stream_generate, stub_env
+from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, repo_main, stream_generate
 from medusa_trt.cli.serve import main as serve_main
 from medusa_trt.exporter.triton_model import RequestError, ServeDefaults, parse_request
 from medusa_trt.exporter.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
@@ -248,13 +248,7 @@ def solo(runtime, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'medusa-trt[serve]')")
-    try:
-        find_triton()
-        stub_env(None)
-    except ServeError as exc:
-        pytest.skip(str(exc))
+def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16))
     before = _shm()
