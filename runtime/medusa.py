@@ -88,11 +88,6 @@ class MedusaRuntime:
         self.is_chat = bool(info.is_chat) and self.codec.has_chat_template
         self._lock = threading.Lock()  # shared by with_tree copies: they share the KV cache
 
-    @property
-    def supported_drafters(self) -> tuple[str, ...]:
-        """Every drafter this engine and heads template can run (the default set)."""
-        return (("heads",) if self.num_heads and self.tree.depth_max else ()) + ("lookup", "recycle")
-
     def _drafting(self, tree: CompiledTree, names, *, explicit_tree: bool) -> Drafting:
         """The drafter set: ``names``, or by default every drafter the engine supports; an explicit
         ``chain-0`` heads template with the default set keeps its old meaning, plain decoding."""
