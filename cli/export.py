@@ -15,8 +15,6 @@ Ctrl-C (exit 130) or SIGTERM (exit 143) removes the staging folder too; one kill
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
 from pathlib import Path
 
@@ -53,38 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Terminated(SystemExit):
-    """SIGTERM, raised where the process is: a BaseException, so every ``finally`` (the staging
-    folder's removal) runs and no ``except Exception`` swallows it."""
-
-
-def _raise_terminated(signum, frame):
-    raise _Terminated(128 + signum)
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds():
-    """While exporting, SIGTERM unwinds the stack like Ctrl-C instead of killing the process."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread: signals stay as they are
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @entry("medusa-export")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    from medusa_trt.exporter.cancel import Cancelled, signals_unwind
+
     try:
-        with _sigterm_unwinds():
+        with signals_unwind():
             return _export(args)
-    except _Terminated as exc:
-        print("medusa-export: terminated", file=sys.stderr)
+    except Cancelled as exc:
+        print(f"medusa-export: {exc.word}", file=sys.stderr)
         return exc.code
 
 

@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
@@ -328,6 +329,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
     meta = engine_meta(model, tree, config)
     final = EngineFiles.beside(out)
+    _import_exporters()
     tmp = make_staging(out)
     staged = EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
@@ -370,6 +372,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                                       max_tokens=config.max_tokens)
             bar.update()
         write_manifest(staged)
+        checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         _move_into_place(staged, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -388,6 +391,16 @@ def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:
     if layer is not None and not 0 <= layer < layers:
         raise ExportError(f"--head-layer {layer} is not a decoder layer of the model: pass 0..{layers - 1}")
     return config
+
+
+def _import_exporters() -> None:
+    """Import what ``torch.onnx.export`` and the checks load lazily, before any file is staged. A
+    Ctrl-C that lands inside a C extension's module init (protobuf's, under onnxscript) can crash
+    the interpreter, which would leave the staging folder to the next export's sweep."""
+    import onnx  # noqa: F401
+    import onnxruntime  # noqa: F401
+    import onnxscript  # noqa: F401
+    from torch.onnx._internal.exporter import _compat  # noqa: F401  torch.onnx.export(dynamo=True) imports it on first use
 
 
 def make_staging(out: Path) -> Path:

@@ -38,6 +38,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
@@ -301,6 +302,7 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
         staged.sidecar.write_text(meta.to_json())
         shutil.copytree(src.tokenizer, staged.tokenizer)  # staged with the plans so the manifest covers it
         write_manifest(staged)
+        checkpoint()
         _move_plans_into_place(staged, final, tokenizer=final.tokenizer != src.tokenizer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

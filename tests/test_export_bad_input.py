@@ -217,3 +217,25 @@ def test_killed_export_is_swept_by_the_next(tmp_path, capsys):
     assert code == 0, err
     assert not staging.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert read_meta(out).max_context == 64
+
+
+def test_an_interrupt_swallowed_on_the_way_still_commits_nothing():
+    """Python drops an exception raised in a weakref callback or ``__del__`` ("Exception ignored
+    in ..."): a Ctrl-C landing there must still stop the export before its files move into place."""
+    from medusa_trt.exporter.cancel import Cancelled, checkpoint, signals_unwind
+
+    checkpoint()  # outside the context: nothing pending, nothing raised
+    with pytest.raises(Cancelled) as raised:
+        with signals_unwind():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+            except Cancelled:
+                pass  # swallowed, as an ignored callback would
+            with pytest.raises(Cancelled) as again:
+                checkpoint()
+            assert again.value.code == 130 and again.value.word == "interrupted"
+        # leaving the context checks once more
+    assert raised.value.code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    checkpoint()  # and nothing pending afterwards
