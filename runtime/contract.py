@@ -27,6 +27,7 @@ class StepOutput:
     topk: np.ndarray | None  # int64 (B, W, k): its top-k there, best first (None: the engine has no successors output)
     _logits: Callable[[], np.ndarray]  # () -> float (B, W, V) on the host
     _rows: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, nodes) -> float (N, V) on the host
+    _hidden_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None  # (rows, nodes) -> float32 (N, H) on the host
 
     def logits(self) -> np.ndarray:
         """Base logits (B, W, V) on the host, fetched on first use (sampling rules only)."""
@@ -35,6 +36,13 @@ class StepOutput:
     def logits_rows(self, rows, nodes) -> np.ndarray:
         """Base logits at (rows[i], nodes[i]): (N, V) on the host, a small copy."""
         return self._rows(np.asarray(rows), np.asarray(nodes))
+
+    def hidden_rows(self, rows, nodes) -> np.ndarray:
+        """The heads' input hidden state at (rows[i], nodes[i]): float32 (N, H) on the host, a copy
+        (self-distillation records it instead of running the model again)."""
+        if self._hidden_rows is None:
+            raise NotImplementedError("this backend does not return hidden states")
+        return self._hidden_rows(np.asarray(rows), np.asarray(nodes))
 
 
 @dataclass(frozen=True, eq=False)

@@ -71,6 +71,9 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only (an EOS that ended generation included)
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context) or "cancelled"
     stats: GenerationStats
+    # with hidden=True: float32 (len(token_ids), H), row i the heads' input hidden state at the token
+    # before token_ids[i] (the prompt's last for i = 0): what the engine computed, recorded as it ran
+    hidden: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,14 @@ class Seq:
     proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
     drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
     started: float = 0.0
+    hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the caller asked for hidden states
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.text, self.tokens, self.finish_reason or "cancelled", self.stats)
+        hidden = None
+        if self.hidden is not None:
+            parts = self.hidden or [np.zeros((0, 0), np.float32)]
+            hidden = np.concatenate(parts)[: len(self.tokens)]  # (N, H): a stop may have cut the last step's tokens
+        return GenerationResult(self.text, self.tokens, self.finish_reason or "cancelled", self.stats, hidden)
 
 
 @dataclass
@@ -280,6 +288,8 @@ class Scheduler:
             s.root = int(v.bonus)
             heads_at[b], wants_heads[b] = v.path[-1], s.heads is not None
             s.stats.verify_seconds += verify
+            if s.hidden is not None:  # the committed nodes' states: each the one before the token that follows it
+                s.hidden.append(out.hidden_rows(np.full(len(v.path), b), v.path))
         for b, n in plan.prefill.items():
             s = rows[b]
             commit_nodes[b, :n] = np.arange(n)
@@ -290,6 +300,8 @@ class Scheduler:
                     s.root = sample(s.rng, warp(out.logits_rows([b], [n - 1]), s.params)[0])
                 heads_at[b], wants_heads[b] = n - 1, s.heads is not None
                 new[b] = [s.root]
+                if s.hidden is not None:
+                    s.hidden.append(out.hidden_rows([b], [n - 1]))
         self.backend.commit(commit_nodes, counts, plan.lengths)
         for b, n in plan.prefill.items():
             rows[b].prefilled += n

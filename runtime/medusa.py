@@ -25,7 +25,7 @@ from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.loop import Scheduler, Seq, StreamEvent, request_limits
+from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
@@ -170,20 +170,31 @@ class MedusaRuntime:
     # ----------------------------------------------------------------- public API
 
     def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
-                 temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None):
+                 temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None, hidden: bool = False):
         """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch.
 
         Sampling (see ``SamplingParams``): ``temperature`` 0 (default) decodes greedily; above 0
         the default acceptance is ``"lossless"`` (exactly the base model's distribution after
         temperature / top_k / top_p); ``"typical"`` accepts more but is not exact. Each of
         temperature, top_p, top_k, seed, acceptance is one value for all prompts or a list with
-        one per prompt; or pass ``sampling=`` SamplingParams (one or a list)."""
+        one per prompt; or pass ``sampling=`` SamplingParams (one or a list). ``hidden=True`` also
+        returns the heads' input hidden state before every new token (``GenerationResult.hidden``)."""
         single, seqs = self._sequences(prompts, max_new_tokens, stop, chat_template, sampling,
-                                       dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance))
+                                       dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance), hidden)
         for _ in self._run(seqs):
             pass
         results = [s.result() for s in seqs]
         return results[0] if single else results
+
+    def completed(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
+                  sampling=None, hidden: bool = False) -> Iterator[tuple[int, GenerationResult]]:
+        """(prompt index, result) for each prompt of a list as soon as it finishes, in the order
+        they finish (options as ``generate``): rows free up and refill without waiting for the
+        slowest of a batch, and a caller can store each result at once (self-distillation)."""
+        _, seqs = self._sequences(prompts, max_new_tokens, stop, chat_template, sampling, {}, hidden)
+        for event in self._run(seqs):
+            if event.finish_reason is not None:
+                yield event.index, seqs[event.index].result()
 
     def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
                temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None) -> Iterator[StreamEvent]:
@@ -216,11 +227,11 @@ class MedusaRuntime:
         finally:
             self._lock.release()
 
-    def _sequences(self, prompts, max_new_tokens, stop, chat_template, sampling, fields) -> tuple[bool, list[Seq]]:
+    def _sequences(self, prompts, max_new_tokens, stop, chat_template, sampling, fields, hidden=False) -> tuple[bool, list[Seq]]:
         stops = request_limits(max_new_tokens, stop)
         single, batch = self._prompts(prompts, chat_template)
         params = broadcast_params(len(batch), sampling, **fields)
-        return single, [Seq(i, ids, max_new_tokens, stops, p) for i, (ids, p) in enumerate(zip(batch, params))]
+        return single, [Seq(i, ids, max_new_tokens, stops, p, hidden=[] if hidden else None) for i, (ids, p) in enumerate(zip(batch, params))]
 
     # ----------------------------------------------------------------- inputs
 

@@ -327,3 +327,26 @@ def test_host_cost_per_step_stays_flat_over_a_long_generation(stories_base, monk
     assert last < 1.5 * first, f"host time per token grew from {first * 1e3:.3f} ms to {last * 1e3:.3f} ms"
     if drafters:
         assert accepted.max() > 2  # retrieval drafted and landed
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_hidden_states_recorded_as_generation_runs(stories_base, stories_fitted, stories_prompts, export_engine, backend):
+    """``hidden=True``: row i is the heads' input state before new token i, as one forward pass over
+    prompt + output gives it, whatever the drafts and batch neighbours; ``completed`` yields every
+    prompt once with the result ``generate`` returns."""
+    model = medusa_model(stories_base, stories_fitted)
+    engine = model if backend == "torch" else export_engine("stories-fitted", model)
+    runtime = MedusaRuntime(engine, max_batch=2, max_context=256)  # 2 rows for 5 prompts: rows refill as they finish
+    prompts = stories_prompts[:5]
+    done = dict(runtime.completed(prompts, max_new_tokens=24, hidden=True))
+    assert sorted(done) == list(range(len(prompts)))
+    plain = runtime.generate(prompts, max_new_tokens=24)
+    for i, prompt in enumerate(prompts):
+        r = done[i]
+        assert r.token_ids == plain[i].token_ids and plain[i].hidden is None
+        with torch.no_grad():
+            want = stories_base.model.model(torch.tensor([prompt + r.token_ids])).last_hidden_state[0]  # (L, H)
+        want = want[len(prompt) - 1 : len(prompt) - 1 + len(r.token_ids)].numpy()
+        assert r.hidden.shape == want.shape == (len(r.token_ids), stories_base.model.config.hidden_size)
+        assert abs(r.hidden - want).max() < 1e-4
+    assert max(r.stats.mean_accepted for r in done.values()) > 1  # drafts were accepted on the way

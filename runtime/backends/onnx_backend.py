@@ -145,8 +145,9 @@ class OnnxBackend:
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self.session.run_with_iobinding(io)
-        logits = self._views["logits"]
-        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes])
+        logits, hidden = self._views["logits"], self._views["hidden"]
+        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
+                          lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the

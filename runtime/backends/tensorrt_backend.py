@@ -250,11 +250,18 @@ class TensorRTBackend:
             topk = None
             if SUCCESSORS_OUTPUT in self.step_engine.outputs:
                 topk = self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()  # host sync: recycle's table
-        return StepOutput(argmax, topk, self._host_logits, self._logits_rows)
+        return StepOutput(argmax, topk, self._host_logits, self._logits_rows, self._hidden_rows)
 
     def logits(self):
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""
         return self.step_engine.view("logits", self.step_engine.shapes["logits"])
+
+    def _hidden_rows(self, rows, nodes) -> np.ndarray:
+        """The step's hidden state at (rows[i], nodes[i]) on the host, fp32 [N, H]."""
+        hidden = self.step_engine.view("hidden", self.step_engine.shapes["hidden"])  # (B, T, H) on the device
+        picked = hidden[list(map(int, rows)), list(map(int, nodes))]  # (N, H) a small device copy
+        self.stream.synchronize()
+        return picked.float().cpu().numpy()
 
     def _logits_rows(self, rows, nodes) -> np.ndarray:
         """Base logits of the last step at (rows[i], nodes[i]) on the host, fp32 [N, V]."""

@@ -55,7 +55,8 @@ class TorchBackend:
         self._hidden, self._new_key, self._new_value = hidden, new_key, new_value
         argmax = next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
         topk = logits.topk(DEFAULT_SUCCESSORS, dim=-1).indices.cpu().numpy()  # host sync: the recycle drafter's table
-        return StepOutput(argmax, topk, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes))
+        return StepOutput(argmax, topk, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes),
+                          lambda rows, nodes: self._host(hidden, rows, nodes))
 
     @torch.inference_mode()
     def _host(self, t: torch.Tensor, rows=None, nodes=None) -> np.ndarray:
