@@ -26,9 +26,12 @@ def build_parser() -> Parser:
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
     p.add_argument("--teacher-forced", action="store_true", help="--data is corpus text whose own tokens are the labels")
-    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--num-prompts", type=int, default=400, help="first-turn prompts (the built-in pool holds 6954)")
+    p.add_argument("--follow-ups", type=int, default=0,
+                   help="second turns on the model's own answers to the first N prompts (a follow-up question, or a task over the answer)")
     p.add_argument("--generate-engine", help="an exported .onnx engine of the same model to write the continuations (faster on CPU)")
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
+    p.add_argument("--generate-batch", type=int, default=16, help="rows generating at once (at most the engine's --max-batch)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -36,6 +39,8 @@ def build_parser() -> Parser:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--restart", action="store_true",
                    help="discard work-folder progress made with other settings instead of refusing (progress made with these settings is kept: resuming is exact)")
+    p.add_argument("--work", help="work folder (default: <out>.work): generated sequences, hidden states, checkpoints")
+    p.add_argument("--generate-only", action="store_true", help="stop after generating the data (rerun without it to train)")
     p.add_argument("--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -54,14 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(
             out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head,
             head_layer=args.head_layer, decay=args.decay, data=args.data, teacher_forced=args.teacher_forced,
-            num_prompts=args.num_prompts, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
-            lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, bf16=args.bf16,
+            num_prompts=args.num_prompts, follow_ups=args.follow_ups, generate_batch=args.generate_batch, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
+            lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, bf16=args.bf16, work=args.work,
         )
         check_inputs(config)  # before the model loads: a bad file costs no waiting
         torch.manual_seed(args.seed)
-        metrics = run(load_base_model(args.model), config, restart=args.restart)
+        metrics = run(load_base_model(args.model), config, restart=args.restart, generate_only=args.generate_only)
     except USER_ERRORS as exc:
         return fail("medusa-train", exc)
+    if args.generate_only:
+        print(f"wrote {config.workdir}: {metrics['sequences']} sequences, {metrics['labelled_positions']} labelled positions")
+        return 0
     losses = metrics["loss_first"][:1] + metrics["loss_last"][-1:]
     loss = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
     print(f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps{loss}")

@@ -205,11 +205,15 @@ class MedusaRuntime:
         yield from self._run(seqs)
 
     def _run(self, seqs: list[Seq]) -> Iterator[StreamEvent]:
-        """Continuous batching over the prompts: a waiting prompt joins when a row frees up."""
+        """Continuous batching over the prompts: waiting prompts join in waves, when half the rows
+        (or enough for all that wait) are free. A step is dense (rows x widest row), so a row in
+        prefill makes every decoding row pay its chunk width: joining one at a time would pay that
+        once per prompt, a wave pays it once for many."""
         with self.engine_lock():
             scheduler, waiting = Scheduler(self), list(seqs)
+            wave = max(1, self.max_batch // 2)
             while waiting or scheduler.active:
-                if waiting and scheduler.free:
+                if waiting and scheduler.free >= min(wave, len(waiting)):
                     joining, waiting = waiting[: scheduler.free], waiting[scheduler.free :]
                     scheduler.add(joining)
                 for _, event in scheduler.step():

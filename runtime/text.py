@@ -45,12 +45,16 @@ class TextCodec:
     def encode(self, text: str, *, chat: bool) -> list[int]:
         check_text(text)
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return [int(i) for i in ids]
+            return self.encode_chat([{"role": "user", "content": text}])
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation ({"role", "content"} dicts, user last) through the chat template, ready for the reply."""
+        for m in messages:
+            check_text(m["content"])
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return [int(i) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -108,20 +112,28 @@ class FileTextCodec:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
-    def _render(self, text: str) -> str:
+    def _render(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError
 
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
         try:
-            return self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **special)
+            return self._template.render(messages=messages, add_generation_prompt=True, **special)
         except TemplateError as exc:
             raise PromptError(f"the engine's chat template failed on this prompt ({_short(exc)}): pass chat_template=False") from exc
 
     def encode(self, text: str, *, chat: bool) -> list[int]:
         check_text(text)
         if chat:  # the template writes the special tokens itself
-            return self.tokenizer.encode(self._render(text), add_special_tokens=False).ids
+            return self.encode_chat([{"role": "user", "content": text}])
         return self.tokenizer.encode(text).ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation ({"role", "content"} dicts, user last) through the chat template, ready for the reply."""
+        if self.chat_template is None:
+            raise PromptError("the tokenizer has no chat template: a conversation cannot be encoded")
+        for m in messages:
+            check_text(m["content"])
+        return self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,7 +204,7 @@ def test_changed_training_settings_refused_before_any_work_then_restarted_on_the
     config = _config(tmp_path, num_prompts=4, new_tokens=8, epochs=1)
     cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
     train_heads(stories_base, config, cached, stop_after=2)
-    monkeypatch.setattr(MedusaRuntime, "generate", lambda *a, **k: pytest.fail("the sequences were generated again"))
+    monkeypatch.setattr(MedusaRuntime, "completed", lambda *a, **k: pytest.fail("the sequences were generated again"))
     with pytest.raises(TrainError, match=r"another configuration \(--lr was 0.01, now 0.005\).*--restart"):
         run(stories_base, dataclasses.replace(config, lr=5e-3))
     metrics = run(stories_base, dataclasses.replace(config, lr=5e-3), restart=True)  # checkpoint dropped, sequences kept
@@ -226,9 +228,9 @@ def test_interrupted_run_resumes_where_it_stopped(stories_base, tmp_path, monkey
     monkeypatch.setattr(train_module, "train_heads", stopped)
     with pytest.raises(KeyboardInterrupt):
         run(stories_base, config)
-    assert {"fingerprint.json", "sequences.jsonl", "cache.safetensors", "checkpoint.pt"} <= {p.name for p in config.workdir.iterdir()}
+    assert {"fingerprint.json", "sequences.jsonl", "hidden", "checkpoint.pt"} <= {p.name for p in config.workdir.iterdir()}  # states recorded while generating: no cache file
     monkeypatch.setattr(train_module, "train_heads", original)
-    monkeypatch.setattr(MedusaRuntime, "generate", lambda *a, **k: pytest.fail("the sequences were generated again"))
+    monkeypatch.setattr(MedusaRuntime, "completed", lambda *a, **k: pytest.fail("the sequences were generated again"))
     resumed = run(stories_base, config)
     assert resumed["steps"] == straight["steps"] and resumed["loss_last"] == straight["loss_last"]
     from safetensors.torch import load_file
@@ -243,7 +245,9 @@ def test_record_cut_off_by_a_kill_is_generated_again(stories_base, tmp_path):
     file = config.workdir / "sequences.jsonl"
     lines = file.read_bytes().split(b"\n")
     file.write_bytes(b"\n".join(lines[:2]) + b"\n" + lines[2][:7])  # killed while writing the third record
-    assert build_sequences(stories_base, config) == expected
+    again = build_sequences(stories_base, config)
+    assert [(s.ids, s.start) for s in again] == [(s.ids, s.start) for s in expected]
+    assert again[2].shard != expected[2].shard  # regenerated into a shard of its own
     assert len(file.read_text().splitlines()) == 4
     file.write_bytes(b"\n".join(lines[:1] + [b"\xff{oops"] + lines[2:]))
     with pytest.raises(TrainError, match=r"sequences.jsonl line 2 is not a sequence record.*--restart"):
@@ -262,7 +266,7 @@ def test_stopped_before_any_progress_leaves_no_work_folder(stories_base, tmp_pat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(MedusaRuntime, "generate", interrupted)
+    monkeypatch.setattr(MedusaRuntime, "completed", interrupted)
     config = _config(tmp_path, num_prompts=2, new_tokens=8)
     with pytest.raises(KeyboardInterrupt):
         run(stories_base, config)
@@ -286,3 +290,68 @@ def test_cli_refuses_a_stale_work_folder_then_restarts(capsys, tmp_path):
     assert "--new-tokens was 12, now 6" in err and "--restart" in err
     assert main(argv + ["--new-tokens", "6", "--restart"]) == 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
+    import json
+
+    from conftest import SHARED
+    from medusa_trt.training.prompts import _original_pool, training_prompts
+
+    pool = training_prompts(6954)
+    assert len(set(pool)) == 6954 and set(_original_pool()) <= set(pool)
+    assert training_prompts(500, seed=3) == training_prompts(1000, seed=3)[:500]  # more prompts continue the same list
+    with pytest.raises(ValueError, match="6954 distinct prompts"):
+        training_prompts(7000)
+    calibration = {json.loads(line)["turns"][0] for line in open(Path(__file__).parents[1] / "assets" / "calibration_prompts.jsonl")}
+    assert not calibration & set(pool)
+    bench = SHARED / "data" / "spec_bench_dev.jsonl"
+    if bench.is_file():
+        assert not {t for line in open(bench) for t in json.loads(line)["turns"]} & set(pool)
+
+
+def test_recorded_hidden_states_replace_the_forward_pass(stories_base, tmp_path, monkeypatch):
+    """Generation records each sequence's hidden states; the cache is built from them, equal to a
+    forward pass over the sequences, and with the shards gone the forward pass runs again."""
+    import medusa_trt.training.train as train_module
+
+    config = _config(tmp_path, num_prompts=5, new_tokens=20)
+    sequences = build_sequences(stories_base, config)
+    assert all(s.shard is not None for s in sequences)
+    calls = []
+    original = train_module._forward_hidden
+    monkeypatch.setattr(train_module, "_forward_hidden", lambda *a: calls.append(1) or original(*a))
+    recorded = cache_hidden(stories_base, sequences, config)
+    assert len(calls) == 1  # one probe of the recorded states, no pass over the data
+    shutil.rmtree(config.workdir / "hidden")
+    computed = cache_hidden(stories_base, sequences, config)
+    assert len(calls) == 1 + len(sequences)
+    for key in ("targets", "next", "sequence"):
+        assert torch.equal(recorded[key], computed[key])
+    assert (recorded["hidden"] - computed["hidden"]).abs().max() < 1e-2  # float16 storage
+    assert torch.equal(computed["next"][:3], torch.tensor(sequences[0].ids[sequences[0].start : sequences[0].start + 3]))
+
+
+def test_follow_ups_continue_the_models_own_answers(smollm2_base, tmp_path):
+    from medusa_trt.training.prompts import training_prompts
+
+    config = TrainConfig(out=str(tmp_path / "heads"), num_prompts=3, follow_ups=3, new_tokens=12, generate_batch=4, seed=2)
+    sequences = build_sequences(smollm2_base, config)
+    assert len(sequences) == 6
+    first, prompts = sequences[:3], training_prompts(3, seed=2)
+    tok = smollm2_base.tokenizer
+    for j, s in enumerate(sequences[3:]):
+        conversation = tok.decode(s.ids[: s.start])
+        answer = tok.decode(first[j].ids[first[j].start :], skip_special_tokens=True).strip()
+        assert answer[:30] in conversation, (answer, conversation)
+        if j % 3 != 2:  # a second turn: the first prompt is there too
+            assert prompts[j] in conversation
+    with pytest.raises(TrainError, match="exceeds --num-prompts"):
+        TrainConfig(out=str(tmp_path / "x"), num_prompts=2, follow_ups=3)
+
+
+def test_follow_ups_need_a_chat_model(stories_base, tmp_path):
+    from medusa_trt.training.train import check_model
+
+    with pytest.raises(TrainError, match="needs a chat model"):
+        check_model(stories_base, _config(tmp_path, follow_ups=2))

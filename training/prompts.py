@@ -1,4 +1,5 @@
-"""Training prompts written for this project: templates x fillers, 1828 distinct, deterministic.
+"""Training prompts written for this project: templates x fillers, 6954 distinct, deterministic,
+plus second turns built on the model's own first answers (``follow_up_conversation``).
 
 Self-distillation needs prompts, not answers (the base model writes the answers). These cover
 the kinds of requests a chat model serves (writing, explanation, factual questions, roleplay,
@@ -247,9 +248,222 @@ EXTRA_CODE_TASKS = [
 ]
 
 
+# ----------------------------------------------------------------------------- the wider pool (issue: 5x data)
+
+MORE_TOPICS = [
+    "the metric system", "sharks", "public transport", 
+    "the Industrial Revolution", "video games", "comets",
+    "the Byzantine Empire", "urban gardening", "bamboo", 
+    "fermentation", "elephants", "the Mayan civilization", "podcasts", "the periodic table",
+    "classical music", "beekeeping", "the Arctic", "electric guitars", "migration of birds",
+    "wildfires", "marathons", "mushrooms", "skyscrapers", "antibiotics",
+    "the human brain", "satellites", "folk tales", "the printing of money", "volunteering", "camping", "rivers",
+    "the Ottoman Empire", "owls", "wind energy", "spices", "the Great Barrier Reef", "social media", "pottery",
+    "the Aztecs", "hiking boots", "fossils", "museums", "the speed of light", "tornadoes", "chocolate", "the telescope",
+    "the Sahara caravans", "opera", "hedgehogs", "ice hockey", "canals", "paper money", "the Hanseatic League", "puppetry",
+    "the Gobi desert", "kites", "sundials", "the Nile", "astronomy clubs", "tapestries", "yoga", "seahorses", "carpentry",
+]
+
+MORE_TEMPLATES = [
+    "Write a limerick about {t}.",
+    "Write a haiku sequence (three haikus) about {t}.",
+    "Outline a five-minute presentation about {t}.",
+    "Write a news report from the future about {t}.",
+    "Explain {t} using an analogy from everyday life.",
+    "What would happen if {t} disappeared tomorrow?",
+    "Write a diary entry of someone who discovers {t} for the first time.",
+    "Give me a one-week study plan to learn about {t}.",
+    "Write a short speech for a school assembly about {t}.",
+    "Describe {t} in exactly five sentences.",
+    "Write a children's picture-book text about {t}.",
+    "What are the ethical questions raised by {t}?",
+    "Write ten trivia questions about {t}, with answers.",
+    "Write a job advertisement for an expert in {t}.",
+    "Explain why {t} matters to a sceptical friend.",
+]
+
+HOWTO = [
+    "How do I {a}? Give step-by-step instructions.",
+    "What are the most common mistakes people make when they {a}?",
+    "Write a checklist for someone who wants to {a}.",
+    "I want to {a} but I only have one hour. What should I do?",
+]
+
+ACTIVITIES = [
+    "plant tomatoes", "change a bicycle tyre", "write a cover letter", "start running", "learn to juggle", "make pancakes",
+    "organise a birthday party", "save money on groceries", "prepare for an exam", "clean a laptop keyboard", "paint a room",
+    "write a short story", "learn to play the guitar", "set up a fish tank", "plan a road trip", "improve my handwriting",
+    "make a budget", "bake a chocolate cake", "take better photos with a phone", "learn a new language", "fall asleep faster",
+    "give a good presentation", "build a bookshelf", "start a vegetable garden", "train a puppy", "make a paper plane",
+    "brew coffee at home", "write a poem", "negotiate a salary", "keep a journal", "sew a button", "make friends in a new city",
+]
+
+CLASSIFY = [
+    "Is the following sentence positive, negative or neutral? Explain briefly: {s}",
+    "Rewrite this sentence for a five-year-old: {s}",
+    "Turn this sentence into a question: {s}",
+    "Continue this text with three more sentences: {s}",
+    "Write the opposite of this statement: {s}",
+    "Paraphrase this sentence in three different ways: {s}",
+]
+
+MORE_SENTENCES = [
+    "The new phone lasts two full days on a single charge.",
+    "Nobody came to the meeting, so we cancelled it.",
+    "The soup was cold and the waiter ignored us all evening.",
+    "Our neighbours planted a row of cherry trees along the fence.",
+    "The final exam was easier than anyone expected.",
+    "He forgot his umbrella and got soaked on the way to work.",
+    "The concert was postponed because the singer was ill.",
+    "The town built a new swimming pool for the children.",
+    "I finally finished reading the book you lent me.",
+    "The train was crowded, but the journey was quick.",
+    "After the storm, the streets were covered in leaves.",
+    "The team celebrated their victory late into the night.",
+]
+
+CODE_LANGS = ["Python", "JavaScript", "Go", "Rust", "C", "Java", "TypeScript", "Bash"]
+CODE_ASKS = [
+    "Write a {lang} function that {task}.",
+    "Write a {lang} program that {task}, and explain how it works.",
+    "Show how to write a function in {lang} that {task}, with comments.",
+]
+MORE_CODE_TASKS = [
+    "checks whether a year is a leap year", "converts a Roman numeral to an integer", "counts the vowels in a string",
+    "returns the smallest positive number in a list", "checks whether two strings are anagrams", "computes the average of a list",
+    "finds the longest word in a sentence", "capitalizes the first letter of every word", "rotates a list by k positions",
+    "checks whether parentheses in a string are balanced", "converts a number to binary", "sums the digits of a number",
+    "finds the intersection of two lists", "removes all vowels from a string", "generates the first n prime numbers",
+    "counts the lines of a text file", "returns the most common element of a list", "splits a list into chunks of size n",
+]
+
+SNIPPETS = [
+    "def add(a, b):\n    return a - b",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)",
+    "numbers = [3, 1, 2]\nnumbers.sort()\nprint(numbers[0])",
+    "def is_even(n):\n    return n % 2 == 1",
+    "total = 0\nfor x in [1, 2, 3, 4]:\n    total += x\nprint(total / len([1, 2, 3, 4]))",
+    "function greet(name) {\n  return 'Hello, ' + name;\n}\nconsole.log(greet('Ada'));",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name ORDER BY COUNT(*) DESC;",
+    "words = text.split()\ncounts = {}\nfor w in words:\n    counts[w] = counts.get(w, 0) + 1",
+    "def reverse(s):\n    return s[::-1]\nprint(reverse('hello'))",
+]
+SNIPPET_ASKS = [
+    "Explain what this code does, line by line:\n\n{code}",
+    "Is there a bug in this code? If so, fix it:\n\n{code}",
+    "Rewrite this code to be clearer and add comments:\n\n{code}",
+    "What does this code print, and why?\n\n{code}",
+]
+
+LANGUAGES = ["French", "German", "Spanish", "Italian", "Portuguese", "Dutch"]
+
+MORE_PASSAGES = [
+    "The city library introduced a scheme last year that lets residents borrow tools as well as books. Drills, ladders, "
+    "sewing machines and even a pressure washer can be reserved online for up to a week. More than two thousand people have "
+    "used the service so far, and the most popular item is a carpet cleaner. The library says the scheme saves money and "
+    "reduces waste, and it plans to add gardening equipment in the summer.",
+    "A study of ten thousand commuters found that people who cycled to work took fewer sick days than those who drove. "
+    "Cyclists also reported better sleep and lower stress. The researchers note that cyclists may have been healthier to begin "
+    "with, but the difference remained after accounting for age and income. The city plans to build forty kilometres of new "
+    "cycle lanes over the next three years.",
+    "The annual village fair was held on Saturday despite heavy rain in the morning. Organisers moved the cake competition "
+    "into the church hall, where seventy entries were judged. The prize for the largest pumpkin went to a retired teacher for "
+    "the third year in a row. In the afternoon the sun came out and around two thousand visitors enjoyed music, games and a "
+    "parade of vintage tractors.",
+    "Engineers have completed a bridge that opens like an eye to let boats pass. The structure took three years to build and "
+    "cost twelve million euros. Its two curved arms rotate together in about four minutes, powered by small electric motors. "
+    "The bridge replaces a ferry that carried pedestrians across the harbour for more than a century.",
+    "A local bakery has started giving its unsold bread to a food bank every evening. The owner said that about thirty loaves "
+    "were thrown away each day before the arrangement began. Volunteers collect the bread at closing time and deliver it to "
+    "families the next morning. Three other shops in the street have since joined the scheme.",
+    "Scientists tagged forty sea turtles off the coast to learn where they travel in winter. The trackers showed that some "
+    "turtles swam more than two thousand kilometres to warmer waters, while others stayed close to shore. The team hopes "
+    "the data will help protect feeding grounds. The tags fall off after about a year and do not harm the animals.",
+]
+
+MORE_PASSAGE_TASKS = [
+    "{x}\n\nWho is affected by what this text describes, and how?",
+    "Rewrite the following text as a short dialogue:\n\n{x}",
+    "{x}\n\nWhat questions does this text leave unanswered?",
+    "Translate the following text into French:\n\n{x}",
+    "Give this text a title and a one-sentence summary.\n\n{x}",
+    "{x}\n\nIs this good news or bad news? Explain.",
+]
+
+# second turns, asked after the model's own first answer (training_conversations)
+FOLLOW_UPS = [
+    "Can you make that shorter?", "Please explain that in simpler words.", "Can you give me an example?",
+    "Now summarize your answer in one sentence.", "Can you turn that into a bulleted list?", "What is the most important point?",
+    "Can you expand on the second point?", "Translate your answer into French.", "Rewrite it in a more formal style.",
+    "Thanks! Can you add a conclusion?", "Why is that true?", "What would a critic say about your answer?",
+    "Write three questions a student might ask about this.", "Can you make it funnier?", "Give me a title for that.",
+]
+# tasks over the model's own answer as a long input (training_conversations)
+OWN_TEXT_TASKS = [
+    "Summarize the following text in two sentences.\n\n{x}",
+    "List the key points of this text as bullet points.\n\n{x}",
+    "{x}\n\nWrite three quiz questions about the text above, with answers.",
+    "Extract every name, place and number from this text.\n\n{x}",
+    "Rewrite the following text for a child:\n\n{x}",
+]
+
+
+def _wider_pool() -> list[str]:
+    """The prompts added for training at scale: new templates, topics and task families."""
+    pool: list[str] = []
+    topics = TOPICS + MORE_TOPICS
+    for i, template in enumerate(TEMPLATES + MORE_TEMPLATES):
+        for j, topic in enumerate(topics):
+            pool.append(template.format(t=topic, u=topics[(j + 7 + i) % len(topics)]))
+    for template in HOWTO:
+        pool += [template.format(a=a) for a in ACTIVITIES]
+    for template in CLASSIFY:
+        pool += [template.format(s=s) for s in SENTENCES + ENGLISH + MORE_SENTENCES]
+    for template in CODE_ASKS:
+        pool += [template.format(lang=lang, task=task) for lang in CODE_LANGS for task in CODE_TASKS + EXTRA_CODE_TASKS + MORE_CODE_TASKS]
+    pool += [ask.format(code=code) for ask in SNIPPET_ASKS for code in SNIPPETS]
+    for lang in LANGUAGES:
+        pool += [f"Translate into {lang}: {s}" for s in SENTENCES + ENGLISH + MORE_SENTENCES]
+    pool += [f"Translate into English: {s}" for s in GERMAN + FRENCH]
+    for template in MATH:
+        for a in (4, 7, 9, 15, 21, 33, 56, 64, 75, 99, 144, 250):
+            pool.append(template.format(a=a, b=a % 9 + 3, c=a * 5 + 2))
+    for i, template in enumerate(WORD_PROBLEMS + PUZZLES):
+        for j in range(8, 24):
+            a, b = 3 + (7 * j + i) % 23, 2 + (5 * j + 3 * i) % 13
+            pool.append(template.format(name=NAMES[(i + j) % len(NAMES)], other=NAMES[(i + j + 5) % len(NAMES)], a=a, b=b,
+                                        c=b + 1, p=a * b + 10 * j + 20, day=DAYS[(i + j) % 7]))
+    for template in PASSAGE_TASKS + MORE_PASSAGE_TASKS:
+        pool += [template.format(x=x) for x in PASSAGES + MORE_PASSAGES]
+    pool += [f"Pretend you are {p}. {q}" for p in PERSONAS for q in PERSONA_ASKS + [f"Explain {t} to me." for t in MORE_TOPICS[:12]]]
+    for template in QUESTIONS + ["What is the history of {place}?", "Plan a three-day trip to {place}."]:
+        pool += [template.format(place=p) for p in PLACES]
+    return pool
+
+
+def follow_up_conversation(prompt: str, answer: str, index: int) -> list[dict]:
+    """A second turn on the model's own answer: a follow-up question, or a task over the answer as
+    a long input, chosen by ``index``; the messages end with the user's turn."""
+    if index % 3 == 2:  # the answer as a document to work on
+        return [{"role": "user", "content": OWN_TEXT_TASKS[(index // 3) % len(OWN_TEXT_TASKS)].format(x=answer.strip())}]
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer.strip()},
+            {"role": "user", "content": FOLLOW_UPS[index % len(FOLLOW_UPS)]}]
+
+
+
 def training_prompts(count: int = 400, seed: int = 0) -> list[str]:
-    """``count`` distinct prompts, the same for the same seed."""
-    rng = random.Random(seed)
+    """``count`` distinct prompts, the same for the same seed, and the first ``count`` of any larger
+    ``count`` (a resumed run asked for more continues the same list); ``ValueError`` when the pool
+    has fewer."""
+    pool = sorted(set(_original_pool() + _wider_pool()))
+    if count > len(pool):
+        raise ValueError(f"the built-in pool has {len(pool)} distinct prompts, fewer than {count}")
+    random.Random(seed).shuffle(pool)
+    return pool[:count]
+
+
+def _original_pool() -> list[str]:
     pool: list[str] = []
     for template in TEMPLATES:
         for topic in TOPICS:
@@ -279,6 +493,11 @@ def training_prompts(count: int = 400, seed: int = 0) -> list[str]:
         pool += [template.format(x=x) for x in PASSAGES]
     for template in CODE:
         pool += [template.format(task=task) for task in EXTRA_CODE_TASKS]
-    pool = sorted(set(pool))
-    rng.shuffle(pool)
-    return pool[:count]
+    return pool
+
+
+def pool_digest() -> str:
+    """A short hash of the built-in pool: a work folder made from another pool is not resumed."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(set(_original_pool() + _wider_pool()))).encode()).hexdigest()[:16]

@@ -31,8 +31,12 @@ import math
 import os
 import pickle
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +55,7 @@ class TrainError(MedusaError):
 
 
 # least value of each whole-number setting
-_AT_LEAST = {"num_heads": 1, "num_layers": 1, "num_prompts": 1, "new_tokens": 1, "generate_batch": 1, "epochs": 1,
+_AT_LEAST = {"num_heads": 1, "num_layers": 1, "num_prompts": 1, "follow_ups": 0, "new_tokens": 1, "generate_batch": 1, "epochs": 1,
              "batch_size": 1, "warmup_steps": 0, "seed": 0, "checkpoint_every": 1}
 _MAX_SEED = 2**32 - 1  # the batch order's generator is seeded with seed * 1000 + epoch
 # the command-line flag of a TrainConfig field, for messages
@@ -75,9 +79,10 @@ class TrainConfig:
     data: str | None = None  # prompts file (.jsonl with turns[0]/prompt/text, or .txt, one per line); None: built-in prompts
     teacher_forced: bool = False  # data is corpus text whose own tokens are the labels (no generation)
     num_prompts: int = 400  # built-in prompts used (or the first N of --data)
+    follow_ups: int = 0  # second turns on the model's own first answers (the first N), generated after the first turns
     new_tokens: int = 128  # continuation length per prompt
     chat_template: bool = True  # wrap prompts in the model's chat template when it has one
-    generate_batch: int = 8
+    generate_batch: int = 16  # rows generating at once
     generate_engine: str | None = None  # an exported .onnx engine of the same base model: faster self-distillation on CPU
     epochs: int = 3
     batch_size: int = 256  # positions per optimizer step
@@ -87,6 +92,7 @@ class TrainConfig:
     holdout: float = 0.05  # fraction of sequences kept for the accuracy report
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps
+    work: str | None = None  # work folder (default <out>.work); one folder can feed several trainings of the same data
     bf16: bool = False  # heads' matmuls in bfloat16 autocast (about 2x faster on CPUs with AVX512-BF16/AMX); loss in fp32
 
     def __post_init__(self):
@@ -108,10 +114,15 @@ class TrainConfig:
             raise TrainError(f"holdout {self.holdout} must be in [0, 1): the fraction of sequences kept for the accuracy report")
         if self.teacher_forced and self.data is None:
             raise TrainError("--teacher-forced needs --data: a corpus whose own tokens are the labels")
+        if self.follow_ups > self.num_prompts:
+            raise TrainError(f"--follow-ups {self.follow_ups} exceeds --num-prompts {self.num_prompts}: each follow-up "
+                             "continues one first-turn conversation; pass at most that many")
+        if self.follow_ups and self.teacher_forced:
+            raise TrainError("--follow-ups needs generated answers: drop it with --teacher-forced")
 
     @property
     def workdir(self) -> Path:
-        return Path(str(self.out) + ".work")
+        return Path(self.work) if self.work is not None else Path(str(self.out) + ".work")
 
 
 def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +168,8 @@ def check_model(base, config: TrainConfig) -> None:
     if config.head_layer is not None and layers is not None and not config.head_layer < layers:
         raise TrainError(f"--head-layer {config.head_layer} is out of range: {base.name} has decoder layers 0..{layers - 1} "
                          "(leave it out for the final hidden state)")
+    if config.follow_ups and not (config.chat_template and getattr(base, "is_chat", False)):
+        raise TrainError(f"--follow-ups needs a chat model with its chat template: {base.name} has none; drop --follow-ups")
     context = min(GENERATE_CONTEXT, getattr(cfg, "max_position_embeddings", None) or GENERATE_CONTEXT)
     if not config.teacher_forced and config.new_tokens >= context:
         raise TrainError(f"--new-tokens {config.new_tokens} leaves no room for the prompt: {base.name} generates at most "
@@ -168,7 +181,10 @@ def _read_prompts(config: TrainConfig) -> list[str]:
     if config.data is None:
         from medusa_trt.training.prompts import training_prompts
 
-        return training_prompts(config.num_prompts, config.seed)
+        try:
+            return training_prompts(config.num_prompts, config.seed)
+        except ValueError as exc:
+            raise TrainError(f"--num-prompts {config.num_prompts}: {exc}; pass fewer, or --data with your own prompts") from exc
     path = Path(config.data)
     if not path.exists():
         raise TrainError(f"--data {path} does not exist: pass a prompts file (.jsonl or .txt, one prompt per line)")
@@ -226,7 +242,7 @@ CACHE = "cache.safetensors"
 CHECKPOINT = "checkpoint.pt"
 # TrainConfig fields a checkpoint is not tied to: the work folder stands for --out, the fingerprint
 # for the data file and engine by content and identity, and the generate batch changes no token
-_NOT_TRAINING = ("out", "data", "generate_engine", "generate_batch")
+_NOT_TRAINING = ("out", "work", "data", "generate_engine", "generate_batch")
 
 
 def _path_identity(path: Path) -> str:
@@ -245,6 +261,7 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
     """Everything that determines the sequences (and with them the cached hidden states), keyed by
     the flag a user changes, so a difference can be named."""
     from medusa_trt.exporter.models import BUILTIN_MODELS
+    from medusa_trt.training.prompts import pool_digest
 
     cfg = base.model.config
     name = str(base.name)
@@ -253,15 +270,39 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
         "--model": name if builtin else str(Path(name).expanduser().resolve()),
         "model files": f"{type(base.model).__name__} vocab {cfg.vocab_size} hidden {cfg.hidden_size} layers "
                        f"{getattr(cfg, 'num_hidden_layers', '?')}" + ("" if builtin else " " + _sha256(_path_identity(Path(name)).encode())),
-        "--data": f"built-in prompts (--seed {config.seed})" if config.data is None  # a file by content, wherever it lies
+        "--data": f"built-in prompts (--seed {config.seed}, pool {pool_digest()})" if config.data is None  # a file by content, wherever it lies
                   else f"a file with sha256 {_sha256(Path(config.data).read_bytes())}",
         "--teacher-forced": config.teacher_forced,
     }
     if not config.teacher_forced:
         engine = config.generate_engine
         fingerprint |= {"--new-tokens": config.new_tokens, "chat template": config.chat_template,
-                        "--generate-engine": engine and f"{Path(engine).name} ({_sha256(_path_identity(Path(engine)).encode())})"}
+                        "--generate-engine": engine and _engine_labels(engine)}
     return fingerprint
+
+
+def _engine_meta(engine: str):
+    """An ONNX engine's metadata, read from its graph file alone (no weights, no session)."""
+    import onnx
+
+    from medusa_trt.runtime.engine import META_KEY, EngineMeta
+
+    try:
+        props = {p.key: p.value for p in onnx.load(engine, load_external_data=False).metadata_props}
+    except Exception as exc:  # noqa: BLE001 - onnx raises DecodeError, OSError, ... for a file that is not a graph
+        raise TrainError(f"--generate-engine {engine} cannot be read as an ONNX engine ({type(exc).__name__}): export one with medusa-export") from exc
+    if META_KEY not in props:
+        raise TrainError(f"--generate-engine {engine} is not a medusa-trt engine: export one with medusa-export")
+    return EngineMeta.from_json(props[META_KEY], source=engine)
+
+
+def _engine_labels(engine: str) -> str:
+    """What of a generating engine decides its tokens and hidden states: the model and the step
+    graph's arithmetic. Another export of the same model and precision resumes the same data (a
+    faster graph, other batch limits, other heads: plain generation runs no heads)."""
+    meta = _engine_meta(engine)
+    step_quantization = "none" if meta.quantization == "heads-int8" else meta.quantization
+    return f"{meta.model} {meta.architecture} {meta.dtype} quantization {step_quantization}"
 
 
 def _differences(old: dict, new: dict) -> str:
@@ -349,14 +390,32 @@ def _drop_if_empty(config: TrainConfig) -> None:
 # ----------------------------------------------------------------------------- stage 1: sequences
 
 
-def _read_sequences(file: Path) -> list[dict]:
-    """Finished records of ``sequences.jsonl``; an unfinished last line (the run was killed while
-    writing it) is cut off so that appending continues cleanly."""
+class Sample(NamedTuple):
+    """One training sequence: token ids (prompt + the model's continuation), the first labelled
+    index, and where its recorded hidden states lie (a shard of ``hidden/``), if they were."""
+
+    ids: list[int]
+    start: int
+    shard: str | None = None
+    offset: int = 0  # its first row in the shard
+
+
+def _record_key(record: dict, line: int) -> tuple[str, int]:
+    """("prompt", i) for a first turn, ("follow_up", j) for a second; records written before keys
+    existed were one per prompt, in order."""
+    if "follow_up" in record:
+        return "follow_up", record["follow_up"]
+    return "prompt", record.get("prompt", line - 1)
+
+
+def _read_sequences(file: Path) -> dict[tuple[str, int], dict]:
+    """Finished records of ``sequences.jsonl`` by key; an unfinished last line (the run was killed
+    while writing it) is cut off so that appending continues cleanly."""
     if not file.is_file():
-        return []
+        return {}
     raw = file.read_bytes()
     *lines, tail = raw.split(b"\n")  # tail: b"" when the file ends with a newline
-    done = []
+    done = {}
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -365,7 +424,7 @@ def _read_sequences(file: Path) -> list[dict]:
         if not (isinstance(record, dict) and isinstance(record.get("ids"), list) and isinstance(record.get("start"), int)):
             raise TrainError(f"{file} line {number} is not a sequence record (the file is damaged): pass --restart to "
                              "generate the sequences again")
-        done.append(record)
+        done[_record_key(record, number)] = record
     if tail:
         log.warning("%s: dropping its unfinished last record (the run was stopped while writing it)", file)
         with open(file, "r+b") as f:
@@ -373,86 +432,184 @@ def _read_sequences(file: Path) -> list[dict]:
     return done
 
 
-def build_sequences(base, config: TrainConfig) -> list[tuple[list[int], int]]:
-    """(token ids, first labelled index) per sequence, appended to the work folder as they finish."""
+def _sample(record: dict) -> Sample:
+    return Sample(record["ids"], record["start"], record.get("shard"), record.get("offset", 0))
+
+
+def build_sequences(base, config: TrainConfig) -> list[Sample]:
+    """The training sequences, first turns in prompt order then follow-ups; those not generated
+    yet are, each appended to the work folder as it finishes (with its hidden states)."""
     _check_data(base, config)
     prompts = _read_prompts(config)
-    file = config.workdir / SEQUENCES
     tokenizer = base.tokenizer
     if config.teacher_forced:
-        seqs = [(tokenizer(t)["input_ids"], 1) for t in prompts]
-        return [(ids, start) for ids, start in seqs if len(ids) > config.num_heads + 2]
-    done = _read_sequences(file)[: len(prompts)]  # prompts are a prefix of one fixed list: fewer asked, fewer used
-    todo = prompts[len(done):]
+        seqs = [Sample(tokenizer(t)["input_ids"], 1) for t in prompts]
+        return [s for s in seqs if len(s.ids) > config.num_heads + 2]
+    done = _read_sequences(config.workdir / SEQUENCES)
+    keys = [("prompt", i) for i in range(len(prompts))]
+    todo = [(k, text) for k, text in zip(keys, prompts) if k not in done]
     if todo:
-        _generate(base, config, todo, done, len(prompts))
-    return [(r["ids"], r["start"]) for r in done]
+        _generate(base, config, todo, done)
+    follow = [("follow_up", j) for j in range(config.follow_ups) if ("prompt", j) in done]  # a skipped first turn has none
+    todo = [(k, _follow_up(base, done[("prompt", k[1])], prompts[k[1]], k[1])) for k in follow if k not in done]
+    if todo:
+        _generate(base, config, todo, done)
+    return [_sample(done[k]) for k in keys + follow if k in done]
 
 
-def _generate(base, config: TrainConfig, todo: list[str], done: list[dict], total: int) -> None:
-    """Greedy continuations of ``todo``, each batch appended to ``sequences.jsonl`` (and ``done``) as it finishes."""
+def _follow_up(base, first: dict, prompt: str, index: int) -> list[dict]:
+    """The second-turn conversation on first-turn record ``first`` (messages, user last)."""
+    from medusa_trt.training.prompts import follow_up_conversation
+
+    eos = set(base.eos_token_ids)
+    answer = [t for t in first["ids"][first["start"]:] if t not in eos]
+    return follow_up_conversation(prompt, base.tokenizer.decode(answer, skip_special_tokens=True), index)
+
+
+HIDDEN = "hidden"  # work-folder subfolder of the hidden states recorded while generating
+SHARD_SEQUENCES = 64  # sequences per hidden-state shard
+
+
+def _generate(base, config: TrainConfig, todo: list[tuple[tuple[str, int], object]], done: dict) -> None:
+    """Greedy continuations of ``todo`` ((key, prompt text or conversation) pairs), written as they
+    finish: every ``SHARD_SEQUENCES`` a shard of their hidden states (float16), then their records.
+    Plain decoding over ``generate_batch`` rows that refill in waves: on the 2-core CPU, wide plain
+    batches write more tokens per second than drafting does (101 vs 61 tokens/s at 16 rows, whose
+    steps already cost 10 ms a row; drafting pays at one row)."""
     from medusa_trt.exporter.wrapper import MedusaModel
     from medusa_trt.runtime import MedusaRuntime
 
     if config.generate_engine:
-        runtime = MedusaRuntime(config.generate_engine, tree="chain-0")
-        meta = runtime.backend.meta
+        meta = _engine_meta(config.generate_engine)
         if (meta.vocab_size, meta.hidden_size) != (base.model.config.vocab_size, base.model.config.hidden_size):
             raise TrainError(f"--generate-engine {config.generate_engine} was exported from another model ({meta.model})")
+        runtime = MedusaRuntime(config.generate_engine, max_batch=min(config.generate_batch, meta.max_batch)).plain()
     else:
         runtime = MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=GENERATE_CONTEXT)
-    step = runtime.max_batch
     chat = config.chat_template and runtime.is_chat
-    sink = None
-    try:
-        with tqdm(total=total, initial=len(done), desc="self-distillation", unit="prompt", disable=None) as bar:
-            for i in range(0, len(todo), step):
-                batch = [runtime.codec.encode(p, chat=chat) for p in todo[i : i + step]]
-                results = runtime.generate(batch, max_new_tokens=config.new_tokens)
-                if sink is None:  # the work folder appears with the first finished batch
-                    sink = open(_open_workdir(base, config) / SEQUENCES, "a")
-                for ids, result in zip(batch, results):
-                    record = {"ids": ids + result.token_ids, "start": len(ids)}
-                    sink.write(json.dumps(record) + "\n")
-                    done.append(record)
-                sink.flush()
-                bar.update(len(batch))
-    finally:
-        if sink is not None:
-            sink.close()
+    encode = lambda p: runtime.codec.encode(p, chat=chat) if isinstance(p, str) else runtime.codec.encode_chat(p)  # noqa: E731
+    batch = [encode(p) for _, p in todo]
+    room = runtime.max_context - config.new_tokens
+    kept = [(k, ids) for (k, _), ids in zip(todo, batch) if len(ids) <= room]
+    if len(kept) < len(todo):
+        log.warning("%d prompts leave no room for %d new tokens in %d positions: skipped", len(todo) - len(kept), config.new_tokens,
+                    runtime.max_context)
+    work, new_tokens, finished, started = None, 0, 0, time.perf_counter()
+    pending: list[tuple[dict, np.ndarray]] = []
+    with tqdm(total=len(kept), desc="self-distillation", unit="seq", disable=None) as bar:
+        results = runtime.completed([ids for _, ids in kept], max_new_tokens=config.new_tokens, chat_template=False, hidden=True)
+        for i, result in results:
+            (kind, index), ids = kept[i]
+            pending.append(({kind: index, "ids": ids + result.token_ids, "start": len(ids)}, result.hidden))
+            new_tokens, finished = new_tokens + len(result.token_ids), finished + 1
+            bar.update()
+            bar.set_postfix(new_tokens_per_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
+            if len(pending) == SHARD_SEQUENCES or finished == len(kept):
+                work = work or _open_workdir(base, config)  # the work folder appears with the first finished shard
+                _write_shard(work, pending, done)
+                pending = []
+
+
+def _write_shard(work: Path, pending: list[tuple[dict, np.ndarray]], done: dict) -> None:
+    """Hidden states first (a shard named by the records before it: a shard left by a kill before
+    its records were written is overwritten by the next), then the records, then flush."""
+    from safetensors.numpy import save_file
+
+    name = f"{len(done):07d}"
+    folder = work / HIDDEN
+    folder.mkdir(exist_ok=True)
+    rows, offset = [], 0
+    for record, hidden in pending:
+        record |= {"shard": name, "offset": offset}
+        rows.append(hidden.astype(np.float16))
+        offset += len(hidden)
+    tmp = folder / f"{name}.tmp"
+    save_file({"hidden": np.concatenate(rows)}, str(tmp))
+    os.replace(tmp, folder / f"{name}.safetensors")
+    with open(work / SEQUENCES, "a") as sink:
+        for record, _ in pending:
+            sink.write(json.dumps(record) + "\n")
+            done[_record_key(record, 0)] = record
 
 
 # ----------------------------------------------------------------------------- stage 2: cache
 
 
+def _labels(ids: list[int], start: int, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labelled positions P of one sequence (from the prompt's last token), head targets [P, n]
+    and the next token [P] (the base model's own choice, the root the heads will see)."""
+    tokens = torch.tensor(ids)
+    first = max(start - 1, 0)  # position whose next token is the first label
+    positions = torch.arange(first, len(ids) - 1)  # (P,)
+    offsets = positions[:, None] + torch.arange(2, num_heads + 2)[None, :]  # (P, n): head k guesses k+1 past the next
+    targets = torch.where(offsets < len(ids), tokens[offsets.clamp(max=len(ids) - 1)], IGNORE)
+    return positions, targets, tokens[positions + 1]
+
+
 @torch.no_grad()
-def cache_hidden(base, sequences: list[tuple[list[int], int]], config: TrainConfig) -> dict[str, torch.Tensor]:
-    """Hidden states at labelled positions [N, H] with targets [N, n] and a sequence id [N]."""
+def _forward_hidden(base, ids: list[int], head_layer: int | None) -> torch.Tensor:
+    out = base.model.model(torch.tensor(ids)[None], output_hidden_states=head_layer is not None)
+    return (out.last_hidden_state[0] if head_layer is None else out.hidden_states[head_layer + 1][0]).float()  # (L, H)
+
+
+def _recorded_hidden(base, sequences: list[Sample], config: TrainConfig) -> list[torch.Tensor] | None:
+    """Per sequence its recorded hidden states [P, H] (float16), when every sequence has them and
+    they are the heads' input of ``config`` (checked against one forward pass: another head layer
+    or an int8 engine differ); else None."""
+    if not sequences or any(s.shard is None for s in sequences):
+        return None
+    from safetensors.numpy import load_file
+
+    shards: dict[str, torch.Tensor] = {}
+    parts = []
+    for s in sequences:
+        if s.shard not in shards:
+            file = config.workdir / HIDDEN / f"{s.shard}.safetensors"
+            if not file.is_file():
+                log.warning("%s is missing: computing the hidden states again", file)
+                return None
+            shards[s.shard] = torch.from_numpy(load_file(str(file))["hidden"])
+        parts.append(shards[s.shard][s.offset : s.offset + len(s.ids) - max(s.start - 1, 0) - 1])
+    probe = sequences[0]
+    want = _forward_hidden(base, probe.ids, config.head_layer)[max(probe.start - 1, 0) : len(probe.ids) - 1]
+    err = float((parts[0].float() - want).norm() / want.norm().clamp(min=1e-12))
+    if parts[0].shape != want.shape or err > 1e-2:
+        log.warning("the recorded hidden states are not the heads' input of this configuration (relative difference %.3g): "
+                    "computing them again", err)
+        return None
+    return parts
+
+
+@torch.no_grad()
+def cache_hidden(base, sequences: list[Sample], config: TrainConfig) -> dict[str, torch.Tensor]:
+    """Hidden states at labelled positions [N, H] with targets [N, n], the next token [N] and a
+    sequence id [N]: the states recorded while generating where there are, else a forward pass
+    per sequence (saved in the work folder)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    file = config.workdir / CACHE
     key = _sha256(json.dumps([data_fingerprint(base, config), config.head_layer, config.num_heads, sequences]).encode())
+    target_parts, next_parts, seq_parts = [], [], []
+    for s, sample in enumerate(sequences):
+        positions, targets, nxt = _labels(sample.ids, sample.start, config.num_heads)
+        target_parts.append(targets)
+        next_parts.append(nxt)
+        seq_parts.append(torch.full((len(positions),), s))
+    labels = {"targets": torch.cat(target_parts), "next": torch.cat(next_parts), "sequence": torch.cat(seq_parts)}
+    recorded = _recorded_hidden(base, sequences, config)
+    if recorded is not None:
+        return {"hidden": torch.cat(recorded).float()} | labels  # (N, H) float32, as the forward pass gives
+    file = config.workdir / CACHE
     if file.is_file():
         with safe_open(str(file), "pt") as f:
             stored = (f.metadata() or {}).get("key")
         if stored == key:
             return load_file(str(file))
         log.info("%s was computed for other sequences, head layer or heads: computing it again", file)
-    model = base.model
-    hidden_parts, target_parts, seq_parts = [], [], []
-    for s, (ids, start) in enumerate(tqdm(sequences, desc="caching hidden states", unit="seq", disable=None)):
-        tokens = torch.tensor(ids)
-        out = model.model(tokens[None], output_hidden_states=config.head_layer is not None)
-        hidden = out.last_hidden_state[0] if config.head_layer is None else out.hidden_states[config.head_layer + 1][0]
-        first = max(start - 1, 0)  # position whose next token is the first label
-        positions = torch.arange(first, len(ids) - 1)  # (P,)
-        offsets = positions[:, None] + torch.arange(2, config.num_heads + 2)[None, :]  # (P, n): head k guesses k+1 past the next
-        targets = torch.where(offsets < len(ids), tokens[offsets.clamp(max=len(ids) - 1)], IGNORE)
-        hidden_parts.append(hidden[positions].float())
-        target_parts.append(targets)
-        seq_parts.append(torch.full((len(positions),), s))
-    cached = {"hidden": torch.cat(hidden_parts), "targets": torch.cat(target_parts), "sequence": torch.cat(seq_parts)}
+    hidden_parts = []
+    for sample in tqdm(sequences, desc="caching hidden states", unit="seq", disable=None):
+        hidden_parts.append(_forward_hidden(base, sample.ids, config.head_layer)[max(sample.start - 1, 0) : len(sample.ids) - 1])
+    cached = {"hidden": torch.cat(hidden_parts)} | labels
     file = _open_workdir(base, config) / CACHE
     tmp = file.with_suffix(".tmp")
     save_file(cached, str(tmp), metadata={"key": key})
@@ -485,7 +642,7 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     n = targets.shape[1]
     hits1, hitsk, counts = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     for i in range(0, hidden.shape[0], chunk):
-        logits = heads(hidden[i : i + chunk])  # (c, n, V)
+        logits = heads(hidden[i : i + chunk].float())  # (c, n, V)
         t = targets[i : i + chunk]
         valid = t != IGNORE
         top = logits.topk(top_k, dim=-1).indices  # (c, n, k)
@@ -550,7 +707,7 @@ def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = heads(hidden[batch])  # (P, n, V)
+            logits = heads(hidden[batch].float())  # (P, n, V)
         loss, per_head = medusa_loss(logits, targets[batch], config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -572,10 +729,10 @@ def _save_checkpoint(path: Path, heads, optimizer, step, history, config) -> Non
     os.replace(tmp, path)
 
 
-def run(base, config: TrainConfig, *, restart: bool = False) -> dict:
+def run(base, config: TrainConfig, *, restart: bool = False, generate_only: bool = False) -> dict:
     """All stages, resuming from the work folder; writes the heads folder (with train_config.json and
     metrics.json) and returns the metrics. ``restart`` discards work-folder progress made with other
-    settings instead of refusing it."""
+    settings instead of refusing it; ``generate_only`` stops after the sequences (data now, training later)."""
     check_inputs(config)
     check_model(base, config)
     check_workdir(base, config, restart=restart)
@@ -584,6 +741,8 @@ def run(base, config: TrainConfig, *, restart: bool = False) -> dict:
         sequences = build_sequences(base, config)
         if not sequences:
             raise TrainError("no training sequences: give more or longer prompts")
+        if generate_only:
+            return {"sequences": len(sequences), "labelled_positions": sum(len(s.ids) - max(s.start - 1, 0) - 1 for s in sequences)}
         cached = cache_hidden(base, sequences, config)
         heads, metrics = train_heads(base, config, cached)
     except BaseException:
