@@ -22,6 +22,8 @@ def build_parser() -> Parser:
     p.add_argument("--heads", type=int, default=4, help="number of heads")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--shared-lm-head", action="store_true", help="project with the frozen base lm_head (small heads)")
+    p.add_argument("--head-input", default="hidden", choices=["hidden", "hidden+next"],
+                   help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token")
     p.add_argument("--head-layer", type=int, help="decoder layer feeding the heads (default: final hidden state)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_trt.training.train import TrainConfig, check_inputs, run
 
         config = TrainConfig(
-            out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head,
+            out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head, head_input=args.head_input,
             head_layer=args.head_layer, decay=args.decay, data=args.data, teacher_forced=args.teacher_forced,
             num_prompts=args.num_prompts, follow_ups=args.follow_ups, generate_batch=args.generate_batch, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, bf16=args.bf16, work=args.work,

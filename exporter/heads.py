@@ -4,6 +4,13 @@ Head k = L residual blocks ``x + SiLU(W x + b)`` (each block its own weights: th
 implementation's ``[ResBlock(h)] * L`` shares one block L times, a bug not repeated here),
 then a vocabulary projection: the head's own ``Linear(H, V)`` or the base model's ``lm_head``.
 
+Next-token-aware heads (``head_input = "hidden+next"``, format version 2): when the heads run,
+the base model's choice of the next token (the root of the next tree) is already known, so the
+first block of every head also reads its embedding, ``x + SiLU(W [x; rms(e)] + b)`` with ``e``
+the base model's own frozen input embedding of that token (``rms``: scaled to unit RMS, no
+weights). A Medusa head must predict a blend of the branches the next token may take; this
+one knows which was taken (the gap Hydra and EAGLE close). All heads still fire in one call.
+
 Formats read by :func:`load_heads`:
   * ours: ``heads.json`` (:class:`HeadsConfig`) + ``heads.safetensors`` in one folder;
   * FasterDecoding/Medusa: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
@@ -33,7 +40,8 @@ log = logging.getLogger(__name__)
 
 HEADS_CONFIG = "heads.json"
 HEADS_WEIGHTS = "heads.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written for next-token-aware heads; hidden-only heads are still written as version 1
+HEAD_INPUTS = ("hidden", "hidden+next")  # what the heads read: the hidden state | and the next token's embedding
 
 
 class HeadsFormatError(MedusaError):
@@ -53,9 +61,21 @@ class HeadsConfig:
     shared_lm_head: bool  # True: project with the base lm_head (Medusa-2 style), no own weights
     head_layer: int | None = None  # decoder layer whose output feeds the heads; None = final normed hidden
     base_model: str = ""  # informational: what the heads were trained on
+    head_input: str = "hidden"  # one of HEAD_INPUTS
+
+    def __post_init__(self):
+        if self.head_input not in HEAD_INPUTS:
+            raise HeadsFormatError(f"head_input {self.head_input!r} is not one of {', '.join(HEAD_INPUTS)}")
+
+    @property
+    def reads_next(self) -> bool:
+        return self.head_input == "hidden+next"
 
     def to_json(self) -> str:
-        return json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}, indent=2)
+        fields = dataclasses.asdict(self)
+        if not self.reads_next:  # readable by version-1 loaders, as before
+            fields.pop("head_input")
+        return json.dumps({"format_version": FORMAT_VERSION if self.reads_next else 1, **fields}, indent=2)
 
 
 class ResBlock(nn.Module):
@@ -68,27 +88,53 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+class NextBlock(nn.Module):
+    """The first block of a next-token-aware head: ``x + SiLU(W [x; rms(e)] + b)``."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(2 * hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(torch.cat([x, e], dim=-1)))
+
+
+def unit_rms(e: torch.Tensor) -> torch.Tensor:
+    """``e`` scaled to unit root-mean-square over its last axis (an RMSNorm without weights)."""
+    return e * torch.rsqrt(e.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(e.dtype)
+
+
 class MedusaHeads(nn.Module):
-    """``forward(hidden [..., H]) -> logits [..., n, V]``.
+    """``forward(hidden [..., H], next_ids [...] | None) -> logits [..., n, V]``; ``next_ids`` (the
+    base model's next token at each hidden state) only for heads that read it.
 
     State-dict keys follow the FasterDecoding layout under ``heads.``: ``heads.{k}.{l}.linear.*``
-    for the blocks and ``heads.{k}.{L}.weight`` for an own projection. A shared ``lm_head`` is held
-    outside the module tree (it belongs to the base model and is neither saved nor trained here).
+    for the blocks and ``heads.{k}.{L}.weight`` for an own projection. A shared ``lm_head`` and the
+    input embedding are held outside the module tree (they belong to the base model and are
+    neither saved nor trained here).
     """
 
-    def __init__(self, config: HeadsConfig, lm_head: nn.Module | None = None):
+    def __init__(self, config: HeadsConfig, lm_head: nn.Module | None = None, embed: nn.Module | None = None):
         super().__init__()
         if config.shared_lm_head and lm_head is None:
             raise HeadsMismatchError("these heads share the base model's lm_head: pass it as lm_head=")
+        if config.reads_next and embed is None:
+            raise HeadsMismatchError("these heads read the next token's embedding: pass the base model's input embedding as embed=")
+        if config.reads_next and config.num_layers < 1:
+            raise HeadsFormatError("next-token-aware heads need at least one block (num_layers >= 1)")
         self.config = config
         heads = []
         for _ in range(config.num_heads):
             blocks: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
+            if config.reads_next:
+                blocks[0] = NextBlock(config.hidden_size)
             if not config.shared_lm_head:
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-            heads.append(nn.Sequential(*blocks))
+            heads.append(nn.ModuleList(blocks))
         self.heads = nn.ModuleList(heads)
         self._shared = (lm_head,) if config.shared_lm_head else None  # tuple: not registered as a child
+        self._embed = (embed,) if config.reads_next else None
 
     def project(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Vocabulary logits of head k's block output x [..., H] -> [..., V]."""
@@ -96,28 +142,43 @@ class MedusaHeads(nn.Module):
             return self._shared[0](x)
         return self.heads[k][-1](x)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def blocks(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Every head's block output before the projection: (..., n, H)."""
+        if self._embed is not None:
+            if next_ids is None:
+                raise HeadsMismatchError("these heads read the next token: pass next_ids")
+            e = unit_rms(self._embed[0](next_ids)).to(hidden.dtype)  # (..., H)
+        outs = []
+        for head in self.heads:
+            x = hidden
+            for block in head[: self.config.num_layers]:
+                x = block(x, e) if isinstance(block, NextBlock) else block(x)
+            outs.append(x)
+        return torch.stack(outs, dim=-2)  # (..., n, H)
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None) -> torch.Tensor:
+        blocks = self.blocks(hidden, next_ids)  # (..., n, H)
         if self._shared is not None:
             # one projection for all heads: the (large) lm_head is read once per call, and an
             # exported graph holds it once
-            blocks = torch.stack([head(hidden) for head in self.heads], dim=-2)  # (..., n, H)
             return self._shared[0](blocks)  # (..., n, V)
-        outs = [self.project(head[:-1](hidden), k) for k, head in enumerate(self.heads)]  # each (..., V)
-        return torch.stack(outs, dim=-2)  # (..., n, V)
+        return torch.stack([self.project(blocks[..., k, :], k) for k in range(len(self.heads))], dim=-2)  # (..., n, V)
 
 
-def init_heads(config: HeadsConfig, lm_head: nn.Linear | None, *, seed: int = 0, random: bool = False) -> MedusaHeads:
+def init_heads(config: HeadsConfig, lm_head: nn.Linear | None, *, seed: int = 0, random: bool = False,
+               embed: nn.Module | None = None) -> MedusaHeads:
     """Heads ready to train: blocks start as the identity (zero weights) and an own projection
     starts as a copy of the base lm_head, as in the Medusa paper. ``random=True`` gives random
-    blocks instead (tests: whatever the heads propose, greedy output must stay identical)."""
+    blocks instead (tests: whatever the heads propose, greedy output must stay identical).
+    ``embed``: the base model's input embedding, for next-token-aware heads."""
     gen = torch.Generator().manual_seed(seed)
-    heads = MedusaHeads(config, lm_head)
+    heads = MedusaHeads(config, lm_head, embed)
     with torch.no_grad():
         for head in heads.heads:
             for block in head:
-                if isinstance(block, ResBlock):
+                if isinstance(block, (ResBlock, NextBlock)):
                     if random:
-                        block.linear.weight.normal_(0.0, config.hidden_size**-0.5, generator=gen)
+                        block.linear.weight.normal_(0.0, block.linear.in_features**-0.5, generator=gen)
                         block.linear.bias.normal_(0.0, 0.02, generator=gen)
                     else:
                         block.linear.weight.zero_()
@@ -237,10 +298,12 @@ def load_heads(
     lm_head: nn.Module | None,
     num_decoder_layers: int | None = None,
     head_layer: int | None = None,
+    embed: nn.Module | None = None,
 ) -> MedusaHeads:
-    """Load heads (ours or FasterDecoding) and check them against the base model first.
+    """Load heads (ours, version 1 or 2, or FasterDecoding) and check them against the base model first.
 
     ``head_layer`` overrides where heads attach (FasterDecoding checkpoints don't say: final hidden).
+    ``embed``: the base model's input embedding, needed by next-token-aware heads.
     """
     folder = Path(path)
     if not folder.exists():
@@ -249,7 +312,9 @@ def load_heads(
         folder = folder.parent
     if (folder / HEADS_CONFIG).is_file():
         raw = _read_json(folder / HEADS_CONFIG)
-        raw.pop("format_version", None)
+        version = raw.pop("format_version", 1)
+        if version not in (1, 2):
+            raise HeadsFormatError(f"{folder / HEADS_CONFIG} has format version {version}; this medusa-trt reads 1 and 2: upgrade it")
         try:
             config = HeadsConfig(**raw)
         except TypeError as exc:
@@ -270,7 +335,7 @@ def load_heads(
     if head_layer is not None:
         config = dataclasses.replace(config, head_layer=head_layer)
     _check_fit(config, hidden_size, vocab_size, num_decoder_layers)
-    heads = MedusaHeads(config, lm_head if config.shared_lm_head else None)
+    heads = MedusaHeads(config, lm_head if config.shared_lm_head else None, embed if config.reads_next else None)
     expected = {k.removeprefix("heads."): v.shape for k, v in heads.state_dict().items()}
     got = {k: v.shape for k, v in state.items()}
     if expected != got:

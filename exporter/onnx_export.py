@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
-from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
@@ -173,9 +173,12 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
     graph = HeadsGraph(model.heads, tree.top_k).eval()
     hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
+    inputs, names, dynamic = (hidden,), ["hidden"], ({0: batch},)
+    if model.heads.config.reads_next:  # next-token-aware heads: the next tree's root as a second input
+        inputs, names, dynamic = (hidden, torch.tensor([1, 2], device=model.device)), ["hidden", NEXT_INPUT], ({0: batch}, {0: batch})
     return torch.onnx.export(
-        graph, (hidden,), dynamo=True, dynamic_shapes=({0: batch},), opset_version=config.opset,
-        input_names=["hidden"], output_names=["head_topk", "head_logits"], verbose=False,
+        graph, inputs, dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
+        input_names=names, output_names=["head_topk", "head_logits"], verbose=False,
     )
 
 
@@ -189,7 +192,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
         is_chat=bool(model.is_chat), quantization=config.quantize or "none", attention=config.attention,
-        successors=min(config.successors, model.vocab_size),
+        successors=min(config.successors, model.vocab_size), head_input=model.head_input,
     )
 
 

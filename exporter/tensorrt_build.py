@@ -41,6 +41,7 @@ from pathlib import Path
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
+from medusa_trt.runtime.contract import NEXT_INPUT
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 
@@ -122,8 +123,11 @@ def step_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
 
 
 def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
-    """The heads engine's profile: one hidden state per sequence."""
-    return {"hidden": ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
+    """The heads engine's profile: one hidden state per sequence (and its next token, for heads that read it)."""
+    profile = {"hidden": ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
+    if meta.head_input == "hidden+next":
+        profile[NEXT_INPUT] = ShapeRange((1,), (meta.max_batch,), (meta.max_batch,))
+    return profile
 
 
 def check_precision(precision: str, capability: tuple[int, int], tensorrt_version: str) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.contract import STEP_OUTPUTS
+from medusa_trt.runtime.contract import NEXT_INPUT, STEP_OUTPUTS
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.runtime.tree import CompiledTree
 
@@ -83,8 +83,12 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     if model.num_heads:
         heads = ort.InferenceSession(str(files.heads), providers=["CPUExecutionProvider"])
         hidden = ours["hidden"][:, 0]
-        head_topk, head_logits = heads.run(None, {"hidden": np.ascontiguousarray(hidden)})
-        diffs["head logits"] = _diff(model.propose(torch.from_numpy(hidden).to(device)), head_logits)
+        feeds = {"hidden": np.ascontiguousarray(hidden)}
+        roots = ours["next_ids"][:, 0].astype(np.int64)  # (2,) what follows node 0: the next tree's root
+        if model.head_input == "hidden+next":
+            feeds[NEXT_INPUT] = roots
+        head_topk, head_logits = heads.run(None, feeds)
+        diffs["head logits"] = _diff(model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device)), head_logits)
     worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     if strict and worst > tolerance:

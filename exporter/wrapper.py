@@ -179,22 +179,28 @@ class MedusaModel(nn.Module):
         new_value = torch.stack(kv.new_value).permute(3, 0, 1, 2, 4)
         return logits, hidden, logits.argmax(dim=-1), new_key.contiguous(), new_value.contiguous()
 
-    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Head logits [B, n, V] for one hidden state per sequence [B, H]."""
+    @property
+    def head_input(self) -> str:
+        return self.heads.config.head_input if self.heads is not None else "hidden"
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
+        """Head logits [B, n, V] for one hidden state per sequence [B, H]; ``roots`` [B] int64, the
+        token chosen after it, for next-token-aware heads."""
         if self.heads is None:
             raise ValueError("this model has no Medusa heads: load heads or use the tree chain-0")
-        return self.heads(hidden)
+        return self.heads(hidden, roots if self.heads.config.reads_next else None)
 
 
 class HeadsGraph(nn.Module):
-    """The heads call as its own graph: hidden [B, H] -> (top-k ids [B, n, K], logits fp32 [B, n, V])."""
+    """The heads call as its own graph: hidden [B, H] (and root_ids [B] for next-token-aware heads)
+    -> (top-k ids [B, n, K], logits fp32 [B, n, V])."""
 
     def __init__(self, heads: MedusaHeads, top_k: int):
         super().__init__()
         self.heads, self.top_k = heads, top_k
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.heads(hidden).float()  # (B, n, V)
+    def forward(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.heads(hidden, root_ids).float()  # (B, n, V)
         return logits.topk(self.top_k, dim=-1).indices, logits
 
 
@@ -223,6 +229,7 @@ def load_medusa(
             lm_head=base.model.lm_head,
             num_decoder_layers=cfg.num_hidden_layers,
             head_layer=head_layer,
+            embed=base.model.get_input_embeddings(),
         )
     elif heads is None and untrained_heads:
         config = HeadsConfig(untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=head_layer)

@@ -16,6 +16,7 @@ STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
 SUCCESSORS_OUTPUT = "next_topk"  # optional (B, W, k) int64: the base model's top-k after each node (engines since successors)
 DEFAULT_SUCCESSORS = 8  # its k unless medusa-export --successors says otherwise
 HEADS_INPUTS = ("hidden",)
+NEXT_INPUT = "root_ids"  # int64 (B,): the next token, a second input of next-token-aware heads' graphs
 HEADS_OUTPUTS = ("head_topk", "head_logits")
 
 
@@ -78,6 +79,7 @@ class Backend(Protocol):
         """Move cache rows ``rows[i]`` to row i when the step's row count changes."""
         ...
 
-    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
-        """The heads at node ``nodes[b]`` of the last step, for every row."""
+    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """The heads at node ``nodes[b]`` of the last step, for every row; ``roots`` (B,) int64, the
+        token chosen after that node (the next tree's root), is what next-token-aware heads read."""
         ...

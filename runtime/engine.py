@@ -49,6 +49,7 @@ class EngineMeta:
     quantization: str = "none"  # none | int8 (dynamic, weight matmuls) | heads-int8 (the heads graph only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     successors: int = 0  # k of the step graph's next_topk output (0: engines exported before it)
+    head_input: str = "hidden"  # what the heads graph reads: "hidden", or "hidden+next" (also root_ids, the next token)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -340,7 +340,8 @@ class Scheduler:
         sampling draws without replacement from each head's warped distribution q_d
         (``walk.draws[d]`` of them, placed by rank)."""
         tree, walk = self.tree, self.rt._walk
-        proposals = self.backend.propose(nodes, tree.top_k)
+        roots = np.array([s.root if s is not None else 0 for s in self.rows], dtype=np.int64)  # (B,) next trees' roots
+        proposals = self.backend.propose(nodes, tree.top_k, roots)
         ids = proposals.ids[:, : tree.depth_max]  # (B, D, K)
         head_logits = None
         for b in np.flatnonzero(which):

@@ -62,6 +62,22 @@ def stories_prompts(stories_base):
 
 
 @pytest.fixture(scope="session")
+def stories_next_aware(stories_base, tmp_path_factory):
+    """Next-token-aware heads trained (a few seconds) on the model's own continuations of story openings."""
+    from medusa_trt.training.train import TrainConfig, build_sequences, cache_hidden, train_heads
+
+    work = tmp_path_factory.mktemp("next-aware")
+    prompts = work / "openings.txt"
+    prompts.write_text("\n".join(["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
+                                  "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day",
+                                  "Once upon a time", "One day", "The dog was happy", "Lily went to the park"]))
+    config = TrainConfig(out=str(work / "heads"), data=str(prompts), num_prompts=14, new_tokens=96, epochs=20, batch_size=128, lr=1e-2,
+                         warmup_steps=2, holdout=0.0, head_input="hidden+next", generate_batch=4, checkpoint_every=1000)
+    heads, _ = train_heads(stories_base, config, cache_hidden(stories_base, build_sequences(stories_base, config), config))
+    return heads.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
 def stories_fitted(stories_base):
     train = ["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
              "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day"]

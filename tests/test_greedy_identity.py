@@ -50,6 +50,17 @@ def test_stories260k(stories_base, stories_prompts, stories_fitted, export_engin
 
 
 @pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("tree", ["chain-4", "mc_sim_7b_63", "custom"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_next_token_aware_heads(stories_base, stories_prompts, stories_next_aware, export_engine, backend, tree, batch):
+    """Heads that read the next token (format version 2): identical tokens, and drafts that land."""
+    engine = _engine(backend, export_engine, "stories-next-aware", medusa_model(stories_base, stories_next_aware))
+    results = _check(stories_base, engine, stories_prompts, _tree(tree), batch, 48)
+    accepted = [a for r in results for a in r.stats.accepted_per_step]
+    assert max(accepted) >= 3, accepted
+
+
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("tree", list(TREES_UNDER_TEST))
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -375,3 +375,65 @@ def test_failed_save_keeps_the_previous_heads_and_leaves_no_temp_folder(tmp_path
     x = hidden(3)
     with torch.no_grad():
         torch.testing.assert_close(load(folder)(x), old(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- next-token-aware heads (format version 2)
+
+
+def make_embed(seed: int = 3) -> nn.Embedding:
+    torch.manual_seed(seed)
+    return nn.Embedding(V, H)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_proj", "shared_lm_head"])
+def test_next_aware_heads_read_the_next_token_by_hand(shared):
+    lm_head, embed = make_lm_head(), make_embed()
+    heads = init_heads(config(num_heads=2, num_layers=2, shared=shared, head_input="hidden+next"), lm_head, random=True, embed=embed)
+    x, nxt = hidden(5), torch.tensor([0, 3, 3, 9, 31])
+    with torch.no_grad():
+        out = heads(x, nxt)  # (5, n, V)
+        e = embed(nxt)
+        e = e / e.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        for k, head in enumerate(heads.heads):
+            first, second = head[0], head[1]
+            y = x + F.silu(torch.cat([x, e], -1) @ first.linear.weight.T + first.linear.bias)
+            y = y + F.silu(y @ second.linear.weight.T + second.linear.bias)
+            proj = lm_head.weight if shared else head[-1].weight
+            torch.testing.assert_close(out[:, k], y @ proj.T, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(heads(x, torch.full((5,), 1)), out)  # another next token, other guesses
+    with pytest.raises(HeadsMismatchError, match="pass next_ids"):
+        heads(x)
+    with pytest.raises(HeadsMismatchError, match="embed="):
+        MedusaHeads(config(head_input="hidden+next"), lm_head)
+
+
+def test_untrained_next_aware_heads_start_as_medusa_heads():
+    """Zero-initialised blocks ignore the next token at first: training starts from a Medusa head."""
+    lm_head, embed = make_lm_head(), make_embed()
+    plain = init_heads(config(), lm_head)
+    aware = init_heads(config(head_input="hidden+next"), lm_head, embed=embed)
+    x = hidden(4)
+    with torch.no_grad():
+        torch.testing.assert_close(aware(x, torch.tensor([1, 2, 3, 4])), plain(x))
+
+
+def test_version_2_round_trip_and_version_1_unchanged(tmp_path):
+    lm_head, embed = make_lm_head(), make_embed()
+    aware = init_heads(config(head_input="hidden+next"), lm_head, random=True, embed=embed)
+    folder = save_heads(aware, tmp_path / "aware")
+    raw = json.loads((folder / "heads.json").read_text())
+    assert raw["format_version"] == 2 and raw["head_input"] == "hidden+next"
+    back = load(folder, lm_head, embed=embed)
+    x, nxt = hidden(3), torch.tensor([4, 5, 6])
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, nxt), aware(x, nxt), rtol=0, atol=0)
+    with pytest.raises(HeadsMismatchError, match="embed="):
+        load(folder, lm_head)
+    plain = save_heads(init_heads(config(), lm_head, random=True), tmp_path / "plain")
+    raw = json.loads((plain / "heads.json").read_text())
+    assert raw["format_version"] == 1 and "head_input" not in raw  # hidden-only heads stay readable by version-1 readers
+    assert load(plain, lm_head).config.head_input == "hidden"
+    raw["format_version"] = 3
+    (plain / "heads.json").write_text(json.dumps(raw))
+    with pytest.raises(HeadsFormatError, match="format version 3"):
+        load(plain, lm_head)

@@ -262,3 +262,21 @@ def test_int8_heads_sample_the_same_tokens_solo_and_batched(heads_int8_random):
     for prompt, row in zip(prompts, together):
         solo = runtime.generate(prompt, max_new_tokens=24, temperature=0.7, seed=1)
         assert solo.token_ids == row.token_ids, prompt
+
+
+def test_next_token_aware_heads_export_with_root_ids_and_int8(export_engine, stories_base, stories_next_aware):
+    """The heads graph of next-token-aware heads takes root_ids; ONNX Runtime's heads match torch's
+    (export verification), and heads-int8 keeps every token of the fp32 engine."""
+    import onnx
+
+    fp32 = export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware))
+    int8 = export_engine("stories-next-aware-int8", medusa_model(stories_base, stories_next_aware), quantize="heads-int8")
+    for engine in (fp32, int8):
+        assert read_meta(engine).head_input == "hidden+next"
+        inputs = [i.name for i in onnx.load(str(EngineFiles.beside(engine).heads)).graph.input]
+        assert inputs == ["hidden", "root_ids"]
+    prompts = ["Once upon a time", "Tim had a red ball", "The sun was hot and"]
+    reference = MedusaRuntime(fp32).generate(prompts, max_new_tokens=24)
+    quantized = MedusaRuntime(int8).generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in quantized] == [r.token_ids for r in reference]
+    assert max(r.stats.mean_accepted for r in quantized) > 1.0

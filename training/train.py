@@ -74,6 +74,7 @@ class TrainConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     shared_lm_head: bool = False  # project with the frozen base lm_head (a few MB of heads) instead of own projections
+    head_input: str = "hidden"  # "hidden+next": next-token-aware heads (they also read the next token's embedding)
     head_layer: int | None = None  # decoder layer feeding the heads; None: final hidden state
     decay: float = 0.8  # weight of head k is decay^k: far heads matter less and are harder
     data: str | None = None  # prompts file (.jsonl with turns[0]/prompt/text, or .txt, one per line); None: built-in prompts
@@ -114,6 +115,10 @@ class TrainConfig:
             raise TrainError(f"holdout {self.holdout} must be in [0, 1): the fraction of sequences kept for the accuracy report")
         if self.teacher_forced and self.data is None:
             raise TrainError("--teacher-forced needs --data: a corpus whose own tokens are the labels")
+        from medusa_trt.exporter.heads import HEAD_INPUTS
+
+        if self.head_input not in HEAD_INPUTS:
+            raise TrainError(f"--head-input {self.head_input} is not one of {', '.join(HEAD_INPUTS)}")
         if self.follow_ups > self.num_prompts:
             raise TrainError(f"--follow-ups {self.follow_ups} exceeds --num-prompts {self.num_prompts}: each follow-up "
                              "continues one first-turn conversation; pass at most that many")
@@ -588,7 +593,7 @@ def cache_hidden(base, sequences: list[Sample], config: TrainConfig) -> dict[str
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    key = _sha256(json.dumps([data_fingerprint(base, config), config.head_layer, config.num_heads, sequences]).encode())
+    key = _sha256(json.dumps(["next", data_fingerprint(base, config), config.head_layer, config.num_heads, sequences]).encode())
     target_parts, next_parts, seq_parts = [], [], []
     for s, sample in enumerate(sequences):
         positions, targets, nxt = _labels(sample.ids, sample.start, config.num_heads)
@@ -637,12 +642,15 @@ def _split(cached: dict[str, torch.Tensor], config: TrainConfig) -> tuple[torch.
 
 
 @torch.no_grad()
-def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 5, chunk: int = 512) -> dict[str, list[float]]:
-    """Top-1 and top-k accuracy per head on (hidden [N, H], targets [N, n])."""
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 5, chunk: int = 512,
+                  next_ids: torch.Tensor | None = None) -> dict[str, list[float]]:
+    """Top-1 and top-k accuracy per head on (hidden [N, H], targets [N, n]); ``next_ids`` [N]
+    (the next token at each position) for heads that read it."""
     n = targets.shape[1]
     hits1, hitsk, counts = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     for i in range(0, hidden.shape[0], chunk):
-        logits = heads(hidden[i : i + chunk].float())  # (c, n, V)
+        nxt = next_ids[i : i + chunk] if heads.config.reads_next else None
+        logits = heads(hidden[i : i + chunk].float(), nxt)  # (c, n, V)
         t = targets[i : i + chunk]
         valid = t != IGNORE
         top = logits.topk(top_k, dim=-1).indices  # (c, n, k)
@@ -659,8 +667,8 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
     cfg = base.model.config
     heads_config = HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=cfg.hidden_size,
                                vocab_size=cfg.vocab_size, shared_lm_head=config.shared_lm_head, head_layer=config.head_layer,
-                               base_model=getattr(base, "name", ""))
-    heads = init_heads(heads_config, base.model.lm_head, seed=config.seed)
+                               base_model=getattr(base, "name", ""), head_input=config.head_input)
+    heads = init_heads(heads_config, base.model.lm_head, seed=config.seed, embed=base.model.get_input_embeddings())
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     train_idx, held_idx = _split(cached, config)
@@ -679,11 +687,11 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
         log.info("resuming from step %d of %d", step, total)
-    hidden, targets = cached["hidden"], cached["targets"]
+    hidden, targets, next_ids = cached["hidden"], cached["targets"], cached["next"]
     heads.train()
     with tqdm(total=total, initial=step, desc="training heads", unit="step", disable=None) as bar:
         try:
-            step = _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch, total, step, history, bar, stop_after)
+            step = _steps(heads, optimizer, config, hidden, targets, next_ids, train_idx, steps_per_epoch, total, step, history, bar, stop_after)
         except KeyboardInterrupt:  # keep every finished step: the next run continues from here
             _save_checkpoint(checkpoint, heads, optimizer, step, history, config)
             raise
@@ -693,11 +701,11 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
     metrics = {"steps": step, "total_steps": total, "loss_first": history[:5], "loss_last": history[-5:],
                "train_positions": len(train_idx), "holdout_positions": len(held_idx)}
     if len(held_idx):
-        metrics["holdout"] = head_accuracy(heads, hidden[held_idx], targets[held_idx])
+        metrics["holdout"] = head_accuracy(heads, hidden[held_idx], targets[held_idx], next_ids=next_ids[held_idx])
     return heads, metrics
 
 
-def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch, total, step, history, bar, stop_after) -> int:
+def _steps(heads, optimizer, config, hidden, targets, next_ids, train_idx, steps_per_epoch, total, step, history, bar, stop_after) -> int:
     """Optimizer steps from ``step`` on; the batch order depends only on (seed, epoch)."""
     checkpoint = config.workdir / CHECKPOINT
     while step < total and (stop_after is None or step < stop_after):
@@ -707,7 +715,7 @@ def _steps(heads, optimizer, config, hidden, targets, train_idx, steps_per_epoch
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = heads(hidden[batch].float())  # (P, n, V)
+            logits = heads(hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None)  # (P, n, V)
         loss, per_head = medusa_loss(logits, targets[batch], config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

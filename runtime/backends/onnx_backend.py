@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.contract import NEXT_INPUT, STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -67,6 +67,10 @@ class OnnxBackend:
             if heads_meta != meta:
                 raise EngineError(f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
                                   "keep the files of one export together or export again")
+            inputs = {i.name for i in self.heads_session.get_inputs()}
+            if (NEXT_INPUT in inputs) != (meta.head_input == "hidden+next"):
+                raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read "
+                                  f"{meta.head_input}: export again")
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
         if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
             raise EngineError(
@@ -171,8 +175,9 @@ class OnnxBackend:
         key[dst, :, rows] = self._views["new_key"][src, :, rows]
         value[dst, :, rows] = self._views["new_value"][src, :, rows]
 
-    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views."""
+    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views;
+        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         meta = self.meta
         if top_k > meta.top_k:
             raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
@@ -182,6 +187,10 @@ class OnnxBackend:
         head_logits = self._head_logits[: batch * meta.num_heads * meta.vocab_size].reshape(batch, meta.num_heads, meta.vocab_size)
         io = self.heads_session.io_binding()
         io.bind_cpu_input("hidden", hidden)
+        if meta.head_input == "hidden+next":
+            if roots is None:
+                raise EngineError("these heads read the next token: pass roots to propose")
+            io.bind_cpu_input(NEXT_INPUT, np.ascontiguousarray(roots, dtype=np.int64))
         io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
         io.bind_output("head_logits", "cpu", 0, np.float32, list(head_logits.shape), head_logits.ctypes.data)
         self.heads_session.run_with_iobinding(io)

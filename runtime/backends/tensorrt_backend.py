@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import HEADS_OUTPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.contract import HEADS_OUTPUTS, NEXT_INPUT, STEP_OUTPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -179,7 +179,8 @@ class TensorRTBackend:
         if meta.num_heads:
             if not files.heads.is_file():
                 raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again")
-            self.heads_engine = _Engine(trt, self._runtime, files.heads, {"hidden": (batch, meta.hidden_size)}, HEADS_OUTPUTS, self.stream)
+            heads_inputs = {"hidden": (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.head_input == "hidden+next" else {})
+            self.heads_engine = _Engine(trt, self._runtime, files.heads, heads_inputs, HEADS_OUTPUTS, self.stream)
         step = self.step_engine
         self._staging = {  # pinned host copies of the per-step inputs and of the ids the host reads back
             name: torch.empty(step.buffers[name].numel(), dtype=step.buffers[name].dtype, pin_memory=True)
@@ -188,6 +189,8 @@ class TensorRTBackend:
         if self.heads_engine is not None:
             topk = self.heads_engine.buffers["head_topk"]
             self._staging["head_topk"] = torch.empty(topk.numel(), dtype=topk.dtype, pin_memory=True)
+            if NEXT_INPUT in self.heads_engine.inputs:
+                self._staging[NEXT_INPUT] = torch.empty(batch, dtype=torch.int64, pin_memory=True)
         width = batch * tokens  # most entries one commit copies
         self._index_host = torch.empty(3 * width, dtype=torch.int64, pin_memory=True)  # commit's (rows, src, dst)
         self._index = torch.empty(3 * width, dtype=torch.int64, device="cuda")
@@ -308,8 +311,9 @@ class TensorRTBackend:
             key[dst_d, :, rows_d] = new_key[src_d, :, rows_d]  # (N, layers, Hkv, D)
             value[dst_d, :, rows_d] = new_value[src_d, :, rows_d]
 
-    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host."""
+    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
+        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         import torch
 
         meta = self.meta
@@ -325,7 +329,15 @@ class TensorRTBackend:
             index.copy_(self._nodes_host[:batch], non_blocking=True)
             hidden = self.step_engine.view("hidden", self.step_engine.shapes["hidden"])  # (B, T, H)
             heads.view("hidden", (batch, meta.hidden_size)).copy_(hidden[self._rows[:batch], index])  # (B, H)
-            heads.run({"hidden": (batch, meta.hidden_size)})
+            shapes = {"hidden": (batch, meta.hidden_size)}
+            if NEXT_INPUT in heads.inputs:
+                if roots is None:
+                    raise EngineError("these heads read the next token: pass roots to propose")
+                staged = self._staging[NEXT_INPUT][:batch]
+                np.copyto(staged.numpy(), np.asarray(roots, dtype=np.int64))
+                heads.view(NEXT_INPUT, (batch,)).copy_(staged, non_blocking=True)
+                shapes[NEXT_INPUT] = (batch,)
+            heads.run(shapes)
             topk = heads.view("head_topk", heads.shapes["head_topk"])  # (B, n, K)
             ids = self._download("head_topk", topk)[:, :, :top_k]
         return Proposals(ids, self._head_logits)

@@ -82,10 +82,11 @@ class TorchBackend:
         self.cache_value[dst, :, rows] = self._new_value[src, :, rows]
 
     @torch.inference_mode()
-    def propose(self, nodes: np.ndarray, top_k: int) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host."""
+    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
+        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         rows = torch.arange(nodes.shape[0], device=self.device)
         hidden = self._hidden[rows, self._tensor(nodes)]  # (B, H)
-        logits = self.model.propose(hidden)  # (B, n, V)
+        logits = self.model.propose(hidden, None if roots is None else self._tensor(np.asarray(roots, dtype=np.int64)))  # (B, n, V)
         ids = logits.topk(top_k, dim=-1).indices.cpu().numpy()  # host sync: drafting gathers on the host
         return Proposals(ids, lambda: self._host(logits))
