@@ -63,8 +63,10 @@ class EngineMeta:
         version = raw.get("format_version")
         if version != FORMAT_VERSION:
             raise EngineError(f"{source}: engine format version {version}, this runtime reads {FORMAT_VERSION}: export it again")
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(raw) - {"quantization", "attention", "successors"}
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        optional = {f.name for f in fields if f.default is not dataclasses.MISSING}  # added later, with a default for older engines
+        missing = names - set(raw) - optional
         if missing:
             raise EngineError(f"{source}: engine metadata lacks {sorted(missing)}: export it again")
         return cls(**{k: v for k, v in raw.items() if k in names})

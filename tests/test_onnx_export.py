@@ -280,3 +280,23 @@ def test_next_token_aware_heads_export_with_root_ids_and_int8(export_engine, sto
     quantized = MedusaRuntime(int8).generate(prompts, max_new_tokens=24)
     assert [r.token_ids for r in quantized] == [r.token_ids for r in reference]
     assert max(r.stats.mean_accepted for r in quantized) > 1.0
+
+
+def test_metadata_of_older_engines_loads_with_the_defaults_of_later_fields():
+    """Fields added since an engine was exported (quantization, attention, successors, head_input)
+    take their defaults; a field every engine has is still required."""
+    import dataclasses
+    import json
+
+    from medusa_trt.runtime.engine import FORMAT_VERSION, EngineError, EngineMeta
+
+    meta = EngineMeta(format_version=FORMAT_VERSION, model="m", architecture="llama", dtype="fp32", vocab_size=8, hidden_size=4,
+                      num_layers=1, num_kv_heads=1, head_dim=4, num_heads=2, top_k=1, tree=[[0]], tree_name="chain-1", max_batch=1,
+                      max_context=8, max_tokens=4, eos_token_ids=[], is_chat=False)
+    raw = dataclasses.asdict(meta)
+    for later in ("quantization", "attention", "successors", "head_input"):
+        raw.pop(later)
+    assert EngineMeta.from_json(json.dumps(raw), source="old.onnx") == meta
+    raw.pop("top_k")
+    with pytest.raises(EngineError, match=r"lacks \['top_k'\]: export it again"):
+        EngineMeta.from_json(json.dumps(raw), source="old.onnx")
