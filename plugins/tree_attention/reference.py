@@ -38,12 +38,17 @@ def tree_attention(
     bias: torch.Tensor,  # [B, 1, T, S+T] from visibility_bias
     scale: float,
 ) -> torch.Tensor:
-    """Returns the attention output [B, Hq, T, D]."""
-    groups = query.shape[1] // key.shape[1]
+    """Returns the attention output [B, Hq, T, D].
+
+    Grouped-query attention without copying the cache per query head: the G = Hq / Hkv query heads
+    of one KV head are stacked along the query axis, (B, Hq, T, D) -> (B, Hkv, G*T, D), so every
+    query meets its KV head by broadcasting (the exported graph holds no Expand of the cache)."""
+    batch, hq, t, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
     keys = torch.cat([past_key, key], dim=2)  # (B, Hkv, S+T, D)
     values = torch.cat([past_value, value], dim=2)  # (B, Hkv, S+T, D)
-    if groups > 1:
-        # (B, Hkv, S+T, D) -> (B, Hq, S+T, D); explicit so every exporter sees plain ops
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias.to(query.dtype), scale=scale)
+    q = query.reshape(batch, hkv, groups * t, d)  # head h = kv * G + g -> row g * T + i of KV head kv
+    mask = bias.to(query.dtype).expand(batch, groups, t, bias.shape[-1]).reshape(batch, 1, groups * t, bias.shape[-1])  # (B, 1, G*T, S+T)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # (B, Hkv, G*T, D)
+    return out.reshape(batch, hq, t, d)
