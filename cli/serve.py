@@ -70,7 +70,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.serve")
@@ -720,7 +720,10 @@ def build_repo_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", required=True, help="an exported .onnx or .plan engine (named by absolute path, not copied)")
     p.add_argument("--out", required=True, help="the model repository folder (created; other models in it are kept)")
     p.add_argument("--model-name", default="medusa")
-    p.add_argument("--tree", help="tree preset, chain-N or JSON file (default: the engine's; chain-0: plain decoding)")
+    p.add_argument("--tree", help="the heads' template: preset, chain-N or JSON file (default: the engine's)")
+    p.add_argument("--draft", type=drafter_list, metavar="DRAFTERS",
+                   help="drafters merged into each step's tree: a comma-separated subset of heads,lookup,recycle, or none "
+                        "(plain decoding; default: every drafter the engine supports)")
     p.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
     p.add_argument("--max-context", type=positive_int, help="default: the engine's")
     p.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
@@ -746,7 +749,7 @@ def repo_main(argv: list[str] | None = None) -> int:
         from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo  # no torch: works in the lean install
 
         folder = write_triton_repo(TritonRepoConfig(
-            engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, max_batch=args.max_batch,
+            engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, drafters=args.draft, max_batch=args.max_batch,
             max_context=args.max_context, threads=args.threads, max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
             request_timeout=args.request_timeout, temperature=args.temperature,
             top_p=args.top_p, chat_template={"auto": None, "on": True, "off": False}[args.chat_template], overwrite=args.force))

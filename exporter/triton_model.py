@@ -197,8 +197,10 @@ class TritonPythonModel:
             return int(params[key]) if params.get(key) else None
 
         # verify_checksums: a file corrupted in place (same size) is named here, once, not served
+        drafters = params.get("drafters") or None  # "": the engine's default set; "none": plain decoding
+        drafters = None if drafters is None else () if drafters == "none" else tuple(drafters.split(","))
         runtime = MedusaRuntime(str(engine), max_batch=opt_int("max_batch"), max_context=opt_int("max_context"),
-                                threads=opt_int("threads"), tree=params.get("tree") or None, verify_checksums=True)
+                                threads=opt_int("threads"), tree=params.get("tree") or None, verify_checksums=True, drafters=drafters)
         self.runtime = runtime
         self.batcher = ContinuousBatcher(runtime).start()
         self._live: dict[int, _Live] = {}  # request id -> the request in flight
@@ -206,7 +208,8 @@ class TritonPythonModel:
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="medusa-cancel-watch", daemon=True)
         self._watchdog.start()
-        pb_utils.Logger.log_info(f"medusa: {engine} ({runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
+        pb_utils.Logger.log_info(f"medusa: {engine} (drafters {','.join(runtime.drafting.names) or 'none'}; heads template "
+                                 f"{runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
                                  f"max_batch {runtime.max_batch}, max_context {runtime.max_context}")
 
     def execute(self, requests):

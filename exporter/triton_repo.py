@@ -72,6 +72,7 @@ class TritonRepoConfig:
     repo: str | os.PathLike  # the model repository folder (created; other models in it are kept)
     model_name: str = "medusa"
     tree: str | None = None  # preset, chain-N or JSON file; None: the engine's tree ("chain-0": plain decoding)
+    drafters: tuple[str, ...] | None = None  # subset of drafting.DRAFTERS; None: every drafter the engine supports; (): plain
     max_batch: int | None = None  # concurrent sequences (cache rows); None: the engine's
     max_context: int | None = None  # None: the engine's
     threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
@@ -205,6 +206,14 @@ def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Pat
                                   f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}")
     if config.tree is not None:
         _check_tree(config.tree, meta)
+    if config.drafters is not None:
+        from medusa_trt.runtime.drafting import DRAFTERS
+
+        unknown = [d for d in config.drafters if d not in DRAFTERS]
+        if unknown:
+            raise TritonRepoError(f"unknown drafter {unknown[0]!r}: use a subset of {', '.join(DRAFTERS)}, or none")
+        if "heads" in config.drafters and not meta.num_heads:
+            raise TritonRepoError(f"--draft heads: {engine.name} has no Medusa heads; drop heads from --draft or export with --heads")
     context = config.max_context or meta.max_context
     if config.max_tokens_limit is not None and config.max_tokens_limit > context:
         raise TritonRepoError(f"--max-tokens-limit {config.max_tokens_limit} exceeds the context of {context} tokens (prompt included): "
@@ -249,6 +258,7 @@ def config_pbtxt(config: TritonRepoConfig, engine: Path, max_tokens_limit: int) 
     params = {
         "engine": str(engine),
         "tree": _tree_value(config.tree),
+        "drafters": "" if config.drafters is None else (",".join(config.drafters) or "none"),
         "max_batch": "" if config.max_batch is None else str(config.max_batch),
         "max_context": "" if config.max_context is None else str(config.max_context),
         "threads": "" if config.threads is None else str(config.threads),

@@ -96,9 +96,27 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
     assert types["text_output"] == (pb.TYPE_STRING, [-1]) and types["token_ids"] == (pb.TYPE_INT64, [-1])
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["engine"] == str(fake_engine.resolve()) and Path(params["engine"]).is_absolute()
-    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "max_batch": "2", "max_context": "", "threads": "",
+    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "drafters": "", "max_batch": "2", "max_context": "", "threads": "",
                                        "default_max_tokens": "64", "max_tokens_limit": "256", "request_timeout": "0.0",
                                        "default_temperature": "0.5", "default_top_p": "0.9", "chat_template": "auto"}
+
+
+def test_repo_drafters(fake_engine, tmp_path, capsys):
+    """--draft names the drafters the served model merges (none: plain decoding); unknown ones are refused."""
+    def drafters(folder):
+        return {k: v.string_value for k, v in _parse_config((folder / "config.pbtxt").read_text()).parameters.items()}["drafters"]
+
+    assert drafters(write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "a", drafters=("heads", "lookup")))) == "heads,lookup"
+    assert drafters(write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "b", drafters=()))) == "none"
+    with pytest.raises(TritonRepoError, match="unknown drafter 'ngram'"):
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "c", drafters=("ngram",)))
+    assert repo_main(["--engine", str(fake_engine), "--out", str(tmp_path / "d"), "--draft", "none"]) == 0
+    assert drafters((tmp_path / "d" / "medusa")) == "none"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as usage:  # a usage error: one line, exit 2
+        repo_main(["--engine", str(fake_engine), "--out", str(tmp_path / "e"), "--draft", "heads,ngram"])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and err.count("\n") == 1 and "unknown drafter 'ngram'" in err
 
 
 def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
@@ -251,6 +269,7 @@ def solo(runtime, prompt, n):
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16))
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, model_name="medusa-plain", drafters=(), max_tokens=16))
     before = _shm()
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log"))
     server.start()
@@ -305,6 +324,18 @@ def test_streamed_generation_equals_runtime(server, runtime):
     (only,) = list(stream_generate(server.grpc_address, prompt, max_tokens=40, stream=False))
     assert only.token_ids == want.token_ids and only.text == want.text
     assert [t for c in stream_generate(server.grpc_address, prompt) for t in c.token_ids] == solo(runtime, prompt, 16).token_ids
+
+
+def test_drafters_of_the_served_model_follow_its_repository(server, runtime):
+    """The same engine served twice, with every drafter and with none: the same tokens, and each
+    model says at load which drafters it merges."""
+    prompt = STORY_PROMPTS[1]
+    drafted = [t for c in stream_generate(server.grpc_address, prompt, max_tokens=32) for t in c.token_ids]
+    plain_chunks = list(stream_generate(server.grpc_address, prompt, model="medusa-plain", max_tokens=32))
+    assert [t for c in plain_chunks for t in c.token_ids] == drafted == solo(runtime, prompt, 32).token_ids
+    assert len(plain_chunks) == 32  # plain decoding: one token per step, one response each
+    log = server.log_path.read_text()
+    assert "drafters none;" in log and "drafters heads,lookup,recycle;" in log
 
 
 def test_sixteen_concurrent_requests_each_get_their_solo_output(server, runtime):
