@@ -42,7 +42,8 @@ def _prompts(path: Path, every: int, limit: int | None) -> list[str]:
 
 @torch.no_grad()
 def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
-    """int64 [L, D, K]: the heads' top-k at every position of ``ids`` (one causal forward pass)."""
+    """int64 [L, D, K]: the heads' top-k at every position of ``ids`` (one causal forward pass);
+    next-token-aware heads read the token that follows each position in ``ids`` (the greedy choice)."""
     spec = model.kv_spec
     n = len(ids)
     empty = torch.zeros((0, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
@@ -50,7 +51,8 @@ def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
         torch.tensor([ids]), torch.arange(n)[None], torch.tril(torch.ones(n, n, dtype=torch.bool))[None],
         torch.zeros(1, dtype=torch.int64), empty, empty,
     )
-    return model.propose(hidden[0]).topk(top_k, dim=-1).indices.numpy()  # (L, D, K)
+    following = torch.tensor(ids[1:] + ids[-1:])  # (L,) the base model's next token at each position (the last: unused)
+    return model.propose(hidden[0], following).topk(top_k, dim=-1).indices.numpy()  # (L, D, K)
 
 
 def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],

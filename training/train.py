@@ -513,6 +513,7 @@ def _generate(base, config: TrainConfig, todo: list[tuple[tuple[str, int], objec
                 work = work or _open_workdir(base, config)  # the work folder appears with the first finished shard
                 _write_shard(work, pending, done)
                 pending = []
+                log.info("%d of %d sequences written, %.0f new tokens/s", finished, len(kept), new_tokens / (time.perf_counter() - started))
 
 
 def _write_shard(work: Path, pending: list[tuple[dict, np.ndarray]], done: dict) -> None:
