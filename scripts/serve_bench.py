@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/serve_bench.py --engine build/smollm2-135m-medusa.onnx --subset 16 --max-tokens 64
 
-Starts two tritonservers (``medusa-serve``'s Python API) over the same engine: one with the
-engine's Medusa tree, one with ``chain-0`` (plain decoding: one token per step, no heads), and
+Starts two tritonservers (``medusa-serve``'s Python API) over the same engine: one with every
+drafter the engine supports (``medusa-triton-repo``'s default), one with none (``--draft none``:
+plain decoding, one token per step), and
 alternates between them level by level (load from elsewhere hits both alike). For each of 1, 4
 and 16 concurrent streaming gRPC clients it sends ``max(subset, clients)`` requests
 (the first turns of the Spec-Bench dev prompts, spread over the categories, that fit the
@@ -108,8 +109,8 @@ def run_level(address: str, prompts: list[str], clients: int, max_tokens: int) -
     }
 
 
-def bench(engine: Path, trees: dict[str, str | None], prompts: list[str], levels: list[int], max_tokens: int, repeats: int,
-          python_env, threads) -> dict:
+def bench(engine: Path, servers_drafters: dict[str, tuple[str, ...] | None], tree: str | None, prompts: list[str], levels: list[int],
+          max_tokens: int, repeats: int, python_env, threads) -> dict:
     """Both servers run side by side (an idle one costs nothing) and the levels alternate
     between them, so load from elsewhere on a shared machine hits both alike."""
     from contextlib import ExitStack
@@ -117,12 +118,13 @@ def bench(engine: Path, trees: dict[str, str | None], prompts: list[str], levels
     from medusa_trt.cli.serve import ServeConfig, TritonServer, stream_generate
     from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
 
-    results = {name: {"tree": tree or "engine", "levels": []} for name, tree in trees.items()}
+    results = {name: {"tree": tree or "engine", "drafters": "default" if d is None else ",".join(d) or "none", "levels": []}
+               for name, d in servers_drafters.items()}
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp, ExitStack() as stack:
         servers = {}
-        for name, tree in trees.items():
+        for name, drafters in servers_drafters.items():
             repo = Path(tmp) / name
-            write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, tree=tree, threads=threads))
+            write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, tree=tree, drafters=drafters, threads=threads))
             started = time.perf_counter()
             servers[name] = stack.enter_context(TritonServer(ServeConfig(repo=repo, python_env=python_env, log_file=Path(tmp) / f"{name}.log")))
             results[name]["startup_s"] = time.perf_counter() - started
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, help="only prompts this short (long prefills slow every row's step)")
     p.add_argument("--clients", default="1,4,16", help="concurrency levels")
-    p.add_argument("--tree", help="Medusa tree (default: the engine's)")
+    p.add_argument("--tree", help="the heads' template (default: the engine's)")
     p.add_argument("--repeats", type=int, default=1, help="runs per level and server, alternating servers (the median is reported)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads in the server (default: its own)")
     p.add_argument("--python-env", help="the stub's environment (numpy<2), as medusa-serve --python-env")
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     results = {
         "engine": str(engine), "prompts": len(prompts), "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens, "greedy": True, "repeats": args.repeats,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-        **bench(engine, {"medusa": args.tree, "plain": "chain-0"}, prompts, levels, args.max_tokens, args.repeats, args.python_env, args.threads),
+        **bench(engine, {"medusa": None, "plain": ()}, args.tree, prompts, levels, args.max_tokens, args.repeats, args.python_env, args.threads),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
