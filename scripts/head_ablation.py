@@ -8,7 +8,7 @@ top-5 per head on the same held-out sequences. Writes JSON and a PNG.
     .venv/bin/python scripts/head_ablation.py --work build/distill.work --epochs 2 --out docs/head-ablation.json
 
 Each variant trains in a work folder of its own under ``build/ablation/`` (checkpoints: an
-interrupted run continues). About 0.4 s per optimizer step of 256 positions on 2 cores (bf16).
+interrupted run continues) and is saved to ``build/ablation/<variant>/``. About 0.4 s per optimizer step of 256 positions on 2 cores (bf16).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 import time
 from pathlib import Path
 
+from medusa_trt.exporter.heads import save_heads
 from medusa_trt.exporter.models import load_base_model
 from medusa_trt.training.train import SEQUENCES, TrainConfig, _read_sequences, _sample, cache_hidden, train_heads
 
@@ -57,7 +58,8 @@ def main() -> None:
         config = dataclasses.replace(data, out=f"build/ablation/{name}", work=f"build/ablation/{name}.work", head_input=head_input)
         Path(config.work).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        _, metrics = train_heads(base, config, cached)
+        heads, metrics = train_heads(base, config, cached)
+        save_heads(heads, config.out)  # export it to decode with it (the README's real-decoding rows)
         report["variants"][name] = {"head_input": head_input, "seconds": round(time.perf_counter() - started), **metrics["holdout"],
                                     "train_positions": metrics["train_positions"], "holdout_positions": metrics["holdout_positions"],
                                     "loss_last": metrics["loss_last"][-1]}
