@@ -288,17 +288,13 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
 
 def _engine_meta(engine: str):
     """An ONNX engine's metadata, read from its graph file alone (no weights, no session)."""
-    import onnx
-
-    from medusa_trt.runtime.engine import META_KEY, EngineMeta
+    from medusa_trt.exporter.triton_repo import read_engine_meta
+    from medusa_trt.runtime.engine import EngineError
 
     try:
-        props = {p.key: p.value for p in onnx.load(engine, load_external_data=False).metadata_props}
-    except Exception as exc:  # noqa: BLE001 - onnx raises DecodeError, OSError, ... for a file that is not a graph
-        raise TrainError(f"--generate-engine {engine} cannot be read as an ONNX engine ({type(exc).__name__}): export one with medusa-export") from exc
-    if META_KEY not in props:
-        raise TrainError(f"--generate-engine {engine} is not a medusa-trt engine: export one with medusa-export")
-    return EngineMeta.from_json(props[META_KEY], source=engine)
+        return read_engine_meta(Path(engine))
+    except (EngineError, OSError) as exc:
+        raise TrainError(f"--generate-engine {engine}: {exc}") from exc
 
 
 def _engine_labels(engine: str) -> str:
