@@ -44,7 +44,7 @@ def build_parser() -> Parser:
     from medusa_trt.runtime.sampling import SamplingParams
 
     p = Parser(prog="medusa-bench", description="Benchmark Medusa against plain decoding and transformers.")
-    p.add_argument("--engine", action="append", required=True, help="an exported .onnx engine; repeat to compare engines")
+    p.add_argument("--engine", action="append", required=True, help="an exported engine (folder, .onnx or .plan); repeat to compare engines")
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")

@@ -23,7 +23,7 @@ log = logging.getLogger("medusa_trt.cli.run")
 def build_parser() -> Parser:
     p = Parser(prog="medusa-run", description="Generate text with Medusa speculative decoding.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--engine", help="an exported .onnx engine (ONNX Runtime; no torch needed)")
+    source.add_argument("--engine", help="an exported engine: a folder, .onnx (ONNX Runtime; no torch needed) or .plan")
     source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend)")
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--heads", help="Medusa heads: our folder (heads.json) or a FasterDecoding/Medusa checkpoint folder")

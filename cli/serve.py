@@ -717,7 +717,10 @@ def _serve(server: TritonServer, repo: str) -> int:
 
 def build_repo_parser() -> argparse.ArgumentParser:
     p = Parser(prog="medusa-triton-repo", description="Write a Triton model repository that serves an exported engine.")
-    p.add_argument("--engine", required=True, help="an exported .onnx or .plan engine (named by absolute path, not copied)")
+    p.add_argument("--engine", required=True, help="an exported engine folder, .onnx or .plan (referenced by its path relative to the "
+                                                   "repository's model folder unless --copy-engine)")
+    p.add_argument("--copy-engine", action="store_true", help="copy the engine into the model folder (hard links where possible): "
+                                                              "a self-contained repository")
     p.add_argument("--out", required=True, help="the model repository folder (created; other models in it are kept)")
     p.add_argument("--model-name", default="medusa")
     p.add_argument("--tree", help="the heads' template: preset, chain-N or JSON file (default: the engine's)")
@@ -752,7 +755,8 @@ def repo_main(argv: list[str] | None = None) -> int:
             engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, drafters=args.draft, max_batch=args.max_batch,
             max_context=args.max_context, threads=args.threads, max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
             request_timeout=args.request_timeout, temperature=args.temperature,
-            top_p=args.top_p, chat_template={"auto": None, "on": True, "off": False}[args.chat_template], overwrite=args.force))
+            top_p=args.top_p, chat_template={"auto": None, "on": True, "off": False}[args.chat_template], overwrite=args.force,
+            copy_engine=args.copy_engine))
     except USER_ERRORS as exc:
         return fail("medusa-triton-repo", exc)
     print(f"wrote {folder}/config.pbtxt, {folder.name}/1/model.py: serve it with medusa-serve {args.out}")

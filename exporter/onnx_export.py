@@ -40,7 +40,7 @@ from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
-from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
@@ -66,7 +66,7 @@ class ExportError(MedusaError):
 
 @dataclass(frozen=True)
 class ExportConfig:
-    out: Path  # the step graph's path, ending in .onnx
+    out: Path  # the step graph's path, ending in .onnx; any other path: an engine folder (runtime/engine_folder.py)
     tree: str | list | None = None  # the engine's default tree; None: a chain over the heads
     max_batch: int = DEFAULT_MAX_BATCH  # sequences per step the engine is built and checked for
     max_context: int | None = None  # committed + new tokens per sequence; None: 1024 or the model's positions if fewer
@@ -77,12 +77,13 @@ class ExportConfig:
     verify: bool = True  # checker + ONNX Runtime vs torch after export
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
+    step_cost: dict | None = None  # an engine folder's drafting budget (tokens per step -> relative cost); None: the runtime's default
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
             raise ExportError(f"--successors {self.successors} is out of range: pass 0 (no output) to 64")
-        if Path(self.out).suffix != ".onnx":
-            raise ExportError(f"--out {self.out} must end in .onnx")
+        if Path(self.out).suffix == ".plan":
+            raise ExportError(f"--out {self.out}: a .plan is built from the ONNX engine (tensorrt_build); export to .onnx or a folder")
         if self.attention not in ATTENTION_FORMS:
             raise ExportError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_FORMS)}")
         if self.dtype not in DTYPES:
@@ -101,12 +102,26 @@ class ExportConfig:
             raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
 
 
+def is_folder_out(out: str | os.PathLike) -> bool:
+    """``--out DIR`` (no .onnx / .plan suffix) writes an engine folder."""
+    return Path(out).suffix not in ENGINE_SUFFIXES
+
+
 def check_output_path(out: Path) -> None:
     """Fail before any work if the engine cannot be written there (a real write probe: root
-    passes permission checks that a read-only file system still refuses)."""
-    parent = Path(out).parent
-    if Path(out).suffix != ".onnx":
-        raise ExportError(f"--out {out} must end in .onnx")
+    passes permission checks that a read-only file system still refuses); an engine folder may
+    replace only an earlier engine folder or an empty folder, never a user's files."""
+    out = Path(out)
+    parent = out.parent
+    if out.suffix == ".plan":
+        raise ExportError(f"--out {out}: export the ONNX engine (.onnx or a folder) first; the .plan is built from it")
+    if is_folder_out(out) and out.exists():
+        if not out.is_dir():
+            raise ExportError(f"--out {out} exists and is a file: an engine folder needs a new or empty folder, "
+                              "or pass a path ending in .onnx")
+        if any(out.iterdir()) and not (out / FOLDER_CONFIG).is_file():
+            raise ExportError(f"--out {out} is a folder with other files in it (no engine config.json): "
+                              "choose a new folder, or remove it first")
     if not parent.is_dir():
         raise ExportError(f"cannot write {out}: folder {parent} does not exist; create it first")
     try:
@@ -331,10 +346,11 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     if tree.num_nodes > config.max_tokens:
         raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
     meta = engine_meta(model, tree, config)
-    final = EngineFiles.beside(out)
+    folder = is_folder_out(out)
+    final = EngineFiles.in_folder(out) if folder else EngineFiles.beside(out)
     _import_exporters()
     tmp = make_staging(out)
-    staged = EngineFiles.beside(tmp / out.name)
+    staged = EngineFiles.in_folder(tmp) if folder else EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
     diffs: dict[str, float] = {}
     loose = ("head logits",) if config.quantize == "heads-int8" else ()  # int8 drafts: reported, not held to the tolerance
@@ -356,7 +372,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("tracing the heads graph")
                 _save(_export_heads(model, tree, config), staged.heads, meta)
             bar.update()
-            model.tokenizer.save_pretrained(str(staged.tokenizer))
+            model.tokenizer.save_pretrained(str(staged.tokenizer))  # a folder's tokenizer files lie at its top
             bar.update()
             if config.quantize:
                 bar.set_postfix_str("quantizing int8")
@@ -374,9 +390,18 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 diffs = verify_engine(model, staged, tree, strict=config.quantize != "int8", loose=loose, tolerance=TOLERANCE[config.dtype],
                                       max_tokens=config.max_tokens)
             bar.update()
+        if folder:
+            from medusa_trt.exporter.engine_folder import write_folder_files
+
+            write_folder_files(model, staged, meta, tree, step_cost=config.step_cost)
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
-        _move_into_place(staged, final)
+        if folder:
+            from medusa_trt.exporter.engine_folder import swap_folder
+
+            swap_folder(tmp, out)
+        else:
+            _move_into_place(staged, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)

@@ -189,7 +189,7 @@ class TritonPythonModel:
             raise MedusaError("config.pbtxt has no 'engine' parameter: write the repository with medusa-triton-repo --engine E")
         if not engine.is_absolute():  # relative to the model's folder (an engine copied into the repository)
             engine = Path(args["model_repository"]) / engine
-        if not engine.is_file():
+        if not engine.exists():
             raise MedusaError(f"engine {engine} (config.pbtxt parameter 'engine') does not exist: "
                               "export it with medusa-export --out, or rewrite the repository with medusa-triton-repo --engine")
 

@@ -10,10 +10,12 @@ export recorded. Then it writes, atomically (a temporary folder beside it, then 
     build/triton/medusa/config.pbtxt     Python backend, decoupled (streaming), the parameters below
     build/triton/medusa/1/model.py       exporter/triton_model.py, copied as is
 
-The engine is *not* copied (an fp32 SmolLM2 engine is 650 MB): config.pbtxt names it by absolute
-path, checked here and again when the server loads the model. To ship a self-contained
-repository, copy the engine files into ``medusa/`` and set the ``engine`` parameter to the
-relative name (``model.onnx``); relative paths are resolved against the model's folder.
+The engine (a folder or an .onnx / .plan file with its siblings) is referenced by its path
+relative to the model's folder (``../../smollm2``), so the repository and the engine move
+together (a container mount of their common parent, a copy of both); with ``copy_engine`` it is
+copied into ``medusa/engine/`` instead (hard links where the file system allows: no extra space),
+which makes the repository self-contained. Relative paths are resolved against the model's
+folder when the server loads the model; never an absolute path.
 ``max_batch_size`` is 0: the runtime batches requests itself (continuous batching), so Triton
 must hand them over one by one, as they come.
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.exporter.triton_model import ServeDefaults
-from medusa_trt.runtime.engine import META_KEY, EngineError, EngineFiles, EngineMeta
+from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class TritonRepoConfig:
     top_p: float = 1.0
     chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
     overwrite: bool = False  # replace an existing model folder of the same name
+    copy_engine: bool = False  # copy the engine into <model>/engine/ (self-contained) instead of referencing it relatively
 
     def __post_init__(self):
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
@@ -109,16 +112,18 @@ def check_engine(engine: str | os.PathLike) -> Path:
 def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
     """The engine's absolute path and metadata, after checking the files the runtime will open."""
     path = Path(engine).expanduser().resolve()
-    files = EngineFiles.beside(path)
-    if path.suffix not in (".onnx", ".plan"):
-        raise TritonRepoError(f"engine {path} is neither .onnx nor .plan: pass the file medusa-export wrote")
-    if not path.is_file():
+    if path.suffix not in ENGINE_SUFFIXES and not path.is_dir():
+        if path.exists():
+            raise TritonRepoError(f"engine {path} is neither .onnx, .plan nor an engine folder: pass what medusa-export wrote")
         raise TritonRepoError(f"engine {path} does not exist: export one with medusa-export --out {engine}")
+    files = EngineFiles.locate(path)
+    if not files.step.is_file():
+        raise TritonRepoError(f"engine {files.step} does not exist: export one with medusa-export --out {engine}")
     if not (files.tokenizer / "tokenizer.json").is_file():
-        raise TritonRepoError(f"engine {path} has no tokenizer beside it ({files.tokenizer}/tokenizer.json): export it again")
-    if path.suffix == ".plan" and not files.sidecar.is_file():
+        raise TritonRepoError(f"engine {path} has no tokenizer ({files.tokenizer}/tokenizer.json): export it again")
+    if files.is_plan and not files.sidecar.is_file():
         raise TritonRepoError(f"TensorRT engine {path} has no metadata sidecar {files.sidecar.name}: build it with medusa-export")
-    meta = read_engine_meta(path)
+    meta = engine_meta(path)
     if meta.num_heads and not files.heads.is_file():
         raise TritonRepoError(f"engine {path} has {meta.num_heads} Medusa heads but its heads graph {files.heads} is missing: "
                               "copy it beside the engine or export again")
@@ -126,74 +131,6 @@ def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
 
     check_manifest(files)  # sizes only (the server checks the sha256 sums once at load)
     return path, meta
-
-
-def read_engine_meta(path: Path) -> EngineMeta:
-    """An engine's metadata without loading its graph: the TensorRT sidecar, or the ONNX
-    ``metadata_props`` read from the protobuf wire format (ONNX Runtime would load every weight)."""
-    if path.suffix == ".plan":
-        sidecar = EngineFiles.beside(path).sidecar
-        return EngineMeta.from_json(sidecar.read_text(encoding="utf-8", errors="replace"), source=str(sidecar))
-    props = onnx_metadata_props(path)
-    if META_KEY not in props:
-        raise EngineError(f"{path} is not a medusa-trt engine (no '{META_KEY}' metadata): export it with medusa-export")
-    return EngineMeta.from_json(props[META_KEY], source=str(path))
-
-
-_MODEL_METADATA_PROPS = 14  # ModelProto.metadata_props: repeated StringStringEntryProto {key = 1, value = 2}
-
-
-def onnx_metadata_props(path: Path) -> dict[str, str]:
-    """ModelProto.metadata_props of an .onnx file; the other top-level fields (the graph) are
-    skipped by their length, so this reads a few bytes of even a multi-GB model."""
-    props = {}
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while f.tell() < size:
-            field, wire = divmod(_varint(f, path), 8)
-            if wire == 2:
-                length = _varint(f, path)
-                if field == _MODEL_METADATA_PROPS:
-                    entry = f.read(length)
-                    if len(entry) < length:
-                        raise EngineError(f"{path} is truncated ({size} bytes): copy it again or export again")
-                    props.update([_string_entry(entry, path)])
-                else:
-                    f.seek(length, os.SEEK_CUR)
-            elif wire == 0:
-                _varint(f, path)
-            elif wire in (1, 5):  # fixed 64 / 32 bits
-                f.seek(8 if wire == 1 else 4, os.SEEK_CUR)
-            else:
-                raise EngineError(f"{path} is not an ONNX file (protobuf wire type {wire}): pass the .onnx medusa-export wrote")
-        if f.tell() > size:
-            raise EngineError(f"{path} is truncated ({size} bytes): copy it again or export again")
-    return props
-
-
-def _varint(f, path: Path) -> int:
-    value = shift = 0
-    while True:
-        byte = f.read(1)
-        if not byte or shift > 63:
-            raise EngineError(f"{path} is truncated or not an ONNX file: copy it again or export again")
-        value |= (byte[0] & 0x7F) << shift
-        shift += 7
-        if not byte[0] & 0x80:
-            return value
-
-
-def _string_entry(data: bytes, path: Path) -> tuple[str, str]:
-    """A StringStringEntryProto's (key, value)."""
-    import io
-
-    buf, fields = io.BytesIO(data), {1: b"", 2: b""}
-    while buf.tell() < len(data):
-        field, wire = divmod(_varint(buf, path), 8)
-        if wire != 2:
-            raise EngineError(f"{path}: malformed metadata entry: export the engine again")
-        fields[field] = buf.read(_varint(buf, path))
-    return fields[1].decode("utf-8", "replace"), fields[2].decode("utf-8", "replace")
 
 
 def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Path) -> int:
@@ -253,10 +190,10 @@ def _tree_value(tree: str | None) -> str:
     return str(Path(tree).resolve()) if Path(tree).is_file() else tree
 
 
-def config_pbtxt(config: TritonRepoConfig, engine: Path, max_tokens_limit: int) -> str:
-    """The model configuration (protobuf text format)."""
+def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -> str:
+    """The model configuration (protobuf text format); ``engine`` relative to the model's folder."""
     params = {
-        "engine": str(engine),
+        "engine": engine,
         "tree": _tree_value(config.tree),
         "drafters": "" if config.drafters is None else (",".join(config.drafters) or "none"),
         "max_batch": "" if config.max_batch is None else str(config.max_batch),
@@ -303,39 +240,64 @@ def write_triton_repo(config: TritonRepoConfig) -> Path:
     place (its parent must exist); an existing model is replaced only with ``overwrite``."""
     repo = check_repo_path(config.repo)
     engine, meta = _engine(config.engine)
-    text = config_pbtxt(config, engine, check_against_engine(config, meta, engine))
     final = repo / config.model_name
+    limit = check_against_engine(config, meta, engine)
+    ref = ENGINE_COPY + ("" if engine.is_dir() else "/" + engine.name) if config.copy_engine else os.path.relpath(engine, final)
+    text = config_pbtxt(config, ref, limit)
+    copy = engine if config.copy_engine else None
     if final.exists() and not config.overwrite:
         raise TritonRepoError(f"{final} exists: pass --force (overwrite=True) to replace it, or choose another --model-name")
     if not repo.exists():
         staging = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=repo.parent))
         try:
-            _stage_model(staging / config.model_name, text)
+            _stage_model(staging / config.model_name, text, copy)
             os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the server may run as another user
             os.rename(staging, repo)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     else:
-        _replace_model(repo, config.model_name, text)
+        _replace_model(repo, config.model_name, text, copy)
     log.info("wrote %s (engine %s)", final, engine)
     return final
 
 
-def _stage_model(folder: Path, text: str) -> None:
+ENGINE_COPY = "engine"  # <model>/engine/: the copied engine (copy_engine)
+
+
+def _stage_model(folder: Path, text: str, engine: Path | None = None) -> None:
     (folder / "1").mkdir(parents=True)
     shutil.copyfile(MODEL_FILE, folder / "1" / "model.py")
+    if engine is not None:
+        _copy_engine(engine, folder / ENGINE_COPY)
     (folder / "config.pbtxt").write_text(text, encoding="utf-8")
     os.chmod(folder, 0o755)
 
 
-def _replace_model(repo: Path, name: str, text: str) -> None:
+def _copy_engine(engine: Path, dest: Path) -> None:
+    """Every file of the engine (its manifest's list, the manifest too) under ``dest``, same relative
+    names; hard links where the file system allows (an fp32 SmolLM2 engine is 650 MB)."""
+    from medusa_trt.runtime.manifest import engine_file_list, manifest_path
+
+    files = EngineFiles.locate(engine)
+    folder = files.step.parent
+    found = engine_file_list(files) + [p for p in (manifest_path(files),) if p.is_file()]
+    for src in found:
+        target = dest / src.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, target)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(src, target)
+
+
+def _replace_model(repo: Path, name: str, text: str, engine: Path | None = None) -> None:
     """Stage ``repo/<name>`` under a temporary name in ``repo``, then rename it over the old one."""
     final = repo / name
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=repo))
     old = None
     try:
-        _stage_model(staging / "model", text)
+        _stage_model(staging / "model", text, engine)
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=repo))
             os.rename(final, old / "model")

@@ -6,6 +6,13 @@ without heads), ``model.onnx.data`` (external weights, when large) and ``model.t
 and read back through ONNX Runtime, so this module needs neither torch nor the onnx package.
 A TensorRT engine ``engine.plan`` comes with ``engine.heads.plan``, ``engine.tokenizer/`` and its
 metadata in the sidecar ``engine.plan.json``.
+
+An engine folder (``medusa-export --out DIR``) holds the same in one place, like optimum's and
+onnxruntime-genai's model folders: ``config.json`` (the metadata, the graphs' inputs and outputs,
+the file names; ``runtime/engine_folder.py``), ``model.onnx`` (+ ``model.onnx.data``),
+``heads.onnx``, the tokenizer files at the top, ``generation_config.json``, ``drafting.json``, and
+for TensorRT ``model.plan`` / ``heads.plan`` beside the ONNX graphs they were built from.
+``EngineFiles.locate`` turns any of these forms into the paths the backends open.
 """
 
 from __future__ import annotations
@@ -72,11 +79,17 @@ class EngineMeta:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
+ENGINE_SUFFIXES = (".onnx", ".plan")  # an engine file; any other path is an engine folder
+FOLDER_CONFIG = "config.json"
+FOLDER_GRAPHS = {".onnx": ("model.onnx", "heads.onnx"), ".plan": ("model.plan", "heads.plan")}  # step, heads
+
+
 @dataclass(frozen=True)
 class EngineFiles:
-    step: Path  # model.onnx (or engine.plan)
-    heads: Path  # model.heads.onnx (engine.heads.plan)
-    tokenizer: Path  # model.tokenizer/
+    step: Path  # model.onnx (or engine.plan; DIR/model.onnx, DIR/model.plan)
+    heads: Path  # model.heads.onnx (engine.heads.plan; DIR/heads.onnx, DIR/heads.plan)
+    tokenizer: Path  # model.tokenizer/ (DIR itself: its tokenizer files lie at the top)
+    folder: Path | None = None  # an engine folder; None: loose siblings of the step graph
 
     @classmethod
     def beside(cls, path: str | os.PathLike) -> EngineFiles:
@@ -85,10 +98,43 @@ class EngineFiles:
         heads = stem.with_name(stem.name + ".heads" + (step.suffix or ".onnx"))
         return cls(step=step, heads=heads, tokenizer=stem.with_name(stem.name + ".tokenizer"))
 
+    @classmethod
+    def in_folder(cls, folder: str | os.PathLike, suffix: str = ".onnx") -> EngineFiles:
+        """The files of an engine folder whose graphs end in ``suffix`` (.onnx, or .plan for TensorRT)."""
+        folder = Path(folder)
+        step, heads = FOLDER_GRAPHS[suffix]
+        return cls(step=folder / step, heads=folder / heads, tokenizer=folder, folder=folder)
+
+    @classmethod
+    def locate(cls, path: str | os.PathLike) -> EngineFiles:
+        """The files of the engine at ``path``: an ``.onnx`` / ``.plan`` file with its siblings, or an
+        engine folder (TensorRT's plans when its config.json says it was built for TensorRT)."""
+        path = Path(path)
+        if path.suffix in ENGINE_SUFFIXES:
+            return cls.beside(path)
+        if not path.is_dir():
+            raise EngineError(f"engine {path} does not exist: export one with medusa-export --out {path} "
+                              "(a folder, or a file ending in .onnx / .plan)")
+        from medusa_trt.runtime.engine_folder import read_folder_config
+
+        return cls.in_folder(path, ".plan" if read_folder_config(path).backend == "tensorrt" else ".onnx")
+
+    @property
+    def is_plan(self) -> bool:
+        return self.step.suffix == ".plan"
+
     @property
     def sidecar(self) -> Path:
-        """engine.plan.json: the metadata of a TensorRT plan, which has no room for its own."""
+        """The metadata file: engine.plan.json for a TensorRT plan, which has no room for its own;
+        an engine folder's config.json."""
+        if self.folder is not None:
+            return self.folder / FOLDER_CONFIG
         return self.step.with_name(self.step.name + ".json")
+
+    @property
+    def onnx(self) -> EngineFiles:
+        """The ONNX graphs of this engine (a folder's TensorRT plans were built from them)."""
+        return EngineFiles.in_folder(self.folder) if self.folder is not None else self
 
 
 def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:
@@ -102,6 +148,40 @@ def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:
     if META_KEY not in props:
         raise EngineError(f"{path} is not a medusa-trt engine (no '{META_KEY}' metadata): export it with medusa-export")
     return EngineMeta.from_json(props[META_KEY], source=str(path))
+
+
+def check_folder_meta(files: EngineFiles, meta: EngineMeta) -> None:
+    """An engine folder's config.json must describe the graphs in it (a graph copied in from another
+    export would otherwise run with the wrong tree, EOS ids or limits)."""
+    if files.folder is None:
+        return
+    from medusa_trt.runtime.engine_folder import read_folder_config
+
+    if read_folder_config(files.folder).meta != meta:
+        raise EngineError(f"{files.sidecar} does not describe {files.step.name} (their metadata differ): "
+                          "keep the files of one export together or export the folder again")
+
+
+def engine_meta(path: str | os.PathLike) -> EngineMeta:
+    """Any engine's metadata without loading its graphs: a folder's config.json, a plan's sidecar,
+    an ONNX graph's ``metadata_props``."""
+    files = EngineFiles.locate(path)
+    if files.folder is not None:
+        from medusa_trt.runtime.engine_folder import read_folder_config
+
+        return read_folder_config(files.folder).meta
+    if not files.step.is_file():
+        raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
+    if files.is_plan:
+        if not files.sidecar.is_file():
+            raise EngineError(f"{files.sidecar} is missing: it holds the engine's metadata; copy it beside {files.step} or build again")
+        return EngineMeta.from_json(files.sidecar.read_text(encoding="utf-8", errors="replace"), source=str(files.sidecar))
+    from medusa_trt.runtime.onnx_props import onnx_metadata_props
+
+    props = onnx_metadata_props(files.step)
+    if META_KEY not in props:
+        raise EngineError(f"{files.step} is not a medusa-trt engine (no '{META_KEY}' metadata): export it with medusa-export")
+    return EngineMeta.from_json(props[META_KEY], source=str(files.step))
 
 
 def open_session(path: Path, options=None, providers=None):

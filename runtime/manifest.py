@@ -23,15 +23,24 @@ MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
 
 
+FOLDER_MANIFEST = "files.json"
+
+
 def manifest_path(files: EngineFiles) -> Path:
     """model.onnx -> model.onnx.files.json, engine.plan -> engine.plan.files.json (an ONNX export and
-    the TensorRT plan built from it may share a folder and a stem)."""
+    the TensorRT plan built from it may share a folder and a stem); an engine folder's files.json."""
+    if files.folder is not None:
+        return files.folder / FOLDER_MANIFEST
     return files.step.with_name(files.step.name + ".files.json")
 
 
 def engine_file_list(files: EngineFiles) -> list[Path]:
-    """Every file that belongs to the engine: the graphs, their external data, the tokenizer files."""
+    """Every file that belongs to the engine: the graphs, their external data, the tokenizer files
+    (in an engine folder: every file in it but the manifest and hidden ones)."""
     folder = files.step.parent
+    if files.folder is not None:
+        return sorted(p for p in files.folder.rglob("*") if p.is_file() and p.name != FOLDER_MANIFEST
+                      and not any(part.startswith(".") for part in p.relative_to(files.folder).parts))
     found = []
     for p in (files.step, files.heads, files.sidecar):
         found += [q for q in (p, p.with_name(p.name + ".data")) if q.is_file()]

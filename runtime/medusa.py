@@ -24,7 +24,7 @@ import numpy as np
 from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
-from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
@@ -51,16 +51,28 @@ class _EngineInfo:
         return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat)
 
 
+def _folder_step_cost(files: EngineFiles | None) -> dict | None:
+    """The step-cost table an engine folder's drafting.json records (None: none, or not a folder)."""
+    if files is None or files.folder is None:
+        return None
+    from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
+
+    return step_cost_table(read_drafting(files.folder).get("step_cost"))
+
+
 class MedusaRuntime:
     """Generate with Medusa over an engine.
 
-    ``engine``: a path to an exported ``.onnx`` engine (ONNX Runtime backend), or a ``MedusaModel``
-    from ``medusa_trt.exporter.load_medusa`` (torch backend).
+    ``engine``: an exported engine: a folder (``medusa-export --out DIR``; its config.json says
+    ONNX Runtime or TensorRT), an ``.onnx`` file (ONNX Runtime backend) or a ``.plan`` (TensorRT),
+    or a ``MedusaModel`` from ``medusa_trt.exporter.load_medusa`` (torch backend). A folder's
+    ``drafting.json`` may hold a measured step-cost table: the drafting budget unless
+    ``step_cost=`` says otherwise.
     """
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
         self.config = cfg = dataclasses.replace(config or RuntimeConfig(), **overrides)
-        if isinstance(engine, (str, os.PathLike)) and str(engine).endswith(".plan"):
+        if isinstance(engine, (str, os.PathLike)) and EngineFiles.locate(engine).is_plan:
             self.backend, codec, info = self._tensorrt(engine, cfg)
         elif isinstance(engine, (str, os.PathLike)):
             self.backend, codec, info = self._onnx(engine, cfg)
@@ -69,6 +81,7 @@ class MedusaRuntime:
         else:
             raise EngineError(f"unsupported engine {type(engine).__name__}: pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa")
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
+        self._folder_step_cost = _folder_step_cost(getattr(self.backend, "files", None))
         self.num_heads = info.num_heads
         if cfg.tree is not None:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
@@ -94,8 +107,8 @@ class MedusaRuntime:
         heads = bool(self.num_heads and tree.depth_max)
         if names is None:
             names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
-        config = DraftingConfig() if self.config.step_cost is None else \
-            DraftingConfig(cost=CostModel(dict(self.config.step_cost)), learn_cost=False)
+        step_cost = self.config.step_cost or self._folder_step_cost
+        config = DraftingConfig() if step_cost is None else DraftingConfig(cost=CostModel(dict(step_cost)), learn_cost=False)
         return Drafting(tuple(names), HeadsTemplate(tree, tree_walk(tree)) if heads else None, config,
                         engine_max_nodes=self.backend.max_tokens)
 

@@ -29,8 +29,18 @@ from medusa_trt.runtime.errors import MedusaError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NODES = 128  # root included
-PRESETS_ENV = "MEDUSA_TRT_TREE_PRESETS"
-_DEFAULT_PRESETS = Path(__file__).resolve().parent.parent.parent / "shared/trees/medusa_choices.json"
+PRESETS_ENV = "MEDUSA_TRT_TREE_PRESETS"  # another presets file (optional)
+# the published presets: package data in a wheel (setup.py copies them in), the shared source in a checkout
+_PACKAGED_PRESETS = Path(__file__).resolve().parent / "presets" / "medusa_choices.json"
+_CHECKOUT_PRESETS = Path(__file__).resolve().parent.parent.parent / "shared/trees/medusa_choices.json"
+
+
+def default_presets_file() -> Path:
+    """Where preset names are looked up: $MEDUSA_TRT_TREE_PRESETS, else the package's own copy, else
+    (an editable checkout) the shared source beside the checkout."""
+    if os.environ.get(PRESETS_ENV):
+        return Path(os.environ[PRESETS_ENV])
+    return _PACKAGED_PRESETS if _PACKAGED_PRESETS.is_file() else _CHECKOUT_PRESETS
 
 
 class InvalidTreeError(MedusaError):
@@ -177,11 +187,12 @@ def _resolve(spec, presets_file) -> tuple[str, list, int | None]:
     if not isinstance(spec, str) or text.endswith(".json"):
         raise InvalidTreeError(f"tree file {file} does not exist")
 
-    presets_path = Path(presets_file or os.environ.get(PRESETS_ENV) or _DEFAULT_PRESETS)
+    presets_path = Path(presets_file) if presets_file else default_presets_file()
     if not presets_path.is_file():
         raise InvalidTreeError(
-            f"tree preset {text!r} needs the presets file, but {presets_path} does not exist; set "
-            f"{PRESETS_ENV} to medusa_choices.json, or pass a JSON file of paths or chain-N")
+            f"tree preset {text!r} needs the presets file, but {presets_path} does not exist (an install built without "
+            f"them: reinstall medusa-trt from a wheel); set {PRESETS_ENV} to a medusa_choices.json, or pass a JSON file of "
+            "paths or chain-N")
     presets = _read_json(presets_path)
     if not isinstance(presets, dict):
         raise InvalidTreeError(f"presets file {presets_path} must map preset names to lists of paths")

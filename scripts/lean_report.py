@@ -99,7 +99,7 @@ def copy_checkout(dest: Path) -> Path:
     from. Building from a copy keeps pip's in-tree build out of the checkout's build/."""
     folders = {d.split("/")[0] for d in setuptools_table()["package-dir"].values()}
     dest.mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     for folder in sorted(folders):
         shutil.copytree(REPO / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
@@ -107,17 +107,31 @@ def copy_checkout(dest: Path) -> Path:
 
 
 def build_lean_venv(venv: Path) -> Path:
-    """``python -m venv`` + ``pip install <checkout copy>`` with no extras, not editable.
+    """``python -m venv`` + a wheel built from a copy of the checkout, installed with no extras.
     Returns the venv's python. pip's cache is used; pip itself is not put into the venv."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="medusa-trt-src-") as tmp:
-        source = copy_checkout(Path(tmp) / "src")
-        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", str(source)],
+        wheel = build_wheel(Path(tmp))
+        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", str(wheel)],
                               capture_output=True, text=True, timeout=900, env=clean_env())
     if proc.returncode != 0:
-        raise LeanInstallError(f"pip install {REPO} (no extras) into {venv} failed", proc.stdout + proc.stderr)
+        raise LeanInstallError(f"pip install {wheel.name} (no extras) into {venv} failed", proc.stdout + proc.stderr)
     return python
+
+
+def build_wheel(tmp: Path) -> Path:
+    """The wheel of a copy of the checkout (``pip wheel --no-deps``), built in ``tmp``; the tree
+    presets come from the shared folder beside the checkout, as setup.py packages them."""
+    source = copy_checkout(tmp / "src")
+    env = clean_env()
+    env.setdefault("MEDUSA_TRT_SHARED", str(REPO.parent / "shared"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--retries", "2", "-w", str(tmp / "dist"), str(source)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    wheels = sorted((tmp / "dist").glob("medusa_trt-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise LeanInstallError(f"pip wheel {REPO} failed", proc.stdout + proc.stderr)
+    return wheels[0]
 
 
 def site_packages(python: Path) -> Path:

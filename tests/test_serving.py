@@ -63,7 +63,7 @@ def fake_engine(tmp_path) -> Path:
 
 
 def test_metadata_is_read_without_loading_the_graph(engine, fake_engine):
-    from medusa_trt.exporter.triton_repo import read_engine_meta
+    from medusa_trt.runtime.engine import engine_meta as read_engine_meta
     from medusa_trt.runtime.engine import read_meta
 
     assert read_engine_meta(fake_engine) == FAKE_META

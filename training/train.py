@@ -288,7 +288,7 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
 
 def _engine_meta(engine: str):
     """An ONNX engine's metadata, read from its graph file alone (no weights, no session)."""
-    from medusa_trt.exporter.triton_repo import read_engine_meta
+    from medusa_trt.runtime.engine import engine_meta as read_engine_meta
     from medusa_trt.runtime.engine import EngineError
 
     try:

@@ -16,7 +16,7 @@ import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.contract import NEXT_INPUT, STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
-from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, open_session, read_meta
+from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class OnnxBackend:
                  checksums: bool = False):
         import onnxruntime as ort
 
-        files = EngineFiles.beside(path)
+        files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -56,6 +56,7 @@ class OnnxBackend:
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.session = open_session(files.step, options, providers)
         self.meta: EngineMeta = read_meta(files.step, self.session)
+        check_folder_meta(files, self.meta)
         meta = self.meta
         self.files = files
         self.heads_session = None

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.contract import HEADS_OUTPUTS, NEXT_INPUT, STEP_OUTPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
-from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
+from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,11 @@ INSTALL_HINT = "install TensorRT 10+ (pip install tensorrt) and a CUDA build of 
 
 
 def read_plan_meta(path: str | os.PathLike) -> EngineMeta:
-    """Metadata of a TensorRT engine from its sidecar ``engine.plan.json``."""
-    files = EngineFiles.beside(path)
+    """Metadata of a TensorRT engine from its sidecar ``engine.plan.json`` (an engine folder's config.json)."""
+    files = EngineFiles.locate(path)
     if not files.step.is_file():
-        raise EngineError(f"engine file {files.step} does not exist: build one with medusa-export --out {files.step}")
-    if not files.sidecar.is_file():
-        raise EngineError(f"{files.sidecar} is missing: it holds the engine's metadata; copy it beside {files.step} or build again")
-    return EngineMeta.from_json(files.sidecar.read_text(), source=str(files.sidecar))
+        raise EngineError(f"engine file {files.step} does not exist: build one with medusa-export --out {path}")
+    return engine_meta(path)
 
 
 def _import_tensorrt():
@@ -152,7 +150,7 @@ class TensorRTBackend:
         trt = _import_tensorrt()
         import torch
 
-        self.files = files = EngineFiles.beside(path)
+        self.files = files = EngineFiles.locate(path)
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.meta = meta = read_plan_meta(files.step)
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context

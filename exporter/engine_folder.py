@@ -1,0 +1,142 @@
+"""Write an engine folder (``medusa-export --out DIR``): the files beside the graphs, and the swap.
+
+The layout and ``config.json`` are described in ``runtime/engine_folder.py``. ``export_onnx``
+stages the graphs and tokenizer in a hidden folder beside ``DIR``; ``write_folder_files`` adds
+``config.json``, ``generation_config.json`` and ``drafting.json`` there; ``swap_folder`` renames
+the staged folder into place (an earlier engine folder of the same name is replaced whole: a
+reader sees the old folder or the new one, never a mix).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from medusa_trt.runtime.engine import EngineFiles, EngineMeta
+from medusa_trt.runtime.engine_folder import DRAFTING_FILE, GENERATION_CONFIG, FolderConfig, write_folder_config
+from medusa_trt.runtime.tree import CompiledTree
+
+log = logging.getLogger(__name__)
+
+STAGING_OWNER = ".owner"  # onnx_export's marker of a staging folder's process
+
+
+def graph_io(path: Path) -> dict:
+    """{"inputs": {name: {"dtype", "shape"}}, "outputs": {...}} of an ONNX graph (weights not loaded);
+    symbolic dimensions by their names, as in onnxruntime-genai's genai_config."""
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+
+    def describe(values) -> dict:
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
+            out[v.name] = {"dtype": helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims}
+        return out
+
+    return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
+
+
+def write_folder_files(model, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, *, step_cost: dict | None = None,
+                       backend: str = "onnxruntime") -> None:
+    """config.json, generation_config.json and drafting.json of a staged engine folder."""
+    folder = staged.folder
+    _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
+    from medusa_trt.runtime.drafting import DRAFTERS
+
+    drafting = {
+        "heads_template": {"name": tree.name, "top_k": int(tree.top_k), "paths": [list(map(int, p)) for p in tree.paths]},
+        # what MedusaRuntime(DIR) runs by default: heads only with heads, recycle only with the step graph's top-k output
+        "drafters": [d for d in DRAFTERS if (d != "heads" or meta.num_heads and tree.depth_max) and (d != "recycle" or meta.successors)],
+        "step_cost": None if step_cost is None else {str(k): float(v) for k, v in sorted(step_cost.items())},
+    }
+    _write_json(folder / DRAFTING_FILE, drafting)
+    write_folder_config(folder, folder_config(folder, meta, backend))
+
+
+def folder_config(folder: Path, meta: EngineMeta, backend: str) -> FolderConfig:
+    """What config.json says of the files now in ``folder``."""
+    onnx = EngineFiles.in_folder(folder)
+    plan = EngineFiles.in_folder(folder, ".plan")
+    names = {
+        "step": onnx.step.name,
+        "heads": onnx.heads.name if onnx.heads.is_file() else None,
+        "step_plan": plan.step.name if plan.step.is_file() else None,
+        "heads_plan": plan.heads.name if plan.heads.is_file() else None,
+        "tokenizer": "tokenizer.json",
+        "generation_config": GENERATION_CONFIG,
+        "drafting": DRAFTING_FILE,
+    }
+    graphs = {"step": graph_io(onnx.step)}
+    if onnx.heads.is_file():
+        graphs["heads"] = graph_io(onnx.heads)
+    return FolderConfig(backend=backend, meta=meta, files=names, graphs=graphs)
+
+
+def generation_config(model, meta: EngineMeta) -> dict:
+    """The base model's generation defaults (transformers' generation_config.json), EOS ids as exported."""
+    config = getattr(getattr(model, "base", None), "generation_config", None)
+    raw = config.to_diff_dict() if config is not None else {}  # the values that differ from transformers defaults
+    raw = {k: v for k, v in raw.items() if not k.startswith("_") and _jsonable(v)}
+    raw["eos_token_id"] = list(meta.eos_token_ids) if len(meta.eos_token_ids) != 1 else meta.eos_token_ids[0]
+    return raw
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def swap_folder(staged: Path, out: Path) -> None:
+    """Rename the staged folder to ``out``; an earlier engine folder there is moved aside first and
+    removed after (an empty folder is simply replaced)."""
+    (staged / STAGING_OWNER).unlink(missing_ok=True)
+    os.chmod(staged, 0o755)  # mkdtemp makes it 0700; a server may run as another user
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "engine")
+    try:
+        os.rename(staged, out)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.rename(old / "engine", out)  # put the previous engine back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_step_cost(path: str | os.PathLike) -> dict[int, float]:
+    """``--step-cost FILE``: a medusa-calibrate report (its measured ``step_ms`` per tokens per step),
+    or a JSON object of tokens per step -> cost; returned relative to the smallest size's cost."""
+    from medusa_trt.exporter.onnx_export import ExportError
+
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ExportError(f"--step-cost {path} cannot be read as JSON ({exc}): pass a medusa-calibrate report (.report.json)") from exc
+    table = raw.get("step_ms", raw) if isinstance(raw, dict) else None
+    try:
+        costs = {int(k): float(v) for k, v in table.items()}
+        assert costs and all(k >= 1 and v > 0 for k, v in costs.items())
+    except (AttributeError, TypeError, ValueError, AssertionError) as exc:
+        raise ExportError(f"--step-cost {path} must hold step_ms (a medusa-calibrate report) or map tokens per step (>= 1) "
+                          "to positive costs") from exc
+    base = costs[min(costs)]
+    return {k: v / base for k, v in sorted(costs.items())}
