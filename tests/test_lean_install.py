@@ -238,3 +238,38 @@ def test_lean_writes_a_triton_repository_whose_model_imports_no_torch(lean_venv,
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'onnx'}))"
     )
     assert _lean(lean_venv, "python", "-c", code, cwd=tmp_path).strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def stories_folder(stories_base, stories_fitted, tmp_path_factory):
+    """An engine folder (medusa-export --out DIR) with the 63-node preset's top-10 proposals."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+
+    from conftest import TREES
+
+    if not TREES.is_file():
+        pytest.skip(f"{TREES} missing: the presets' source is laid beside the checkout")
+    out = tmp_path_factory.mktemp("lean-folder") / "stories"
+    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=out, tree="mc_sim_7b_63", max_batch=4, max_context=256))
+    return out
+
+
+@pytest.mark.slow
+def test_wheel_resolves_tree_presets_without_an_environment_variable(lean_venv, stories_folder, tmp_path):
+    """The wheel carries the published presets as package data: MedusaRuntime(DIR, tree="mc_sim_7b_63")
+    runs in the lean venv with no MEDUSA_TRT_TREE_PRESETS and no checkout in reach."""
+    from medusa_trt.runtime.tree import PRESETS_ENV
+
+    assert PRESETS_ENV not in lean_report.clean_env()
+    code = (
+        "import json; from medusa_trt.runtime import MedusaRuntime; from medusa_trt.runtime.tree import default_presets_file; "
+        f"rt = MedusaRuntime({str(stories_folder)!r}, tree='mc_sim_7b_63'); r = rt.generate({STORY_PROMPTS!r}, max_new_tokens={NEW_TOKENS}); "
+        "print(json.dumps([str(default_presets_file()), rt.tree.name, rt.tree.num_nodes, [x.token_ids for x in r]]))"
+    )
+    presets, name, nodes, tokens = json.loads(_lean(lean_venv, "python", "-c", code, cwd=tmp_path))
+    assert Path(presets).is_relative_to(lean_venv.parent) and Path(presets).is_file(), presets
+    assert (name, nodes) == ("mc_sim_7b_63", 64)
+    full = MedusaRuntime(stories_folder, tree="mc_sim_7b_63").generate(STORY_PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert tokens == [r.token_ids for r in full]
+    plain = MedusaRuntime(stories_folder, drafters=()).generate(STORY_PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert tokens == [r.token_ids for r in plain]
