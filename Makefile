@@ -28,11 +28,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The main job on the built-in default: SmolLM2-135M with the shipped heads, exported to ONNX once
-# (heads template assets/smollm2-135m-template.json, int8 heads graph), then generated with every
+# into one engine folder (heads template assets/smollm2-135m-template.json, int8 heads graph), then generated with every
 # drafter (heads, retrieval, recycled successors) and with plain decoding on the same engine.
 HEADS  := assets/smollm2-135m-medusa
 TREE   := assets/smollm2-135m-template.json
-ENGINE := build/smollm2-135m-medusa.onnx
+ENGINE := build/smollm2-135m-medusa
 
 $(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(TREE)
 	mkdir -p build

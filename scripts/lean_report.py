@@ -1,6 +1,6 @@
 """Lean install (no extras) against the full install: disk, import time, peak memory (not a test).
 
-    .venv/bin/python scripts/lean_report.py --engine build/smollm2-135m-medusa.onnx
+    .venv/bin/python scripts/lean_report.py --engine build/smollm2-135m-medusa
 
 Builds a venv holding only ``pip install <this checkout>`` (no extras; reused when ``--venv``
 names one that exists), then, for the lean venv and the full one (``.venv``):
@@ -13,7 +13,7 @@ names one that exists), then, for the lean venv and the full one (``.venv``):
 The full install also gets one row for importing the torch path (torch + transformers), for scale.
 Writes JSON (``docs/lean-report.json``) and prints a markdown table.
 
-The engine: ``make build/smollm2-135m-medusa.onnx`` (or any ``medusa-export --out X.onnx``).
+The engine: ``make build/smollm2-135m-medusa`` (or any ``medusa-export --out X``).
 Needs the pip of the interpreter running this (>= 22.3, for ``pip --python``) and PyPI access.
 """
 
@@ -215,7 +215,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", type=Path, default=REPO / "build" / "smollm2-135m-medusa.onnx", help="an exported .onnx engine")
+    p.add_argument("--engine", type=Path, default=REPO / "build" / "smollm2-135m-medusa", help="an exported engine (folder or .onnx)")
     p.add_argument("--venv", type=Path, default=REPO / "build" / "lean-venv",
                    help="the lean venv: reused as it is if it exists (delete it after changing the package), else built here")
     p.add_argument("--full", type=Path, default=REPO / ".venv" / "bin" / "python", help="python of the full install")
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="fresh processes per import measurement")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "lean-report.json")
     args = p.parse_args(argv)
-    if not args.engine.is_file():
-        raise SystemExit(f"lean_report: engine {args.engine} missing: `make build/smollm2-135m-medusa.onnx` exports the SmolLM2 one "
+    if not args.engine.exists():
+        raise SystemExit(f"lean_report: engine {args.engine} missing: `make build/smollm2-135m-medusa` exports the SmolLM2 one "
                          f"(or medusa-export --model ... --heads ... --out {args.engine})")
     lean_python = args.venv / "bin" / "python"
     if not lean_python.exists():

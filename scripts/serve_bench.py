@@ -1,6 +1,6 @@
 """Load benchmark of the Triton serving path (not a test): Medusa against plain decoding.
 
-    .venv/bin/python scripts/serve_bench.py --engine build/smollm2-135m-medusa.onnx --subset 16 --max-tokens 64
+    .venv/bin/python scripts/serve_bench.py --engine build/smollm2-135m-medusa --subset 16 --max-tokens 64
 
 Starts two tritonservers (``medusa-serve``'s Python API) over the same engine: one with every
 drafter the engine supports (``medusa-triton-repo``'s default), one with none (``--draft none``:
@@ -159,7 +159,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", default=str(REPO / "build" / "smollm2-135m-medusa.onnx"))
+    p.add_argument("--engine", default=str(REPO / "build" / "smollm2-135m-medusa"))
     p.add_argument("--prompts", default=str(PROMPTS), help="Spec-Bench style JSONL (turns[0] is sent)")
     p.add_argument("--subset", type=int, default=16, help="prompts per level (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=64)
