@@ -4,10 +4,11 @@
     medusa-calibrate --model smollm2-135m --heads DIR --prompts FILE.jsonl --out build/tree.json   # torch backend
 
 Writes the chosen tree (``{"name": "calibrated-<T>", "paths": ..., "top_k": ...}``, what
-``--tree`` and ``load_tree`` read), a plot beside it (``.png``) and a report (``.report.json``:
-accuracy, latencies, the whole curve, the choice and the config); each file is written whole or
-not at all. Bad input prints one ``medusa-calibrate: error: ...`` line and exits 2, before any
-engine or model loads.
+``--tree`` and ``load_tree`` read), a plot beside it (``.png``), a report (``.report.json``:
+accuracy, latencies, the whole curve, the choice and the config) and the tree as a plain
+``medusa_choices`` list (``.medusa_choices.json``, what TensorRT-LLM's ``--medusa_choices``
+takes); each file is written whole or not at all. Bad input prints one
+``medusa-calibrate: error: ...`` line and exits 2, before any engine or model loads.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def build_parser() -> Parser:
     d = CalibrateConfig()
     p = Parser(prog="medusa-calibrate", description="Choose the Medusa tree with the highest expected tokens/s on this hardware.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--engine", help="an exported .onnx engine; it carries its heads (ONNX Runtime)")
+    source.add_argument("--engine", help="an exported engine (folder, .onnx or .plan); it carries its heads")
     source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend; needs --heads)")
     p.add_argument("--heads", help="Medusa heads folder, with --model")
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
@@ -139,16 +140,20 @@ def _plot(acc, choice, chain, path: Path) -> bool:
 
 
 def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
-    """The tree at ``out``, its report and plot beside it, each whole or not at all; returns what was written."""
+    """The tree at ``out``, its medusa_choices list, report and plot beside it, each whole or not at all; returns what was written."""
+    from medusa_trt.exporter.interop import medusa_choices_json
+
     report_path, plot_path = out.with_suffix(".report.json"), out.with_suffix(".png")
+    choices_path = out.with_suffix(".medusa_choices.json")  # the same tree as a plain list (TensorRT-LLM's --medusa_choices)
     try:
-        with staged(out, report_path, plot_path) as (tmp_tree, tmp_report, tmp_plot):
+        with staged(out, report_path, plot_path, choices_path) as (tmp_tree, tmp_report, tmp_plot, tmp_choices):
             tmp_tree.write_text(json.dumps(report["tree"]))
+            tmp_choices.write_text(medusa_choices_json(report["tree"]["paths"]) + "\n")
             tmp_report.write_text(json.dumps(report, indent=2))
             plotted = _plot(acc, choice, chain, tmp_plot)
     except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
         raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out") from exc
-    return [out, report_path] + ([plot_path] if plotted else [])
+    return [out, choices_path, report_path] + ([plot_path] if plotted else [])
 
 
 @entry("medusa-calibrate")
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        out = check_out(args.out, ".json", (".png", ".report.json"))  # before any measuring
+        out = check_out(args.out, ".json", (".png", ".report.json", ".medusa_choices.json"))  # before any measuring
         check_options(args)
         report, acc, choice, chain = calibrate(args)
         written = write_outputs(out, report, acc, choice, chain)

@@ -136,6 +136,11 @@ class MedusaHeads(nn.Module):
         self._shared = (lm_head,) if config.shared_lm_head else None  # tuple: not registered as a child
         self._embed = (embed,) if config.reads_next else None
 
+    @property
+    def base_lm_head(self) -> nn.Module | None:
+        """The base model's lm_head these heads project with (shared heads), else None."""
+        return self._shared[0] if self._shared is not None else None
+
     def project(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Vocabulary logits of head k's block output x [..., H] -> [..., V]."""
         if self._shared is not None:

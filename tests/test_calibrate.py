@@ -167,7 +167,7 @@ def test_cli_end_to_end(capsys, tmp_path, fitted_engine):
     tree = load_tree(out, max_depth=4)
     assert tree.name == f"calibrated-{tree.num_nodes}" and 1 <= tree.num_nodes <= 24
     assert out.with_suffix(".png").stat().st_size > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "tree.json", "tree.png", "tree.report.json"]  # no temps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "tree.json", "tree.medusa_choices.json", "tree.png", "tree.report.json"]  # no temps
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert report["positions"] > 50 and report["acc"][0][0] > 0.2
     assert sorted(int(k) for k in report["step_ms"]) == [1, 2, 4, 8, 16, 24]
