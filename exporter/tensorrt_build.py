@@ -25,6 +25,11 @@ How (polygraphy's loaders over the TensorRT API):
   looks plugins up by (it ignores the node's domain). Importing
   ``medusa_trt.plugins.tree_attention.trt_plugin`` registers the plugin first.
 
+After each build, before anything is moved into place, the plan is compared with its ONNX graph on
+the same inputs (``trt_compare``: polygraphy's Comparator, ONNX Runtime runner against TensorRT
+runner, a tolerance per output); a plan beyond it raises ``PlanMismatchError``. ``verify=False``
+(``medusa-export --no-verify``) skips it.
+
 Without TensorRT, polygraphy or a CUDA GPU the build stops with ``TensorRTUnavailableError``, after
 the ONNX files are written and before any ``.plan`` is.
 """
@@ -35,7 +40,8 @@ import importlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_trt.exporter.cancel import checkpoint
@@ -43,7 +49,7 @@ from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime.contract import NEXT_INPUT
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
-from medusa_trt.runtime.manifest import manifest_path, write_manifest
+from medusa_trt.runtime.manifest import engine_file_list, manifest_path, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,8 @@ class TensorRTConfig:
     timing_cache: Path | None = None  # None: timing.cache beside the plan
     workspace_gib: float | None = None  # builder scratch memory limit; None: TensorRT's default (the GPU's memory)
     optimization_level: int = 3  # 0..5: builder time against engine speed; 3 is TensorRT's default
+    verify: bool = True  # compare each built plan with its ONNX graph (trt_compare); medusa-export --no-verify: False
+    report: Callable | None = field(default=None, compare=False)  # called with each plan's PlanComparison (the CLI prints it)
 
     def __post_init__(self):
         if Path(self.plan).suffix != ".plan":
@@ -254,8 +262,19 @@ def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange
         if serialized is None:
             raise TensorRTBuildError(f"TensorRT returned no engine for {onnx_path.name}: run with -v for the builder log")
         target.write_bytes(bytes(serialized))
+        if config.verify:  # before the plan is moved into place: one that disagrees is never written
+            _compare(target, onnx_path, proto, "step" if "input_ids" in profile else "heads", config)
     finally:
         parse_path.unlink(missing_ok=True)
+
+
+def _compare(plan: Path, onnx_path: Path, proto, graph: str, config: TensorRTConfig) -> None:
+    from medusa_trt.exporter.trt_compare import compare_plan
+
+    meta = EngineMeta.from_json({p.key: p.value for p in proto.metadata_props}[META_KEY], source=str(onnx_path))
+    result = compare_plan(plan, onnx_path, meta, graph=graph)  # raises PlanMismatchError beyond tolerance
+    if config.report is not None:
+        config.report(result)
 
 
 def _move_plans_into_place(staged: EngineFiles, final: EngineFiles, *, tokenizer: bool) -> None:
@@ -272,17 +291,52 @@ def _move_plans_into_place(staged: EngineFiles, final: EngineFiles, *, tokenizer
     os.replace(staged.step, final.step)
 
 
+def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: TensorRTConfig) -> EngineFiles:
+    """An engine folder's plans: the folder is staged whole (its ONNX files hard-linked, the plans
+    built beside them, config.json switched to backend "tensorrt", the manifest rewritten) and
+    swapped in for the ONNX-only folder; a failed build leaves that folder as it was."""
+    import onnx
+
+    from medusa_trt.exporter.engine_folder import folder_config, swap_folder
+    from medusa_trt.runtime.engine_folder import write_folder_config
+
+    folder = src.folder
+    tmp = make_staging(folder)
+    try:
+        for f in engine_file_list(src):
+            target = tmp / f.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:  # another file system, or links not allowed
+                shutil.copy2(f, target)
+        staged = EngineFiles.in_folder(tmp, ".plan")
+        _build_one(trt, src.step, staged.step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
+        if meta.num_heads:
+            heads_proto = onnx.load(str(src.heads), load_external_data=False)
+            _build_one(trt, src.heads, staged.heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
+        write_folder_config(tmp, folder_config(tmp, meta, "tensorrt"))
+        write_manifest(staged)
+        checkpoint()
+        swap_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote %s/%s (TensorRT %s)", folder, staged.step.name, trt.__version__)
+    return EngineFiles.in_folder(folder, ".plan")
+
+
 def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> EngineFiles:
     """Build the step (and heads) engines of an exported ONNX engine; write the metadata sidecar.
 
-    ``onnx_path`` is what ``export_onnx`` wrote (its metadata is read from the graph). Files are
+    ``onnx_path`` is what ``export_onnx`` wrote (its metadata is read from the graph): an .onnx file,
+    or an engine folder, which gets model.plan / heads.plan beside its ONNX graphs. Files are
     staged in a hidden folder beside the plan (swept by a later build if this one is killed), the
     manifest written over the staged files, and moved into place, the step plan last."""
     import onnx
 
     onnx_path = Path(onnx_path)
     trt = require_tensorrt(onnx_path)
-    src = EngineFiles.beside(onnx_path)
+    src = EngineFiles.locate(onnx_path).onnx  # model.onnx and its siblings, or an engine folder's graphs
     proto = onnx.load(str(src.step), load_external_data=False)
     props = {p.key: p.value for p in proto.metadata_props}
     if META_KEY not in props:
@@ -295,6 +349,8 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
         )
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
+    if src.folder is not None:
+        return _build_into_folder(trt, src, meta, proto, config)
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json
     tmp = make_staging(final.step)
     try:

@@ -6,6 +6,10 @@ views of them through IOBinding, so ONNX Runtime reads the first S = max(cache_l
 slots in place and writes outputs straight into the preallocated memory. For a batch of B
 sequences the flat cache is viewed as [slots, layers, B, Hkv, D], which keeps the first S slots
 one contiguous block whatever B is.
+
+Where the buffers live is ``ort_buffers``' business: host numpy arrays on the CPU provider; with
+the CUDA provider (onnxruntime-gpu) CUDA ``OrtValue`` s, so the cache and the float outputs stay
+on the GPU, the commit runs there and only the ids and the rows the loop reads come back.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
 from medusa_trt.runtime.contract import NEXT_INPUT, STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
@@ -22,6 +27,8 @@ from medusa_trt.runtime.manifest import check_manifest
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
+BUFFERS = ("auto", "host", "device")  # auto: device buffers on the CUDA provider, host buffers otherwise
+SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in ("past_key", "past_value"))  # from the host; buffers bind the cache
 
 
 def default_providers() -> list[str]:
@@ -36,7 +43,7 @@ class OnnxBackend:
     name = "onnxruntime"
 
     def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, providers=None, threads: int | None = None,
-                 checksums: bool = False):
+                 checksums: bool = False, buffers: str = "auto"):
         import onnxruntime as ort
 
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
@@ -83,76 +90,55 @@ class OnnxBackend:
             raise EngineError(f"{files.step} holds {meta.dtype} weights, which ONNX Runtime on this machine cannot run: "
                               f"export with --dtype fp32 or fp16 for ONNX Runtime ({meta.dtype} is for TensorRT plans)")
         self.dtype = DTYPES[meta.dtype]
-        kv_row = meta.num_layers * meta.num_kv_heads * meta.head_dim  # elements per slot per sequence
-        self.kv_row = kv_row
-        self._key = np.zeros(self.max_context * self.max_batch * kv_row, dtype=self.dtype)  # flat: viewed per batch size
-        self._value = np.zeros_like(self._key)
-        width = self.max_batch * meta.max_tokens
-        self._out = {
-            "logits": np.zeros(width * meta.vocab_size, dtype=self.dtype),
-            "hidden": np.zeros(width * meta.hidden_size, dtype=self.dtype),
-            "next_ids": np.zeros(width, dtype=np.int64),
-            "new_key": np.zeros(width * kv_row, dtype=self.dtype),
-            "new_value": np.zeros(width * kv_row, dtype=self.dtype),
-        }
         self.successors = meta.successors if SUCCESSORS_OUTPUT in {o.name for o in self.session.get_outputs()} else 0
-        if self.successors:
-            self._out[SUCCESSORS_OUTPUT] = np.zeros(width * self.successors, dtype=np.int64)
-        else:
+        if not self.successors:
             log.info("%s has no %s output (exported before it): the recycle drafter learns the argmax only", files.step.name,
                      SUCCESSORS_OUTPUT)
-        if meta.num_heads:
-            self._head_logits = np.zeros(self.max_batch * meta.num_heads * meta.vocab_size, dtype=np.float32)
-            self._head_topk = np.zeros(self.max_batch * meta.num_heads * meta.top_k, dtype=np.int64)
+        sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=self.max_context, dtype=self.dtype, successors=self.successors)
+        self.buffers: StepBuffers = self._buffers(buffers, sizes)
+        self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
-        self._views: dict[str, np.ndarray] = {}
-        self._batch = 0
-        log.info("onnxruntime backend (%s): KV cache %.1f MiB, outputs %.1f MiB", providers[0],
-                 2 * self._key.nbytes / 2**20, sum(a.nbytes for a in self._out.values()) / 2**20)
+        log.info("onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB", self.session.get_providers()[0],
+                 type(self.buffers).__name__, self.buffers.cache_bytes / 2**20, self.buffers.output_bytes / 2**20)
 
-    def _cache_views(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._layout(self._key, batch), self._layout(self._value, batch)
+    def _buffers(self, kind: str, sizes: BufferSizes) -> StepBuffers:
+        """Device buffers where the step session runs on CUDA (``"device"`` forces them: on the CPU
+        provider they are CPU ``OrtValue`` s, the same code path), host buffers otherwise."""
+        if kind not in BUFFERS:
+            raise EngineError(f"buffers {kind!r} is not one of {', '.join(BUFFERS)}")
+        provider = self.session.get_providers()[0]  # what ONNX Runtime really chose (it falls back to CPU quietly)
+        if provider == "CUDAExecutionProvider" and kind != "host":
+            device_id = int(self.session.get_provider_options()[provider].get("device_id", 0))
+            return DeviceBuffers(sizes, device="cuda", device_id=device_id)
+        if kind == "device":
+            return DeviceBuffers(sizes, device="cpu")
+        return HostBuffers(sizes)
 
-    def _view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return self._out[name][: int(np.prod(shape))].reshape(shape)
+    @property
+    def _key(self):
+        """The flat key cache (numpy for host buffers, an OrtValue for device ones)."""
+        return self.buffers.key
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
         """The step contract (``contract.Backend``); outputs are views of the preallocated buffers."""
         batch, tokens = input_ids.shape
         if tokens > self.meta.max_tokens:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.meta.max_tokens}")
-        meta = self.meta
-        key, value = self._cache_views(batch)
         past = int(cache_lengths.max())  # host value: the bound view's length
         inputs = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
             "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool),
             "cache_lengths": np.ascontiguousarray(cache_lengths, dtype=np.int64),
-            "past_key": key[:past],  # contiguous: slot-major layout
-            "past_value": value[:past],
         }
-        kv = (tokens, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-        self._views = {
-            "logits": self._view("logits", (batch, tokens, meta.vocab_size)),
-            "hidden": self._view("hidden", (batch, tokens, meta.hidden_size)),
-            "next_ids": self._view("next_ids", (batch, tokens)),
-            "new_key": self._view("new_key", kv),
-            "new_value": self._view("new_value", kv),
-        }
-        if self.successors:
-            self._views[SUCCESSORS_OUTPUT] = self._view(SUCCESSORS_OUTPUT, (batch, tokens, self.successors))
         io = self._binding
         io.clear_binding_inputs()
         io.clear_binding_outputs()
-        for name in STEP_INPUTS:
+        for name in SMALL_INPUTS:
             io.bind_cpu_input(name, inputs[name])
-        for name, array in self._views.items():
-            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        self.buffers.bind_step(io, batch, tokens, past)  # the first `past` cache slots and every output, in place
         self.session.run_with_iobinding(io)
-        logits, hidden = self._views["logits"], self._views["hidden"]
-        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
-                          lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
+        return self.buffers.step_output()
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
@@ -160,21 +146,12 @@ class OnnxBackend:
         the flat buffer). Copies the first ``slots`` slots once; not per step."""
         if slots == 0 or len(rows) == 0:
             return
-        for flat in (self._key, self._value):
-            old = self._layout(flat, old_batch)[:slots]
-            moved = old[:, :, rows].copy()  # (slots, layers, n, Hkv, D)
-            self._layout(flat, new_batch)[:slots, :, : len(rows)] = moved
-
-    def _layout(self, flat: np.ndarray, batch: int) -> np.ndarray:
-        shape = (self.max_context, self.meta.num_layers, batch, self.meta.num_kv_heads, self.meta.head_dim)
-        return flat[: int(np.prod(shape))].reshape(shape)
+        self.buffers.relayout(np.asarray(rows, dtype=np.int64), old_batch, new_batch, slots)
 
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
-        key, value = self._cache_views(nodes.shape[0])
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
-        key[dst, :, rows] = self._views["new_key"][src, :, rows]
-        value[dst, :, rows] = self._views["new_value"][src, :, rows]
+        self.buffers.commit(rows, src, dst, nodes.shape[0])
 
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views;
@@ -182,18 +159,13 @@ class OnnxBackend:
         meta = self.meta
         if top_k > meta.top_k:
             raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
-        batch = nodes.shape[0]
-        hidden = np.ascontiguousarray(self._views["hidden"][np.arange(batch), nodes])  # (B, H)
-        topk = self._head_topk[: batch * meta.num_heads * meta.top_k].reshape(batch, meta.num_heads, meta.top_k)
-        head_logits = self._head_logits[: batch * meta.num_heads * meta.vocab_size].reshape(batch, meta.num_heads, meta.vocab_size)
+        if meta.head_input == "hidden+next" and roots is None:
+            raise EngineError("these heads read the next token: pass roots to propose")
         io = self.heads_session.io_binding()
-        io.bind_cpu_input("hidden", hidden)
+        self.buffers.bind_heads(io, np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; head_topk, head_logits
         if meta.head_input == "hidden+next":
-            if roots is None:
-                raise EngineError("these heads read the next token: pass roots to propose")
-            io.bind_cpu_input(NEXT_INPUT, np.ascontiguousarray(roots, dtype=np.int64))
-        io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
-        io.bind_output("head_logits", "cpu", 0, np.float32, list(head_logits.shape), head_logits.ctypes.data)
+            roots = np.ascontiguousarray(roots, dtype=np.int64)  # (B,) kept alive through the run
+            io.bind_cpu_input(NEXT_INPUT, roots)
         self.heads_session.run_with_iobinding(io)
-        return Proposals(topk[:, :, :top_k], lambda: head_logits)
+        return self.buffers.proposals(top_k)
 

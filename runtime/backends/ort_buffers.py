@@ -1,0 +1,462 @@
+"""Where the ONNX Runtime backend's KV cache and step outputs live: host memory or the device.
+
+``OnnxBackend`` runs one step code over a ``StepBuffers``; two kinds exist:
+
+* ``HostBuffers`` (CPU provider): numpy arrays allocated once at their largest size. A step binds
+  views of them through IOBinding (cache slots as CPU inputs, outputs by pointer), ONNX Runtime
+  writes the outputs in place, the commit is a numpy copy.
+* ``DeviceBuffers`` (CUDA provider, onnxruntime-gpu): ``OrtValue`` s on the session's device,
+  allocated once, flat, at their largest size. A step binds them by device address and shape
+  (``IOBinding.bind_input`` / ``bind_output``, a pointer, no copy), so the cache, the logits, the
+  hidden states and the new K/V never leave the device. What comes back is what the loop reads:
+  next_ids and next_topk (bound to host arrays: ONNX Runtime copies them after the run),
+  head_topk, and on request the rows of logits or hidden states a rule reads (a GatherND on the
+  device, only those rows copied) or the whole logits (sampling rules).
+
+Device work without torch or cupy: tiny ONNX graphs run by ONNX Runtime itself on the same device
+over the same memory. The commit is GatherND (accepted nodes' new K/V) + ScatterND into the cache
+with the output bound to the cache's own address: ONNX Runtime's ScatterND (CPU and CUDA kernels)
+copies data to output only when they are different buffers, so the commit writes the accepted
+rows alone. The lean install has no onnx package, so the graphs are written here as protobuf
+bytes (the dozen fields they use). ``DeviceBuffers`` on device "cpu" runs the same code on the CPU
+provider: tests hold it to ``HostBuffers`` token for token.
+
+Ordering: every ``run_with_iobinding`` returns after its device work is done (ONNX Runtime
+synchronizes the providers at the end of a run unless a run option disables it), so a commit or
+gather run sees the step run's outputs, whichever stream each session uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from medusa_trt.runtime.contract import SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.engine import EngineMeta
+
+FLOAT_OUTPUTS = ("logits", "hidden", "new_key", "new_value")  # stay on the device in DeviceBuffers
+ID_OUTPUTS = ("next_ids", SUCCESSORS_OUTPUT)  # int64, read by the loop every step: bound to host arrays
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Shapes of one backend's buffers: the cache [max_context, layers, B, Hkv, D] and every output
+    at B = max_batch rows of max_tokens new tokens."""
+
+    max_batch: int
+    max_context: int
+    max_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    hidden_size: int
+    successors: int  # k of next_topk (0: the engine has no such output)
+    num_heads: int
+    top_k: int
+    dtype: type  # numpy type of the cache and float outputs
+
+    @classmethod
+    def of(cls, meta: EngineMeta, *, max_batch: int, max_context: int, dtype, successors: int) -> BufferSizes:
+        return cls(max_batch, max_context, meta.max_tokens, meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.vocab_size,
+                   meta.hidden_size, successors, meta.num_heads, meta.top_k, dtype)
+
+    @property
+    def kv_row(self) -> int:
+        return self.num_layers * self.num_kv_heads * self.head_dim  # elements per slot per sequence
+
+    def cache_shape(self, batch: int, slots: int | None = None) -> tuple[int, ...]:
+        """The flat cache viewed for ``batch`` rows: its first ``slots`` slots are one contiguous block."""
+        return (self.max_context if slots is None else slots, self.num_layers, batch, self.num_kv_heads, self.head_dim)
+
+    def output_shapes(self, batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
+        kv = (tokens, self.num_layers, batch, self.num_kv_heads, self.head_dim)
+        shapes = {"logits": (batch, tokens, self.vocab_size), "hidden": (batch, tokens, self.hidden_size), "next_ids": (batch, tokens),
+                  "new_key": kv, "new_value": kv}
+        if self.successors:
+            shapes[SUCCESSORS_OUTPUT] = (batch, tokens, self.successors)
+        return shapes
+
+    def output_dtype(self, name: str):
+        return np.int64 if name in ID_OUTPUTS else self.dtype
+
+    def heads_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        return {"head_topk": (batch, self.num_heads, self.top_k), "head_logits": (batch, self.num_heads, self.vocab_size)}
+
+
+def _elements(shape) -> int:
+    return int(np.prod(shape))
+
+
+class StepBuffers(Protocol):
+    """The KV cache and output buffers of one ONNX Runtime backend, allocated once."""
+
+    sizes: BufferSizes
+    cache_bytes: int
+    output_bytes: int
+
+    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+        """Bind past_key / past_value (the first ``past`` slots of the [*, layers, batch, Hkv, D] layout)
+        and every step output for (batch, tokens) on ``io``; the caller binds the small inputs."""
+        ...
+
+    def step_output(self) -> StepOutput:
+        """The last step's outputs, as the loop reads them."""
+        ...
+
+    def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
+        """Copy the last step's new K/V of node src[i] of row rows[i] into cache slot dst[i] (``commit_indices``)."""
+        ...
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Move cache rows ``rows[i]`` of the ``old_batch`` layout to row i of the ``new_batch`` one (first ``slots`` slots)."""
+        ...
+
+    def bind_heads(self, io, nodes: np.ndarray) -> None:
+        """Bind the heads' input (the last step's hidden state at node nodes[b] of row b) and outputs on ``io``."""
+        ...
+
+    def proposals(self, top_k: int) -> Proposals:
+        """The last heads run's outputs."""
+        ...
+
+
+# ----------------------------------------------------------------------------- host
+
+
+class HostBuffers:
+    """numpy buffers in host memory (CPU provider)."""
+
+    def __init__(self, sizes: BufferSizes):
+        self.sizes = s = sizes
+        self.key = np.zeros(s.max_context * s.max_batch * s.kv_row, dtype=s.dtype)  # flat: viewed per batch size
+        self.value = np.zeros_like(self.key)
+        shapes = s.output_shapes(s.max_batch, s.max_tokens)
+        self.out = {name: np.zeros(_elements(shape), dtype=s.output_dtype(name)) for name, shape in shapes.items()}
+        if s.num_heads:
+            self.head_logits = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_logits"]), dtype=np.float32)
+            self.head_topk = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_topk"]), dtype=np.int64)
+        self.cache_bytes = 2 * self.key.nbytes
+        self.output_bytes = sum(a.nbytes for a in self.out.values())
+        self._views: dict[str, np.ndarray] = {}
+        self._heads: dict[str, np.ndarray] = {}
+
+    def _layout(self, flat: np.ndarray, batch: int) -> np.ndarray:
+        shape = self.sizes.cache_shape(batch)
+        return flat[: _elements(shape)].reshape(shape)
+
+    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+        io.bind_cpu_input("past_key", self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
+        io.bind_cpu_input("past_value", self._layout(self.value, batch)[:past])
+        self._views = {name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in self.sizes.output_shapes(batch, tokens).items()}
+        for name, array in self._views.items():
+            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def step_output(self) -> StepOutput:
+        logits, hidden = self._views["logits"], self._views["hidden"]
+        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
+                          lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
+
+    def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
+        key, value = self._layout(self.key, batch), self._layout(self.value, batch)
+        key[dst, :, rows] = self._views["new_key"][src, :, rows]
+        value[dst, :, rows] = self._views["new_value"][src, :, rows]
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        for flat in (self.key, self.value):
+            moved = self._layout(flat, old_batch)[:slots][:, :, rows].copy()  # (slots, layers, n, Hkv, D)
+            self._layout(flat, new_batch)[:slots, :, : len(rows)] = moved
+
+    def bind_heads(self, io, nodes: np.ndarray) -> None:
+        batch = nodes.shape[0]
+        hidden = np.ascontiguousarray(self._views["hidden"][np.arange(batch), nodes])  # (B, H)
+        shapes = self.sizes.heads_shapes(batch)
+        self._heads = {"hidden": hidden, "head_topk": self.head_topk[: _elements(shapes["head_topk"])].reshape(shapes["head_topk"]),
+                       "head_logits": self.head_logits[: _elements(shapes["head_logits"])].reshape(shapes["head_logits"])}
+        io.bind_cpu_input("hidden", hidden)  # kept in self._heads until the run
+        for name in ("head_topk", "head_logits"):
+            array = self._heads[name]
+            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def proposals(self, top_k: int) -> Proposals:
+        head_logits = self._heads["head_logits"]
+        return Proposals(self._heads["head_topk"][:, :, :top_k], lambda: head_logits)
+
+
+# ----------------------------------------------------------------------------- device
+
+
+class DeviceBuffers:
+    """``OrtValue`` buffers on ``device`` ("cuda", or "cpu" to run this code path on the CPU provider)."""
+
+    def __init__(self, sizes: BufferSizes, *, device: str = "cuda", device_id: int = 0):
+        import onnxruntime as ort
+
+        self.sizes = s = sizes
+        self.device, self.device_id = device, device_id
+
+        def alloc(elements: int, dtype):
+            return ort.OrtValue.ortvalue_from_shape_and_type([elements], dtype, device, device_id)
+
+        self.key = alloc(s.max_context * s.max_batch * s.kv_row, s.dtype)  # flat: viewed per batch size
+        self.value = alloc(s.max_context * s.max_batch * s.kv_row, s.dtype)
+        shapes = s.output_shapes(s.max_batch, s.max_tokens)
+        self.out = {name: alloc(_elements(shapes[name]), s.dtype) for name in FLOAT_OUTPUTS}
+        self.host = {name: np.zeros(_elements(shapes[name]), dtype=np.int64) for name in ID_OUTPUTS if name in shapes}
+        if s.num_heads:
+            heads = s.heads_shapes(s.max_batch)
+            self.head_hidden = alloc(s.max_batch * s.hidden_size, s.dtype)  # (B, H) gathered on the device
+            self.head_logits = alloc(_elements(heads["head_logits"]), np.float32)
+            self.head_topk = np.zeros(_elements(heads["head_topk"]), dtype=np.int64)
+        itemsize = np.dtype(s.dtype).itemsize
+        self.cache_bytes = 2 * s.max_context * s.max_batch * s.kv_row * itemsize
+        self.output_bytes = sum(_elements(shapes[n]) * itemsize for n in FLOAT_OUTPUTS) + sum(a.nbytes for a in self.host.values())
+        self.ops = DeviceOps(device, device_id)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._host_views: dict[str, np.ndarray] = {}
+        self._heads: dict = {}
+
+    def _bind(self, io, name: str, value, shape, dtype, *, output: bool = False) -> None:
+        """Bind ``shape`` elements from the start of device buffer ``value`` (its address, no copy)."""
+        bind = io.bind_output if output else io.bind_input
+        bind(name, self.device, self.device_id, dtype, list(shape), value.data_ptr())
+
+    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+        s = self.sizes
+        self._bind(io, "past_key", self.key, s.cache_shape(batch, past), s.dtype)
+        self._bind(io, "past_value", self.value, s.cache_shape(batch, past), s.dtype)
+        self._shapes = s.output_shapes(batch, tokens)
+        self._host_views = {}
+        for name, shape in self._shapes.items():
+            if name in self.host:  # ids the loop reads every step: ONNX Runtime copies them to these host arrays
+                array = self._host_views[name] = self.host[name][: _elements(shape)].reshape(shape)
+                io.bind_output(name, "cpu", 0, np.int64, list(shape), array.ctypes.data)
+            else:
+                self._bind(io, name, self.out[name], shape, s.dtype, output=True)
+
+    def step_output(self) -> StepOutput:
+        logits, hidden = ("logits", self.out["logits"], self._shapes["logits"]), ("hidden", self.out["hidden"], self._shapes["hidden"])
+        fetched: list[np.ndarray] = []
+
+        def all_logits() -> np.ndarray:
+            if not fetched:  # (B, W, V): one copy to the host, for sampling rules only
+                fetched.append(self.ops.to_host(logits[1], logits[2], self.sizes.dtype))
+            return fetched[0]
+
+        return StepOutput(self._host_views["next_ids"], self._host_views.get(SUCCESSORS_OUTPUT), all_logits,
+                          lambda rows, nodes: self.ops.rows_to_host(*logits[1:], self.sizes.dtype, rows, nodes),
+                          lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32))
+
+    def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
+        if len(rows) == 0:
+            return
+        s = self.sizes
+        layers = np.arange(s.num_layers)[None, :]  # (1, L)
+
+        def index(slot: np.ndarray) -> np.ndarray:  # (N, L, 3): (slot, layer, row) of every entry and layer
+            return np.stack(np.broadcast_arrays(slot[:, None], layers, rows[:, None]), axis=-1).astype(np.int64)
+
+        self.ops.commit(self.key, self.value, s.cache_shape(batch), self.out["new_key"], self.out["new_value"], self._shapes["new_key"],
+                        index(src), index(dst), s.dtype)
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        # rows past len(rows) of the new layout are unused (their sequences start from slot 0): filled with rows[0]
+        take = np.concatenate([rows, np.full(new_batch - len(rows), rows[0])]).astype(np.int64)  # (new_batch,)
+        s = self.sizes
+        for flat in (self.key, self.value):
+            self.ops.take_rows(flat, s.cache_shape(old_batch, slots), s.cache_shape(new_batch, slots), take, s.dtype)
+
+    def bind_heads(self, io, nodes: np.ndarray) -> None:
+        s = self.sizes
+        batch = nodes.shape[0]
+        index = np.stack([np.arange(batch), nodes], axis=-1).astype(np.int64)  # (B, 2)
+        self.ops.gather_rows(self.out["hidden"], self._shapes["hidden"], s.dtype, index, out=self.head_hidden)  # (B, H) on the device
+        shapes = s.heads_shapes(batch)
+        topk = self.head_topk[: _elements(shapes["head_topk"])].reshape(shapes["head_topk"])
+        self._heads = {"head_topk": topk, "head_logits": shapes["head_logits"]}
+        self._bind(io, "hidden", self.head_hidden, (batch, s.hidden_size), s.dtype)
+        io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
+        self._bind(io, "head_logits", self.head_logits, shapes["head_logits"], np.float32, output=True)
+
+    def proposals(self, top_k: int) -> Proposals:
+        shape = self._heads["head_logits"]
+        return Proposals(self._heads["head_topk"][:, :, :top_k], lambda: self.ops.to_host(self.head_logits, shape, np.float32))
+
+
+# ----------------------------------------------------------------------------- device ops
+
+
+class DeviceOps:
+    """Copies and index ops on one device, each a tiny ONNX graph in its own session (built on first use)."""
+
+    def __init__(self, device: str, device_id: int):
+        self.device, self.device_id = device, device_id
+        self._sessions: dict[tuple[str, int], object] = {}
+
+    def _session(self, op: str, elem: int):
+        import onnxruntime as ort
+
+        key = (op, elem)
+        if key not in self._sessions:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            providers = ["CPUExecutionProvider"]
+            if self.device == "cuda":
+                providers.insert(0, ("CUDAExecutionProvider", {"device_id": self.device_id}))
+            self._sessions[key] = ort.InferenceSession(OP_GRAPHS[op](elem), sess_options=options, providers=providers)
+        return self._sessions[key]
+
+    def _run(self, op: str, dtype, bind) -> object:
+        session = self._session(op, ELEM_TYPES[np.dtype(dtype)])
+        io = session.io_binding()
+        bind(io)
+        session.run_with_iobinding(io)
+        return io
+
+    def _input(self, io, name: str, value, shape, dtype) -> None:
+        io.bind_input(name, self.device, self.device_id, dtype, list(shape), value.data_ptr())
+
+    def _output(self, io, name: str, value, shape, dtype) -> None:
+        io.bind_output(name, self.device, self.device_id, dtype, list(shape), value.data_ptr())
+
+    def commit(self, key, value, cache_shape, new_key, new_value, new_shape, src: np.ndarray, dst: np.ndarray, dtype) -> None:
+        """In place: cache[dst[i, l]] = new[src[i, l]] for key and value (indices (N, L, 3) of (slot, layer, row))."""
+
+        def bind(io):
+            for name, buf, shape in (("key", key, cache_shape), ("value", value, cache_shape), ("new_key", new_key, new_shape),
+                                     ("new_value", new_value, new_shape)):
+                self._input(io, name, buf, shape, dtype)
+            io.bind_cpu_input("src", src)
+            io.bind_cpu_input("dst", dst)
+            self._output(io, "key_out", key, cache_shape, dtype)  # the cache itself: ScatterND skips its copy
+            self._output(io, "value_out", value, cache_shape, dtype)
+
+        self._run("commit", dtype, bind)
+
+    def gather_rows(self, x, shape, dtype, index: np.ndarray, *, out=None) -> np.ndarray | None:
+        """x (B, W, F)[index[i, 0], index[i, 1]] -> (N, F): into device buffer ``out``, or returned on the host."""
+
+        def bind(io):
+            self._input(io, "x", x, shape, dtype)
+            io.bind_cpu_input("index", index)
+            if out is None:
+                io.bind_output("y", "cpu")
+            else:
+                self._output(io, "y", out, (len(index), shape[-1]), dtype)
+
+        io = self._run("gather_rows", dtype, bind)
+        return io.copy_outputs_to_cpu()[0] if out is None else None
+
+    def rows_to_host(self, x, shape, dtype, rows: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        return self.gather_rows(x, shape, dtype, np.stack([rows, nodes], axis=-1).astype(np.int64).reshape(-1, 2))
+
+    def to_host(self, x, shape, dtype) -> np.ndarray:
+        """The first prod(shape) elements of device buffer ``x`` as a host array of ``shape``."""
+
+        def bind(io):
+            self._input(io, "x", x, (_elements(shape),), dtype)
+            io.bind_output("y", "cpu")
+
+        return self._run("copy", dtype, bind).copy_outputs_to_cpu()[0].reshape(shape)
+
+    def take_rows(self, flat, old_shape, new_shape, take: np.ndarray, dtype) -> None:
+        """flat viewed as old_shape (S, L, B, Hkv, D) -> its batch rows ``take`` as new_shape, in place,
+        through a scratch buffer (the two views overlap); transient, like the host path's copy."""
+        import onnxruntime as ort
+
+        scratch = ort.OrtValue.ortvalue_from_shape_and_type(list(new_shape), dtype, self.device, self.device_id)
+
+        def gather(io):
+            self._input(io, "x", flat, old_shape, dtype)
+            io.bind_cpu_input("rows", take)
+            self._output(io, "y", scratch, new_shape, dtype)
+
+        def copy_back(io):
+            self._input(io, "x", scratch, (_elements(new_shape),), dtype)
+            self._output(io, "y", flat, (_elements(new_shape),), dtype)
+
+        self._run("take_rows", dtype, gather)
+        self._run("copy", dtype, copy_back)
+
+
+# ----------------------------------------------------------------------------- the op graphs, as ONNX protobuf
+
+IR_VERSION, OPSET = 8, 17  # ONNX Runtime 1.20+ runs both
+FLOAT, INT64, FLOAT16 = 1, 7, 10  # TensorProto.DataType
+ELEM_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.float16): FLOAT16, np.dtype(np.int64): INT64}
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # int64 fields: two's complement
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int(field: int, n: int) -> bytes:  # wire type 0
+    return _varint(field << 3) + _varint(n)
+
+
+def _msg(field: int, payload: bytes | str) -> bytes:  # wire type 2: bytes, string, sub-message
+    data = payload.encode() if isinstance(payload, str) else payload
+    return _varint(field << 3 | 2) + _varint(len(data)) + data
+
+
+def _tensor(name: str, elem: int, dims: tuple) -> bytes:
+    """ValueInfoProto: name=1, type=2 (TypeProto.tensor_type=1: elem_type=1, shape=2 (dim=1: dim_value=1 | dim_param=2))."""
+    shape = b"".join(_msg(1, _int(1, d) if isinstance(d, int) else _msg(2, d)) for d in dims)
+    return _msg(1, name) + _msg(2, _msg(1, _int(1, elem) + _msg(2, shape)))
+
+
+def _node(op: str, inputs: tuple, outputs: tuple, **ints) -> bytes:
+    """NodeProto: input=1, output=2, op_type=4, attribute=5 (AttributeProto: name=1, i=3, type=20 (INT=2))."""
+    attrs = b"".join(_msg(5, _msg(1, k) + _int(3, v) + _int(20, 2)) for k, v in ints.items())
+    return b"".join(_msg(1, i) for i in inputs) + b"".join(_msg(2, o) for o in outputs) + _msg(4, op) + attrs
+
+
+def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes]) -> bytes:
+    """ModelProto: ir_version=1, producer_name=2, graph=7 (node=1, name=2, input=11, output=12), opset_import=8 (version=2)."""
+    graph = b"".join(_msg(1, n) for n in nodes) + _msg(2, name) + b"".join(_msg(11, i) for i in inputs) + b"".join(_msg(12, o) for o in outputs)
+    return _int(1, IR_VERSION) + _msg(2, "medusa-trt") + _msg(7, graph) + _msg(8, _int(2, OPSET))
+
+
+CACHE = ("slots", "layers", "batch", "kv_heads", "head_dim")
+NEW = ("tokens", "layers", "batch", "kv_heads", "head_dim")
+
+
+def commit_graph(elem: int) -> bytes:
+    """key/value (S, L, B, Hkv, D), new_key/new_value (T, L, B, Hkv, D), src/dst (N, L, 3) ->
+    key_out/value_out = the caches with [dst] = new[src] (GatherND then ScatterND)."""
+    index = ("entries", "layers", 3)
+    nodes = [_node("GatherND", ("new_key", "src"), ("key_rows",)), _node("GatherND", ("new_value", "src"), ("value_rows",)),
+             _node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)), _node("ScatterND", ("value", "dst", "value_rows"), ("value_out",))]
+    inputs = [_tensor("key", elem, CACHE), _tensor("value", elem, CACHE), _tensor("new_key", elem, NEW), _tensor("new_value", elem, NEW),
+              _tensor("src", INT64, index), _tensor("dst", INT64, index)]
+    return _model("medusa_commit", nodes, inputs, [_tensor("key_out", elem, CACHE), _tensor("value_out", elem, CACHE)])
+
+
+def gather_rows_graph(elem: int) -> bytes:
+    """x (B, W, F), index (N, 2) -> y (N, F) = x[index[:, 0], index[:, 1]]."""
+    return _model("medusa_gather_rows", [_node("GatherND", ("x", "index"), ("y",))],
+                  [_tensor("x", elem, ("batch", "tokens", "features")), _tensor("index", INT64, ("rows", 2))],
+                  [_tensor("y", elem, ("rows", "features"))])
+
+
+def take_rows_graph(elem: int) -> bytes:
+    """x (S, L, B, Hkv, D), rows (R,) -> y (S, L, R, Hkv, D) = x[:, :, rows]."""
+    return _model("medusa_take_rows", [_node("Gather", ("x", "rows"), ("y",), axis=2)],
+                  [_tensor("x", elem, CACHE), _tensor("rows", INT64, ("taken",))],
+                  [_tensor("y", elem, ("slots", "layers", "taken", "kv_heads", "head_dim"))])
+
+
+def copy_graph(elem: int) -> bytes:
+    """x (N,) -> y (N,): a device-to-device or device-to-host copy of a flat block."""
+    return _model("medusa_copy", [_node("Identity", ("x",), ("y",))], [_tensor("x", elem, ("elements",))], [_tensor("y", elem, ("elements",))])
+
+
+OP_GRAPHS = {"commit": commit_graph, "gather_rows": gather_rows_graph, "take_rows": take_rows_graph, "copy": copy_graph}
