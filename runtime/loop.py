@@ -45,16 +45,57 @@ from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement
 from medusa_trt.runtime.text import PromptError
 
 
+@dataclass(frozen=True)
+class StepDrafts:
+    """What one verify step drafted and accepted for one sequence, in vLLM's terms (the serving
+    metrics count these). ``drafted``: the draft tokens verified, i.e. the step tree's nodes below
+    its root (the root is the previous step's bonus token, already emitted: not a draft).
+    ``accepted``: the drafted tokens on the accepted path that were committed (a path cut by the
+    request's budget counts what was kept); the bonus token after them is not counted, so the step
+    emitted ``accepted + 1`` tokens (fewer when an EOS or stop string ends the sequence inside
+    them). ``by_drafter``: (drafter, drafted, accepted) per drafter credited with a node; a node
+    several drafters proposed is credited once, to the one whose candidate created it (drafters
+    enter the tree in ``drafting.DRAFTERS`` order), so the per-drafter counts add up to the totals."""
+
+    drafted: int
+    accepted: int
+    by_drafter: tuple[tuple[str, int, int], ...] = ()
+
+    @classmethod
+    def of(cls, tree: StepTree, path: list[int]) -> StepDrafts:
+        """The counts of one row's step: its tree and its committed path (root first)."""
+        drafted: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        for node in range(1, tree.num_nodes):
+            name = tree.sources[node][0] if tree.sources[node] else "unknown"
+            drafted[name] = drafted.get(name, 0) + 1
+        for node in path[1:]:
+            name = tree.sources[node][0] if tree.sources[node] else "unknown"
+            accepted[name] = accepted.get(name, 0) + 1
+        return cls(tree.num_nodes - 1, len(path) - 1, tuple((n, d, accepted.get(n, 0)) for n, d in drafted.items()))
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int
     new_tokens: int = 0
     steps: int = 0  # verify steps (prefill steps not counted)
     accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    drafts: list[StepDrafts] = field(default_factory=list)  # per verify step: drafted and accepted draft tokens
     seconds: float = 0.0  # wall time from joining the batch to finishing
     verify_seconds: float = 0.0  # of which engine steps this sequence took part in after its prefill
     heads_seconds: float = 0.0  # of which Medusa heads calls
     host_seconds: float = 0.0  # of which host work of its steps: draft, tree, accept, commit, emit
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Draft tokens verified over the whole generation (``StepDrafts.drafted`` summed)."""
+        return sum(d.drafted for d in self.drafts)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted over the whole generation (``StepDrafts.accepted`` summed)."""
+        return sum(d.accepted for d in self.drafts)
 
     @property
     def mean_accepted(self) -> float:
@@ -82,6 +123,7 @@ class StreamEvent:
     token_ids: list[int]  # tokens committed in this step
     text: str  # text added by them (held back while a multi-byte character is incomplete)
     finish_reason: str | None = None  # set on the sequence's last event
+    drafts: StepDrafts | None = None  # a verify step's drafted / accepted counts; None for prefill and cancellation events
 
 
 @dataclass
@@ -317,7 +359,8 @@ class Scheduler:
         events = []
         for b, tokens_b in sorted(new.items()):
             s = rows[b]
-            events.append((s, self._emit(s, tokens_b, counting=b in verdicts)))
+            drafts = StepDrafts.of(plan.trees[b], verdicts[b].path) if b in verdicts else None
+            events.append((s, self._emit(s, tokens_b, drafts=drafts)))
             tree = plan.trees.get(b)
             n = tree.num_nodes if tree is not None else plan.prefill[b]
             nxt = out.topk[b, :n] if out.topk is not None else argmax[b, :n, None]  # (n, k) successors, best first
@@ -362,12 +405,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ emit
 
-    def _emit(self, s: Seq, new: list[int], *, counting: bool) -> StreamEvent:
-        """Append new tokens; apply EOS, stop strings, budget and context; the streamed delta."""
+    def _emit(self, s: Seq, new: list[int], *, drafts: StepDrafts | None) -> StreamEvent:
+        """Append new tokens; apply EOS, stop strings, budget and context; the streamed delta.
+        ``drafts``: the verify step's counts (None for the prefill's first token)."""
         codec, eos = self.rt.codec, self.rt.eos
-        if counting:
+        if drafts is not None:
             s.stats.steps += 1
             s.stats.accepted_per_step.append(len(new))
+            s.stats.drafts.append(drafts)
         before = len(s.tokens)
         for i, tok in enumerate(new):
             if tok in eos:
@@ -392,7 +437,7 @@ class Scheduler:
         end = len(s.text) if s.finish_reason else _safe_end(s.text, s.stops)
         delta = s.text[len(s.sent) : end]
         s.sent = s.text[:end]
-        return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason)
+        return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason, drafts=drafts)
 
 
 def _learn(stats: AcceptanceStats, tree: StepTree, path: list[int]) -> None:

@@ -27,7 +27,7 @@ from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, Hea
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
-from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec
+from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec, check_messages
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,10 @@ class MedusaRuntime:
 
     def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
                  temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None, hidden: bool = False):
-        """One ``GenerationResult`` for a single prompt (str or list of ids), a list for a batch.
+        """One ``GenerationResult`` for a single prompt, a list for a batch. A prompt is text (the chat
+        template applied for instruct engines), a list of token ids, or a conversation: a list of
+        {"role": "system" | "user" | "assistant", "content": text} dicts rendered by the engine's
+        chat template, ready for the assistant's reply (multi-turn chat).
 
         Sampling (see ``SamplingParams``): ``temperature`` 0 (default) decodes greedily; above 0
         the default acceptance is ``"lossless"`` (exactly the base model's distribution after
@@ -262,14 +265,19 @@ class MedusaRuntime:
             raise PromptError("chat_template=True but the tokenizer has no chat template")
         if isinstance(prompts, (bytes, bytearray, memoryview)):
             raise PromptError("prompts are text (str) or lists of token ids, not bytes: decode the bytes first")
-        single = isinstance(prompts, str) or (_is_sequence(prompts) and len(prompts) > 0
-                                              and not any(isinstance(t, (str, bytes)) or _is_sequence(t) for t in prompts))
+        single = isinstance(prompts, str) or _is_conversation(prompts) or (
+            _is_sequence(prompts) and len(prompts) > 0 and not any(isinstance(t, (str, bytes, dict)) or _is_sequence(t) for t in prompts))
         items = [prompts] if single else list(prompts) if _is_sequence(prompts) else None
         if not items:
-            raise PromptError("no prompts given: pass a string, a list of token ids, or a list of those")
+            raise PromptError("no prompts given: pass a string, a list of token ids, a conversation, or a list of those")
         batch = []
         for i, item in enumerate(items):
-            ids = self.codec.encode(item, chat=chat) if isinstance(item, str) else self._token_ids(i, item)
+            if _is_conversation(item):
+                ids = self._conversation(i, item, chat_template)
+            elif isinstance(item, str):
+                ids = self.codec.encode(item, chat=chat)
+            else:
+                ids = self._token_ids(i, item)
             if not ids:
                 raise PromptError(f"prompt {i} is empty: pass some text or token ids")
             if len(ids) + 1 > self.max_context:
@@ -280,6 +288,15 @@ class MedusaRuntime:
             batch.append(ids)
         return single, batch
 
+    def _conversation(self, i: int, messages, chat_template: bool | None) -> list[int]:
+        """A conversation prompt (system / user / assistant turns) through the engine's chat template."""
+        if chat_template is False:
+            raise PromptError(f"prompt {i} is a conversation, which only the chat template can render: drop chat_template=False")
+        if not self.codec.has_chat_template:
+            raise PromptError(f"prompt {i} is a conversation but this engine's tokenizer has no chat template: pass text or token ids, "
+                              "or put the model's chat_template.jinja in the engine's tokenizer files")
+        return self.codec.encode_chat(check_messages(messages, f"prompt {i}"))
+
     def _token_ids(self, i: int, item) -> list[int]:
         vocab = self._info.vocab_size
         if isinstance(item, (bytes, bytearray, memoryview)) or not _is_sequence(item):
@@ -289,6 +306,11 @@ class MedusaRuntime:
             bad = bad[0]
             raise PromptError(f"prompt {i} has token id {bad!r}: token ids are integers in [0, {vocab}) for this engine's vocabulary")
         return [int(t) for t in item]
+
+
+def _is_conversation(x) -> bool:
+    """A conversation prompt: a list of message dicts ({"role", "content"})."""
+    return isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], dict)
 
 
 def _is_sequence(x) -> bool:

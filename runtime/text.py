@@ -30,6 +30,30 @@ def check_text(text: str) -> None:
         raise PromptError(f"the prompt is not valid UTF-8 text (position {exc.start}): pass UTF-8 text") from exc
 
 
+ROLES = ("system", "user", "assistant")  # the turns a conversation prompt may hold
+
+
+def check_messages(messages, where: str = "the conversation") -> list[dict]:
+    """A conversation prompt: a non-empty list of {"role", "content"} dicts, roles from ``ROLES``,
+    contents non-empty UTF-8 text. Returns plain {"role", "content"} dicts for the chat template."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not messages:
+        raise PromptError(f"{where} must be a non-empty list of {{'role', 'content'}} messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
+            raise PromptError(f"{where}: message {i} must be a dict with exactly the keys 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise PromptError(f"{where}: message {i} has role {m['role']!r}: use one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise PromptError(f"{where}: message {i} content must be text, got {type(m['content']).__name__}")
+        try:
+            check_text(m["content"])
+        except PromptError as exc:
+            raise PromptError(f"{where}: message {i} ({m['role']}): {exc}") from exc
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 def _short(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200] or type(exc).__name__
 
@@ -49,9 +73,9 @@ class TextCodec:
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation ({"role", "content"} dicts, user last) through the chat template, ready for the reply."""
-        for m in messages:
-            check_text(m["content"])
+        """A conversation ({"role", "content"} dicts, system / user / assistant turns) through the chat
+        template, ready for the reply."""
+        messages = check_messages(messages)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return [int(i) for i in ids]
@@ -128,11 +152,11 @@ class FileTextCodec:
         return self.tokenizer.encode(text).ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation ({"role", "content"} dicts, user last) through the chat template, ready for the reply."""
+        """A conversation ({"role", "content"} dicts, system / user / assistant turns) through the chat
+        template, ready for the reply."""
         if self.chat_template is None:
             raise PromptError("the tokenizer has no chat template: a conversation cannot be encoded")
-        for m in messages:
-            check_text(m["content"])
+        messages = check_messages(messages)
         return self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

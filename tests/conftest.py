@@ -193,3 +193,29 @@ def serving():
         stub_env(None)
     except ServeError as exc:
         pytest.skip(str(exc))
+
+
+# a chat template for the stories260K tokenizer (which has none): system / user / assistant turns
+SERVING_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def stories_chat_engine(stories_base, stories_fitted, tmp_path_factory):
+    """An engine folder of stories260K with the fitted heads, for the serving tests: a chat template
+    added (SERVING_CHAT_TEMPLATE, the manifest rewritten) and a fixed drafting budget in its
+    drafting.json, so each step's tree, and the drafted-token counts the metrics tests compare,
+    do not depend on measured step times."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.runtime.drafting.builder import DEFAULT_STEP_COST
+    from medusa_trt.runtime.engine import EngineFiles
+    from medusa_trt.runtime.manifest import write_manifest
+
+    out = tmp_path_factory.mktemp("chat-engine") / "stories-chat"
+    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(
+        out=out, tree="mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE, max_batch=4, max_context=256, step_cost=dict(DEFAULT_STEP_COST)))
+    (out / "chat_template.jinja").write_text(SERVING_CHAT_TEMPLATE)
+    write_manifest(EngineFiles.locate(out))
+    return out

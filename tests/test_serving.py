@@ -1,18 +1,24 @@
-"""Serving: the Triton model repository writer, request parsing, and a real tritonserver.
+"""Serving through Triton: the model repository writer, request parsing, and a real tritonserver.
 
 The server tests start the ``tritonserver`` bundled in nvidia-pytriton on free loopback ports
 over a repository for the stories engine, then check over gRPC streams (tritonclient) and the
 HTTP generate endpoint: streamed greedy output equals ``MedusaRuntime``'s; 16 concurrent
 requests each get their solo output; bad requests get error responses while others are served;
-stopping by pid leaves no process and no shared-memory segment. They skip, saying why, without
-nvidia-pytriton / tritonclient or when the stub's Python has numpy 2 (see cli/serve.py).
+the model's custom metrics move by exactly a known request's drafted and accepted tokens;
+``medusa-serve ENGINE --api triton`` serves an engine without a repository of its own; stopping
+by pid leaves no process and no shared-memory segment. They skip, saying why, without
+nvidia-pytriton / tritonclient or when the stub's Python has numpy 2 (see serving/triton.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -23,10 +29,13 @@ import numpy as np
 import pytest
 
 from conftest import STORY_PROMPTS, medusa_model
-from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, repo_main, stream_generate
 from medusa_trt.cli.serve import main as serve_main
-from medusa_trt.exporter.triton_model import RequestError, ServeDefaults, parse_request
+from medusa_trt.cli.serve import repo_main
+from medusa_trt.exporter.triton_model import parse_request
 from medusa_trt.exporter.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
+from medusa_trt.serving.client import RequestFailed, stream_generate
+from medusa_trt.serving.schema import RequestError, ServeDefaults
+from medusa_trt.serving.triton import ServeConfig, ServeError, TritonServer
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.sampling import SamplingError
 
@@ -95,7 +104,7 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
     assert types["seed"] == (pb.TYPE_UINT64, [1]) and types["stream"] == (pb.TYPE_BOOL, [1])
     assert types["text_output"] == (pb.TYPE_STRING, [-1]) and types["token_ids"] == (pb.TYPE_INT64, [-1])
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["engine"] == str(fake_engine.resolve()) and Path(params["engine"]).is_absolute()
+    assert params["engine"] == os.path.relpath(fake_engine.resolve(), folder) == "../../eng/model.onnx"  # the repository and engine move together
     assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "drafters": "", "max_batch": "2", "max_context": "", "threads": "",
                                        "default_max_tokens": "64", "max_tokens_limit": "256", "request_timeout": "0.0",
                                        "default_temperature": "0.5", "default_top_p": "0.9", "chat_template": "auto"}
@@ -222,7 +231,8 @@ def test_export_writes_the_repository_too(engine, tmp_path, capsys):
     assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0
     assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0  # exporting again replaces it
     assert capsys.readouterr().out.count("serve it with medusa-serve") == 2
-    assert str(Path(engine).resolve()) in (tmp_path / "repo" / "medusa" / "config.pbtxt").read_text()
+    reference = os.path.relpath(Path(engine).resolve(), (tmp_path / "repo" / "medusa").resolve())
+    assert f'string_value: "{reference}"' in (tmp_path / "repo" / "medusa" / "config.pbtxt").read_text()
 
 
 # ---------------------------------------------------------------------------------- the real server
@@ -266,10 +276,12 @@ def solo(runtime, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def server(serving, engine, tmp_path_factory):
+def server(serving, engine, stories_chat_engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16))
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, model_name="medusa-plain", drafters=(), max_tokens=16))
+    # an engine folder with a fixed drafting budget: its trees, and so its drafted-token counts, are the runtime's
+    write_triton_repo(TritonRepoConfig(engine=stories_chat_engine, repo=repo, model_name="medusa-folder", max_tokens=16))
     before = _shm()
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log"))
     server.start()
@@ -282,7 +294,9 @@ def test_missing_engine_fails_the_start_with_the_reason(server, engine, tmp_path
     repo = tmp_path / "repo"
     folder = write_triton_repo(TritonRepoConfig(engine=engine, repo=repo))
     config = folder / "config.pbtxt"
-    config.write_text(config.read_text().replace(str(Path(engine).resolve()), str(tmp_path / "moved.onnx")))
+    moved = re.sub(r'(key: "engine" value: \{ string_value: )"[^"]*"', rf'\1"{tmp_path / "moved.onnx"}"', config.read_text())
+    assert str(tmp_path / "moved.onnx") in moved
+    config.write_text(moved)
     with pytest.raises(ServeError, match=r"exited with status \d+ while loading medusa: .*moved.onnx .*does not exist"):
         TritonServer(ServeConfig(repo=repo)).start()
 
@@ -419,6 +433,79 @@ def test_cancelled_stream_frees_its_row(server, runtime):
             break
         threading.Event().wait(0.1)
     assert "cancelled by the client: its row is freed" in server.log_text()
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples: {'name{labels}': value}."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in lines if line and not line.startswith("#"))}
+
+
+def _total(samples: dict[str, float], name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items() if k.partition("{")[0] == name and all(w in k for w in want))
+
+
+def test_custom_metrics_move_by_exactly_the_drafted_and_accepted_tokens(server, stories_chat_engine):
+    """Triton's metrics endpoint carries the model's acceptance counters (serving.metrics' names,
+    a model label): a known greedy request moves them by its drafted and accepted tokens as the
+    runtime counts them (serving.metrics documents the terms)."""
+    from medusa_trt.runtime import MedusaRuntime
+
+    prompt, n = PROMPTS[2], 40
+    want = MedusaRuntime(str(stories_chat_engine)).generate(prompt, max_new_tokens=n, chat_template=False)
+    assert want.stats.accepted_tokens > 0
+    before = _scrape(server.metrics_url)
+    assert _generate(server, prompt, n, model="medusa-folder")[1] == want.token_ids
+
+    def delta(name, **labels):
+        return _total(after, name, model="medusa-folder", **labels) - _total(before, name, model="medusa-folder", **labels)
+
+    deadline = time.monotonic() + 10  # the model sends its updates every CANCEL_POLL_S
+    while True:
+        after = _scrape(server.metrics_url)
+        if delta("medusa:requests_finished_total") >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta("medusa:requests_finished_total", finish_reason=want.finish_reason) == 1
+    assert delta("medusa:spec_decode_num_drafts_total") == sum(1 for d in want.stats.drafts if d.drafted)
+    assert delta("medusa:spec_decode_num_draft_tokens_total") == want.stats.drafted_tokens
+    assert delta("medusa:spec_decode_num_accepted_tokens_total") == want.stats.accepted_tokens
+    heads = [(drafted, accepted) for d in want.stats.drafts for name, drafted, accepted in d.by_drafter if name == "heads"]
+    assert delta("medusa:spec_decode_num_accepted_tokens_total", drafter="heads") == sum(a for _, a in heads)
+    assert delta("medusa:generation_tokens_total") == len(want.token_ids)
+    assert _total(after, "medusa:spec_decode_num_drafts_total", model="medusa-plain") == 0  # plain decoding drafts nothing
+    assert f'medusa:num_requests_running{{model="medusa-folder"}}' in after and "metrics update failed" not in server.log_text()
+
+
+def test_medusa_serve_an_engine_with_triton(serving, stories_chat_engine, tmp_path):
+    """``medusa-serve ENGINE --api triton``: the repository is written into the server's run folder
+    (gone after SIGTERM), the model is served under --model-name with the engine options given."""
+    from medusa_trt.runtime import MedusaRuntime
+
+    cmd = [sys.executable, "-m", "medusa_trt.cli.serve", str(stories_chat_engine), "--api", "triton", "--model-name", "plain",
+           "--draft", "none", "--max-tokens", "12", "--port-grpc", "0", "--port-http", "0", "--port-metrics", "0",
+           "--log-file", str(tmp_path / "tritonserver.log")]
+    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = [serve.stdout.readline() for _ in range(4)]
+        assert "serving" in banner[0], (banner, serve.stderr.read() if serve.poll() is not None else "")
+        triton = int(re.search(r"tritonserver pid (\d+)", banner[0]).group(1))
+        run_dir = Path(re.search(rb"--backend-directory=(\S+?)/backends", Path(f"/proc/{triton}/cmdline").read_bytes()
+                                 .replace(b"\0", b" ")).group(1).decode())
+        assert (run_dir / "repository" / "plain" / "config.pbtxt").is_file()
+        chunks = list(stream_generate(banner[1].split()[-1], PROMPTS[1], model="plain"))  # max_tokens 12: the --max-tokens default
+        want = MedusaRuntime(str(stories_chat_engine), drafters=()).generate(PROMPTS[1], max_new_tokens=12, chat_template=False)
+        assert [t for c in chunks for t in c.token_ids] == want.token_ids and len(chunks) == 12  # plain: one token per response
+        os.kill(serve.pid, signal.SIGTERM)
+        assert serve.wait(60) == 0, serve.stderr.read()
+        assert not run_dir.exists()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
 
 
 def test_stop_by_pid_leaves_nothing_behind(server):

@@ -1,0 +1,160 @@
+"""``medusa-serve ENGINE`` (``--api openai``, the default): the OpenAI-compatible server in one process.
+
+    serve_openai(OpenAIServerConfig(engine="build/smollm2-135m-medusa", port=8000), on_ready=print)
+
+loads the engine (every file's sha256 checked once against the export's manifest), starts a
+``ContinuousBatcher`` (its loop thread owns the engine) with the serving metrics as its observer,
+binds the socket (127.0.0.1 unless ``host`` says otherwise; another host needs ``allow_remote``),
+and runs the FastAPI app (``serving.openai_app``) under uvicorn on the asyncio loop of the main
+thread. ``on_ready(url)`` is called once the socket listens and the engine is loaded.
+
+Stopping: SIGTERM or Ctrl-C stop accepting connections, give requests in flight up to
+``shutdown_timeout`` seconds, then cancel the rest (their rows are freed, a stream gets an error
+event) and close the batcher; ``serve_openai`` returns. The server is one process (uvicorn's
+workers are not used: one engine, one batcher); it starts no other process and holds no shared
+memory, so a SIGKILL leaves nothing behind but the port, which the kernel frees with the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS, ServeDefaults, max_tokens_limit
+from medusa_trt.serving.triton import ServeError, is_loopback
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'medusa-trt[serve]' (fastapi, uvicorn, prometheus_client)"
+API_KEY_VAR = "MEDUSA_TRT_API_KEY"  # the API key without putting it on the command line (which local users can read)
+BODY_BYTES_PER_TOKEN = 32  # request bodies are bounded by the context: this much JSON per token of it, plus BODY_SLACK
+BODY_SLACK = 64 << 10
+
+
+@dataclass(frozen=True)
+class OpenAIServerConfig:
+    engine: str | os.PathLike  # an engine folder, .onnx or .plan (medusa-export --out)
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free one (on_ready says which)
+    allow_remote: bool = False  # a host other than loopback
+    api_key: str | None = None  # required as a bearer token on /v1 routes; None: $MEDUSA_TRT_API_KEY or no key
+    model_name: str | None = None  # what /v1/models lists; None: the engine's folder or file name
+    # the engine, as MedusaRuntime takes it
+    max_batch: int | None = None
+    max_context: int | None = None
+    threads: int | None = None
+    tree: str | None = None
+    drafters: tuple[str, ...] | None = None  # None: every drafter the engine supports; (): plain decoding
+    # requests
+    max_tokens: int = DEFAULT_MAX_TOKENS  # of a request that sends none (capped by the room its prompt leaves)
+    max_tokens_limit: int | None = None  # a request asking for more is refused; None: schema.max_tokens_limit's default
+    temperature: float = 0.0  # of a request that sends none: greedy
+    top_p: float = 1.0
+    shutdown_timeout: float = 5.0  # seconds requests in flight get on SIGTERM before they are cancelled
+    access_log: bool = False
+
+    def __post_init__(self):
+        if not is_loopback(self.host) and not self.allow_remote:
+            raise ServeError(f"--host {self.host} is not a loopback address: the server would take requests from other machines; "
+                             "pass --allow-remote to do that on purpose (with --api-key, behind a firewall or a TLS proxy), "
+                             "or keep the default 127.0.0.1")
+        if not 0 <= self.port <= 65535:
+            raise ServeError(f"port {self.port} is out of range: pass 0 (a free one) to 65535")
+        if self.shutdown_timeout < 0:
+            raise ServeError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServeError("--api-key is empty: pass a key, or leave it out")
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.engine).resolve().name.removesuffix(".onnx").removesuffix(".plan")
+
+
+def load_app(config: OpenAIServerConfig):
+    """(app, batcher): the engine loaded, its batcher started, the app over them."""
+    try:
+        from medusa_trt.serving.openai_app import AppConfig, build_app
+        from medusa_trt.serving.metrics import MetricsObserver, PrometheusSink
+    except ImportError as exc:
+        raise ServeError(f"the OpenAI server needs {exc.name}, which is not installed: {INSTALL_HINT}") from exc
+    from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.batching import ContinuousBatcher
+
+    runtime = MedusaRuntime(str(config.engine), max_batch=config.max_batch, max_context=config.max_context, threads=config.threads,
+                            tree=config.tree, drafters=config.drafters, verify_checksums=True)
+    defaults = ServeDefaults(max_tokens=min(config.max_tokens, runtime.max_context), temperature=config.temperature, top_p=config.top_p,
+                             max_tokens_limit=max_tokens_limit(runtime.max_context, config.max_tokens_limit))
+    batcher = ContinuousBatcher(runtime)
+    sink = PrometheusSink(config.name, load=batcher.load)
+    batcher.observer = MetricsObserver(sink)
+    app = build_app(runtime, batcher.start(), AppConfig(model_name=config.name, defaults=defaults,
+                                                        api_key=config.api_key or os.environ.get(API_KEY_VAR) or None,
+                                                        max_body_bytes=BODY_SLACK + BODY_BYTES_PER_TOKEN * runtime.max_context), sink)
+    log.info("serving %s as %r: drafters %s, max_batch %d, max_context %d", config.engine, config.name,
+             ",".join(runtime.drafting.names) or "none", runtime.max_batch, runtime.max_context)
+    return app, batcher
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (connections queue in its backlog until uvicorn accepts them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port (0: a free one)") from exc
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = lambda url: None) -> int:
+    """Load, listen, serve until SIGTERM / SIGINT; 0 once stopped. Raises ``ServeError`` /
+    ``MedusaError`` for what the user can fix (a bad engine, a taken port, a missing extra)."""
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise ServeError(f"the OpenAI server needs uvicorn, which is not installed: {INSTALL_HINT}") from exc
+    if not is_loopback(config.host):
+        log.warning("the server binds %s: it serves other machines%s", config.host, "" if config.api_key else ", without an API key")
+    app, batcher = load_app(config)
+    try:
+        sock = bind(config.host, config.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if not self.should_exit:  # uvicorn accepts from here on
+                    on_ready(url)
+
+        server = Server(uvicorn.Config(app, log_level="info" if log.isEnabledFor(logging.INFO) else "warning",
+                                       access_log=config.access_log, timeout_graceful_shutdown=config.shutdown_timeout, lifespan="off"))
+        # uvicorn takes SIGTERM / SIGINT while it runs and, once stopped, raises the signal again to the handler it found:
+        # that handler is a no-op here, so a stopped server returns 0 instead of dying of the signal
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            server.run(sockets=[sock])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            sock.close()
+    finally:
+        batcher.close()  # requests still running end as cancelled
+    return 0
+
+
+def looks_like_engine(path: str | os.PathLike) -> bool:
+    """An engine (a .onnx / .plan file, or a folder with an engine config.json), not a Triton repository."""
+    from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG
+
+    path = Path(path)
+    return path.suffix in ENGINE_SUFFIXES or (path / FOLDER_CONFIG).is_file()
+
