@@ -9,8 +9,10 @@ with the same temperature / top-p / top-k, prompt i seeded with seed + i):
                      the engine's heads template (or ``--tree``, repeatable)
   * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
   * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
-Repeat ``--engine`` to compare engines (an int8 one against fp32, say): each gets ``plain`` and
-``medusa`` rows, and greedy agreement is measured against the first engine's plain decoding.
+Repeat ``--engine`` to compare engines (int4 and int8 ones against fp32, say): each gets ``plain`` and
+``medusa`` rows; greedy agreement is measured against the first engine's plain decoding (share of
+prompts identical, mean matching prefix) and against the row's own engine's plain decoding (prompts
+identical: drafting is lossless when all are), speed against both plain rows.
 Repeat ``--acceptance`` to compare rules (lossless, typical) on the same engine and tree.
 Prints a table; with ``--out FILE.json`` also writes the JSON report and a PNG plot beside it
 (``FILE.png``, with matplotlib). Agreement between methods is only meaningful for greedy decoding.
@@ -187,9 +189,12 @@ class _Row:
         self.heads_seconds += heads
         self.outputs.append(list(token_ids))
 
-    def report(self, reference: _Row) -> dict:
+    def report(self, reference: _Row, own: _Row | None = None) -> dict:
+        """Rates and agreement: with ``reference`` (the first engine's plain decoding) and with
+        ``own``, the plain decoding of this row's engine (None for the transformers rows)."""
         same = [a == b for a, b in zip(self.outputs, reference.outputs)]
         prefix = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(self.outputs, reference.outputs)]
+        own_same = [a == b for a, b in zip(self.outputs, own.outputs)] if own is not None else []
         return {
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "new_tokens": self.tokens,
@@ -199,6 +204,8 @@ class _Row:
             "host_ms_per_step": 1000 * self.host_seconds / len(self.steps) if self.steps else None,
             "identical_to_reference": float(np.mean(same)),
             "matching_prefix_fraction": float(np.mean(prefix)),
+            "identical_to_own_plain": float(np.mean(own_same)) if own_same else None,
+            "identical_to_own_plain_prompts": f"{sum(own_same)}/{len(own_same)}" if own_same else None,
         }
 
 
@@ -286,9 +293,10 @@ def run_bench(args) -> dict:
     eos = sorted(first.eos)
     hf = None if args.no_hf else _hf_model(args.model or meta.model, args.threads)
     rows: dict[str, _Row] = {}
+    plain_of: dict[str, str] = {}  # row -> the plain row of its engine
     for name, plain, variants in engines:
         for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
-            rows[key] = _Row(key)
+            rows[key], plain_of[key] = _Row(key), f"plain[{name}]"
             runtime.generate(ids[0], max_new_tokens=4, sampling=params(rule, 0))  # warm-up: first calls pay one-time costs
     if hf is not None:
         rows["hf"], rows["hf-lookup"] = _Row("hf"), _Row("hf-lookup")
@@ -309,11 +317,13 @@ def run_bench(args) -> dict:
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                      "acceptance": rules} if sampled else "greedy",
         "prompts": len(prompts), "prompts_file": str(args.prompts), "every": args.every, "max_new_tokens": args.max_new_tokens,
-        "reference": reference.name, "methods": {k: r.report(reference) for k, r in rows.items()},
+        "reference": reference.name, "methods": {k: r.report(reference, rows.get(plain_of.get(k))) for k, r in rows.items()},
     }
     base_rate = report["methods"][reference.name]["tokens_per_s"]
     for name, m in report["methods"].items():
         m["speedup_vs_plain"] = m["tokens_per_s"] / base_rate if base_rate else None
+        own_rate = report["methods"][plain_of[name]]["tokens_per_s"] if name in plain_of else None
+        m["speedup_vs_own_plain"] = m["tokens_per_s"] / own_rate if own_rate else None
         if hf is not None:
             m["speedup_vs_hf"] = m["tokens_per_s"] / report["methods"]["hf"]["tokens_per_s"]
     report["heads_cost"] = _heads_cost(first)
@@ -357,8 +367,9 @@ def plot(report: dict, path: Path) -> bool:
         return False
     names = list(report["methods"])
     rates = [report["methods"][n]["tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.0 * len(names)), 4))  # wider for many engines' rows
     bars = ax.bar(names, rates, color=["#4c72b0" if n.startswith("medusa") else "#999999" for n in names])
+    ax.set_ylim(0, 1.15 * max(rates, default=1.0) or 1.0)  # room for the labels above the bars
     for bar, name in zip(bars, names):
         acc = report["methods"][name]["mean_accepted_per_step"]
         label = f"{bar.get_height():.1f}" + (f"\n{acc:.2f}/step" if acc and name.startswith("medusa") else "")
@@ -403,13 +414,20 @@ def write_report(report: dict, out: Path) -> list[Path]:
 def print_table(report: dict, written: list[Path]) -> None:
     print(f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
           f"agreement vs {report['reference']}")
-    print(f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs hf':>8}{'identical':>11}{'host ms/step':>14}")
+    # vs plain / identical / prefix: against the reference; vs own / = own plain: against the plain row of the row's engine
+    print(f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs own':>8}{'vs hf':>8}{'identical':>11}{'prefix':>8}"
+          f"{'= own plain':>13}{'host ms/step':>14}")
+    greedy = report["sampling"] == "greedy"  # samples differ by design: agreement columns only for greedy decoding
     for name, m in report["methods"].items():
         acc = f"{m['mean_accepted_per_step']:.2f}" if m["mean_accepted_per_step"] else "-"
         vs_hf = f"{m['speedup_vs_hf']:.2f}x" if m.get("speedup_vs_hf") else "-"
-        same = "-" if report["sampling"] != "greedy" else f"{m['identical_to_reference']:.0%}"  # samples differ by design
+        vs_own = f"{m['speedup_vs_own_plain']:.2f}x" if m.get("speedup_vs_own_plain") else "-"
+        same = f"{m['identical_to_reference']:.0%}" if greedy else "-"
+        prefix = f"{m['matching_prefix_fraction']:.0%}" if greedy else "-"
+        own = m.get("identical_to_own_plain_prompts") if greedy and m.get("identical_to_own_plain_prompts") else "-"
         host = f"{m['host_ms_per_step']:.2f}" if m.get("host_ms_per_step") is not None else "-"
-        print(f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_hf:>8}{same:>11}{host:>14}")
+        print(f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_own:>8}{vs_hf:>8}{same:>11}{prefix:>8}"
+              f"{own:>13}{host:>14}")
     cost = report["heads_cost"]
     if cost:
         print(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "

@@ -3,7 +3,11 @@
     medusa-export --model smollm2-135m --heads DIR --out build/model.onnx [--tree mc_sim_7b_63]
     medusa-export --model smollm2-135m --heads DIR --out build/engine.plan --attention plugin --dtype fp16
 
-Writes model.onnx (+ .data), model.heads.onnx and model.tokenizer/ beside each other, checks them
+    medusa-export --model smollm2-135m --heads DIR --out build/smollm2     # one engine folder (config.json, ...)
+
+With ``--out DIR`` (no .onnx / .plan suffix) everything goes into one folder (``runtime/engine_folder.py``;
+``--backend tensorrt`` adds the plans to it). Otherwise it
+writes model.onnx (+ .data), model.heads.onnx and model.tokenizer/ beside each other, checks them
 against torch and prints the max abs difference. With ``--out engine.plan`` it writes engine.onnx
 that way, then builds engine.plan, engine.heads.plan and the metadata sidecar engine.plan.json with
 TensorRT; without TensorRT or a GPU it stops there with one line saying what to install (the ONNX
@@ -19,6 +23,8 @@ import sys
 from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
+from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeConfig
+from medusa_trt.exporter.quantize import MODES as QUANTIZE_MODES
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 
@@ -29,7 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--heads", help="Medusa heads folder (ours or FasterDecoding/Medusa); none: plain decoding only")
     heads.add_argument("--untrained-heads", type=int, metavar="N", help="N untrained heads (identity blocks + shared lm_head)")
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads")
-    p.add_argument("--out", required=True, help="engine path: .onnx (ONNX Runtime) or .plan (TensorRT; the .onnx is written beside it)")
+    p.add_argument("--out", required=True, help="engine path: a folder (one folder holding everything, config.json at its top), "
+                                                "model.onnx (ONNX Runtime) or engine.plan (TensorRT; the .onnx is written beside it)")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"],
+                   help="engine folder only: tensorrt also builds model.plan / heads.plan in it (default: onnxruntime; "
+                        "for a file the suffix decides)")
+    p.add_argument("--step-cost", metavar="FILE", help="engine folder only: the drafting budget's verify-cost table, from a "
+                                                      "medusa-calibrate report (.report.json, its step_ms); default: the runtime's")
     p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file")
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
@@ -40,12 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=23)
     p.add_argument("--successors", type=int, default=DEFAULT_SUCCESSORS,
                    help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
-    p.add_argument("--quantize", choices=["int8", "heads-int8"],
-                   help="ONNX Runtime int8: int8 = dynamic int8 on every weight matmul (faster, output differs from fp32 "
-                        "and a row's output depends on its batch); heads-int8 = the heads graph only, one activation scale per row "
-                        "(drafts cost less, output identical to fp32, same samples solo or batched)")
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES),
+                   help="ONNX Runtime weight quantization: int8 = dynamic int8 on every weight matmul of the step graph (faster, output "
+                        "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
+                        "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
+                        "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
+                        "column in both graphs")
+    p.add_argument("--block-size", type=int, help=f"--quantize int4: weights per block sharing a scale, a power of two >= 16 "
+                                                  f"(default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--accuracy-level", type=int, help=f"--quantize int4: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
+                                                      f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
-    p.add_argument("--no-verify", action="store_true", help="skip the checker and the ONNX Runtime vs torch comparison")
+    p.add_argument("--no-verify", action="store_true", help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one")
     p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -68,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 def _export(args) -> int:
     try:
         from medusa_trt.cli.common import load_model
-        from medusa_trt.exporter.onnx_export import ExportConfig, ExportError, check_output_path, export_onnx
+        from medusa_trt.exporter.engine_folder import read_step_cost
+        from medusa_trt.exporter.onnx_export import ExportConfig, ExportError, check_output_path, export_onnx, is_folder_out
         from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
 
         if args.untrained_heads is not None and args.untrained_heads < 0:
@@ -79,37 +98,56 @@ def _export(args) -> int:
 
             check_repo_path(args.triton_repo)
         out = Path(args.out)
-        trt_config = TensorRTConfig(plan=out, timing_cache=args.timing_cache) if out.suffix == ".plan" else None
-        onnx_out = onnx_beside(out) if trt_config else out
+        folder = is_folder_out(out)
+        if not folder and (args.backend or args.step_cost):
+            raise ExportError(f"--{'backend' if args.backend else 'step-cost'} is for engine folders: pass --out DIR (no .onnx / .plan suffix)")
+        if out.suffix == ".plan":
+            trt_config = TensorRTConfig(plan=out, timing_cache=args.timing_cache)
+        elif folder and args.backend == "tensorrt":
+            trt_config = TensorRTConfig(plan=out / "model.plan", timing_cache=args.timing_cache or out.parent / "timing.cache")
+        else:
+            trt_config = None
+        onnx_out = out if folder else onnx_beside(out) if trt_config else out
         if trt_config is None and args.dtype == "bf16":
             raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16")
         if trt_config is not None and args.quantize:
-            raise ExportError(f"--quantize {args.quantize} makes ONNX Runtime's dynamic int8 graph, which TensorRT does not build: drop it for a .plan")
+            raise ExportError(f"--quantize {args.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: drop it for a .plan")
         check_output_path(onnx_out)
         config = ExportConfig(out=onnx_out, tree=args.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
-                              dtype=args.dtype, opset=args.opset, quantize=args.quantize, verify=not args.no_verify, attention=args.attention,
-                              successors=args.successors)
+                              dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
+                              quantize=QuantizeConfig.from_options(args.quantize, args.block_size, args.accuracy_level), attention=args.attention,
+                              successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:
         return fail("medusa-export", exc)
-    print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
+    if result.files.folder is not None:
+        print(f"wrote {result.files.folder}/ (config.json, {result.files.step.name}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "")
+              + ", tokenizer, generation_config.json, drafting.json)")
+    else:
+        print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
     if result.diffs:
         checked = {k: v for k, v in result.diffs.items() if k not in result.loose}
         detail = ", ".join(f"{k} {v:.2e}" for k, v in result.diffs.items())
         note = f"; int8 drafts ({', '.join(result.loose)}) not held to it" if result.loose else ""
         print(f"verified against torch: max abs difference {max(checked.values()):.2e} (tolerance {result.tolerance:g}{note}; {detail})")
     if trt_config is None:
-        return _triton_repo(args.triton_repo, result.files.step)
+        return _triton_repo(args.triton_repo, result.files.folder or result.files.step)
     sys.stdout.flush()
     try:
+        from dataclasses import replace
+
         from medusa_trt.exporter.tensorrt_build import build_engines
 
-        files = build_engines(result.files.step, trt_config)
+        compared = []  # each plan's PlanComparison against its ONNX graph
+        files = build_engines(result.files.folder or result.files.step,
+                              replace(trt_config, verify=not args.no_verify, report=compared.append))
     except USER_ERRORS as exc:
         return fail("medusa-export", exc)
     print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.sidecar.name}")
-    return _triton_repo(args.triton_repo, files.step)
+    for comparison in compared:
+        print(comparison.summary())
+    return _triton_repo(args.triton_repo, files.folder or files.step)
 
 
 def _triton_repo(repo: str | None, engine: Path) -> int:

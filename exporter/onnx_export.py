@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.cancel import checkpoint
+from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES, QuantizeConfig, quantize_engine
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
@@ -46,11 +47,10 @@ from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
 
-# None: fp32 throughout. "int8": ONNX Runtime dynamic int8 on every weight matmul (faster, output
-# differs from fp32). "heads-int8": only the heads graph, int8 with one activation scale per row (a
-# sequence's drafts do not depend on its batch neighbours), which proposes drafts and never decides a
-# token, so the output stays identical to fp32 while the heads' vocabulary projections cost less.
-QUANTIZE_MODES = (None, "int8", "heads-int8")
+# None: fp32 throughout; the modes of exporter/quantize.py: "int8" (dynamic int8 step graph), "heads-int8"
+# (the heads graph only: output identical to fp32), "int4" (MatMulNBits, both graphs), "int8-channel"
+# (int8 weights with one scale per output column, both graphs)
+QUANTIZE_MODES = (None, *_QUANTIZE_MODES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max abs logit difference ONNX Runtime vs torch
 UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kernels: nothing to compare with
@@ -73,7 +73,7 @@ class ExportConfig:
     max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
     dtype: str = "fp32"  # fp32 | fp16
     opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
-    quantize: str | None = None  # None | "int8": dynamic int8 weight matmuls | "heads-int8": the heads graph only (lossless)
+    quantize: QuantizeConfig | str | None = None  # weight quantization (exporter/quantize.py); a mode name: QuantizeConfig(mode)
     verify: bool = True  # checker + ONNX Runtime vs torch after export
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
@@ -88,12 +88,12 @@ class ExportConfig:
             raise ExportError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_FORMS)}")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype} is not one of {', '.join(DTYPES)}")
-        if self.quantize not in QUANTIZE_MODES:
-            raise ExportError(f"--quantize {self.quantize} is not supported: use one of {', '.join(m for m in QUANTIZE_MODES if m)}")
+        if isinstance(self.quantize, str):
+            object.__setattr__(self, "quantize", QuantizeConfig(self.quantize))  # an unknown mode fails here
         if self.quantize and self.attention != "onnx":
-            raise ExportError(f"--quantize {self.quantize} quantizes the standard graph for ONNX Runtime: drop --attention plugin")
+            raise ExportError(f"--quantize {self.quantize.mode} quantizes the standard graph for ONNX Runtime: drop --attention plugin")
         if self.quantize and self.dtype != "fp32":
-            raise ExportError(f"--quantize {self.quantize} starts from fp32 weights: drop --dtype {self.dtype}")
+            raise ExportError(f"--quantize {self.quantize.mode} starts from fp32 weights: drop --dtype {self.dtype}")
         for name, least in (("max_batch", 1), ("max_context", MIN_CONTEXT), ("max_tokens", 1)):
             value = getattr(self, name)
             if value is not None and value < least:
@@ -206,7 +206,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_heads=model.num_heads, top_k=tree.top_k,
         tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
-        is_chat=bool(model.is_chat), quantization=config.quantize or "none", attention=config.attention,
+        is_chat=bool(model.is_chat), quantization=config.quantize.mode if config.quantize else "none", attention=config.attention,
         successors=min(config.successors, model.vocab_size), head_input=model.head_input,
     )
 
@@ -215,116 +215,6 @@ def _save(program, path: Path, meta: EngineMeta) -> None:
     program.model.metadata_props[META_KEY] = meta.to_json()
     size = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
     program.save(str(path), external_data=size > EXTERNAL_DATA_BYTES)
-
-
-def _quantize(path: Path, meta: EngineMeta) -> None:
-    """Dynamic int8 quantization of the weight matmuls, in place; metadata carried over.
-
-    One activation scale per call spans every row and token of it, so a row's output depends on
-    the other rows of the batch (the step graph of ``--quantize int8``; the heads use ``_quantize_rows``)."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    quantized = path.with_name(path.stem + ".int8.onnx")
-    quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                     use_external_data_format=False, extra_options={"MatMulConstBOnly": True})
-    proto = onnx.load(str(quantized))
-    quantized.unlink()
-    _replace_graph(path, proto, meta)
-
-
-def _quantize_rows(path: Path, meta: EngineMeta) -> None:
-    """Int8 weight matmuls with one activation scale per row (per hidden vector), in place.
-
-    Weights: symmetric int8, one scale per output column. Activations: each row x scaled by
-    max|x| / 127 and offset to uint8 (zero point 128, ONNX Runtime's fast u8 x s8 kernels), so
-    the integer product is exact and every output row depends on its own input row only: a
-    sequence gets the same head logits solo and in any batch. As fast as ``_quantize``'s
-    per-call scale on the SmolLM2 heads, and closer to fp32 (per-column weight scales)."""
-    import onnx
-    from onnxruntime.quantization.onnx_model import ONNXModel
-
-    model = ONNXModel(onnx.load(str(path)))
-    model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
-    graph = model.model.graph
-    weights = {t.name: t for t in graph.initializer}
-    nodes, quantized = [], {}
-    for node in graph.node:
-        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        if weight is None or len(weight.dims) != 2:
-            nodes.append(node)
-            continue
-        if weight.name not in quantized:
-            quantized[weight.name] = _int8_columns(weight)
-            graph.initializer.extend(quantized[weight.name])
-        nodes += _row_int8_matmul(node, *(t.name for t in quantized[weight.name]))
-    graph.initializer.extend(_row_constants())
-    del graph.node[:]
-    graph.node.extend(nodes)
-    model.remove_unused_constant()  # the float weights
-    _replace_graph(path, model.model, meta)
-
-
-def _int8_columns(weight) -> tuple:
-    """A float weight (K, N) as int8 values (K, N) and one fp32 scale per column (N,)."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    w = numpy_helper.to_array(weight).astype(np.float32)
-    scale = np.maximum(np.abs(w).max(axis=0), np.finfo(np.float32).tiny) / 127.0  # (N,)
-    values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(scale.astype(np.float32), weight.name + "_int8_scale")
-
-
-def _row_constants() -> list:
-    """The scalars every ``_row_int8_matmul`` shares."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    values = {"rowq_127": np.float32(127.0), "rowq_tiny": np.float32(np.finfo(np.float32).tiny), "rowq_128": np.float32(128.0),
-              "rowq_zero_point": np.uint8(128), "rowq_last_axis": np.array([-1], dtype=np.int64)}
-    return [numpy_helper.from_array(np.asarray(v), k) for k, v in values.items()]
-
-
-def _row_int8_matmul(node, weight: str, weight_scale: str) -> list:
-    """y = x @ W for x (..., K): per-row scale s = max|x| / 127, xq = round(x / s) + 128 (uint8),
-    y = (xq - 128) @ Wq * s * w_scale, the integer product exact in int32."""
-    from onnx import TensorProto, helper
-
-    x, y = node.input[0], node.output[0]
-    prefix = f"{node.name or y}_rowq"
-
-    def n(name: str) -> str:
-        return y if name == "y" else f"{prefix}_{name}"
-
-    def op(kind: str, inputs: list[str], name: str, **attrs):
-        return helper.make_node(kind, inputs, [n(name)], name=f"{prefix}_{name}", **attrs)
-
-    return [
-        op("Abs", [x], "abs"),
-        op("ReduceMax", [n("abs"), "rowq_last_axis"], "max", keepdims=1),  # (..., 1)
-        op("Max", [n("max"), "rowq_tiny"], "max_safe"),
-        op("Div", [n("max_safe"), "rowq_127"], "scale"),  # (..., 1): the row's scale
-        op("Div", [x, n("scale")], "scaled"),  # in [-127, 127]
-        op("Round", [n("scaled")], "rounded"),
-        op("Add", [n("rounded"), "rowq_128"], "offset"),  # in [1, 255]
-        op("Cast", [n("offset")], "xq", to=TensorProto.UINT8),
-        op("MatMulInteger", [n("xq"), weight, "rowq_zero_point"], "acc"),  # (..., N) int32, exact
-        op("Cast", [n("acc")], "acc_float", to=TensorProto.FLOAT),
-        op("Mul", [n("acc_float"), n("scale")], "row_scaled"),
-        op("Mul", [n("row_scaled"), weight_scale], "y"),
-    ]
-
-
-def _replace_graph(path: Path, proto, meta: EngineMeta) -> None:
-    """Write ``proto`` over the graph at ``path`` (and its external data), metadata carried over."""
-    import onnx
-
-    del proto.metadata_props[:]
-    proto.metadata_props.add(key=META_KEY, value=meta.to_json())
-    for f in path.parent.glob(path.name + "*"):
-        f.unlink()
-    onnx.save(proto, str(path))
 
 
 @dataclass(frozen=True)
@@ -353,7 +243,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     staged = EngineFiles.in_folder(tmp) if folder else EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
     diffs: dict[str, float] = {}
-    loose = ("head logits",) if config.quantize == "heads-int8" else ()  # int8 drafts: reported, not held to the tolerance
+    loose = config.quantize.loose if config.quantize else ()  # heads-int8 drafts: reported, not held to the tolerance
     try:
         model = model.to(DTYPES[config.dtype]).eval()
         # the exporter logs every op library it skips (torchvision's, say) as a warning
@@ -375,11 +265,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
             model.tokenizer.save_pretrained(str(staged.tokenizer))  # a folder's tokenizer files lie at its top
             bar.update()
             if config.quantize:
-                bar.set_postfix_str("quantizing int8")
-                if config.quantize == "int8":
-                    _quantize(staged.step, meta)
-                if model.num_heads:
-                    _quantize_rows(staged.heads, meta)
+                bar.set_postfix_str(f"quantizing {config.quantize.mode}")
+                quantize_engine(staged, meta, config.quantize)
             bar.update()
             if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
                 log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype)
@@ -387,7 +274,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(model, staged, tree, strict=config.quantize != "int8", loose=loose, tolerance=TOLERANCE[config.dtype],
+                diffs = verify_engine(model, staged, tree, strict=not config.quantize or config.quantize.lossless, loose=loose, tolerance=TOLERANCE[config.dtype],
                                       max_tokens=config.max_tokens)
             bar.update()
         if folder:

@@ -37,3 +37,30 @@ def test_bench_bad_prompts_file(tmp_path, capsys, export_engine, stories_base, s
     bad.write_text('{"no_turns": 1}\n')
     assert main(["--engine", str(engine), "--prompts", str(bad), "--no-hf", "--out", str(tmp_path / "b.json")]) == 2
     assert "bad.jsonl:1: not a Spec-Bench record" in capsys.readouterr().err
+
+
+def test_bench_rows_per_engine_against_their_own_plain(tmp_path, capsys, stories_base, stories_fitted):
+    """Two engines (fp32, int4): each row's agreement with its own engine's plain decoding and
+    speed against it, beside the agreement with the first engine's plain decoding."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+
+    model = medusa_model(stories_base, stories_fitted)
+    for name, quantize in (("fp32", None), ("int4", "int4")):
+        export_onnx(model, ExportConfig(out=tmp_path / f"{name}.onnx", tree="chain-3", max_context=128, quantize=quantize, verify=False))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
+    out = tmp_path / "bench.json"
+    code = main(["--engine", str(tmp_path / "fp32.onnx"), "--engine", str(tmp_path / "int4.onnx"), "--prompts", str(prompts),
+                 "--max-new-tokens", "16", "--no-hf", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"plain[fp32]", "medusa[fp32]", "plain[int4]", "medusa[int4]"}
+    for name in ("fp32", "int4"):
+        plain, drafted = methods[f"plain[{name}]"], methods[f"medusa[{name}]"]
+        assert plain["identical_to_own_plain"] == 1.0 and plain["speedup_vs_own_plain"] == 1.0
+        assert drafted["identical_to_own_plain"] == 1.0 and drafted["identical_to_own_plain_prompts"] == "2/2"  # greedy: lossless
+        assert abs(drafted["speedup_vs_own_plain"] * plain["tokens_per_s"] - drafted["tokens_per_s"]) < 1e-6
+    assert methods["plain[fp32]"]["matching_prefix_fraction"] == 1.0
+    assert 0.0 < methods["plain[int4]"]["matching_prefix_fraction"] <= 1.0  # against the fp32 engine's plain decoding
+    printed = capsys.readouterr().out
+    assert "= own plain" in printed and "prefix" in printed
