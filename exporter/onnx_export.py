@@ -82,6 +82,7 @@ class ExportConfig:
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
             raise ExportError(f"--successors {self.successors} is out of range: pass 0 (no output) to 64")
+        _check_out_suffix(Path(self.out))
         if Path(self.out).suffix == ".plan":
             raise ExportError(f"--out {self.out}: a .plan is built from the ONNX engine (tensorrt_build); export to .onnx or a folder")
         if self.attention not in ATTENTION_FORMS:
@@ -102,9 +103,19 @@ class ExportConfig:
             raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
 
 
+# suffixes of files, never of an engine folder: --out model.txt is a mistake, not a folder to create
+# (a folder may still have a dot in its name: SmolLM2-1.7B)
+FILE_SUFFIXES = (".txt", ".json", ".bin", ".pt", ".pth", ".safetensors", ".gguf", ".engine", ".trt", ".data", ".zip", ".gz", ".tar")
+
+
 def is_folder_out(out: str | os.PathLike) -> bool:
     """``--out DIR`` (no .onnx / .plan suffix) writes an engine folder."""
     return Path(out).suffix not in ENGINE_SUFFIXES
+
+
+def _check_out_suffix(out: Path) -> None:
+    if out.suffix.lower() in FILE_SUFFIXES:
+        raise ExportError(f"--out {out} must end in .onnx or .plan, or name an engine folder (no file suffix such as {out.suffix})")
 
 
 def check_output_path(out: Path) -> None:
@@ -113,6 +124,7 @@ def check_output_path(out: Path) -> None:
     replace only an earlier engine folder or an empty folder, never a user's files."""
     out = Path(out)
     parent = out.parent
+    _check_out_suffix(out)
     if out.suffix == ".plan":
         raise ExportError(f"--out {out}: export the ONNX engine (.onnx or a folder) first; the .plan is built from it")
     if is_folder_out(out) and out.exists():

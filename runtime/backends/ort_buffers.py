@@ -197,8 +197,15 @@ class DeviceBuffers:
         self.sizes = s = sizes
         self.device, self.device_id = device, device_id
 
+        self._host_zeros: list[np.ndarray] = []  # on "cpu" the OrtValues wrap these arrays: kept alive with them
+
         def alloc(elements: int, dtype):
-            return ort.OrtValue.ortvalue_from_shape_and_type([elements], dtype, device, device_id)
+            # zero-filled, as the host buffers are: cache slots past a row's length are masked, but a
+            # masked score over uninitialised memory (NaN, inf) still poisons the softmax
+            zeros = np.zeros(elements, dtype=dtype)
+            if device == "cpu":
+                self._host_zeros.append(zeros)
+            return ort.OrtValue.ortvalue_from_numpy(zeros, device, device_id)
 
         self.key = alloc(s.max_context * s.max_batch * s.kv_row, s.dtype)  # flat: viewed per batch size
         self.value = alloc(s.max_context * s.max_batch * s.kv_row, s.dtype)
