@@ -101,6 +101,18 @@ def _write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
 
 
+def link_files(paths, root: Path, dest: Path) -> None:
+    """Each of ``paths`` (under ``root``) at the same relative name under ``dest``: a hard link where
+    the file system allows (engine weights are hundreds of MB), else a copy."""
+    for src in paths:
+        target = dest / src.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, target)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(src, target)
+
+
 def swap_folder(staged: Path, out: Path) -> None:
     """Rename the staged folder to ``out``; an earlier engine folder there is moved aside first and
     removed after (an empty folder is simply replaced)."""

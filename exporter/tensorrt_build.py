@@ -297,19 +297,13 @@ def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: T
     swapped in for the ONNX-only folder; a failed build leaves that folder as it was."""
     import onnx
 
-    from medusa_trt.exporter.engine_folder import folder_config, swap_folder
+    from medusa_trt.exporter.engine_folder import folder_config, link_files, swap_folder
     from medusa_trt.runtime.engine_folder import write_folder_config
 
     folder = src.folder
     tmp = make_staging(folder)
     try:
-        for f in engine_file_list(src):
-            target = tmp / f.relative_to(folder)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(f, target)
-            except OSError:  # another file system, or links not allowed
-                shutil.copy2(f, target)
+        link_files(engine_file_list(src), folder, tmp)
         staged = EngineFiles.in_folder(tmp, ".plan")
         _build_one(trt, src.step, staged.step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
         if meta.num_heads:

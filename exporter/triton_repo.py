@@ -267,14 +267,9 @@ def _copy_engine(engine: Path, dest: Path) -> None:
 
     files = EngineFiles.locate(engine)
     folder = files.step.parent
-    found = engine_file_list(files) + [p for p in (manifest_path(files),) if p.is_file()]
-    for src in found:
-        target = dest / src.relative_to(folder)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, target)
-        except OSError:  # another file system, or links not allowed
-            shutil.copy2(src, target)
+    from medusa_trt.exporter.engine_folder import link_files
+
+    link_files(engine_file_list(files) + [p for p in (manifest_path(files),) if p.is_file()], folder, dest)
 
 
 def _replace_model(repo: Path, name: str, text: str, engine: Path | None = None) -> None:
