@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.serving.client import RequestFailed, stream_generate  # noqa: F401 - tests/test_security.py imports them from here
@@ -99,6 +100,9 @@ def _given(args, names) -> list[str]:
 
 def _choose_api(args) -> str:
     """openai or triton, refusing options the chosen path would ignore."""
+    if not Path(args.target).exists():
+        raise ServeError(f"{args.target} does not exist: pass an engine (what medusa-export --out wrote) or a Triton model "
+                         "repository (what medusa-triton-repo wrote)")
     engine = looks_like_engine(args.target)
     api = args.api or ("openai" if engine else "triton")
     if api == "openai" and not engine:

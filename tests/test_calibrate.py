@@ -7,13 +7,14 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import STORIES, medusa_model
 from medusa_trt.cli.calibrate import main
 from medusa_trt.runtime.tree import compile_tree, load_tree
 from medusa_trt.training.calibrate import (
     CalibrationError, best_chain, expected_accept, greedy_proposals, grow_trees, head_accuracy, hits_from_proposals,
-    measure_head_hits, measure_step_ms, pick_tree, step_cost,
+    measure_head_hits, measure_heads_ms, measure_step_ms, pick_tree, step_cost,
 )
 
 # Decaying accuracies, 3 heads x top-10, each row sums below 1 (misses happen).
@@ -150,6 +151,24 @@ def test_measure_head_hits_fitted_heads_beat_chance(runtime):
     acc = head_accuracy(hits, hits.max() + 1)
     assert acc[0, 0] > 0.2, acc  # chance is 1 / 512
     assert acc[0, 0] >= acc[3, 0]  # looking further ahead is harder
+
+
+def test_next_token_aware_heads_are_calibrated_with_their_roots(stories_base, stories_next_aware, export_engine):
+    """Heads that read the next token get the token just emitted as their root, as the loop gives
+    it: the proposals equal the torch heads' top-k at the same hidden state and root, and the
+    timing call passes a root too."""
+    from medusa_trt.runtime import MedusaRuntime
+
+    runtime = MedusaRuntime(export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware)), max_batch=1).with_tree("chain-0")
+    ids = runtime.codec.encode(PROMPTS[0], chat=False)
+    tokens, proposals = greedy_proposals(runtime, ids, 16, 3)
+    assert tokens == runtime.generate(ids, max_new_tokens=16).token_ids
+    with torch.no_grad():
+        hidden = stories_base.model(torch.tensor([ids + tokens]), output_hidden_states=True).hidden_states[-1][0]  # (L, H)
+        rows = torch.arange(len(ids) - 1, len(ids) - 1 + len(tokens))  # the hidden state before each emitted token
+        want = stories_next_aware(hidden[rows], torch.tensor(tokens)).topk(3, dim=-1).indices  # (n, heads, 3)
+    assert (proposals[:, 0, 0] == want[:, 0, 0].numpy()).mean() > 0.95  # top-1 of head 1; fp32 graph vs torch may swap near-ties
+    assert measure_heads_ms(runtime, 3, repeats=2) > 0
 
 
 def _prompts_file(tmp_path):

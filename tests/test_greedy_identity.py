@@ -3,10 +3,13 @@ whatever the heads propose: backend x tree x batch x model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import CUSTOM_TREE, TREES, assert_greedy_identical, fitted_heads, medusa_model, random_heads
 from medusa_trt.exporter import load_base_model
+from medusa_trt.exporter.heads import load_heads
 from medusa_trt.runtime import MedusaRuntime
 
 TREES_UNDER_TEST = {"chain-1": "chain-1", "chain-4": "chain-4", "mc_sim_7b_63": "mc_sim_7b_63", "custom": CUSTOM_TREE}
@@ -107,9 +110,17 @@ def test_smollm2(smollm2_base, smollm2_heads, export_engine, backend, tree, batc
     _check(smollm2_base, engine, ids, _tree(tree), batch, 64)
 
 
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-medusa"
+
+
 @pytest.fixture(scope="module")
 def smollm2_heads(smollm2_base):
-    return random_heads(smollm2_base, shared=True)
+    """The shipped SmolLM2 heads (what `make demo` exports): they accept often, so every backend is
+    checked on long accepted paths, not only on rejections."""
+    cfg = smollm2_base.model.config
+    heads = load_heads(SHIPPED_HEADS, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=smollm2_base.model.lm_head,
+                       num_decoder_layers=cfg.num_hidden_layers, embed=smollm2_base.model.get_input_embeddings())
+    return heads.eval().requires_grad_(False)
 
 
 DRAFTER_SETS = {"all": None, "heads": ("heads",), "lookup": ("lookup",), "recycle": ("recycle",), "none": ()}

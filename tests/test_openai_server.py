@@ -458,6 +458,7 @@ def test_serve_bad_input_is_one_line(engine, tmp_path):
         assert done.stderr.startswith("medusa-serve: error: ") and "Traceback" not in done.stderr
         return done.stderr
 
+    assert "missing does not exist: pass an engine" in serve(str(tmp_path / "missing"))
     (tmp_path / "repo").mkdir()
     assert "is not an engine" in serve(str(tmp_path / "repo"), "--api", "openai")
     assert "--port-grpc would be ignored by the OpenAI server" in serve(str(engine), "--port-grpc", "0")

@@ -242,7 +242,8 @@ def measure_heads_ms(runtime, top_k: int, repeats: int = 5) -> float:
     backend = runtime.backend
     one = np.zeros((1, 1), dtype=np.int64)
     backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
-    return median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), top_k), repeats)
+    root = np.zeros(1, dtype=np.int64)  # (1,) the next token, read by next-token-aware heads (its value does not change the cost)
+    return median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), top_k, root), repeats)
 
 
 def engine_top_k(runtime) -> int:
@@ -274,7 +275,8 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         backend.commit(np.arange(width, dtype=np.int64)[None, :], np.array([width]), np.array([length], dtype=np.int64))
         length += width
     tokens = [int(target[0, width - 1])]
-    proposals = [np.array(backend.propose(np.array([width - 1]), top_k).ids[0])]  # copy: the backend reuses its buffer
+    # the root of each proposal is the token just emitted (next-token-aware heads read it)
+    proposals = [np.array(backend.propose(np.array([width - 1]), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0])]  # copy: the backend reuses its buffer
     one = np.ones((1, 1, 1), dtype=bool)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and length + 1 < max_context:
         lengths = np.array([length], dtype=np.int64)
@@ -282,7 +284,7 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         backend.commit(np.zeros((1, 1), dtype=np.int64), np.array([1]), lengths)
         length += 1
         tokens.append(int(target[0, 0]))
-        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k).ids[0]))  # (n_heads, K)
+        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0]))  # (n_heads, K)
     return tokens, np.stack(proposals).astype(np.int64)  # (n, n_heads, K)
 
 
