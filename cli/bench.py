@@ -345,8 +345,14 @@ def _heads_cost(runtime) -> dict | None:
     def timed(fn):
         return median_ms(fn, 10)
 
-    one = timed(lambda: session.run(None, {"hidden": np.zeros((1, meta.hidden_size), dtype=dtype)}))
-    every = timed(lambda: session.run(None, {"hidden": np.zeros((t, meta.hidden_size), dtype=dtype)}))
+    from medusa_trt.runtime.contract import NEXT_INPUT
+
+    def feed(rows: int) -> dict:  # next-token-aware heads also read the root token of each row
+        inputs = {"hidden": np.zeros((rows, meta.hidden_size), dtype=dtype)}
+        return inputs | ({NEXT_INPUT: np.zeros(rows, dtype=np.int64)} if meta.head_input == "hidden+next" else {})
+
+    one = timed(lambda: session.run(None, feed(1)))
+    every = timed(lambda: session.run(None, feed(t)))
     tree = runtime.tree
     step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + 128, tree.mask[None], np.array([128])))
     three = np.tril(np.ones((1, 3, 3), dtype=bool))
