@@ -418,7 +418,7 @@ def test_triton_repo_bad_input_is_one_line(case, tmp_path):
 
 SERVE_CASES = {
     "remote host without --allow-remote": (["@repo", "--host", "0.0.0.0"], "is not a loopback address"),
-    "missing repository": (["@missing"], "does not exist: write one with medusa-triton-repo"),
+    "missing repository": (["@missing"], "does not exist: pass an engine"),
     "empty repository": (["@repo"], "no model in"),
     "port out of range": (["@repo", "--port-http", "70000"], "a port is at most 65535"),
     "model name with a path": (["@repo", "--model", "../x"], "must be a plain folder name"),
