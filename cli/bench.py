@@ -347,14 +347,15 @@ def _heads_cost(runtime) -> dict | None:
 
     from medusa_trt.runtime.contract import NEXT_INPUT
 
-    def feed(rows: int) -> dict:  # next-token-aware heads also read the root token of each row
+    def feed(rows: int) -> dict:  # heads on every node, outside the loop: next-token-aware heads also read each row's root
         inputs = {"hidden": np.zeros((rows, meta.hidden_size), dtype=dtype)}
         return inputs | ({NEXT_INPUT: np.zeros(rows, dtype=np.int64)} if meta.head_input == "hidden+next" else {})
 
-    one = timed(lambda: session.run(None, feed(1)))
-    every = timed(lambda: session.run(None, feed(t)))
     tree = runtime.tree
     step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + 128, tree.mask[None], np.array([128])))
+    root = np.zeros(1, dtype=np.int64)  # what the loop does after that step: the heads at one node, given the next token
+    one = timed(lambda: backend.propose(root, max(tree.top_k, 1), root))
+    every = timed(lambda: session.run(None, feed(t)))
     three = np.tril(np.ones((1, 3, 3), dtype=bool))
     step3 = timed(lambda: backend.step(np.zeros((1, 3), dtype=np.int64), np.arange(3)[None] + 128, three, np.array([128])))
     return {"tree_nodes": t, "verify_step_ms_ctx128": step, "verify_3_nodes_ms_ctx128": step3, "heads_one_node_ms": one,

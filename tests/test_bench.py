@@ -64,3 +64,20 @@ def test_bench_rows_per_engine_against_their_own_plain(tmp_path, capsys, stories
     assert 0.0 < methods["plain[int4]"]["matching_prefix_fraction"] <= 1.0  # against the fp32 engine's plain decoding
     printed = capsys.readouterr().out
     assert "= own plain" in printed and "prefix" in printed
+
+
+def test_bench_on_next_token_aware_heads(tmp_path, capsys, export_engine, stories_base, stories_next_aware):
+    """Heads that read the root token: every drafter row decodes plain's tokens, and the heads-cost
+    probe after the rows (which once raised here, after the whole run) feeds them their root."""
+    engine = export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
+    out = tmp_path / "bench.json"
+    code = main(["--engine", str(engine), "--prompts", str(prompts), "--max-new-tokens", "16", "--no-hf", "--out", str(out),
+                 "--draft", "heads", "--draft", "heads,lookup,recycle"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    drafted = [m for name, m in report["methods"].items() if not name.startswith("plain")]
+    assert len(drafted) == 2 and all(m["identical_to_reference"] == 1.0 for m in drafted), report["methods"]
+    cost = report["heads_cost"]
+    assert cost["heads_one_node_ms"] > 0 and cost["heads_all_nodes_ms"] > 0 and cost["verify_step_ms_ctx128"] > 0
