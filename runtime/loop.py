@@ -40,6 +40,7 @@ from medusa_trt.runtime.acceptance import RULES_BY_NAME, Verdict
 from medusa_trt.runtime.config import is_int
 from medusa_trt.runtime.contract import StepOutput
 from medusa_trt.runtime.drafting.builder import StepTree, build_tree
+from medusa_trt.runtime.drafting.heads import head_confidence
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
 from medusa_trt.runtime.text import PromptError
@@ -154,6 +155,7 @@ class Seq:
     heads: object = None  # its HeadsDrafter, if the heads draft
     accept_stats: AcceptanceStats | None = None  # online acceptance estimates per drafter key
     proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
+    confidence: np.ndarray | None = None  # float32 [D, K]: the heads' probabilities of the top-k ids (greedy drafts)
     drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
     started: float = 0.0
     hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the caller asked for hidden states
@@ -288,7 +290,7 @@ class Scheduler:
         if depth == 0 or not s.drafters:
             return StepTree.chain(s.root)
         if s.heads is not None:
-            s.heads.proposals = s.proposals
+            s.heads.proposals, s.heads.confidence = s.proposals, s.confidence
         fragments = [d.propose(s.history, depth) for d in s.drafters]
         drafting = self.rt.drafting
         if not s.rule.learnt_budget:  # sampled rows: the fixed one-row table, so neighbours never change a seed's draws
@@ -390,8 +392,10 @@ class Scheduler:
         for b in np.flatnonzero(which):
             s = self.rows[b]
             s.proposals = np.array(ids[b])  # (D, K) a copy: the backend's buffer is reused
-            if s.rule.sampled_drafts:
-                head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n, V) host
+            head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n, V) host
+            if not s.rule.sampled_drafts:  # greedy drafts: keyed by the heads' confidence
+                s.confidence = head_confidence(head_logits[b, : tree.depth_max], s.proposals)  # (D, K)
+            else:
                 q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
                 for d in range(tree.depth_max):
                     s.proposals[d, : walk.draws[d]] = draw_without_replacement(s.rng, q[d], int(walk.draws[d]))

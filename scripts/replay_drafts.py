@@ -41,9 +41,10 @@ def _prompts(path: Path, every: int, limit: int | None) -> list[str]:
 
 
 @torch.no_grad()
-def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
-    """int64 [L, D, K]: the heads' top-k at every position of ``ids`` (one causal forward pass);
-    next-token-aware heads read the token that follows each position in ``ids`` (the greedy choice)."""
+def head_topk(model, ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The heads' top-k at every position of ``ids`` (one causal forward pass): ids int64 [L, D, K]
+    and their softmax probabilities float32 [L, D, K]; next-token-aware heads read the token that
+    follows each position in ``ids`` (the greedy choice)."""
     spec = model.kv_spec
     n = len(ids)
     empty = torch.zeros((0, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
@@ -52,25 +53,31 @@ def head_topk(model, ids: list[int], top_k: int) -> np.ndarray:
         torch.zeros(1, dtype=torch.int64), empty, empty,
     )
     following = torch.tensor(ids[1:] + ids[-1:])  # (L,) the base model's next token at each position (the last: unused)
-    return model.propose(hidden[0], following).topk(top_k, dim=-1).indices.numpy()  # (L, D, K)
+    top = model.propose(hidden[0], following).float().log_softmax(dim=-1).topk(top_k, dim=-1)  # (L, D, K)
+    return top.indices.numpy(), top.values.exp().numpy()
 
 
 def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],
-           cost: CostModel, config: DraftingConfig | None = None) -> list[int]:
-    """Tokens emitted per step when drafting with ``names`` (and ``config``) along the true continuation."""
+           cost: CostModel, config: DraftingConfig | None = None, confidence: np.ndarray | None = None,
+           tally: dict | None = None, prior=None) -> tuple[list[int], list[int]]:
+    """Tokens emitted per step and nodes per step when drafting with ``names`` (and ``config``)
+    along the true continuation; ``confidence`` [L, D, K] keys the heads' drafts by their
+    probabilities as the runtime does (None: by rank). ``tally`` gathers [accepted, tested] per
+    statistics key over every call (what a prior table is fitted to)."""
     drafting = runtime.with_drafters(names).drafting
     if config is not None:
         drafting = Drafting(drafting.names, drafting.template, config, engine_max_nodes=drafting.max_nodes)
     history = list(prompt) + continuation[:1]
     drafters = drafting.make(list(prompt), sampled=False)
     heads = next((d for d in drafters if d.name == "heads"), None)
-    stats = AcceptanceStats()
-    steps, pos = [], 0  # continuation[pos] is the root
+    stats = AcceptanceStats() if prior is None else AcceptanceStats(prior)
+    steps, nodes, pos = [], [], 0  # continuation[pos] is the root
     depth_cap = drafting.max_depth
     while pos + 1 < len(continuation):
         room = len(continuation) - pos - 1
         if heads is not None:
             heads.proposals = topk[len(prompt) + pos - 1]  # heads at the last committed node (the root's parent)
+            heads.confidence = None if confidence is None else confidence[len(prompt) + pos - 1]
         fragments = [d.propose(history, min(room, depth_cap)) for d in drafters]
         tree = build_tree(history[-1], fragments, stats, max_nodes=drafting.max_nodes, cost=cost)
         node, path = 0, [0]
@@ -86,6 +93,9 @@ def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], t
             for child in tree.children[p]:
                 for key in tree.keys[child]:
                     stats.update(key, child in on_path)
+                    if tally is not None:
+                        tally.setdefault(key, [0, 0])[0] += child in on_path
+                        tally[key][1] += 1
         emitted = len(path)  # accepted drafts + the bonus
         new = continuation[pos + 1 : pos + 1 + emitted]
         truth = np.array(continuation[pos : pos + len(new) + 1])
@@ -93,8 +103,9 @@ def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], t
         for d in drafters:
             d.observe(history, truth[:-1], truth[1:, None])  # on-path successors only
         steps.append(len(new))
+        nodes.append(tree.num_nodes)
         pos += len(new)
-    return steps
+    return steps, nodes
 
 
 def main(argv=None) -> int:
@@ -109,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft", action="append", help="comma-separated drafter set; repeatable (default: several)")
     p.add_argument("--out", type=Path)
     p.add_argument("--cache", type=Path, help="keep the greedy outputs and head top-k here (.npz) and reuse them on the next run")
+    p.add_argument("--heads-keys", choices=("confidence", "rank", "both"), default="confidence",
+                   help="key the heads' drafts by their probabilities (the runtime's way), by rank (before), or a row of each")
+    p.add_argument("--tally", type=Path, help="write [accepted, tested] per statistics key over the whole replay (JSON): what priors are fitted to")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sets = [tuple(x for x in d.split(",") if x and x != "none") for d in (args.draft or
@@ -117,12 +131,15 @@ def main(argv=None) -> int:
     runtime = MedusaRuntime(model, tree=args.tree, max_context=1024, max_batch=1)
     plain = runtime.plain()
     cost = runtime.drafting.cost
-    results = {",".join(s) or "none": [] for s in sets}
+    modes = {"confidence": ("",), "rank": (":rank",), "both": ("", ":rank")}[args.heads_keys]
+    rows = [(names, mode) for names in sets for mode in (modes if "heads" in names else ("",))]
+    results = {(",".join(n) or "none") + m: [] for n, m in rows}
+    tally: dict = {}
     cached = dict(np.load(args.cache, allow_pickle=True)) if args.cache and args.cache.is_file() else {}
     saved = {}
     for i, text in enumerate(tqdm(_prompts(args.prompts, args.every, args.limit), desc="replay", unit="prompt")):
         if f"ids{i}" in cached:
-            ids, continuation, topk = (cached[f"{k}{i}"] for k in ("ids", "cont", "topk"))
+            ids, continuation, topk, conf = (cached[f"{k}{i}"] for k in ("ids", "cont", "topk", "conf"))
             ids, continuation = ids.tolist(), continuation.tolist()
         else:
             ids = runtime.codec.encode(text, chat=runtime.is_chat)
@@ -130,21 +147,29 @@ def main(argv=None) -> int:
                 continue  # the runtime's context (the benchmark skips these too)
             out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
             continuation = [int(t) for t in out.token_ids]
-            topk = head_topk(model, ids + continuation, runtime.tree.top_k)[:, : runtime.tree.depth_max]
-        saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk}
-        for names in sets:
-            results[",".join(names) or "none"].append(replay(runtime, ids, continuation, topk, names, cost))
+            topk, conf = head_topk(model, ids + continuation, runtime.tree.top_k)
+            topk, conf = topk[:, : runtime.tree.depth_max], conf[:, : runtime.tree.depth_max]
+        saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
+        for names, mode in rows:
+            row = (",".join(names) or "none") + mode
+            results[row].append(replay(runtime, ids, continuation, topk, names, cost, confidence=None if mode else conf,
+                                       tally=tally if row == "heads,lookup,recycle" else None))
     if args.cache and not cached:
         np.savez(args.cache, **saved)
     table = {}
     for name, per_prompt in results.items():
-        steps = [x for s in per_prompt for x in s]
-        table[name] = {"tokens_per_step": float(np.mean(steps)), "steps": len(steps), "tokens": int(np.sum(steps))}
-        print(f"{name:28s} {table[name]['tokens_per_step']:.3f} tokens/step over {len(steps)} steps")
-    if args.out:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": table}, indent=1))
-        tmp.replace(args.out)
+        steps = np.array([x for s, _ in per_prompt for x in s])
+        nodes = np.array([x for _, n in per_prompt for x in n])
+        modelled = steps.sum() / cost.cost(nodes).sum()  # tokens per plain-step cost: the modelled speedup
+        table[name] = {"tokens_per_step": float(steps.mean()), "mean_nodes": float(nodes.mean()), "modelled_vs_plain": float(modelled),
+                       "steps": int(len(steps)), "tokens": int(steps.sum())}
+        print(f"{name:28s} {steps.mean():.3f} tokens/step  {nodes.mean():5.1f} nodes  modelled {modelled:.2f}x plain  ({len(steps)} steps)")
+    for path, payload in ((args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": table}),
+                          (args.tally, [[list(k), v] for k, v in sorted(tally.items(), key=lambda kv: str(kv[0]))])):
+        if path:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(payload, indent=1))
+            tmp.replace(path)
     return 0
 
 

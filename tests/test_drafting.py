@@ -83,6 +83,33 @@ def test_heads_drafter_lays_proposals_out_by_the_template():
     assert sampled.propose([1], max_depth=2).draw.tolist() == [0, 1, 2]  # head 1 draws 0, 1; head 2 draw 0
 
 
+def test_heads_confidence_is_the_softmax_of_the_top_k():
+    from medusa_trt.runtime.drafting.heads import head_confidence
+
+    logits = np.random.default_rng(0).normal(size=(3, 2, 50)).astype(np.float32) * 4  # (B, D, V)
+    ids = np.argsort(-logits, axis=-1)[..., :4]  # (B, D, K)
+    want = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(head_confidence(logits, ids), np.take_along_axis(want, ids, -1), rtol=1e-5)
+
+
+def test_greedy_heads_drafts_are_keyed_by_confidence():
+    """With the heads' probabilities, a draft's key is (depth, probability bucket), so a confident
+    head-1 guess and a doubtful one are estimated apart; lossless draws keep their rank keys."""
+    tree = compile_tree([[0], [1], [0, 0]])
+    drafter = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=False)
+    drafter.proposals = np.array([[20, 21], [30, 31]])
+    drafter.confidence = np.array([[0.93, 0.04], [0.5, 0.1]], dtype=np.float32)
+    f = drafter.propose([1, 2], max_depth=2)
+    assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6))
+    stats = AcceptanceStats()
+    assert stats.estimate(f.keys[0]) > 0.8 and stats.estimate(f.keys[1]) < 0.1
+    tree_ = build_tree(1, [f], stats, max_nodes=8, cost=CostModel({1: 1.0, 3: 1.0, 4: 1.5, 64: 20.0}))
+    assert tree_.tokens.tolist() == [1, 20, 30]  # the doubtful sibling is not worth its node; the confident chain is
+    sampled = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=True)
+    sampled.proposals, sampled.confidence = drafter.proposals, drafter.confidence
+    assert sampled.propose([1], max_depth=2).keys[0][0] == "heads"
+
+
 # ------------------------------------------------------------------ the builder
 
 

@@ -1,5 +1,12 @@
 """The Medusa heads as a drafter: their top-k proposals laid out by the compiled tree, which is
-now the heads' *template* (the step's tree is built from every drafter's candidates)."""
+now the heads' *template* (the step's tree is built from every drafter's candidates).
+
+Greedy drafts are keyed by the heads' own confidence: a node's key is (depth, bucket of the
+head's softmax probability of its token), so the builder's online estimates learn how often a
+head-1 guess at p = 0.8 lands against one at p = 0.1 in this sequence, and spends the budget on
+the confident branches (deeper where the heads agree, none where they guess) instead of on a
+fixed rank. Without probabilities (lossless draws, or before the first heads call) the key is
+(depth, rank) as before."""
 
 from __future__ import annotations
 
@@ -23,6 +30,21 @@ class HeadsTemplate:
         self.lossless_keys = tuple(("heads", int(d), int(r)) for d, r in zip(self.depth, rank))
         self.draw = ((self.depth - 1) * tree.top_k + rank).astype(np.int64)  # (M,) which draw of which head
         self.no_draw = np.full(len(self.parent), DETERMINISTIC, dtype=np.int64)
+        self.head, self.index = (self.depth - 1).astype(np.int64), index  # (M,) which head, which of its top-k
+
+
+# Bucket edges of a head's probability for its token (the confidence keys); bucket i covers
+# [EDGES[i-1], EDGES[i]), with 0 below the first edge.
+CONFIDENCE_EDGES = np.array([0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+
+
+def head_confidence(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each head's softmax probability of its top-k tokens: logits float (..., D, V), ids int64
+    (..., D, K) -> float32 (..., D, K)."""
+    top = np.take_along_axis(logits, ids, axis=-1).astype(np.float32)  # (..., D, K)
+    peak = logits.max(axis=-1, keepdims=True)  # (..., D, 1)
+    norm = np.log(np.exp(logits - peak, dtype=np.float32).sum(axis=-1, keepdims=True)) + peak  # (..., D, 1)
+    return np.exp(top - norm)
 
 
 class HeadsDrafter:
@@ -31,6 +53,7 @@ class HeadsDrafter:
     def __init__(self, template: HeadsTemplate, *, sampled: bool):
         self.template, self.sampled = template, sampled  # sampled: lossless draws by rank instead of top-k
         self.proposals: np.ndarray | None = None  # int64 [D, K], set by the loop after each heads call
+        self.confidence: np.ndarray | None = None  # float32 [D, K]: the heads' probabilities of those tokens (greedy drafts)
 
     def propose(self, history: list[int], max_depth: int) -> Fragment:
         t = self.template
@@ -40,12 +63,18 @@ class HeadsDrafter:
         gather = t.walk.rank_gather if self.sampled else t.tree.gather_index
         tokens = candidates[gather[1:]]  # (M,); -1 where a head had no draw left
         keep = (t.depth <= max_depth) & (tokens >= 0)
+        keys = t.lossless_keys if self.sampled else self._greedy_keys()
         if not keep.all():  # drop nodes (and their subtrees) past the budget or without a draw
             keep = _keep_subtrees(keep, t.parent)
-            return _subset(self.name, tokens, t.parent, t.lossless_keys if self.sampled else t.greedy_keys,
-                           t.draw if self.sampled else t.no_draw, keep)
-        return Fragment(self.name, tokens, t.parent, t.lossless_keys if self.sampled else t.greedy_keys,
-                        t.draw if self.sampled else t.no_draw)
+            return _subset(self.name, tokens, t.parent, keys, t.draw if self.sampled else t.no_draw, keep)
+        return Fragment(self.name, tokens, t.parent, keys, t.draw if self.sampled else t.no_draw)
+
+    def _greedy_keys(self) -> tuple:
+        t = self.template
+        if self.confidence is None:
+            return t.greedy_keys
+        bucket = np.searchsorted(CONFIDENCE_EDGES, self.confidence[t.head, t.index], side="right")  # (M,)
+        return tuple(("heads-p", int(d), int(q)) for d, q in zip(t.depth, bucket))
 
     def observe(self, history, scored_tokens, scored_next) -> None:
         pass  # the loop refreshes ``proposals`` from the heads call
