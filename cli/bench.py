@@ -177,11 +177,13 @@ class _Row:
     def __init__(self, name: str):
         self.name, self.tokens, self.seconds, self.steps = name, 0, 0.0, []
         self.verify_seconds = self.heads_seconds = self.host_seconds = 0.0
+        self.drafted = 0  # draft tokens verified (tree nodes past the root), summed over steps
         self.outputs: list[list[int]] = []
 
     def add(self, token_ids: list[int], seconds: float, accepted: list[int] | None = None, verify: float = 0.0, heads: float = 0.0,
-            host: float = 0.0):
+            host: float = 0.0, drafted: int = 0):
         self.host_seconds += host
+        self.drafted += drafted
         self.tokens += len(token_ids)
         self.seconds += seconds
         self.steps += accepted or []
@@ -200,6 +202,7 @@ class _Row:
             "new_tokens": self.tokens,
             "seconds": self.seconds,
             "mean_accepted_per_step": float(np.mean(self.steps)) if self.steps else None,
+            "mean_nodes_per_step": 1 + self.drafted / len(self.steps) if self.steps else None,  # the verify tree, root included
             "heads_share_of_step_time": self.heads_seconds / (self.verify_seconds + self.heads_seconds) if self.verify_seconds else None,
             "host_ms_per_step": 1000 * self.host_seconds / len(self.steps) if self.steps else None,
             "identical_to_reference": float(np.mean(same)),
@@ -305,7 +308,7 @@ def run_bench(args) -> dict:
             for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
                 r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=params(rule, i))
                 rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds,
-                              r.stats.host_seconds)
+                              r.stats.host_seconds, r.stats.drafted_tokens)
         if hf is not None:
             rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None, params(None, i)))
             rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens, params(None, i)))

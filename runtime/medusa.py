@@ -66,8 +66,8 @@ class MedusaRuntime:
     ``engine``: an exported engine: a folder (``medusa-export --out DIR``; its config.json says
     ONNX Runtime or TensorRT), an ``.onnx`` file (ONNX Runtime backend) or a ``.plan`` (TensorRT),
     or a ``MedusaModel`` from ``medusa_trt.exporter.load_medusa`` (torch backend). A folder's
-    ``drafting.json`` may hold a measured step-cost table: the shape of the drafting budget's
-    online cost fit, unless ``step_cost=`` fixes a table instead.
+    ``drafting.json`` may hold a measured step-cost table: the drafting budget unless
+    ``step_cost=`` says otherwise.
     """
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
@@ -107,12 +107,8 @@ class MedusaRuntime:
         heads = bool(self.num_heads and tree.depth_max)
         if names is None:
             names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
-        if self.config.step_cost is not None:  # the caller's table, fixed (reproducible trees)
-            config = DraftingConfig(cost=CostModel(dict(self.config.step_cost)), learn_cost=False)
-        elif self._folder_step_cost is not None:  # the engine's measured table, the online fit's shape (it adds the heads call)
-            config = DraftingConfig(cost=CostModel(dict(self._folder_step_cost)))
-        else:
-            config = DraftingConfig()
+        step_cost = self.config.step_cost or self._folder_step_cost
+        config = DraftingConfig() if step_cost is None else DraftingConfig(cost=CostModel(dict(step_cost)), learn_cost=False)
         return Drafting(tuple(names), HeadsTemplate(tree, tree_walk(tree)) if heads else None, config,
                         engine_max_nodes=self.backend.max_tokens)
 

@@ -21,7 +21,8 @@ def test_bench_reports_every_method(tmp_path, capsys, export_engine, stories_bas
     assert set(methods) == {"plain[model]", "medusa[model:chain-3]", "medusa[model:mc_sim_7b_63]", "hf", "hf-lookup"}
     # every greedy method decodes the same tokens as plain decoding on the engine
     assert all(m["identical_to_reference"] == 1.0 for m in methods.values()), methods
-    assert methods["plain[model]"]["mean_accepted_per_step"] == 1.0
+    assert methods["plain[model]"]["mean_accepted_per_step"] == 1.0 and methods["plain[model]"]["mean_nodes_per_step"] == 1.0
+    assert methods["medusa[model:mc_sim_7b_63]"]["mean_nodes_per_step"] > 1.0  # it verified drafts
     assert methods["medusa[model:mc_sim_7b_63]"]["mean_accepted_per_step"] > 1.2
     assert abs(methods["hf"]["speedup_vs_plain"] * methods["plain[model]"]["tokens_per_s"] - methods["hf"]["tokens_per_s"]) < 1e-6
     assert report["heads_cost"]["heads_all_nodes_ms"] > 0
