@@ -5,8 +5,9 @@ base model's choice after them, already emitted, not yet in the cache) and its d
 Medusa heads, retrieval, recycled successors: ``drafting``). One engine step serves every
 occupied row at once; ``Scheduler.step`` reads as four functions over a ``StepPlan``:
 
-  draft    each decode row's drafters propose candidates below its root; ``build_tree`` merges
-           them into one trie and keeps the nodes worth their verify cost. Prefill rows take
+  draft    each decode row's drafters propose candidates below its root, merged into one trie;
+           the greedy rows share one step width W chosen for all of them (a step pays for its
+           widest row), each keeping its best W - 1 nodes; sampled rows budget alone. Prefill rows take
            the next ``prefill_chunk`` prompt tokens under a causal mask; empty rows one padding
            token over an empty cache (never committed).
   verify   one engine call over the plan: every node at position length + depth, under its
@@ -39,7 +40,7 @@ import numpy as np
 from medusa_trt.runtime.acceptance import RULES_BY_NAME, Verdict
 from medusa_trt.runtime.config import is_int
 from medusa_trt.runtime.contract import StepOutput
-from medusa_trt.runtime.drafting.builder import StepTree, build_tree
+from medusa_trt.runtime.drafting.builder import Candidates, StepTree, build_tree, merge, shared_width, take_width
 from medusa_trt.runtime.drafting.heads import head_confidence
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
@@ -265,7 +266,15 @@ class Scheduler:
         prefill = {b: min(chunk, len(s.prompt) - s.prefilled) for b, s in enumerate(rows) if s is not None and s.prefilled < len(s.prompt)}
         decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
         batch = len(rows)
-        trees = {b: self._tree(rows[b], batch) for b in decode}
+        trees, together = {}, {}
+        for b in decode:  # a StepTree (a fixed budget, or nothing to draft) or Candidates (budgeted with the step's other rows)
+            got = self._tree(rows[b])
+            (together if isinstance(got, Candidates) else trees)[b] = got
+        if together:
+            drafting = self.rt.drafting
+            floor = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
+            shared = shared_width(list(together.values()), max_nodes=drafting.max_nodes, cost=drafting.cost, batch=batch, floor=floor)
+            trees |= {b: take_width(c, shared, drafting.max_nodes) for b, c in together.items()}
         width = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
         ids = np.zeros((batch, width), dtype=np.int64)  # (B, W)
         positions = np.zeros((batch, width), dtype=np.int64)  # (B, W)
@@ -284,8 +293,9 @@ class Scheduler:
             mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
         return StepPlan(ids, positions, mask, lengths, trees, prefill, started)
 
-    def _tree(self, s: Seq, rows: int) -> StepTree:
-        """Draft: the sequence's drafters' candidates merged under the step's budget."""
+    def _tree(self, s: Seq) -> StepTree | Candidates:
+        """Draft: the sequence's drafters' candidates merged; a sampled row's tree under its own
+        fixed budget, a greedy row's candidates for the step's shared width (``shared_width``)."""
         depth = min(self._room(s), self.rt.drafting.max_depth)
         if depth == 0 or not s.drafters:
             return StepTree.chain(s.root)
@@ -295,7 +305,7 @@ class Scheduler:
         drafting = self.rt.drafting
         if not s.rule.learnt_budget:  # sampled rows: the fixed one-row table, so neighbours never change a seed's draws
             return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.config.cost)
-        return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.cost, rows=rows)
+        return merge(s.root, fragments, s.accept_stats)
 
     def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
         """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""

@@ -249,3 +249,43 @@ def test_cost_of_a_batched_step_reads_the_table_at_its_token_count():
     one = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=table)
     four = build_tree(5, [heads, lookup], _stats(0.5), max_nodes=64, cost=table, rows=4)
     assert four.num_nodes < one.num_nodes  # the same drafts are worth fewer nodes when four rows share the step
+
+
+def _chain(tokens, value):
+    """Candidates of one drafted chain below root 5, every node estimated at ``value``."""
+    from medusa_trt.runtime.drafting.builder import merge
+
+    frag = Fragment.paths("lookup", [list(tokens)], [[("l", i) for i in range(len(tokens))]])
+    return merge(5, [frag] if len(tokens) else [], _stats(value))
+
+
+def test_shared_width_for_one_row_is_its_own_budget():
+    from medusa_trt.runtime.drafting.builder import best_count, merge, shared_width
+
+    heads, lookup = _heads_and_lookup()
+    rows = merge(5, [heads, lookup], _stats(0.5))
+    for cost in (FLAT, STEEP, CostModel({1: 1.0, 4: 1.0, 8: 2.0, 16: 4.0}), CostModel()):
+        assert shared_width([rows], max_nodes=64, cost=cost, batch=1) == best_count(rows, max_nodes=64, cost=cost) + 1
+    assert shared_width([rows], max_nodes=3, cost=FLAT, batch=1) == 3  # max_nodes caps it
+
+
+def test_rows_share_one_width_because_the_step_pays_for_its_widest():
+    """Row A drafts a chain accepted at 0.9 a node, row B has nothing: a step of W tokens per row
+    costs table(2 W) / table(2) whatever B holds. Worked by hand with table 1, 2, 4 tokens: 1.0,
+    8: 2.0 (linear between): W = 1: 2 tokens / 1.0; W = 2: 1.9 + 1 over table(4) = 1.0 -> 2.9;
+    W = 3: 2.71 + 1 over 1.5 -> 2.47; W = 4: 3.44 + 1 over 2.0 -> 2.22. So W = 2. Alone, A would
+    take W = 4 (table(4) = 1.0: 3.44), which would have made B's padding cost the step double."""
+    from medusa_trt.runtime.drafting.builder import best_count, shared_width, take_width
+
+    table = CostModel({1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0})
+    a, b = _chain([7, 8, 9], 0.9), _chain([], 0.9)
+    np.testing.assert_allclose(a.gain, [1.9, 2.71, 3.439])
+    assert best_count(a, max_nodes=64, cost=table) == 3  # alone: every node
+    width = shared_width([a, b], max_nodes=64, cost=table, batch=2)
+    assert width == 2
+    assert take_width(a, width, 64).tokens.tolist() == [5, 7] and take_width(b, width, 64).tokens.tolist() == [5]
+    # a prefill chunk of 4 tokens in the same step: W = 4 costs nothing more, so A keeps all three nodes
+    assert shared_width([a, b], max_nodes=64, cost=table, batch=2, floor=4) == 4
+    assert take_width(a, 4, 64).num_nodes == 4
+    steep = CostModel({1: 1.0, 2: 10.0, 4: 100.0, 64: 1000.0})  # at 2 rows a second token per row costs 10x
+    assert shared_width([a, b], max_nodes=64, cost=steep, batch=2) == 1  # nothing pays: plain decoding

@@ -117,9 +117,45 @@ class StepTree:
                    np.full(1, DETERMINISTIC, dtype=np.int64), ((),), ((),), ((),), np.ones(1))
 
 
-def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, max_nodes: int, cost, rows: int = 1) -> StepTree:
-    """One row's tree from the drafters' fragments (see the module doc); ``max_nodes`` caps the
-    tree (root included). ``cost`` is a ``CostModel`` or an ``OnlineCost`` (asked for ``rows`` rows)."""
+@dataclass(frozen=True, eq=False)
+class Candidates:
+    """One row's merged trie before the budget: every drafted node (root first, parents first)
+    with its path estimate, and the drafted nodes in the order the budget takes them."""
+
+    tokens: list
+    parent: list
+    depth: np.ndarray  # int64 [C]
+    draw: list
+    keys: list
+    sources: list
+    score: np.ndarray  # float64 [C]: estimated probability that the node is accepted (root 1)
+    order: np.ndarray  # int64 [C-1]: drafted nodes best first (a prefix of it is always a subtree)
+
+    @property
+    def gain(self) -> np.ndarray:
+        """float64 [C-1]: expected tokens emitted with the first n drafted nodes, n = 1 .. C-1."""
+        return 1.0 + np.cumsum(self.score[self.order])
+
+    def take(self, n: int) -> StepTree:
+        """The tree of the root and the ``n`` best drafted nodes (siblings in test order)."""
+        depth_arr = self.depth
+        chosen = np.sort(np.concatenate([[0], self.order[:n]])).astype(np.int64)
+        chosen = chosen[np.lexsort((chosen, depth_arr[chosen]))]  # by depth, then insertion order (siblings in test order)
+        new = np.full(len(self.tokens), -1, dtype=np.int64)
+        new[chosen] = np.arange(len(chosen))
+        new_parent = np.array([-1] + [int(new[self.parent[i]]) for i in chosen[1:]], dtype=np.int64)
+        children: list[list[int]] = [[] for _ in chosen]
+        for j in range(1, len(chosen)):
+            children[new_parent[j]].append(j)
+        return StepTree(
+            tokens=np.array(self.tokens, dtype=np.int64)[chosen], parent=new_parent, depth=depth_arr[chosen],
+            draw=np.array(self.draw, dtype=np.int64)[chosen], keys=tuple(tuple(self.keys[i]) for i in chosen),
+            sources=tuple(tuple(self.sources[i]) for i in chosen), children=tuple(tuple(c) for c in children), score=self.score[chosen],
+        )
+
+
+def merge(root: int, fragments: list[Fragment], stats: AcceptanceStats) -> Candidates:
+    """Every drafter's fragment in one trie below ``root``, each node scored (see the module doc)."""
     fragments = sorted(fragments, key=lambda f: not (f.draw >= 0).any())  # sampled drafts first: they keep their own nodes
     tokens, parent, depth, draw = [int(root)], [-1], [0], [DETERMINISTIC]
     keys: list[list] = [[]]
@@ -154,24 +190,42 @@ def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, 
         score[i] = (1.0 - miss) * score[parent[i]]
     depth_arr = np.array(depth, dtype=np.int64)
     order = np.lexsort((np.arange(count), depth_arr, -score))[1:]  # best first, the root (score 1, depth 0) leads
-    gain = 1.0 + np.cumsum(score[order])  # (count-1,) expected tokens emitted with the first n drafted nodes
-    limit = min(count - 1, max_nodes - 1)
-    n = 0
-    if limit > 0:
-        sizes = np.arange(1, limit + 1)
-        costs = cost.cost(np.arange(1, limit + 2), rows)  # (limit + 1,) for 1 .. limit + 1 tokens
-        value = gain[:limit] / costs[1:]
-        n = int(sizes[np.argmax(value)]) if value.max() > 1.0 / costs[0] else 0
-    chosen = np.sort(np.concatenate([[0], order[:n]]))
-    chosen = chosen[np.lexsort((chosen, depth_arr[chosen]))]  # by depth, then insertion order (siblings in test order)
-    new = np.full(count, -1, dtype=np.int64)
-    new[chosen] = np.arange(len(chosen))
-    new_parent = np.array([-1] + [int(new[parent[i]]) for i in chosen[1:]], dtype=np.int64)
-    children: list[list[int]] = [[] for _ in chosen]
-    for j in range(1, len(chosen)):
-        children[new_parent[j]].append(j)
-    return StepTree(
-        tokens=np.array(tokens, dtype=np.int64)[chosen], parent=new_parent, depth=depth_arr[chosen],
-        draw=np.array(draw, dtype=np.int64)[chosen], keys=tuple(tuple(keys[i]) for i in chosen),
-        sources=tuple(tuple(sources[i]) for i in chosen), children=tuple(tuple(c) for c in children), score=score[chosen],
-    )
+    return Candidates(tokens, parent, depth_arr, draw, keys, sources, score, order)
+
+
+def best_count(candidates: Candidates, *, max_nodes: int, cost, rows: int = 1) -> int:
+    """How many drafted nodes maximise expected tokens per unit of step cost for one row (0: the root alone)."""
+    limit = min(len(candidates.order), max_nodes - 1)
+    if limit <= 0:
+        return 0
+    costs = cost.cost(np.arange(1, limit + 2), rows)  # (limit + 1,) for 1 .. limit + 1 tokens
+    value = candidates.gain[:limit] / costs[1:]
+    return int(np.argmax(value)) + 1 if value.max() > 1.0 / costs[0] else 0
+
+
+def shared_width(rows: list[Candidates], *, max_nodes: int, cost, batch: int, floor: int = 1) -> int:
+    """The step's width W (root included) for the rows that budget together: a step pads every row
+    to its widest tree, so it pays for ``batch`` x W tokens whatever each row holds, and each row
+    then keeps its best W - 1 drafted nodes for free. W maximises the rows' summed expected tokens
+    per unit of that cost; ``floor`` is a width the step has anyway (a prefill chunk, a sampled
+    row's tree), so narrower choices cost no less."""
+    limit = max(min(max((len(c.order) for c in rows), default=0) + 1, max_nodes), floor)
+    widths = np.arange(1, limit + 1)  # (L,)
+    tokens = np.zeros(limit)
+    for c in rows:
+        gain = np.concatenate([[1.0], c.gain[: min(limit, max_nodes) - 1]])  # (<= L,) expected tokens at widths 1 .. 1 + drafted
+        tokens += np.concatenate([gain, np.full(limit - len(gain), gain[-1])])  # a row short of W keeps all it has
+    value = tokens / cost.cost(np.maximum(widths, floor), batch)
+    return int(widths[np.argmax(value)])  # ties: the narrowest
+
+
+def take_width(candidates: Candidates, width: int, max_nodes: int) -> StepTree:
+    """A row's tree in a step of ``width`` tokens per row: its best drafted nodes that fit."""
+    return candidates.take(min(width, max_nodes) - 1)
+
+
+def build_tree(root: int, fragments: list[Fragment], stats: AcceptanceStats, *, max_nodes: int, cost, rows: int = 1) -> StepTree:
+    """One row's tree from the drafters' fragments (see the module doc); ``max_nodes`` caps the
+    tree (root included). ``cost`` is a ``CostModel`` or an ``OnlineCost`` (asked for ``rows`` rows)."""
+    candidates = merge(root, fragments, stats)
+    return candidates.take(best_count(candidates, max_nodes=max_nodes, cost=cost, rows=rows))
