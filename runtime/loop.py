@@ -317,7 +317,7 @@ class Scheduler:
                 host = out.logits() if host is None else host  # (B, W, V) base logits on the host, fetched once
                 probs = _lazy_probs(host[b], s.params)
             verdict = s.rule.accept(tree, out.argmax[b, : tree.num_nodes], probs, s)
-            _learn(s.accept_stats, tree, verdict.path)
+            s.accept_stats.learn(tree, verdict.path)
             room = self._room(s)
             if len(verdict.path) - 1 > room:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
                 verdict = Verdict(verdict.path[: room + 1], int(tree.tokens[verdict.path[room + 1]]))
@@ -452,17 +452,6 @@ class Scheduler:
         delta = s.text[len(s.sent) : end]
         s.sent = s.text[:end]
         return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason, drafts=drafts)
-
-
-def _learn(stats: AcceptanceStats, tree: StepTree, path: list[int]) -> None:
-    """Update the acceptance estimates from the nodes this step tested: the children of every
-    accepted node (one of them accepted, unless the path ends there)."""
-    on_path = set(path)
-    for node in path:
-        for child in tree.children[node]:
-            accepted = child in on_path
-            for key in tree.keys[child]:
-                stats.update(key, accepted)
 
 
 def _lazy_probs(logits: np.ndarray, params: SamplingParams):

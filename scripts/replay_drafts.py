@@ -57,9 +57,23 @@ def head_topk(model, ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray
     return top.indices.numpy(), top.values.exp().numpy()
 
 
+class _Tallied(AcceptanceStats):
+    """Acceptance statistics that also count [accepted, tested] per key into a shared tally."""
+
+    def __init__(self, tally: dict):
+        super().__init__()
+        self.tally = tally
+
+    def update(self, key: tuple, accepted: bool) -> None:
+        super().update(key, accepted)
+        counts = self.tally.setdefault(key, [0, 0])
+        counts[0] += accepted
+        counts[1] += 1
+
+
 def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],
            cost: CostModel, config: DraftingConfig | None = None, confidence: np.ndarray | None = None,
-           tally: dict | None = None, prior=None) -> tuple[list[int], list[int]]:
+           tally: dict | None = None) -> tuple[list[int], list[int]]:
     """Tokens emitted per step and nodes per step when drafting with ``names`` (and ``config``)
     along the true continuation; ``confidence`` [L, D, K] keys the heads' drafts by their
     probabilities as the runtime does (None: by rank). ``tally`` gathers [accepted, tested] per
@@ -70,7 +84,7 @@ def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], t
     history = list(prompt) + continuation[:1]
     drafters = drafting.make(list(prompt), sampled=False)
     heads = next((d for d in drafters if d.name == "heads"), None)
-    stats = AcceptanceStats() if prior is None else AcceptanceStats(prior)
+    stats = AcceptanceStats() if tally is None else _Tallied(tally)
     steps, nodes, pos = [], [], 0  # continuation[pos] is the root
     depth_cap = drafting.max_depth
     while pos + 1 < len(continuation):
@@ -88,14 +102,7 @@ def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], t
                 break
             node = nxt
             path.append(node)
-        on_path = set(path)
-        for p in path:
-            for child in tree.children[p]:
-                for key in tree.keys[child]:
-                    stats.update(key, child in on_path)
-                    if tally is not None:
-                        tally.setdefault(key, [0, 0])[0] += child in on_path
-                        tally[key][1] += 1
+        stats.learn(tree, path)  # the runtime's own update
         emitted = len(path)  # accepted drafts + the bonus
         new = continuation[pos + 1 : pos + 1 + emitted]
         truth = np.array(continuation[pos : pos + len(new) + 1])

@@ -162,6 +162,19 @@ def test_stats_learn_from_what_was_tested():
     assert stats.estimate(("x",)) == pytest.approx(3 / 4)
 
 
+def test_stats_learn_a_step_from_the_children_of_its_accepted_nodes():
+    """Root 5 with children 7 ("a") and 8 ("b"), 7 with child 9 ("c"); the path 5 -> 7: "a" was
+    tested and accepted, "b" tested and refused, "c" tested (its parent was accepted) and refused."""
+    frag = Fragment.paths("lookup", [[7, 9], [8]], [["a", "c"], ["b"]])
+    tree = build_tree(5, [frag], _stats(0.5), max_nodes=64, cost=FLAT)
+    assert tree.tokens.tolist() == [5, 7, 8, 9]
+    stats = AcceptanceStats(prior=lambda key: 0.5, weight=2)
+    stats.learn(tree, [0, 1])
+    assert [stats.estimate(k) for k in "abc"] == [pytest.approx(2 / 3), pytest.approx(1 / 3), pytest.approx(1 / 3)]
+    stats.learn(tree, [0])  # nothing accepted: only the root's children were tested
+    assert [stats.estimate(k) for k in "abc"] == [pytest.approx(2 / 4), pytest.approx(1 / 4), pytest.approx(1 / 3)]
+
+
 # ------------------------------------------------------------------ rules on step trees
 
 

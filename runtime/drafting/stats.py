@@ -63,3 +63,13 @@ class AcceptanceStats:
         c = self._counts[key]
         c[0] += accepted
         c[1] += 1.0
+
+    def learn(self, tree, path: list[int]) -> None:
+        """Update from the nodes one step tested: the children of every accepted node of ``tree``
+        (a ``StepTree``; one of them accepted, unless ``path``, root first, ends there)."""
+        on_path = set(path)
+        for node in path:
+            for child in tree.children[node]:
+                accepted = child in on_path
+                for key in tree.keys[child]:
+                    self.update(key, accepted)
