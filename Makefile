@@ -38,7 +38,7 @@ ENGINE := build/smollm2-135m-medusa
 
 $(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(TREE)
 	mkdir -p build
-	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --tree $(TREE) --quantize heads-int8 --out $@ --max-batch 4 --max-context 1024
+	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --tree $(TREE) --quantize heads-int8 --draft-vocab 16384 --out $@ --max-batch 4 --max-context 1024
 
 demo: $(ENGINE)
 	$(VENV)/bin/medusa-run --engine $(ENGINE) --max-new-tokens 128 --compare-plain \

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=23)
     p.add_argument("--successors", type=int, default=DEFAULT_SUCCESSORS,
                    help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="the heads draft from the first N token ids only (a byte-level BPE gives its most frequent tokens the lowest "
+                        "ids): a smaller heads projection to read after every verify step; output unchanged (default: the whole vocabulary)")
     p.add_argument("--quantize", choices=list(QUANTIZE_MODES),
                    help="ONNX Runtime weight quantization: int8 = dynamic int8 on every weight matmul of the step graph (faster, output "
                         "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
@@ -116,7 +119,8 @@ def _export(args) -> int:
         config = ExportConfig(out=onnx_out, tree=args.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
                               dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
                               quantize=QuantizeConfig.from_options(args.quantize, args.block_size, args.accuracy_level), attention=args.attention,
-                              successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None)
+                              successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
+                              draft_vocab=args.draft_vocab)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

@@ -161,6 +161,13 @@ class MedusaHeads(nn.Module):
             outs.append(x)
         return torch.stack(outs, dim=-2)  # (..., n, H)
 
+    def projection_weights(self, vocab: int) -> list[torch.Tensor]:
+        """The projection rows of the first ``vocab`` token ids: one [vocab, H] matrix for shared
+        heads, one per head otherwise (views of the weights, no copy)."""
+        if self._shared is not None:
+            return [self._shared[0].weight[:vocab]]
+        return [head[-1].weight[:vocab] for head in self.heads]
+
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None) -> torch.Tensor:
         blocks = self.blocks(hidden, next_ids)  # (..., n, H)
         if self._shared is not None:

@@ -78,6 +78,7 @@ class ExportConfig:
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
     step_cost: dict | None = None  # an engine folder's drafting budget (tokens per step -> relative cost); None: the runtime's default
+    draft_vocab: int | None = None  # the heads project onto the first N token ids only (HeadsGraph); None: the whole vocabulary
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
@@ -99,6 +100,8 @@ class ExportConfig:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ExportError(f"--{name.replace('_', '-')} {value} is too small: it must be >= {least}")
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
+            raise ExportError(f"--draft-vocab {self.draft_vocab} must be a whole number >= 1 (leave it out for the whole vocabulary)")
         if self.opset not in OPSETS:
             raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
 
@@ -197,7 +200,7 @@ def _export_step(model: MedusaModel, config: ExportConfig):
 
 
 def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
-    graph = HeadsGraph(model.heads, tree.top_k).eval()
+    graph = HeadsGraph(model.heads, tree.top_k, config.draft_vocab).eval()
     hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
     inputs, names, dynamic = (hidden,), ["hidden"], ({0: batch},)
@@ -219,7 +222,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
         is_chat=bool(model.is_chat), quantization=config.quantize.mode if config.quantize else "none", attention=config.attention,
-        successors=min(config.successors, model.vocab_size), head_input=model.head_input,
+        successors=min(config.successors, model.vocab_size), head_input=model.head_input, draft_vocab=config.draft_vocab,
     )
 
 
@@ -287,7 +290,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 from medusa_trt.exporter.verify import verify_engine
 
                 diffs = verify_engine(model, staged, tree, strict=not config.quantize or config.quantize.lossless, loose=loose, tolerance=TOLERANCE[config.dtype],
-                                      max_tokens=config.max_tokens)
+                                      max_tokens=config.max_tokens, draft_vocab=config.draft_vocab)
             bar.update()
         if folder:
             from medusa_trt.exporter.engine_folder import write_folder_files
@@ -314,10 +317,21 @@ def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:
         config = dataclasses.replace(config, max_context=min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT))
     elif positions and config.max_context > positions:
         raise ExportError(f"--max-context {config.max_context} exceeds the model's {positions} positions: pass at most {positions}")
+    vocab = config.draft_vocab
+    if vocab is not None and model.num_heads and not top_k_of(config.tree, model.num_heads) <= vocab <= model.vocab_size:
+        raise ExportError(f"--draft-vocab {vocab} must lie between the tree's top-{top_k_of(config.tree, model.num_heads)} and the model's "
+                          f"vocabulary of {model.vocab_size} tokens: pass a value in that range, or leave it out for the whole vocabulary")
+    if vocab == model.vocab_size or not model.num_heads:
+        config = dataclasses.replace(config, draft_vocab=None)  # the whole vocabulary, said the usual way
     layers, layer = model.base.config.num_hidden_layers, model.head_layer
     if layer is not None and not 0 <= layer < layers:
         raise ExportError(f"--head-layer {layer} is not a decoder layer of the model: pass 0..{layers - 1}")
     return config
+
+
+def top_k_of(tree, num_heads: int) -> int:
+    """The heads' top-k the engine's tree needs."""
+    return load_tree(tree if tree is not None else default_tree(num_heads), max_depth=num_heads).top_k
 
 
 def _import_exporters() -> None:

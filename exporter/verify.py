@@ -32,10 +32,11 @@ def _diff(a: torch.Tensor, b: np.ndarray) -> float:
 
 @torch.no_grad()
 def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, loose: tuple[str, ...] = (),
-                  max_tokens: int = PREFILL_TOKENS) -> dict[str, float]:
+                  max_tokens: int = PREFILL_TOKENS, draft_vocab: int | None = None) -> dict[str, float]:
     """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails when one
     above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
-    ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill."""
+    ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill;
+    ``draft_vocab``: the heads graph's logits cover the first N token ids only."""
     import onnx
     import onnxruntime as ort
 
@@ -88,7 +89,8 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         if model.head_input == "hidden+next":
             feeds[NEXT_INPUT] = roots
         head_topk, head_logits = heads.run(None, feeds)
-        diffs["head logits"] = _diff(model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device)), head_logits)
+        theirs_heads = model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device))  # (2, n, V)
+        diffs["head logits"] = _diff(theirs_heads[..., : draft_vocab or theirs_heads.shape[-1]], head_logits)  # the draft vocabulary's columns
     worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     if strict and worst > tolerance:

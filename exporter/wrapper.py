@@ -130,6 +130,7 @@ class MedusaModel(nn.Module):
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.attention_form = "onnx"  # ATTENTION_FORMS; the exporter sets "plugin" while it traces
+        self.draft_vocab: int | None = None  # propose() covers token ids 0 .. N-1 only, as an engine exported with --draft-vocab N
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -184,23 +185,39 @@ class MedusaModel(nn.Module):
         return self.heads.config.head_input if self.heads is not None else "hidden"
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
-        """Head logits [B, n, V] for one hidden state per sequence [B, H]; ``roots`` [B] int64, the
-        token chosen after it, for next-token-aware heads."""
+        """Head logits [B, n, V] for one hidden state per sequence [B, H] ([B, n, N] with a draft
+        vocabulary of N ids); ``roots`` [B] int64, the token chosen after it, for next-token-aware heads."""
         if self.heads is None:
             raise ValueError("this model has no Medusa heads: load heads or use the tree chain-0")
-        return self.heads(hidden, roots if self.heads.config.reads_next else None)
+        logits = self.heads(hidden, roots if self.heads.config.reads_next else None)
+        return logits if self.draft_vocab is None else logits[..., : self.draft_vocab]
 
 
 class HeadsGraph(nn.Module):
     """The heads call as its own graph: hidden [B, H] (and root_ids [B] for next-token-aware heads)
-    -> (top-k ids [B, n, K], logits fp32 [B, n, V])."""
+    -> (top-k ids [B, n, K], logits fp32 [B, n, N]) over the draft vocabulary: the first N token
+    ids (``draft_vocab``; None: the whole vocabulary). The heads only draft, so a draft vocabulary
+    never changes what the base model emits; it shrinks the projection the heads call reads from
+    memory after every verify step (byte-level BPE gives the most frequent tokens the lowest ids,
+    as merges are learnt in frequency order)."""
 
-    def __init__(self, heads: MedusaHeads, top_k: int):
+    def __init__(self, heads: MedusaHeads, top_k: int, draft_vocab: int | None = None):
         super().__init__()
         self.heads, self.top_k = heads, top_k
+        self.draft_vocab = draft_vocab
+        if draft_vocab is not None:  # own copies: the exported graph holds only these rows
+            self.vocab_rows = nn.ParameterList([nn.Parameter(w.detach().clone(), requires_grad=False)
+                                                for w in heads.projection_weights(draft_vocab)])
 
     def forward(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.heads(hidden, root_ids).float()  # (B, n, V)
+        if self.draft_vocab is None:
+            logits = self.heads(hidden, root_ids).float()  # (B, n, V)
+        else:
+            blocks = self.heads.blocks(hidden, root_ids)  # (B, n, H)
+            if len(self.vocab_rows) == 1:  # shared lm_head: one projection for every head
+                logits = nn.functional.linear(blocks, self.vocab_rows[0]).float()  # (B, n, N)
+            else:
+                logits = torch.stack([nn.functional.linear(blocks[:, k], w) for k, w in enumerate(self.vocab_rows)], dim=1).float()
         return logits.topk(self.top_k, dim=-1).indices, logits
 
 

@@ -131,7 +131,8 @@ class LosslessRule:
       - a deterministic draft: the point mass on x, so q(x) = 1.
     Accept with probability min(1, r(x) / q(x)); on rejection r <- norm(max(0, r - q)) (for a point
     mass: r with x removed, renormalised) and the next sibling is tried; when every child is
-    rejected the bonus token is drawn from r.
+    rejected the bonus token is drawn from r. With a draft vocabulary (the heads graph projects onto
+    the first N token ids) q_d is a distribution over those ids: zero beyond them.
 
     Exactness: for one draft x ~ q against target r, P(accept, x = y) = min(q(y), r(y)) and the
     rejected mass is max(0, r - q), so a rejection followed by a sample of norm(max(0, r - q))
@@ -176,7 +177,8 @@ class LosslessRule:
                     if accepts(rng.random(), residual[x], q[x]):
                         accepted = child
                         break
-                    left = np.maximum(residual - q, 0.0)
+                    left = residual.copy()  # a draft vocabulary's q is zero past its first len(q) ids
+                    left[: len(q)] = np.maximum(residual[: len(q)] - q, 0.0)
                 else:  # point mass on x
                     if accepts(rng.random(), residual[x], 1.0):
                         accepted = child

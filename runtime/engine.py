@@ -57,6 +57,12 @@ class EngineMeta:
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     successors: int = 0  # k of the step graph's next_topk output (0: engines exported before it)
     head_input: str = "hidden"  # what the heads graph reads: "hidden", or "hidden+next" (also root_ids, the next token)
+    draft_vocab: int | None = None  # the heads graph's logits cover token ids 0 .. N-1 only (None: the whole vocabulary)
+
+    @property
+    def heads_vocab(self) -> int:
+        """Columns of the heads graph's logits: its top-k ids index them directly."""
+        return self.draft_vocab or self.vocab_size
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -129,12 +129,14 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, help="keep the greedy outputs and head top-k here (.npz) and reuse them on the next run")
     p.add_argument("--heads-keys", choices=("confidence", "rank", "both"), default="confidence",
                    help="key the heads' drafts by their probabilities (the runtime's way), by rank (before), or a row of each")
+    p.add_argument("--draft-vocab", type=int, help="the heads draft from token ids 0..N-1 only, as an engine exported with --draft-vocab N (give it its own --cache)")
     p.add_argument("--tally", type=Path, help="write [accepted, tested] per statistics key over the whole replay (JSON): what priors are fitted to")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sets = [tuple(x for x in d.split(",") if x and x != "none") for d in (args.draft or
             ["heads", "lookup", "recycle", "heads,lookup", "heads,lookup,recycle"])]
     model = load_medusa(args.model, args.heads)
+    model.draft_vocab = args.draft_vocab
     runtime = MedusaRuntime(model, tree=args.tree, max_context=1024, max_batch=1)
     plain = runtime.plain()
     cost = runtime.drafting.cost

@@ -27,7 +27,7 @@ for step in "${steps[@]}"; do
     engine) rm -rf "$ENGINE" && make "$ENGINE" ;;
     calibrate) $V/medusa-calibrate --engine "$ENGINE" --prompts assets/calibration_prompts.jsonl --max-new-tokens 96 \
                  --threads 2 --out assets/smollm2-135m-tree.json ;;
-    int8) $V/medusa-export --model smollm2-135m --heads "$HEADS" --tree "$TEMPLATE" --quantize int8 --out "$INT8" \
+    int8) $V/medusa-export --model smollm2-135m --heads "$HEADS" --tree "$TEMPLATE" --quantize int8 --draft-vocab 16384 --out "$INT8" \
             --max-batch 4 --max-context 1024 ;;
     bench) $V/medusa-bench --engine "$ENGINE" --prompts "$DEV" --every 3 --max-new-tokens 128 \
              --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --no-hf --threads 2 \

@@ -68,6 +68,11 @@ CASES = {
     "opset too old": (["--opset", "5"], "--opset 5 is not supported: use 18..23"),
     "opset unknown": (["--opset", "99"], "--opset 99 is not supported"),
     "tree larger than max-tokens": (["--untrained-heads", "2", "--tree", "chain-2", "--max-tokens", "2"], "--max-tokens is 2"),
+    "draft-vocab 0": (["--untrained-heads", "2", "--draft-vocab", "0"], "--draft-vocab 0 must be a whole number >= 1"),
+    "draft-vocab past the vocabulary": (["--untrained-heads", "2", "--draft-vocab", "600"],
+                                        "--draft-vocab 600 must lie between the tree's top-1 and the model's vocabulary of 512 tokens"),
+    "draft-vocab under the tree's top-k": (["--untrained-heads", "4", "--tree", "mc_sim_7b_63", "--draft-vocab", "4"],
+                                           "--draft-vocab 4 must lie between the tree's top-10"),
     "triton repo under a missing folder": (["--triton-repo", "/nonexistent/deep/repo"], "its parent folder /nonexistent/deep does not exist"),
 }
 

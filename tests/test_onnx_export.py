@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import STORIES, medusa_model
@@ -282,8 +283,32 @@ def test_next_token_aware_heads_export_with_root_ids_and_int8(export_engine, sto
     assert max(r.stats.mean_accepted for r in quantized) > 1.0
 
 
+def test_a_draft_vocabulary_shrinks_the_heads_projection_and_keeps_every_token(export_engine, stories_engine, stories_base, stories_fitted):
+    """--draft-vocab 128: the heads graph projects onto token ids 0..127 only (its logits have 128
+    columns, every proposal is below 128, ONNX Runtime matches torch's first 128 columns at export),
+    the metadata says so, and greedy output is the full-vocabulary engine's, token for token."""
+    import onnx
+    import onnxruntime as ort
+
+    engine = export_engine("stories-draft-vocab", medusa_model(stories_base, stories_fitted), draft_vocab=128)
+    meta = read_meta(engine)
+    assert (meta.draft_vocab, meta.heads_vocab, read_meta(stories_engine).heads_vocab) == (128, 128, stories_base.model.config.vocab_size)
+    heads_file = EngineFiles.beside(engine).heads
+    sizes = [list(i.dims) for i in onnx.load(str(heads_file)).graph.initializer]
+    assert ([128, 64] in sizes or [64, 128] in sizes) and not any(stories_base.model.config.vocab_size in d for d in sizes)
+    session = ort.InferenceSession(str(heads_file), providers=["CPUExecutionProvider"])
+    topk, logits = session.run(None, {"hidden": np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)})
+    assert logits.shape[-1] == 128 and topk.max() < 128
+    prompts = ["Once upon a time", "Tim had a red ball", "The sun was hot and"]
+    runtime = MedusaRuntime(engine)
+    drafted = runtime.generate(prompts, max_new_tokens=24)
+    reference = MedusaRuntime(stories_engine).generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in reference]
+    assert max(r.stats.mean_accepted for r in drafted) > 1.0
+
+
 def test_metadata_of_older_engines_loads_with_the_defaults_of_later_fields():
-    """Fields added since an engine was exported (quantization, attention, successors, head_input)
+    """Fields added since an engine was exported (quantization, attention, successors, head_input, draft_vocab)
     take their defaults; a field every engine has is still required."""
     import dataclasses
     import json
@@ -294,7 +319,7 @@ def test_metadata_of_older_engines_loads_with_the_defaults_of_later_fields():
                       num_layers=1, num_kv_heads=1, head_dim=4, num_heads=2, top_k=1, tree=[[0]], tree_name="chain-1", max_batch=1,
                       max_context=8, max_tokens=4, eos_token_ids=[], is_chat=False)
     raw = dataclasses.asdict(meta)
-    for later in ("quantization", "attention", "successors", "head_input"):
+    for later in ("quantization", "attention", "successors", "head_input", "draft_vocab"):
         raw.pop(later)
     assert EngineMeta.from_json(json.dumps(raw), source="old.onnx") == meta
     raw.pop("top_k")

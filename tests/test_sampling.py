@@ -282,6 +282,24 @@ def test_lossless_sampling_with_deterministic_drafts_has_the_base_distribution(t
     assert mean_accepted > 1.02, f"{drafters} never got a draft accepted ({mean_accepted:.2f} tokens/step)"
 
 
+def test_lossless_sampling_with_a_draft_vocabulary_has_the_base_distribution(tiny8):
+    """Heads that draft from the first 5 of the 8 token ids (an engine exported with --draft-vocab
+    5): their q is zero on ids 5..7, which the base model still emits at its own rate."""
+    base, model = tiny8
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    model.draft_vocab = 5
+    try:
+        counts, mean_accepted = sampled_counts(model, BRANCHING, params, drafters=("heads",))
+    finally:
+        model.draft_vocab = None
+    probs = exact_joint(base, params)
+    stat, quantile, impossible = chi_square(counts, probs)
+    assert not impossible, impossible
+    assert stat < quantile, f"chi-square {stat:.1f} >= {quantile:.1f} (alpha {ALPHA})"
+    assert mean_accepted > 1.1, f"the heads never got a draft accepted ({mean_accepted:.2f} tokens/step)"
+    assert probs[5:].sum() > 0.05 and counts[5:].sum() > 0  # ids past the draft vocabulary are emitted too
+
+
 def test_plain_sampling_has_the_base_distribution(tiny8):
     base, model = tiny8
     params = SamplingParams(temperature=1.0, top_p=0.9)

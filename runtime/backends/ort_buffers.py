@@ -53,6 +53,7 @@ class BufferSizes:
     head_dim: int
     vocab_size: int
     hidden_size: int
+    heads_vocab: int  # columns of head_logits (the engine's draft vocabulary)
     successors: int  # k of next_topk (0: the engine has no such output)
     num_heads: int
     top_k: int
@@ -61,7 +62,7 @@ class BufferSizes:
     @classmethod
     def of(cls, meta: EngineMeta, *, max_batch: int, max_context: int, dtype, successors: int) -> BufferSizes:
         return cls(max_batch, max_context, meta.max_tokens, meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.vocab_size,
-                   meta.hidden_size, successors, meta.num_heads, meta.top_k, dtype)
+                   meta.hidden_size, meta.heads_vocab, successors, meta.num_heads, meta.top_k, dtype)
 
     @property
     def kv_row(self) -> int:
@@ -83,7 +84,7 @@ class BufferSizes:
         return np.int64 if name in ID_OUTPUTS else self.dtype
 
     def heads_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
-        return {"head_topk": (batch, self.num_heads, self.top_k), "head_logits": (batch, self.num_heads, self.vocab_size)}
+        return {"head_topk": (batch, self.num_heads, self.top_k), "head_logits": (batch, self.num_heads, self.heads_vocab)}
 
 
 def _elements(shape) -> int:
