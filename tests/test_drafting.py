@@ -251,6 +251,12 @@ def test_online_cost_learns_a_fixed_overhead_around_the_table():
     for w in (1, 4, 8, 2, 6, 8, 3, 1):  # seconds = 0.03 * table(w) + 0.006 (a heads call, say)
         cost.observe(1, w, 0.03 * float(table.cost(np.array([w]))[0]) + 0.006)
     np.testing.assert_allclose(cost.cost(np.array([1, 8])), [1.2, 1.7])  # overhead 0.006 / 0.03 = 0.2 table units
+    for w in (2, 5, 7):  # a bigger overhead: seen at the next refit (every 8 steps), not before
+        cost.observe(1, w, 0.03 * float(table.cost(np.array([w]))[0]) + 0.03)
+    np.testing.assert_allclose(cost.cost(np.array([1, 8])), [1.2, 1.7])
+    for w in (1, 4, 8, 2, 6):
+        cost.observe(1, w, 0.03 * float(table.cost(np.array([w]))[0]) + 0.03)
+    assert cost.cost(np.array([1]))[0] > 1.4
     assert cost.cost(np.array([1]), rows=4)[0] == 1.0  # another row count has its own fit
 
 
