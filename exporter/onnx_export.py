@@ -6,7 +6,7 @@ export killed outright is removed by the next export to the same name):
 
   build/model.onnx            step graph (DESIGN.md step contract), metadata under ``medusa_trt``
   build/model.onnx.data       its weights, when they are large
-  build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, V]
+  build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, N] (N = --draft-vocab, else V)
   build/model.tokenizer/      tokenizer files (chat template included)
   build/model.onnx.files.json size and sha256 of each file above (``runtime/manifest.py``)
 

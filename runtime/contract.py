@@ -51,10 +51,10 @@ class Proposals:
     """The Medusa heads at one node per row. Valid until the backend's next ``propose``."""
 
     ids: np.ndarray  # int64 (B, n, K): each head's top-K tokens, best first, on the host
-    _logits: Callable[[], np.ndarray]  # () -> float32 (B, n, V) on the host
+    _logits: Callable[[], np.ndarray]  # () -> float32 (B, n, N) on the host: N = the draft vocabulary (EngineMeta.heads_vocab)
 
     def logits(self) -> np.ndarray:
-        """The heads' logits (B, n, V) on the host, fetched on first use (lossless draws only)."""
+        """The heads' logits (B, n, N) over token ids 0..N-1 on the host, fetched on first use."""
         return self._logits()
 
 

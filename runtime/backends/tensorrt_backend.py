@@ -341,7 +341,7 @@ class TensorRTBackend:
         return Proposals(ids, self._head_logits)
 
     def _head_logits(self) -> np.ndarray:
-        """The heads' logits [B, n, V] of the last ``propose``, on the host (lossless drafting draws there)."""
+        """The heads' logits [B, n, N] (N: the draft vocabulary, else V) of the last ``propose``, on the host (lossless drafting draws there)."""
         self.stream.synchronize()
         return self.heads_engine.view("head_logits", self.heads_engine.shapes["head_logits"]).float().cpu().numpy()
 
