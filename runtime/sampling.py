@@ -117,14 +117,19 @@ def sample(rng: np.random.Generator, probs: np.ndarray) -> int:
 
 def draw_without_replacement(rng: np.random.Generator, probs: np.ndarray, count: int) -> np.ndarray:
     """``count`` distinct tokens, the i-th drawn from ``probs`` with the first i removed and
-    renormalised (sequential sampling without replacement). Draws past the support are -1."""
+    renormalised (sequential sampling without replacement). Draws past the support are -1.
+    Each draw's inverse CDF runs over the support only (after top-p a few ids of the vocabulary):
+    a zero-mass id never changes the CDF, so the tokens are those of the CDF over every id (but for
+    a uniform that rounds onto the CDF's end, where that draw would return the last id, mass or not)."""
     out = np.full(count, -1, dtype=np.int64)
-    left = np.array(probs, dtype=np.float64)
+    support = np.flatnonzero(probs)  # (S,) ids with mass, ascending: draws over them equal draws over all V
+    left = np.asarray(probs, dtype=np.float64)[support]  # (S,) a copy (zero ids add nothing to the CDF)
     for i in range(count):
         if left.sum() <= 0:
             break
-        out[i] = sample(rng, left)
-        left[out[i]] = 0.0
+        j = sample(rng, left)
+        out[i] = support[j]
+        left[j] = 0.0
     return out
 
 

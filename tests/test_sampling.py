@@ -84,6 +84,27 @@ def test_draws_without_replacement_are_distinct_and_seeded():
     assert sample(FixedUniforms(0.45), probs) == 1 and sample(FixedUniforms(0.0), probs) == 0 and sample(FixedUniforms(0.999), probs) == 3
 
 
+def test_draws_over_the_support_equal_draws_over_the_whole_vocabulary():
+    """The support-only inverse CDF gives the tokens of the CDF over every id, seed for seed."""
+
+    def over_all_ids(rng, probs, count):
+        out, left = np.full(count, -1, dtype=np.int64), np.array(probs, dtype=np.float64)
+        for i in range(count):
+            if left.sum() <= 0:
+                break
+            out[i] = sample(rng, left)
+            left[out[i]] = 0.0
+        return out
+
+    gen = np.random.default_rng(3)
+    for trial in range(200):
+        probs = warp(gen.normal(size=(1, 300)) * 3, SamplingParams(temperature=0.7, top_p=0.9))[0]  # sparse after top-p
+        if trial % 2:
+            probs = gen.dirichlet(np.ones(300))  # dense
+        count = int(gen.integers(1, 12))
+        assert list(draw_without_replacement(np.random.default_rng(trial), probs, count)) == list(over_all_ids(np.random.default_rng(trial), probs, count))
+
+
 def test_params_validation_and_broadcast():
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(seed=-1),
                 dict(acceptance="maybe"), dict(temperature=0.7, acceptance="greedy")):
