@@ -250,6 +250,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     tree = load_tree(config.tree if config.tree is not None else default_tree(model.num_heads), max_depth=model.num_heads)
     if tree.num_nodes > config.max_tokens:
         raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
+    config = _fit_draft_vocab(model, tree, config)
     meta = engine_meta(model, tree, config)
     folder = is_folder_out(out)
     final = EngineFiles.in_folder(out) if folder else EngineFiles.beside(out)
@@ -317,21 +318,22 @@ def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:
         config = dataclasses.replace(config, max_context=min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT))
     elif positions and config.max_context > positions:
         raise ExportError(f"--max-context {config.max_context} exceeds the model's {positions} positions: pass at most {positions}")
-    vocab = config.draft_vocab
-    if vocab is not None and model.num_heads and not top_k_of(config.tree, model.num_heads) <= vocab <= model.vocab_size:
-        raise ExportError(f"--draft-vocab {vocab} must lie between the tree's top-{top_k_of(config.tree, model.num_heads)} and the model's "
-                          f"vocabulary of {model.vocab_size} tokens: pass a value in that range, or leave it out for the whole vocabulary")
-    if vocab == model.vocab_size or not model.num_heads:
-        config = dataclasses.replace(config, draft_vocab=None)  # the whole vocabulary, said the usual way
     layers, layer = model.base.config.num_hidden_layers, model.head_layer
     if layer is not None and not 0 <= layer < layers:
         raise ExportError(f"--head-layer {layer} is not a decoder layer of the model: pass 0..{layers - 1}")
     return config
 
 
-def top_k_of(tree, num_heads: int) -> int:
-    """The heads' top-k the engine's tree needs."""
-    return load_tree(tree if tree is not None else default_tree(num_heads), max_depth=num_heads).top_k
+def _fit_draft_vocab(model: MedusaModel, tree: CompiledTree, config: ExportConfig) -> ExportConfig:
+    """The config with ``draft_vocab`` checked against the tree's top-k and the vocabulary (None
+    where it is the whole vocabulary or there are no heads)."""
+    vocab = config.draft_vocab
+    if vocab is not None and model.num_heads and not tree.top_k <= vocab <= model.vocab_size:
+        raise ExportError(f"--draft-vocab {vocab} must lie between the tree's top-{tree.top_k} and the model's "
+                          f"vocabulary of {model.vocab_size} tokens: pass a value in that range, or leave it out for the whole vocabulary")
+    if vocab == model.vocab_size or not model.num_heads:
+        config = dataclasses.replace(config, draft_vocab=None)  # the whole vocabulary, said the usual way
+    return config
 
 
 def _import_exporters() -> None:
