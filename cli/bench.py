@@ -352,7 +352,7 @@ def _heads_cost(runtime) -> dict | None:
 
     def feed(rows: int) -> dict:  # heads on every node, outside the loop: next-token-aware heads also read each row's root
         inputs = {"hidden": np.zeros((rows, meta.hidden_size), dtype=dtype)}
-        return inputs | ({NEXT_INPUT: np.zeros(rows, dtype=np.int64)} if meta.head_input == "hidden+next" else {})
+        return inputs | ({NEXT_INPUT: np.zeros(rows, dtype=np.int64)} if meta.reads_roots else {})
 
     tree = runtime.tree
     step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + 128, tree.mask[None], np.array([128])))

@@ -22,8 +22,9 @@ def build_parser() -> Parser:
     p.add_argument("--heads", type=int, default=4, help="number of heads")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--shared-lm-head", action="store_true", help="project with the frozen base lm_head (small heads)")
-    p.add_argument("--head-input", default="hidden", choices=["hidden", "hidden+next"],
-                   help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token")
+    p.add_argument("--head-input", default="hidden", choices=["hidden", "hidden+next", "hidden+path"],
+                   help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token; "
+                        "hidden+path: sequential heads, head k also reads the k-1 tokens drafted above it")
     p.add_argument("--head-layer", type=int, help="decoder layer feeding the heads (default: final hidden state)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")

@@ -11,6 +11,12 @@ the base model's own frozen input embedding of that token (``rms``: scaled to un
 weights). A Medusa head must predict a blend of the branches the next token may take; this
 one knows which was taken (the gap Hydra and EAGLE close). All heads still fire in one call.
 
+Sequential heads (``head_input = "hidden+path"``, format version 3, Hydra-style): head k's first
+block reads the root and the k - 1 tokens drafted above its node, ``x + SiLU(W_k [x; rms(e_1);
+...; rms(e_k)] + b)``, so head k guesses the token after a known path instead of a blend over
+every path. Head 1 is a next-token-aware head (same weights and shapes). They fire once per
+depth: head d on the nodes at depth d - 1 (:meth:`MedusaHeads.head_logits`).
+
 Formats read by :func:`load_heads`:
   * ours: ``heads.json`` (:class:`HeadsConfig`) + ``heads.safetensors`` in one folder;
   * FasterDecoding/Medusa: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
@@ -40,8 +46,10 @@ log = logging.getLogger(__name__)
 
 HEADS_CONFIG = "heads.json"
 HEADS_WEIGHTS = "heads.safetensors"
-FORMAT_VERSION = 2  # written for next-token-aware heads; hidden-only heads are still written as version 1
-HEAD_INPUTS = ("hidden", "hidden+next")  # what the heads read: the hidden state | and the next token's embedding
+FORMAT_VERSION = 3  # written for sequential heads; next-token-aware heads as 2, hidden-only heads as 1 (older readers read them)
+# what the heads read: the hidden state | and the next token's embedding | and the drafted path's embeddings
+HEAD_INPUTS = ("hidden", "hidden+next", "hidden+path")
+_VERSION_OF = {"hidden": 1, "hidden+next": 2, "hidden+path": 3}
 
 
 class HeadsFormatError(MedusaError):
@@ -69,13 +77,19 @@ class HeadsConfig:
 
     @property
     def reads_next(self) -> bool:
-        return self.head_input == "hidden+next"
+        """The heads read the next token (the root of the next tree)."""
+        return self.head_input != "hidden"
+
+    @property
+    def reads_path(self) -> bool:
+        """Head k also reads the k - 1 tokens drafted above its node (sequential heads)."""
+        return self.head_input == "hidden+path"
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
         if not self.reads_next:  # readable by version-1 loaders, as before
             fields.pop("head_input")
-        return json.dumps({"format_version": FORMAT_VERSION if self.reads_next else 1, **fields}, indent=2)
+        return json.dumps({"format_version": _VERSION_OF[self.head_input], **fields}, indent=2)
 
 
 class ResBlock(nn.Module):
@@ -100,14 +114,29 @@ class NextBlock(nn.Module):
         return x + self.act(self.linear(torch.cat([x, e], dim=-1)))
 
 
+class PathBlock(nn.Module):
+    """The first block of a sequential head that reads ``tokens`` embeddings (root first):
+    ``x + SiLU(W [x; rms(e_1); ...; rms(e_tokens)] + b)``. With one token it is a :class:`NextBlock`."""
+
+    def __init__(self, hidden_size: int, tokens: int):
+        super().__init__()
+        self.linear = nn.Linear((1 + tokens) * hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """x [..., H], e [..., tokens, H] -> [..., H]."""
+        return x + self.act(self.linear(torch.cat([x, e.flatten(-2)], dim=-1)))
+
+
 def unit_rms(e: torch.Tensor) -> torch.Tensor:
     """``e`` scaled to unit root-mean-square over its last axis (an RMSNorm without weights)."""
     return e * torch.rsqrt(e.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(e.dtype)
 
 
 class MedusaHeads(nn.Module):
-    """``forward(hidden [..., H], next_ids [...] | None) -> logits [..., n, V]``; ``next_ids`` (the
-    base model's next token at each hidden state) only for heads that read it.
+    """``forward(hidden [..., H], next_ids [...] | None, path [..., n-1] | None) -> logits [..., n, V]``;
+    ``next_ids`` (the base model's next token at each hidden state) only for heads that read it,
+    ``path`` (the tokens at depths 1..n-1 of one drafted path) only for sequential heads.
 
     State-dict keys follow the FasterDecoding layout under ``heads.``: ``heads.{k}.{l}.linear.*``
     for the blocks and ``heads.{k}.{L}.weight`` for an own projection. A shared ``lm_head`` and the
@@ -127,7 +156,9 @@ class MedusaHeads(nn.Module):
         heads = []
         for _ in range(config.num_heads):
             blocks: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
-            if config.reads_next:
+            if config.reads_path:
+                blocks[0] = PathBlock(config.hidden_size, len(heads) + 1)  # head k reads the root and k - 1 drafts
+            elif config.reads_next:
                 blocks[0] = NextBlock(config.hidden_size)
             if not config.shared_lm_head:
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
@@ -147,19 +178,73 @@ class MedusaHeads(nn.Module):
             return self._shared[0](x)
         return self.heads[k][-1](x)
 
-    def blocks(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Every head's block output before the projection: (..., n, H)."""
+    def _embedded(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return unit_rms(self._embed[0](ids)).to(dtype)  # (..., H)
+
+    def _run(self, k: int, hidden: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        x = hidden
+        for block in self.heads[k][: self.config.num_layers]:
+            x = block(x, e) if isinstance(block, (NextBlock, PathBlock)) else block(x)
+        return x
+
+    def blocks(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
+        """Every head's block output before the projection: (..., n, H). Sequential heads read one
+        path: head k the root ``next_ids`` and ``path[..., :k-1]``."""
+        e = None
         if self._embed is not None:
             if next_ids is None:
                 raise HeadsMismatchError("these heads read the next token: pass next_ids")
-            e = unit_rms(self._embed[0](next_ids)).to(hidden.dtype)  # (..., H)
-        outs = []
-        for head in self.heads:
-            x = hidden
-            for block in head[: self.config.num_layers]:
-                x = block(x, e) if isinstance(block, NextBlock) else block(x)
-            outs.append(x)
-        return torch.stack(outs, dim=-2)  # (..., n, H)
+            if self.config.reads_path:
+                if path is None or path.shape[-1] < self.config.num_heads - 1:
+                    raise HeadsMismatchError(f"sequential heads read a drafted path: pass path [..., {self.config.num_heads - 1}]")
+                e = self._embedded(torch.cat([next_ids[..., None], path[..., : self.config.num_heads - 1]], dim=-1), hidden.dtype)
+                return torch.stack([self._run(k, hidden, e[..., : k + 1, :]) for k in range(len(self.heads))], dim=-2)
+            e = self._embedded(next_ids, hidden.dtype)  # (..., H)
+        return torch.stack([self._run(k, hidden, e) for k in range(len(self.heads))], dim=-2)  # (..., n, H)
+
+    def head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+        """Head k's (0-based) logits over the first ``vocab`` ids (default all) at nodes whose path
+        from the root is ``tokens`` [..., k+1] (root first; next-token-aware heads read the root only):
+        hidden [..., H] -> [..., vocab]."""
+        if self.config.reads_path:
+            e = self._embedded(tokens[..., : k + 1], hidden.dtype)  # (..., k+1, H)
+        elif self.config.reads_next:
+            e = self._embedded(tokens[..., 0], hidden.dtype)
+        else:
+            e = None
+        x = self._run(k, hidden, e)  # (..., H)
+        weight = self.projection_weights(vocab or self.config.vocab_size)
+        return torch.nn.functional.linear(x, weight[0] if self._shared is not None else weight[k])
+
+    def expand(self, hidden: torch.Tensor, roots: torch.Tensor, plan, top_k: int, project=None) -> torch.Tensor:
+        """Sequential heads over a template's expansion (``runtime.drafting.sequential.Expansion``):
+        head 1 at the root ``roots`` [B], then head d + 1 at each expanded node of depth d, reading
+        the path of top-``top_k`` tokens that leads there. hidden [B, H] -> logits [B, P, N], row i
+        the proposals below expanded node i. ``project(k, x)``: head k's projection (default: the
+        whole vocabulary)."""
+        if not self.config.reads_path:
+            raise HeadsMismatchError("only sequential heads (head_input hidden+path) expand a template")
+        project = project or (lambda k, x: self.project(x, k))
+        batch = hidden.shape[0]
+        paths: list[torch.Tensor | None] = [None] * plan.rows  # row -> [B, depth+1] tokens, root first
+        tops: list[torch.Tensor | None] = [None] * plan.rows  # row -> [B, K]
+        logits: list[torch.Tensor | None] = [None] * plan.rows  # row -> [B, N]
+        for depth, rows in enumerate(plan.levels()):
+            level = []
+            for r in rows:
+                if depth == 0:
+                    level.append(roots[:, None])  # (B, 1)
+                else:
+                    up, rank = int(plan.parent[r]), int(plan.rank[r])
+                    level.append(torch.cat([paths[up], tops[up][:, rank : rank + 1]], dim=1))  # (B, depth+1)
+            tokens = torch.stack(level, dim=1)  # (B, m, depth+1)
+            e = self._embedded(tokens, hidden.dtype)  # (B, m, depth+1, H)
+            x = self._run(depth, hidden[:, None, :].expand(batch, len(rows), hidden.shape[-1]), e)  # (B, m, H)
+            out = project(depth, x).float()  # (B, m, N)
+            top = out.topk(top_k, dim=-1).indices  # (B, m, K)
+            for j, r in enumerate(rows):
+                paths[r], tops[r], logits[r] = tokens[:, j], top[:, j], out[:, j]
+        return torch.stack(logits, dim=1)  # (B, P, N)
 
     def projection_weights(self, vocab: int) -> list[torch.Tensor]:
         """The projection rows of the first ``vocab`` token ids: one [vocab, H] matrix for shared
@@ -168,8 +253,8 @@ class MedusaHeads(nn.Module):
             return [self._shared[0].weight[:vocab]]
         return [head[-1].weight[:vocab] for head in self.heads]
 
-    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None) -> torch.Tensor:
-        blocks = self.blocks(hidden, next_ids)  # (..., n, H)
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
+        blocks = self.blocks(hidden, next_ids, path)  # (..., n, H)
         if self._shared is not None:
             # one projection for all heads: the (large) lm_head is read once per call, and an
             # exported graph holds it once
@@ -188,7 +273,7 @@ def init_heads(config: HeadsConfig, lm_head: nn.Linear | None, *, seed: int = 0,
     with torch.no_grad():
         for head in heads.heads:
             for block in head:
-                if isinstance(block, (ResBlock, NextBlock)):
+                if isinstance(block, (ResBlock, NextBlock, PathBlock)):
                     if random:
                         block.linear.weight.normal_(0.0, block.linear.in_features**-0.5, generator=gen)
                         block.linear.bias.normal_(0.0, 0.02, generator=gen)
@@ -325,8 +410,8 @@ def load_heads(
     if (folder / HEADS_CONFIG).is_file():
         raw = _read_json(folder / HEADS_CONFIG)
         version = raw.pop("format_version", 1)
-        if version not in (1, 2):
-            raise HeadsFormatError(f"{folder / HEADS_CONFIG} has format version {version}; this medusa-trt reads 1 and 2: upgrade it")
+        if version not in (1, 2, 3):
+            raise HeadsFormatError(f"{folder / HEADS_CONFIG} has format version {version}; this medusa-trt reads 1 to 3: upgrade it")
         try:
             config = HeadsConfig(**raw)
         except TypeError as exc:

@@ -60,7 +60,7 @@ def check_fasterdecoding(config: HeadsConfig) -> None:
     """Raise InteropError unless heads of ``config`` mean the same thing in the FasterDecoding layout."""
     if config.reads_next:
         raise InteropError(
-            "these heads read the next token's embedding (head_input 'hidden+next'), and the FasterDecoding format has no "
+            f"these heads read the next token's embedding (head_input {config.head_input!r}), and the FasterDecoding format has no "
             "next-token input: no reader of it (TensorRT-LLM, vLLM, TGI) could run them. Train heads with --head-input hidden "
             "to export to it")
     if config.head_layer is not None:

@@ -41,6 +41,7 @@ from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES, QuantizeConfi
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
+from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
@@ -200,7 +201,8 @@ def _export_step(model: MedusaModel, config: ExportConfig):
 
 
 def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
-    graph = HeadsGraph(model.heads, tree.top_k, config.draft_vocab).eval()
+    plan = expansion(tree.paths) if model.heads.config.reads_path else None  # sequential heads expand the template in the graph
+    graph = HeadsGraph(model.heads, tree.top_k, config.draft_vocab, plan).eval()
     hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
     inputs, names, dynamic = (hidden,), ["hidden"], ({0: batch},)

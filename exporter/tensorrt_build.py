@@ -133,7 +133,7 @@ def step_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
 def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
     """The heads engine's profile: one hidden state per sequence (and its next token, for heads that read it)."""
     profile = {"hidden": ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
-    if meta.head_input == "hidden+next":
+    if meta.reads_roots:
         profile[NEXT_INPUT] = ShapeRange((1,), (meta.max_batch,), (meta.max_batch,))
     return profile
 

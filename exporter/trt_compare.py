@@ -127,7 +127,7 @@ def heads_feeds(meta: EngineMeta, *, seed: int = 0) -> list[dict[str, np.ndarray
     gen = np.random.default_rng(seed)
     batch = min(2, meta.max_batch)
     feeds = {"hidden": gen.standard_normal((batch, meta.hidden_size)).astype(FEED_DTYPES[meta.dtype])}  # (B, H)
-    if meta.head_input == "hidden+next":
+    if meta.reads_roots:
         feeds[NEXT_INPUT] = gen.integers(0, meta.vocab_size, size=batch).astype(np.int64)  # (B,)
     return [feeds]
 

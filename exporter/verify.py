@@ -14,6 +14,7 @@ import torch
 
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.contract import NEXT_INPUT, STEP_OUTPUTS
+from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.runtime.tree import CompiledTree
 
@@ -86,10 +87,17 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         hidden = ours["hidden"][:, 0]
         feeds = {"hidden": np.ascontiguousarray(hidden)}
         roots = ours["next_ids"][:, 0].astype(np.int64)  # (2,) what follows node 0: the next tree's root
-        if model.head_input == "hidden+next":
+        if model.head_input != "hidden":
             feeds[NEXT_INPUT] = roots
         head_topk, head_logits = heads.run(None, feeds)
-        theirs_heads = model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device))  # (2, n, V)
+        sequential = model.head_input == "hidden+path"  # the graph expands the tree over the draft vocabulary
+        saved = model.draft_vocab
+        model.draft_vocab = draft_vocab if sequential else saved
+        try:
+            theirs_heads = model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device),
+                                         expansion(tree.paths) if sequential else None, tree.top_k)  # (2, n | P, V)
+        finally:
+            model.draft_vocab = saved
         diffs["head logits"] = _diff(theirs_heads[..., : draft_vocab or theirs_heads.shape[-1]], head_logits)  # the draft vocabulary's columns
     worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))

@@ -184,11 +184,19 @@ class MedusaModel(nn.Module):
     def head_input(self) -> str:
         return self.heads.config.head_input if self.heads is not None else "hidden"
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor | None = None, expansion=None, top_k: int = 0) -> torch.Tensor:
         """Head logits [B, n, V] for one hidden state per sequence [B, H] ([B, n, N] with a draft
-        vocabulary of N ids); ``roots`` [B] int64, the token chosen after it, for next-token-aware heads."""
+        vocabulary of N ids); ``roots`` [B] int64, the token chosen after it, for next-token-aware heads.
+        Sequential heads expand ``expansion`` (a template's ``Expansion``) along their top-``top_k``:
+        [B, P, V], one row per expanded node."""
         if self.heads is None:
             raise ValueError("this model has no Medusa heads: load heads or use the tree chain-0")
+        if self.heads.config.reads_path:
+            if expansion is None:
+                raise ValueError("sequential heads expand a template: pass its expansion (runtime.drafting.sequential) and top_k")
+            vocab = self.draft_vocab
+            return self.heads.expand(hidden, roots, expansion, top_k,
+                                     None if vocab is None else lambda k, x: self.heads.project(x, k)[..., :vocab])
         logits = self.heads(hidden, roots if self.heads.config.reads_next else None)
         return logits if self.draft_vocab is None else logits[..., : self.draft_vocab]
 
@@ -201,16 +209,26 @@ class HeadsGraph(nn.Module):
     memory after every verify step (byte-level BPE gives the most frequent tokens the lowest ids,
     as merges are learnt in frequency order)."""
 
-    def __init__(self, heads: MedusaHeads, top_k: int, draft_vocab: int | None = None):
+    def __init__(self, heads: MedusaHeads, top_k: int, draft_vocab: int | None = None, plan=None):
         super().__init__()
         self.heads, self.top_k = heads, top_k
         self.draft_vocab = draft_vocab
+        self.plan = plan  # sequential heads: the template's Expansion (outputs [B, P, K] and [B, P, N])
+        if heads.config.reads_path and plan is None:
+            raise ValueError("sequential heads expand a template: pass its Expansion as plan=")
         if draft_vocab is not None:  # own copies: the exported graph holds only these rows
             self.vocab_rows = nn.ParameterList([nn.Parameter(w.detach().clone(), requires_grad=False)
                                                 for w in heads.projection_weights(draft_vocab)])
 
-    def forward(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, k: int, x: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is None:
+            return self.heads.project(x, k)
+        return nn.functional.linear(x, self.vocab_rows[0 if len(self.vocab_rows) == 1 else k])
+
+    def forward(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.plan is not None:  # sequential heads: the template expanded depth by depth, in this one call
+            logits = self.heads.expand(hidden, root_ids, self.plan, self.top_k, self._project)  # (B, P, N)
+        elif self.draft_vocab is None:
             logits = self.heads(hidden, root_ids).float()  # (B, n, V)
         else:
             blocks = self.heads.blocks(hidden, root_ids)  # (B, n, H)

@@ -18,6 +18,7 @@ for TensorRT ``model.plan`` / ``heads.plan`` beside the ONNX graphs they were bu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -56,8 +57,30 @@ class EngineMeta:
     quantization: str = "none"  # none | int8 (dynamic, weight matmuls) | heads-int8 (the heads graph only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     successors: int = 0  # k of the step graph's next_topk output (0: engines exported before it)
-    head_input: str = "hidden"  # what the heads graph reads: "hidden", or "hidden+next" (also root_ids, the next token)
+    # what the heads graph reads: "hidden", "hidden+next" (also root_ids, the next token) or "hidden+path" (sequential
+    # heads: root_ids too, and the graph expands the tree's template, one proposals row per expanded node)
+    head_input: str = "hidden"
     draft_vocab: int | None = None  # the heads graph's logits cover token ids 0 .. N-1 only (None: the whole vocabulary)
+
+    @property
+    def reads_roots(self) -> bool:
+        """The heads graph takes root_ids (the next token) as a second input."""
+        return self.head_input != "hidden"
+
+    @functools.cached_property
+    def expansion(self):
+        """Sequential heads: the template expansion the heads graph computes (``drafting.sequential``); else None."""
+        if self.head_input != "hidden+path":
+            return None
+        from medusa_trt.runtime.drafting.sequential import expansion
+
+        return expansion([tuple(p) for p in self.tree])
+
+    @property
+    def proposal_rows(self) -> int:
+        """Rows of the heads graph's outputs per sequence: one per head, or one per expanded template node."""
+        plan = self.expansion
+        return self.num_heads if plan is None else plan.rows
 
     @property
     def heads_vocab(self) -> int:

@@ -394,17 +394,18 @@ class Scheduler:
         """Heads at ``nodes[b]`` for the rows in ``which`` (B,): their top-K ids, or for lossless
         sampling draws without replacement from each head's warped distribution q_d
         (``walk.draws[d]`` of them, placed by rank)."""
-        tree, walk = self.tree, self.rt._walk
+        tree, walk, template = self.tree, self.rt._walk, self.rt.drafting.template
         roots = np.array([s.root if s is not None else 0 for s in self.rows], dtype=np.int64)  # (B,) next trees' roots
         proposals = self.backend.propose(nodes, tree.top_k, roots)
-        ids = proposals.ids[:, : tree.depth_max]  # (B, D, K)
+        rows = template.rows  # D heads, or P expanded nodes (sequential heads)
+        ids = proposals.ids[:, :rows]  # (B, rows, K)
         head_logits = None
         for b in np.flatnonzero(which):
             s = self.rows[b]
-            s.proposals = np.array(ids[b])  # (D, K) a copy: the backend's buffer is reused
-            head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n, V) host
-            if not s.rule.sampled_drafts:  # greedy drafts: keyed by the heads' confidence
-                s.confidence = head_confidence(head_logits[b, : tree.depth_max], s.proposals)  # (D, K)
+            s.proposals = np.array(ids[b])  # (rows, K) a copy: the backend's buffer is reused
+            head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n | P, V) host
+            if not s.rule.sampled_drafts or template.sequential:  # top-k drafts: keyed by the heads' confidence
+                s.confidence = head_confidence(head_logits[b, :rows], s.proposals)  # (rows, K)
             else:
                 q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
                 for d in range(tree.depth_max):

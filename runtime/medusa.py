@@ -27,6 +27,7 @@ from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, Hea
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
+from medusa_trt.runtime.drafting.sequential import Expansion, expansion
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec, check_messages
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
@@ -44,11 +45,13 @@ class _EngineInfo:
     vocab_size: int  # token ids must be below it
     eos_token_ids: tuple | list
     is_chat: bool
+    expansion: Expansion | None = None  # sequential heads: the template the heads call expands (None: one row per head)
 
     @classmethod
     def from_meta(cls, meta) -> _EngineInfo:
         """From an exported engine's ``EngineMeta`` (ONNX or TensorRT)."""
-        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat)
+        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat,
+                   meta.expansion)
 
 
 def _folder_step_cost(files: EngineFiles | None) -> dict | None:
@@ -87,6 +90,10 @@ class MedusaRuntime:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
         else:
             self.tree = compile_tree(info.tree, name=info.tree_name, max_depth=self.num_heads)
+        if getattr(self.backend, "reads_path", False):  # torch backend, sequential heads: they expand this runtime's
+            # tree (with_tree copies share the backend and take subtrees of it)
+            self.backend.expansion, self.backend.expansion_top_k = expansion(self.tree.paths), self.tree.top_k
+            info = dataclasses.replace(info, expansion=self.backend.expansion, max_top_k=self.tree.top_k)
         self._info = info
         self._check_tree(self.tree)
         self._walk: TreeWalk = tree_walk(self.tree)
@@ -109,7 +116,8 @@ class MedusaRuntime:
             names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
         step_cost = self.config.step_cost or self._folder_step_cost
         config = DraftingConfig() if step_cost is None else DraftingConfig(cost=CostModel(dict(step_cost)), learn_cost=False)
-        return Drafting(tuple(names), HeadsTemplate(tree, tree_walk(tree)) if heads else None, config,
+        template = HeadsTemplate(tree, tree_walk(tree), self._info.expansion) if heads else None
+        return Drafting(tuple(names), template, config,
                         engine_max_nodes=self.backend.max_tokens)
 
     def with_tree(self, tree) -> MedusaRuntime:

@@ -308,3 +308,43 @@ def test_rows_share_one_width_because_the_step_pays_for_its_widest():
     assert take_width(a, 4, 64).num_nodes == 4
     steep = CostModel({1: 1.0, 2: 10.0, 4: 100.0, 64: 1000.0})  # at 2 rows a second token per row costs 10x
     assert shared_width([a, b], max_nodes=64, cost=steep, batch=2) == 1  # nothing pays: plain decoding
+
+
+# ------------------------------------------------------------------ sequential heads (an expanded template)
+
+
+def test_a_template_expands_at_every_node_with_children():
+    from medusa_trt.runtime.drafting.sequential import expansion
+
+    plan = expansion([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert plan.paths == ((), (0,), (1,), (0, 0))  # the root and the nodes with children, parents first
+    assert plan.parent.tolist() == [-1, 0, 0, 1] and plan.rank.tolist() == [0, 0, 1, 0] and plan.depth.tolist() == [0, 1, 1, 2]
+    assert [r.tolist() for r in plan.levels()] == [[0], [1, 2], [3]]  # head d runs at level d
+    assert plan.node_rows([(0,), (2,), (0, 1), (1, 0), (0, 0, 0)]).tolist() == [0, 0, 1, 2, 3]
+    assert expansion([(0,), (1,)]).paths == ((),)  # a depth-1 template: head 1 at the root only
+
+
+def test_sequential_heads_drafter_reads_each_node_from_its_parents_row():
+    """Row r of the proposals holds the guesses below expanded node r; a node's token is
+    proposals[row of its parent, its rank], keyed by that row's confidence; under lossless sampling
+    the drafts stay these top-k tokens (deterministic, point-mass drafts), never draws."""
+    from medusa_trt.runtime.drafting.sequential import TemplateMismatchError, expansion
+
+    tree = compile_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    plan = expansion(tree.paths)  # rows: (), (0,), (1,), (0, 0)
+    template = HeadsTemplate(tree, tree_walk(tree), plan)
+    assert template.sequential and template.rows == 4
+    proposals = np.array([[20, 21], [30, 31], [40, 41], [50, 51]])  # below the root, [0], [1], [0, 0]
+    confidence = np.array([[0.95, 0.02], [0.55, 0.3], [0.15, 0.1], [0.45, 0.2]], dtype=np.float32)
+    for sampled in (False, True):
+        drafter = HeadsDrafter(template, sampled=sampled)
+        drafter.proposals, drafter.confidence = proposals, confidence
+        f = drafter.propose([1, 2], max_depth=3)
+        assert f.tokens.tolist() == [20, 21, 30, 31, 40, 50] and f.parent.tolist() == [-1, -1, 0, 0, 1, 2]
+        assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6), ("heads-p", 2, 4), ("heads-p", 2, 2),
+                          ("heads-p", 3, 5))
+        assert (f.draw == DETERMINISTIC).all()
+    with pytest.raises(TemplateMismatchError, match="subtree of that template"):
+        HeadsTemplate(compile_tree([[0], [1], [1, 1], [1, 1, 0]]), tree_walk(compile_tree([[0], [1], [1, 1], [1, 1, 0]])), plan)
+    subtree = compile_tree([[0], [0, 0]])  # any subtree of the expanded template reads the same rows
+    assert HeadsTemplate(subtree, tree_walk(subtree), plan).row.tolist() == [0, 1]

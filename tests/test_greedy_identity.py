@@ -64,6 +64,19 @@ def test_next_token_aware_heads(stories_base, stories_prompts, stories_next_awar
 
 
 @pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("tree", ["chain-4", "mc_sim_7b_63", "custom"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequential_heads(stories_base, stories_prompts, stories_sequential, export_engine, backend, tree, batch):
+    """Heads that read the drafted path (format version 3), expanded in one heads call: identical
+    tokens, and drafts that land. The engine expands its export template (mc_sim_7b_63); the
+    runtime trees are subtrees of it."""
+    engine = _engine(backend, export_engine, "stories-sequential", medusa_model(stories_base, stories_sequential))
+    results = _check(stories_base, engine, stories_prompts, _tree(tree), batch, 48)
+    accepted = [a for r in results for a in r.stats.accepted_per_step]
+    assert max(accepted) >= 3, accepted
+
+
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("tree", list(TREES_UNDER_TEST))
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -433,7 +433,84 @@ def test_version_2_round_trip_and_version_1_unchanged(tmp_path):
     raw = json.loads((plain / "heads.json").read_text())
     assert raw["format_version"] == 1 and "head_input" not in raw  # hidden-only heads stay readable by version-1 readers
     assert load(plain, lm_head).config.head_input == "hidden"
-    raw["format_version"] = 3
+    raw["format_version"] = 4
     (plain / "heads.json").write_text(json.dumps(raw))
-    with pytest.raises(HeadsFormatError, match="format version 3"):
+    with pytest.raises(HeadsFormatError, match="format version 4"):
         load(plain, lm_head)
+
+
+# ---------------------------------------------------------------- sequential heads (format version 3)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_proj", "shared_lm_head"])
+def test_sequential_head_k_reads_the_root_and_the_path_above_it_by_hand(shared):
+    lm_head, embed = make_lm_head(), make_embed()
+    heads = init_heads(config(num_heads=3, num_layers=2, shared=shared, head_input="hidden+path"), lm_head, random=True, embed=embed)
+    x, nxt, path = hidden(5), torch.tensor([0, 3, 3, 9, 31]), torch.tensor([[1, 2], [4, 5], [4, 6], [7, 7], [0, 30]])
+    with torch.no_grad():
+        out = heads(x, nxt, path)  # (5, n, V)
+        tokens = torch.cat([nxt[:, None], path], 1)  # (5, n): root first
+        e = embed(tokens)
+        e = e / e.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        for k, head in enumerate(heads.heads):
+            first, second = head[0], head[1]
+            assert first.linear.in_features == (k + 2) * H  # the hidden state, the root and k drafted tokens
+            y = x + F.silu(torch.cat([x, *e[:, : k + 1].unbind(1)], -1) @ first.linear.weight.T + first.linear.bias)
+            y = y + F.silu(y @ second.linear.weight.T + second.linear.bias)
+            proj = lm_head.weight if shared else head[-1].weight
+            torch.testing.assert_close(out[:, k], y @ proj.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(heads.head_logits(k, x, tokens[:, : k + 1]), out[:, k], rtol=0, atol=0)
+        other = path.clone()
+        other[:, 1] = 11  # another token at depth 2 changes head 3 only
+        changed = heads(x, nxt, other)
+        torch.testing.assert_close(changed[:, :2], out[:, :2], rtol=0, atol=0)
+        assert not torch.allclose(changed[:, 2], out[:, 2])
+    with pytest.raises(HeadsMismatchError, match="drafted path"):
+        heads(x, nxt)
+
+
+def test_sequential_heads_expand_a_template_along_their_own_top_k():
+    """``expand``: head 1 at the root, then head d + 1 below each expanded node, reading the
+    top-k token at that node's rank: row by row what ``head_logits`` gives on the same paths."""
+    from medusa_trt.runtime.drafting.sequential import expansion
+
+    lm_head, embed = make_lm_head(), make_embed()
+    heads = init_heads(config(num_heads=3, num_layers=1, shared=True, head_input="hidden+path"), lm_head, random=True, embed=embed)
+    plan = expansion([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # rows (), (0,), (1,), (0, 0)
+    x, roots = hidden(2), torch.tensor([5, 9])
+    with torch.no_grad():
+        rows = heads.expand(x, roots, plan, top_k=2)  # (2, 4, V)
+        top = lambda logits: logits.topk(2, dim=-1).indices  # noqa: E731
+        root = heads.head_logits(0, x, roots[:, None])
+        at0 = heads.head_logits(1, x, torch.stack([roots, top(root)[:, 0]], 1))
+        at1 = heads.head_logits(1, x, torch.stack([roots, top(root)[:, 1]], 1))
+        at00 = heads.head_logits(2, x, torch.stack([roots, top(root)[:, 0], top(at0)[:, 0]], 1))
+        for row, want in enumerate([root, at0, at1, at00]):
+            torch.testing.assert_close(rows[:, row], want, rtol=0, atol=1e-6)
+
+
+def test_untrained_sequential_heads_start_as_medusa_heads_and_head_1_is_next_token_aware():
+    lm_head, embed = make_lm_head(), make_embed()
+    plain = init_heads(config(), lm_head)
+    seq = init_heads(config(head_input="hidden+path"), lm_head, embed=embed)
+    x, nxt, path = hidden(4), torch.tensor([1, 2, 3, 4]), torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(seq(x, nxt, path), plain(x))
+        aware = init_heads(config(head_input="hidden+next"), lm_head, random=True, embed=embed)
+        random_seq = init_heads(config(head_input="hidden+path"), lm_head, random=True, embed=embed)
+        random_seq.heads[0].load_state_dict(aware.heads[0].state_dict())  # same shapes: a next-token head is a sequential head 1
+        torch.testing.assert_close(random_seq(x, nxt, path)[:, 0], aware(x, nxt)[:, 0], rtol=0, atol=0)
+
+
+def test_version_3_round_trip(tmp_path):
+    lm_head, embed = make_lm_head(), make_embed()
+    seq = init_heads(config(head_input="hidden+path"), lm_head, random=True, embed=embed)
+    folder = save_heads(seq, tmp_path / "seq")
+    raw = json.loads((folder / "heads.json").read_text())
+    assert raw["format_version"] == 3 and raw["head_input"] == "hidden+path"
+    back = load(folder, lm_head, embed=embed)
+    x, nxt, path = hidden(3), torch.tensor([4, 5, 6]), torch.tensor([[1, 2], [3, 4], [5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, nxt, path), seq(x, nxt, path), rtol=0, atol=0)
+    with pytest.raises(HeadsMismatchError, match="embed="):
+        load(folder, lm_head)

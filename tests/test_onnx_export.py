@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import STORIES, medusa_model
+from conftest import CUSTOM_TREE, STORIES, medusa_model
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter import HeadsConfig, init_heads, save_heads
 from medusa_trt.runtime import EngineError, MedusaRuntime
@@ -281,6 +281,52 @@ def test_next_token_aware_heads_export_with_root_ids_and_int8(export_engine, sto
     quantized = MedusaRuntime(int8).generate(prompts, max_new_tokens=24)
     assert [r.token_ids for r in quantized] == [r.token_ids for r in reference]
     assert max(r.stats.mean_accepted for r in quantized) > 1.0
+
+
+def test_sequential_heads_expand_the_template_in_one_heads_call(export_engine, stories_base, stories_sequential):
+    """Sequential heads' graph takes root_ids and returns one proposals row per expanded node of
+    the export template; ONNX Runtime's rows are torch's expansion of the same tree (with a draft
+    vocabulary too); heads-int8 keeps every token; sampling is reproducible solo and batched; a
+    tree the template cannot expand is refused naming the fix."""
+    import onnxruntime as ort
+    import torch
+
+    from medusa_trt.runtime.drafting.sequential import TemplateMismatchError, expansion
+
+    model = medusa_model(stories_base, stories_sequential)
+    fp32 = export_engine("stories-sequential", model)
+    small = export_engine("stories-sequential-vocab", model, draft_vocab=128, tree=CUSTOM_TREE)
+    int8 = export_engine("stories-sequential-int8", model, quantize="heads-int8")
+    meta = read_meta(fp32)
+    plan = expansion([tuple(p) for p in meta.tree])
+    assert meta.head_input == "hidden+path" and meta.proposal_rows == plan.rows > meta.num_heads
+    rng = np.random.default_rng(0)
+    for engine, vocab in ((fp32, None), (small, 128)):
+        session = ort.InferenceSession(str(EngineFiles.beside(engine).heads), providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == ["hidden", "root_ids"]
+        hidden, roots = rng.normal(size=(3, 64)).astype(np.float32), np.array([5, 17, 300])
+        topk, logits = session.run(None, {"hidden": hidden, "root_ids": roots})
+        tree = read_meta(engine)
+        rows = expansion([tuple(p) for p in tree.tree])
+        assert topk.shape == (3, rows.rows, tree.top_k) and logits.shape[:2] == (3, rows.rows)
+        saved, model.draft_vocab = model.draft_vocab, vocab
+        try:
+            want = model.propose(torch.from_numpy(hidden), torch.from_numpy(roots), rows, tree.top_k).numpy()
+        finally:
+            model.draft_vocab = saved
+        np.testing.assert_allclose(logits, want, atol=1e-4)
+        assert logits.shape[-1] == (vocab or stories_base.model.config.vocab_size)
+    prompts = ["Once upon a time", "Tim had a red ball", "The sun was hot and"]
+    reference = MedusaRuntime(fp32).generate(prompts, max_new_tokens=24)
+    quantized = MedusaRuntime(int8).generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in quantized] == [r.token_ids for r in reference]
+    assert max(r.stats.mean_accepted for r in quantized) > 1.0
+    runtime = MedusaRuntime(fp32)
+    together = runtime.generate(prompts, max_new_tokens=24, temperature=0.8, seed=3)
+    for prompt, row in zip(prompts, together):
+        assert runtime.generate(prompt, max_new_tokens=24, temperature=0.8, seed=3).token_ids == row.token_ids
+    with pytest.raises(TemplateMismatchError, match="subtree of that template"):
+        MedusaRuntime(small, tree="chain-4")  # the custom template has no node below [0, 0, 0]
 
 
 def test_a_draft_vocabulary_shrinks_the_heads_projection_and_keeps_every_token(export_engine, stories_engine, stories_base, stories_fitted):

@@ -636,6 +636,15 @@ def _split(cached: dict[str, torch.Tensor], config: TrainConfig) -> tuple[torch.
     return torch.nonzero(~is_held).squeeze(1), torch.nonzero(is_held).squeeze(1)
 
 
+def teacher_path(heads: MedusaHeads, targets: torch.Tensor) -> torch.Tensor | None:
+    """The path sequential heads read in training (teacher forcing): the base model's own tokens
+    at depths 1..n-1, targets [P, n] -> [P, n-1] (IGNORE past a sequence's end read as id 0:
+    every head below such a token has no label); None for heads that read no path."""
+    if not heads.config.reads_path:
+        return None
+    return targets[:, : heads.config.num_heads - 1].clamp(min=0)
+
+
 @torch.no_grad()
 def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 5, chunk: int = 512,
                   next_ids: torch.Tensor | None = None) -> dict[str, list[float]]:
@@ -645,8 +654,8 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     hits1, hitsk, counts = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     for i in range(0, hidden.shape[0], chunk):
         nxt = next_ids[i : i + chunk] if heads.config.reads_next else None
-        logits = heads(hidden[i : i + chunk].float(), nxt)  # (c, n, V)
         t = targets[i : i + chunk]
+        logits = heads(hidden[i : i + chunk].float(), nxt, teacher_path(heads, t))  # (c, n, V)
         valid = t != IGNORE
         top = logits.topk(top_k, dim=-1).indices  # (c, n, k)
         hits1 += ((top[..., 0] == t) & valid).sum(0)
@@ -710,7 +719,8 @@ def _steps(heads, optimizer, config, hidden, targets, next_ids, train_idx, steps
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = heads(hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None)  # (P, n, V)
+            logits = heads(hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None,
+                           teacher_path(heads, targets[batch]))  # (P, n, V)
         loss, per_head = medusa_loss(logits, targets[batch], config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -76,7 +76,7 @@ class OnnxBackend:
                 raise EngineError(f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
                                   "keep the files of one export together or export again")
             inputs = {i.name for i in self.heads_session.get_inputs()}
-            if (NEXT_INPUT in inputs) != (meta.head_input == "hidden+next"):
+            if (NEXT_INPUT in inputs) != (meta.reads_roots):
                 raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read "
                                   f"{meta.head_input}: export again")
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
@@ -159,11 +159,11 @@ class OnnxBackend:
         meta = self.meta
         if top_k > meta.top_k:
             raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
-        if meta.head_input == "hidden+next" and roots is None:
+        if meta.reads_roots and roots is None:
             raise EngineError("these heads read the next token: pass roots to propose")
         io = self.heads_session.io_binding()
         self.buffers.bind_heads(io, np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; head_topk, head_logits
-        if meta.head_input == "hidden+next":
+        if meta.reads_roots:
             roots = np.ascontiguousarray(roots, dtype=np.int64)  # (B,) kept alive through the run
             io.bind_cpu_input(NEXT_INPUT, roots)
         self.heads_session.run_with_iobinding(io)

@@ -55,14 +55,14 @@ class BufferSizes:
     hidden_size: int
     heads_vocab: int  # columns of head_logits (the engine's draft vocabulary)
     successors: int  # k of next_topk (0: the engine has no such output)
-    num_heads: int
+    heads_rows: int  # proposals rows per sequence (EngineMeta.proposal_rows; 0: no heads)
     top_k: int
     dtype: type  # numpy type of the cache and float outputs
 
     @classmethod
     def of(cls, meta: EngineMeta, *, max_batch: int, max_context: int, dtype, successors: int) -> BufferSizes:
         return cls(max_batch, max_context, meta.max_tokens, meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.vocab_size,
-                   meta.hidden_size, meta.heads_vocab, successors, meta.num_heads, meta.top_k, dtype)
+                   meta.hidden_size, meta.heads_vocab, successors, meta.proposal_rows if meta.num_heads else 0, meta.top_k, dtype)
 
     @property
     def kv_row(self) -> int:
@@ -84,7 +84,7 @@ class BufferSizes:
         return np.int64 if name in ID_OUTPUTS else self.dtype
 
     def heads_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
-        return {"head_topk": (batch, self.num_heads, self.top_k), "head_logits": (batch, self.num_heads, self.heads_vocab)}
+        return {"head_topk": (batch, self.heads_rows, self.top_k), "head_logits": (batch, self.heads_rows, self.heads_vocab)}
 
 
 def _elements(shape) -> int:
@@ -136,7 +136,7 @@ class HostBuffers:
         self.value = np.zeros_like(self.key)
         shapes = s.output_shapes(s.max_batch, s.max_tokens)
         self.out = {name: np.zeros(_elements(shape), dtype=s.output_dtype(name)) for name, shape in shapes.items()}
-        if s.num_heads:
+        if s.heads_rows:
             self.head_logits = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_logits"]), dtype=np.float32)
             self.head_topk = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_topk"]), dtype=np.int64)
         self.cache_bytes = 2 * self.key.nbytes
@@ -213,7 +213,7 @@ class DeviceBuffers:
         shapes = s.output_shapes(s.max_batch, s.max_tokens)
         self.out = {name: alloc(_elements(shapes[name]), s.dtype) for name in FLOAT_OUTPUTS}
         self.host = {name: np.zeros(_elements(shapes[name]), dtype=np.int64) for name in ID_OUTPUTS if name in shapes}
-        if s.num_heads:
+        if s.heads_rows:
             heads = s.heads_shapes(s.max_batch)
             self.head_hidden = alloc(s.max_batch * s.hidden_size, s.dtype)  # (B, H) gathered on the device
             self.head_logits = alloc(_elements(heads["head_logits"]), np.float32)

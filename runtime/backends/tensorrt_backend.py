@@ -177,7 +177,7 @@ class TensorRTBackend:
         if meta.num_heads:
             if not files.heads.is_file():
                 raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again")
-            heads_inputs = {"hidden": (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.head_input == "hidden+next" else {})
+            heads_inputs = {"hidden": (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.reads_roots else {})
             self.heads_engine = _Engine(trt, self._runtime, files.heads, heads_inputs, HEADS_OUTPUTS, self.stream)
         step = self.step_engine
         self._staging = {  # pinned host copies of the per-step inputs and of the ids the host reads back

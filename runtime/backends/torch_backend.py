@@ -35,6 +35,9 @@ class TorchBackend:
                  2 * self.cache_key.numel() * self.cache_key.element_size() / 2**20)
         self._hidden = self._new_key = self._new_value = None
         self.max_tokens = None  # no limit on new tokens per step
+        heads = getattr(model, "heads", None)
+        self.reads_path = heads is not None and heads.config.reads_path  # sequential heads: the runtime sets what they expand
+        self.expansion, self.expansion_top_k = None, 0  # (drafting.sequential.Expansion, its top-k)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self.device, non_blocking=True)
@@ -87,6 +90,7 @@ class TorchBackend:
         ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         rows = torch.arange(nodes.shape[0], device=self.device)
         hidden = self._hidden[rows, self._tensor(nodes)]  # (B, H)
-        logits = self.model.propose(hidden, None if roots is None else self._tensor(np.asarray(roots, dtype=np.int64)))  # (B, n, V)
+        roots = None if roots is None else self._tensor(np.asarray(roots, dtype=np.int64))
+        logits = self.model.propose(hidden, roots, self.expansion, self.expansion_top_k)  # (B, n | P, V)
         ids = logits.topk(top_k, dim=-1).indices.cpu().numpy()  # host sync: drafting gathers on the host
         return Proposals(ids, lambda: self._host(logits))

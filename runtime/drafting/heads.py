@@ -14,23 +14,40 @@ import numpy as np
 
 from medusa_trt.runtime.acceptance import TreeWalk
 from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment
+from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.tree import CompiledTree
 
 
 class HeadsTemplate:
-    """Per-tree tables, computed once and shared by every sequence's ``HeadsDrafter``."""
+    """Per-tree tables, computed once and shared by every sequence's ``HeadsDrafter``.
 
-    def __init__(self, tree: CompiledTree, walk: TreeWalk):
-        self.tree, self.walk = tree, walk
+    The heads call gives ``rows`` proposals rows of top-K per sequence: one per head (row d - 1
+    holds head d's guesses for depth d), or for sequential heads one per expanded template node
+    (``expansion``: the row below a node holds the guesses of the head that read its path). Node
+    i's token is ``proposals[row[i], index[i]]``. Sequential heads' drafts are always their top-K,
+    deterministic drafts also under lossless sampling (a point-mass draft distribution: exact for
+    any candidates, and the path the heads read is then the one the base model can accept)."""
+
+    def __init__(self, tree: CompiledTree, walk: TreeWalk, expansion: Expansion | None = None):
+        self.tree, self.walk, self.expansion = tree, walk, expansion
         self.parent = (tree.parent[1:] - 1).astype(np.int64)  # (M,): fragment index, root children -1
         self.depth = tree.depth[1:]  # (M,)
         index = np.array([p[-1] for p in tree.paths], dtype=np.int64)  # (M,) top-k index of each node
+        # (M,) the proposals row each node's token comes from
+        self.row = (self.depth - 1).astype(np.int64) if expansion is None else expansion.node_rows(tree.paths)
+        self.rows = tree.depth_max if expansion is None else expansion.rows
+        self.gather = np.concatenate([[0], 1 + self.row * tree.top_k + index]).astype(np.int64)  # (T,) into [root, rows x K]
         rank = walk.rank[1:]
         self.greedy_keys = tuple(("heads", int(d), int(i)) for d, i in zip(self.depth, index))
         self.lossless_keys = tuple(("heads", int(d), int(r)) for d, r in zip(self.depth, rank))
         self.draw = ((self.depth - 1) * tree.top_k + rank).astype(np.int64)  # (M,) which draw of which head
         self.no_draw = np.full(len(self.parent), DETERMINISTIC, dtype=np.int64)
-        self.head, self.index = (self.depth - 1).astype(np.int64), index  # (M,) which head, which of its top-k
+        self.index = index  # (M,) which of its row's top-k
+
+    @property
+    def sequential(self) -> bool:
+        """Sequential heads: proposals per expanded node, drafts always deterministic."""
+        return self.expansion is not None
 
 
 # Bucket edges of a head's probability for its token (the confidence keys); bucket i covers
@@ -51,16 +68,17 @@ class HeadsDrafter:
     name = "heads"
 
     def __init__(self, template: HeadsTemplate, *, sampled: bool):
-        self.template, self.sampled = template, sampled  # sampled: lossless draws by rank instead of top-k
-        self.proposals: np.ndarray | None = None  # int64 [D, K], set by the loop after each heads call
-        self.confidence: np.ndarray | None = None  # float32 [D, K]: the heads' probabilities of those tokens (greedy drafts)
+        # sampled: lossless draws by rank instead of top-k (never for sequential heads: their drafts are deterministic)
+        self.template, self.sampled = template, sampled and not template.sequential
+        self.proposals: np.ndarray | None = None  # int64 [rows, K], set by the loop after each heads call
+        self.confidence: np.ndarray | None = None  # float32 [rows, K]: the heads' probabilities of those tokens (greedy drafts)
 
     def propose(self, history: list[int], max_depth: int) -> Fragment:
         t = self.template
         if self.proposals is None or t.tree.depth_max == 0:
             return Fragment.empty(self.name)
         candidates = np.concatenate([[history[-1]], self.proposals.reshape(-1)])  # (1 + D*K,)
-        gather = t.walk.rank_gather if self.sampled else t.tree.gather_index
+        gather = t.walk.rank_gather if self.sampled else t.gather
         tokens = candidates[gather[1:]]  # (M,); -1 where a head had no draw left
         keep = (t.depth <= max_depth) & (tokens >= 0)
         keys = t.lossless_keys if self.sampled else self._greedy_keys()
@@ -73,7 +91,7 @@ class HeadsDrafter:
         t = self.template
         if self.confidence is None:
             return t.greedy_keys
-        bucket = np.searchsorted(CONFIDENCE_EDGES, self.confidence[t.head, t.index], side="right")  # (M,)
+        bucket = np.searchsorted(CONFIDENCE_EDGES, self.confidence[t.row, t.index], side="right")  # (M,)
         return tuple(("heads-p", int(d), int(q)) for d, q in zip(t.depth, bucket))
 
     def observe(self, history, scored_tokens, scored_next) -> None:
