@@ -48,6 +48,21 @@ def test_hits_from_proposals_alignment():
     np.testing.assert_array_equal(hits_from_proposals(tokens, proposals), [[0, 1], [1, -1]])
 
 
+def test_sequential_hits_follow_the_true_path_through_the_expanded_template():
+    """Sequential heads: head k's rank is read in the row of the expanded node the true tokens
+    lead to; off the template (a miss, or a node without children) the deeper heads miss."""
+    from medusa_trt.runtime.drafting.sequential import expansion
+
+    plan = expansion([(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 1, 0)])  # rows (), (0,), (1,), (1, 1)
+    tokens = [5, 6, 7, 8, 9, 9]
+    p = np.zeros((6, 4, 2), dtype=np.int64)  # (n, P, K)
+    p[0] = [[1, 6], [0, 0], [7, 3], [0, 0]]  # t_1 = 6 at rank 1 -> row 2; t_2 = 7 at rank 0 -> (1, 0): no children
+    p[1] = [[7, 2], [0, 8], [0, 0], [0, 0]]  # rank 0 -> row 1; t_3 = 8 at rank 1 -> (0, 1): not expanded
+    p[2] = [[0, 8], [0, 0], [3, 9], [9, 4]]  # rank 1 -> row 2; t_4 = 9 at rank 1 -> row 3; t_5 = 9 at rank 0
+    p[3] = [[1, 1], [0, 0], [0, 0], [0, 0]]  # t_4 = 9 missing: the rest miss
+    np.testing.assert_array_equal(hits_from_proposals(tokens, p, plan, 3), [[1, 0, -1], [0, 1, -1], [1, 1, 0]])
+
+
 def test_expected_accept_by_hand():
     acc = [[0.5, 0.2], [0.4, 0.1]]
     # [0]: .5, [1]: .2, [0,0]: .5*.4 = .2, [0,1]: .5*.1 = .05, [1,0]: .2*.4 = .08

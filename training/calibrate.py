@@ -288,17 +288,34 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
     return tokens, np.stack(proposals).astype(np.int64)  # (n, n_heads, K)
 
 
-def hits_from_proposals(tokens: list[int], proposals: np.ndarray) -> np.ndarray:
+def hits_from_proposals(tokens: list[int], proposals: np.ndarray, expansion=None, num_heads: int | None = None) -> np.ndarray:
     """hits int64 [N, n_heads] from one decoded sequence: the rank of t_{i+1+k} in row i's head k
-    list, -1 when absent. Rows whose last head's target lies past the sequence are dropped."""
-    n, heads, _ = proposals.shape
+    list, -1 when absent. Rows whose last head's target lies past the sequence are dropped.
+
+    Sequential heads (``expansion``: their template's ``drafting.sequential.Expansion``; proposals
+    [n, P, K], one row per expanded node): head k's list is the one below the expanded node the
+    true tokens t_{i+1}..t_{i+k} lead to; where they leave the template (a miss above, or a node
+    that is not expanded) head k's hit is -1, as no tree of the template could hold it."""
+    if expansion is None:
+        heads = proposals.shape[1]
+    else:
+        heads = num_heads or int(expansion.depth.max()) + 1
+        child = {(int(expansion.parent[r]), int(expansion.rank[r])): r for r in range(1, expansion.rows)}
     rows = max(len(tokens) - heads, 0)  # row i needs t_{i + heads}
     hits = np.full((rows, heads), -1, dtype=np.int64)
     for i in range(rows):
+        row = 0  # sequential heads: the expanded node the true path has reached
         for k in range(heads):
-            match = np.flatnonzero(proposals[i, k] == tokens[i + 1 + k])
-            if match.size:
-                hits[i, k] = match[0]
+            match = np.flatnonzero(proposals[i, k if expansion is None else row] == tokens[i + 1 + k])
+            if not match.size:
+                if expansion is None:
+                    continue
+                break
+            hits[i, k] = match[0]
+            if expansion is not None:
+                row = child.get((row, int(match[0])), -1)
+                if row < 0:
+                    break
     return hits
 
 
@@ -315,7 +332,7 @@ def measure_head_hits(runtime, prompts_ids, max_new_tokens: int, top_k: int) -> 
             log.warning("skipping a prompt of %d tokens: max_context is %d", len(ids), runtime.max_context)
             continue
         tokens, proposals = greedy_proposals(runtime, list(ids), max_new_tokens, top_k)
-        parts.append(hits_from_proposals(tokens, proposals))
+        parts.append(hits_from_proposals(tokens, proposals, runtime._info.expansion, runtime.num_heads))
     return np.concatenate(parts) if parts else np.zeros((0, runtime.num_heads), dtype=np.int64)
 
 
