@@ -41,10 +41,12 @@ def _prompts(path: Path, every: int, limit: int | None) -> list[str]:
 
 
 @torch.no_grad()
-def head_topk(model, ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def head_topk(model, ids: list[int], top_k: int, expansion=None, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The heads' top-k at every position of ``ids`` (one causal forward pass): ids int64 [L, D, K]
     and their softmax probabilities float32 [L, D, K]; next-token-aware heads read the token that
-    follows each position in ``ids`` (the greedy choice)."""
+    follows each position in ``ids`` (the greedy choice). Sequential heads expand ``expansion``
+    (the runtime's template) at every position: [L, P, K], one row per expanded node. Positions
+    before ``start - 1`` (inside the prompt: never a step's accepted node) are left zero."""
     spec = model.kv_spec
     n = len(ids)
     empty = torch.zeros((0, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
@@ -53,8 +55,12 @@ def head_topk(model, ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray
         torch.zeros(1, dtype=torch.int64), empty, empty,
     )
     following = torch.tensor(ids[1:] + ids[-1:])  # (L,) the base model's next token at each position (the last: unused)
-    top = model.propose(hidden[0], following).float().log_softmax(dim=-1).topk(top_k, dim=-1)  # (L, D, K)
-    return top.indices.numpy(), top.values.exp().numpy()
+    first = max(start - 1, 0)  # the heads run at the positions before the continuation's tokens only
+    top = model.propose(hidden[0, first:], following[first:], expansion, top_k).float().log_softmax(dim=-1).topk(top_k, dim=-1)
+    ids_out = np.zeros((n, *top.indices.shape[1:]), dtype=np.int64)  # (L, D | P, K); rows before `first` unused
+    probs = np.zeros(ids_out.shape, dtype=np.float32)
+    ids_out[first:], probs[first:] = top.indices.numpy(), top.values.exp().numpy()
+    return ids_out, probs
 
 
 class _Tallied(AcceptanceStats):
@@ -156,8 +162,9 @@ def main(argv=None) -> int:
                 continue  # the runtime's context (the benchmark skips these too)
             out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
             continuation = [int(t) for t in out.token_ids]
-            topk, conf = head_topk(model, ids + continuation, runtime.tree.top_k)
-            topk, conf = topk[:, : runtime.tree.depth_max], conf[:, : runtime.tree.depth_max]
+            topk, conf = head_topk(model, ids + continuation, runtime.tree.top_k, runtime._info.expansion, len(ids))
+            rows = runtime.drafting.template.rows
+            topk, conf = topk[:, :rows], conf[:, :rows]
         saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
         for names, mode in rows:
             row = (",".join(names) or "none") + mode

@@ -366,3 +366,17 @@ def test_next_token_aware_heads_beat_medusa_heads_on_the_same_data(stories_base,
     aware = dataclasses.replace(config, out=str(tmp_path / "aware"), head_input="hidden+next", work=str(tmp_path / "aware.work"))
     _, next_aware = train_heads(stories_base, aware, cached)
     assert next_aware["holdout"]["top1"][0] > medusa["holdout"]["top1"][0] + 0.03, (medusa["holdout"], next_aware["holdout"])
+
+
+def test_sequential_heads_beat_next_token_aware_heads_past_head_1_on_the_same_data(stories_base, tmp_path):
+    """Same sequences, epochs and seed; heads that also read the drafted path (teacher-forced: the
+    base model's own tokens) guess heads 2 and 3 better on held-out sequences, and the heads file
+    says format version 3."""
+    config = _config(tmp_path, num_prompts=16, new_tokens=64, epochs=8, holdout=0.25, head_input="hidden+next")
+    cached = cache_hidden(stories_base, build_sequences(stories_base, config), config)
+    _, aware = train_heads(stories_base, config, cached)
+    seq_config = dataclasses.replace(config, out=str(tmp_path / "seq"), head_input="hidden+path", work=str(tmp_path / "seq.work"))
+    heads, seq = train_heads(stories_base, seq_config, cached)
+    assert heads.config.to_json().count('"format_version": 3') == 1
+    for k in (1, 2):
+        assert seq["holdout"]["top1"][k] > aware["holdout"]["top1"][k], (aware["holdout"], seq["holdout"])
