@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -155,9 +156,10 @@ def test_a_failed_write_keeps_the_earlier_export(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- refusals
 
 
-def test_next_token_aware_heads_are_refused_with_the_reason(tmp_path):
-    heads = tiny_heads(shared=True, head_input="hidden+next")
-    with pytest.raises(InteropError, match=r"FasterDecoding format has no next-token input.*--head-input hidden"):
+@pytest.mark.parametrize("head_input", ["hidden+next", "hidden+path"])
+def test_next_token_aware_heads_are_refused_with_the_reason(tmp_path, head_input):
+    heads = tiny_heads(shared=True, head_input=head_input)
+    with pytest.raises(InteropError, match=rf"'{re.escape(head_input)}'.*FasterDecoding format has no next-token input.*--head-input hidden"):
         save_fasterdecoding(heads, tmp_path / "fd")
     assert list(tmp_path.iterdir()) == []
 
