@@ -404,7 +404,7 @@ class Scheduler:
             s = self.rows[b]
             s.proposals = np.array(ids[b])  # (rows, K) a copy: the backend's buffer is reused
             head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n | P, V) host
-            if not s.rule.sampled_drafts or template.sequential:  # top-k drafts: keyed by the heads' confidence
+            if not s.heads.sampled:  # top-k drafts (greedy rows, sequential heads): keyed by the heads' confidence
                 s.confidence = head_confidence(head_logits[b, :rows], s.proposals)  # (rows, K)
             else:
                 q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
