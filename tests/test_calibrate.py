@@ -186,6 +186,27 @@ def test_next_token_aware_heads_are_calibrated_with_their_roots(stories_base, st
     assert measure_heads_ms(runtime, 3, repeats=2) > 0
 
 
+def test_sequential_heads_are_calibrated_along_their_expanded_template(stories_base, stories_sequential, export_engine):
+    """Sequential heads: the proposals have one row per expanded node of the engine's template, and
+    the hits of head 1 (the root's row) are those of the torch heads at the same hidden state and
+    root; the deeper heads' hits exist only where the true path stays in the template."""
+    from medusa_trt.runtime import MedusaRuntime
+
+    runtime = MedusaRuntime(export_engine("stories-sequential", medusa_model(stories_base, stories_sequential)), max_batch=1).with_tree("chain-0")
+    plan = runtime._info.expansion
+    hits = measure_head_hits(runtime, [runtime.codec.encode(p, chat=False) for p in PROMPTS[:2]], 24, 3)
+    assert hits.shape[1] == runtime.num_heads and (hits[:, 0] == 0).mean() > 0.3
+    assert ((hits[:, 1] >= 0) <= (hits[:, 0] >= 0)).all()  # head 2 is read only below a head-1 hit
+    ids = runtime.codec.encode(PROMPTS[0], chat=False)
+    tokens, proposals = greedy_proposals(runtime, ids, 16, 3)
+    assert proposals.shape[1] == plan.rows
+    with torch.no_grad():
+        hidden = stories_base.model(torch.tensor([ids + tokens]), output_hidden_states=True).hidden_states[-1][0]  # (L, H)
+        rows = torch.arange(len(ids) - 1, len(ids) - 1 + len(tokens))
+        want = stories_sequential.head_logits(0, hidden[rows], torch.tensor(tokens)[:, None]).topk(3, dim=-1).indices  # (n, 3)
+    assert (proposals[:, 0, 0] == want[:, 0].numpy()).mean() > 0.95
+
+
 def _prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)))
