@@ -14,8 +14,9 @@ one knows which was taken (the gap Hydra and EAGLE close). All heads still fire 
 Sequential heads (``head_input = "hidden+path"``, format version 3, Hydra-style): head k's first
 block reads the root and the k - 1 tokens drafted above its node, ``x + SiLU(W_k [x; rms(e_1);
 ...; rms(e_k)] + b)``, so head k guesses the token after a known path instead of a blend over
-every path. Head 1 is a next-token-aware head (same weights and shapes). They fire once per
-depth: head d on the nodes at depth d - 1 (:meth:`MedusaHeads.head_logits`).
+every path. Head 1 is a next-token-aware head (same weights and shapes). One heads call expands
+a tree template depth by depth (:meth:`MedusaHeads.expand`): head d + 1 below each node of depth d
+that has children, along the top-k tokens the heads above chose.
 
 Formats read by :func:`load_heads`:
   * ours: ``heads.json`` (:class:`HeadsConfig`) + ``heads.safetensors`` in one folder;

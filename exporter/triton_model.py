@@ -215,6 +215,11 @@ class TritonPythonModel:
         text, tokens = [], []
         try:
             for event in live.handle:
+                if event.finish_reason != "cancelled" and live.past_deadline():  # checked per step too: the watchdog polls
+                    live.timed_out = True  # every CANCEL_POLL_S, longer than a whole short request may take
+                    live.handle.cancel()  # frees the row; what this event holds is past the deadline and not sent
+                    live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
+                    return
                 if event.finish_reason == "cancelled" and live.timed_out:  # its deadline passed (_watch)
                     live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
                     return
@@ -354,6 +359,9 @@ class _Live:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.done = False
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def send(self, response, *, final: bool) -> None:
         if not final:

@@ -18,7 +18,6 @@ for TensorRT ``model.plan`` / ``heads.plan`` beside the ONNX graphs they were bu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ class EngineMeta:
         """The heads graph takes root_ids (the next token) as a second input."""
         return self.head_input != "hidden"
 
-    @functools.cached_property
+    @property
     def expansion(self):
         """Sequential heads: the template expansion the heads graph computes (``drafting.sequential``); else None."""
         if self.head_input != "hidden+path":

@@ -76,7 +76,7 @@ class OnnxBackend:
                 raise EngineError(f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
                                   "keep the files of one export together or export again")
             inputs = {i.name for i in self.heads_session.get_inputs()}
-            if (NEXT_INPUT in inputs) != (meta.reads_roots):
+            if (NEXT_INPUT in inputs) != meta.reads_roots:
                 raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read "
                                   f"{meta.head_input}: export again")
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context

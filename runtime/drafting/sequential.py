@@ -36,19 +36,16 @@ class Expansion:
     def rows(self) -> int:
         return len(self.paths)
 
-    def row_of(self, path: tuple[int, ...]) -> int:
-        """The proposals row of the expanded node at ``path``."""
+    def row_of(self, path: tuple[int, ...], index: dict | None = None) -> int:
+        """The proposals row of the expanded node at ``path`` (``index``: path -> row, when the caller has built it)."""
+        index = index if index is not None else {p: i for i, p in enumerate(self.paths)}
         try:
-            return self._index[tuple(path)]
+            return index[tuple(path)]
         except KeyError:
             raise TemplateMismatchError(
                 f"the tree node below {list(path)} is not in the engine's sequential heads template "
                 "(which expands the template it was exported with): use a subtree of that template, or export with this tree"
             ) from None
-
-    @property
-    def _index(self) -> dict[tuple[int, ...], int]:
-        return {p: i for i, p in enumerate(self.paths)}
 
     def levels(self) -> list[np.ndarray]:
         """Rows per depth: ``levels()[d]`` are the rows head d runs at (increasing)."""
@@ -56,7 +53,8 @@ class Expansion:
 
     def node_rows(self, paths) -> np.ndarray:
         """For tree paths (root excluded), the proposals row each node's token comes from: int64 [M]."""
-        return np.array([self.row_of(tuple(p[:-1])) for p in paths], dtype=np.int64)
+        index = {p: i for i, p in enumerate(self.paths)}
+        return np.array([self.row_of(tuple(p[:-1]), index) for p in paths], dtype=np.int64)
 
 
 def expansion(paths) -> Expansion:
