@@ -213,19 +213,23 @@ class MedusaHeads(nn.Module):
             e = self._embedded(tokens[..., 0], hidden.dtype)
         else:
             e = None
-        x = self._run(k, hidden, e)  # (..., H)
-        weight = self.projection_weights(vocab or self.config.vocab_size)
-        return torch.nn.functional.linear(x, weight[0] if self._shared is not None else weight[k])
+        return self.projector(vocab)(k, self._run(k, hidden, e))  # (..., vocab)
+
+    def projector(self, vocab: int | None = None):
+        """``project(k, x)``: head k's logits over the first ``vocab`` ids (default all) of its block
+        output x [..., H] -> [..., vocab], reading only those projection rows."""
+        weights = self.projection_weights(vocab or self.config.vocab_size)
+        return lambda k, x: torch.nn.functional.linear(x, weights[0 if self._shared is not None else k])
 
     def expand(self, hidden: torch.Tensor, roots: torch.Tensor, plan, top_k: int, project=None) -> torch.Tensor:
         """Sequential heads over a template's expansion (``runtime.drafting.sequential.Expansion``):
         head 1 at the root ``roots`` [B], then head d + 1 at each expanded node of depth d, reading
         the path of top-``top_k`` tokens that leads there. hidden [B, H] -> logits [B, P, N], row i
         the proposals below expanded node i. ``project(k, x)``: head k's projection (default: the
-        whole vocabulary)."""
+        whole vocabulary; :meth:`projector` gives a draft vocabulary's)."""
         if not self.config.reads_path:
             raise HeadsMismatchError("only sequential heads (head_input hidden+path) expand a template")
-        project = project or (lambda k, x: self.project(x, k))
+        project = project or self.projector()
         batch = hidden.shape[0]
         paths: list[torch.Tensor | None] = [None] * plan.rows  # row -> [B, depth+1] tokens, root first
         tops: list[torch.Tensor | None] = [None] * plan.rows  # row -> [B, K]

@@ -90,14 +90,11 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
         if model.head_input != "hidden":
             feeds[NEXT_INPUT] = roots
         head_topk, head_logits = heads.run(None, feeds)
-        sequential = model.head_input == "hidden+path"  # the graph expands the tree over the draft vocabulary
-        saved = model.draft_vocab
-        model.draft_vocab = draft_vocab if sequential else saved
-        try:
-            theirs_heads = model.propose(torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device),
-                                         expansion(tree.paths) if sequential else None, tree.top_k)  # (2, n | P, V)
-        finally:
-            model.draft_vocab = saved
+        hidden_t, roots_t = torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device)
+        if model.head_input == "hidden+path":  # the graph expands the tree over the draft vocabulary
+            theirs_heads = model.heads.expand(hidden_t, roots_t, expansion(tree.paths), tree.top_k, model.heads.projector(draft_vocab))
+        else:
+            theirs_heads = model.propose(hidden_t, roots_t)  # (2, n, V)
         diffs["head logits"] = _diff(theirs_heads[..., : draft_vocab or theirs_heads.shape[-1]], head_logits)  # the draft vocabulary's columns
     worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))

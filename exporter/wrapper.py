@@ -194,9 +194,7 @@ class MedusaModel(nn.Module):
         if self.heads.config.reads_path:
             if expansion is None:
                 raise ValueError("sequential heads expand a template: pass its expansion (runtime.drafting.sequential) and top_k")
-            vocab = self.draft_vocab
-            return self.heads.expand(hidden, roots, expansion, top_k,
-                                     None if vocab is None else lambda k, x: self.heads.project(x, k)[..., :vocab])
+            return self.heads.expand(hidden, roots, expansion, top_k, self.heads.projector(self.draft_vocab))
         logits = self.heads(hidden, roots if self.heads.config.reads_next else None)
         return logits if self.draft_vocab is None else logits[..., : self.draft_vocab]
 

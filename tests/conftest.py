@@ -61,37 +61,31 @@ def stories_prompts(stories_base):
     return [stories_base.tokenizer(p)["input_ids"] for p in STORY_PROMPTS]
 
 
-@pytest.fixture(scope="session")
-def stories_next_aware(stories_base, tmp_path_factory):
-    """Next-token-aware heads trained (a few seconds) on the model's own continuations of story openings."""
+def _story_heads(stories_base, tmp_path_factory, head_input: str):
+    """Heads reading ``head_input`` trained (a few seconds) on the model's own continuations of story openings."""
     from medusa_trt.training.train import TrainConfig, build_sequences, cache_hidden, train_heads
 
-    work = tmp_path_factory.mktemp("next-aware")
+    work = tmp_path_factory.mktemp(head_input.replace("+", "-"))
     prompts = work / "openings.txt"
     prompts.write_text("\n".join(["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
                                   "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day",
                                   "Once upon a time", "One day", "The dog was happy", "Lily went to the park"]))
     config = TrainConfig(out=str(work / "heads"), data=str(prompts), num_prompts=14, new_tokens=96, epochs=20, batch_size=128, lr=1e-2,
-                         warmup_steps=2, holdout=0.0, head_input="hidden+next", generate_batch=4, checkpoint_every=1000)
+                         warmup_steps=2, holdout=0.0, head_input=head_input, generate_batch=4, checkpoint_every=1000)
     heads, _ = train_heads(stories_base, config, cache_hidden(stories_base, build_sequences(stories_base, config), config))
     return heads.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def stories_next_aware(stories_base, tmp_path_factory):
+    """Next-token-aware heads (format version 2)."""
+    return _story_heads(stories_base, tmp_path_factory, "hidden+next")
 
 
 @pytest.fixture(scope="session")
 def stories_sequential(stories_base, tmp_path_factory):
-    """Sequential heads (format version 3: head k reads the path above its node) trained like
-    ``stories_next_aware``."""
-    from medusa_trt.training.train import TrainConfig, build_sequences, cache_hidden, train_heads
-
-    work = tmp_path_factory.mktemp("sequential")
-    prompts = work / "openings.txt"
-    prompts.write_text("\n".join(["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
-                                  "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day",
-                                  "Once upon a time", "One day", "The dog was happy", "Lily went to the park"]))
-    config = TrainConfig(out=str(work / "heads"), data=str(prompts), num_prompts=14, new_tokens=96, epochs=20, batch_size=128, lr=1e-2,
-                         warmup_steps=2, holdout=0.0, head_input="hidden+path", generate_batch=4, checkpoint_every=1000)
-    heads, _ = train_heads(stories_base, config, cache_hidden(stories_base, build_sequences(stories_base, config), config))
-    return heads.eval().requires_grad_(False)
+    """Sequential heads (format version 3: head k reads the path above its node), trained like ``stories_next_aware``."""
+    return _story_heads(stories_base, tmp_path_factory, "hidden+path")
 
 
 @pytest.fixture(scope="session")

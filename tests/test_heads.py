@@ -417,18 +417,24 @@ def test_untrained_next_aware_heads_start_as_medusa_heads():
         torch.testing.assert_close(aware(x, torch.tensor([1, 2, 3, 4])), plain(x))
 
 
-def test_version_2_round_trip_and_version_1_unchanged(tmp_path):
+def _assert_round_trip(tmp_path, head_input: str, version: int, *inputs):
+    """Heads reading ``head_input`` saved and loaded back: the file says ``version``, the outputs on
+    ``inputs`` are bitwise the same, and loading without the embedding they read is refused."""
     lm_head, embed = make_lm_head(), make_embed()
-    aware = init_heads(config(head_input="hidden+next"), lm_head, random=True, embed=embed)
-    folder = save_heads(aware, tmp_path / "aware")
+    heads = init_heads(config(head_input=head_input), lm_head, random=True, embed=embed)
+    folder = save_heads(heads, tmp_path / head_input.replace("+", "-"))
     raw = json.loads((folder / "heads.json").read_text())
-    assert raw["format_version"] == 2 and raw["head_input"] == "hidden+next"
+    assert raw["format_version"] == version and raw["head_input"] == head_input
     back = load(folder, lm_head, embed=embed)
-    x, nxt = hidden(3), torch.tensor([4, 5, 6])
     with torch.no_grad():
-        torch.testing.assert_close(back(x, nxt), aware(x, nxt), rtol=0, atol=0)
+        torch.testing.assert_close(back(hidden(3), *inputs), heads(hidden(3), *inputs), rtol=0, atol=0)
     with pytest.raises(HeadsMismatchError, match="embed="):
         load(folder, lm_head)
+
+
+def test_version_2_round_trip_and_version_1_unchanged(tmp_path):
+    _assert_round_trip(tmp_path, "hidden+next", 2, torch.tensor([4, 5, 6]))
+    lm_head = make_lm_head()
     plain = save_heads(init_heads(config(), lm_head, random=True), tmp_path / "plain")
     raw = json.loads((plain / "heads.json").read_text())
     assert raw["format_version"] == 1 and "head_input" not in raw  # hidden-only heads stay readable by version-1 readers
@@ -503,14 +509,4 @@ def test_untrained_sequential_heads_start_as_medusa_heads_and_head_1_is_next_tok
 
 
 def test_version_3_round_trip(tmp_path):
-    lm_head, embed = make_lm_head(), make_embed()
-    seq = init_heads(config(head_input="hidden+path"), lm_head, random=True, embed=embed)
-    folder = save_heads(seq, tmp_path / "seq")
-    raw = json.loads((folder / "heads.json").read_text())
-    assert raw["format_version"] == 3 and raw["head_input"] == "hidden+path"
-    back = load(folder, lm_head, embed=embed)
-    x, nxt, path = hidden(3), torch.tensor([4, 5, 6]), torch.tensor([[1, 2], [3, 4], [5, 6]])
-    with torch.no_grad():
-        torch.testing.assert_close(back(x, nxt, path), seq(x, nxt, path), rtol=0, atol=0)
-    with pytest.raises(HeadsMismatchError, match="embed="):
-        load(folder, lm_head)
+    _assert_round_trip(tmp_path, "hidden+path", 3, torch.tensor([4, 5, 6]), torch.tensor([[1, 2], [3, 4], [5, 6]]))
