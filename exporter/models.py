@@ -56,6 +56,7 @@ class BaseModel:
     name: str  # what the user passed
     eos_token_ids: tuple[int, ...]  # every id that ends generation
     is_chat: bool  # the tokenizer carries a chat template (instruct model)
+    tokenizer_files: Path | None = None  # the folder of the source's tokenizer.json, which the engine copies; None: converted
 
 
 def cache_dir() -> Path:
@@ -190,7 +191,7 @@ def check_architecture(config) -> None:
 def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
     """``smollm2-135m``, a folder with config.json + safetensors, a ``.gguf`` file, or a Hub id
     (``org/name``, not an existing path) loaded offline from the local Hugging Face cache."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     name = str(name_or_path)
@@ -219,7 +220,11 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
         check_architecture(config)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+        tokenizer_files = folder if "gguf_file" not in extra and (folder / "tokenizer.json").is_file() else None
+        if tokenizer_files is not None:  # the source's own tokenizer.json, never one rebuilt from the architecture's class
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        else:  # a GGUF file or a SentencePiece model: transformers converts it
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
         vocab = config.vocab_size
         if config.pad_token_id is not None and not 0 <= config.pad_token_id < vocab:
             extra["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < vocab else 0
@@ -235,4 +240,5 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False).to(device)
     eos = _eos_ids(model, tokenizer)
-    return BaseModel(model=model, tokenizer=tokenizer, name=name, eos_token_ids=eos, is_chat=tokenizer.chat_template is not None)
+    return BaseModel(model=model, tokenizer=tokenizer, name=name, eos_token_ids=eos, is_chat=tokenizer.chat_template is not None,
+                     tokenizer_files=tokenizer_files)

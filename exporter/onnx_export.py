@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES, QuantizeConfig, quantize_engine
+from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
@@ -280,7 +281,9 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("tracing the heads graph")
                 _save(_export_heads(model, tree, config), staged.heads, meta)
             bar.update()
-            model.tokenizer.save_pretrained(str(staged.tokenizer))  # a folder's tokenizer files lie at its top
+            bar.set_postfix_str("checking the tokenizer")
+            write_engine_tokenizer(model.tokenizer, model.tokenizer_files, staged.tokenizer)  # a folder's tokenizer files lie at its top
+            check_engine_tokenizer(model.tokenizer, model.tokenizer_files, staged.tokenizer, model.vocab_size, shown=final.tokenizer)
             bar.update()
             if config.quantize:
                 bar.set_postfix_str(f"quantizing {config.quantize.mode}")

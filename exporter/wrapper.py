@@ -120,6 +120,7 @@ class MedusaModel(nn.Module):
         first = next(self.base.parameters())
         self.heads = heads.to(device=first.device, dtype=first.dtype) if heads is not None else None
         self.tokenizer = base.tokenizer
+        self.tokenizer_files = base.tokenizer_files  # the source's tokenizer.json folder (None: converted at export)
         self.eos_token_ids = base.eos_token_ids
         self.is_chat = base.is_chat
         self.name = base.name

@@ -6,6 +6,7 @@ Duck-typed on the ``transformers`` tokenizer interface (``__call__``/``encode``,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from medusa_trt.runtime.errors import MedusaError
@@ -17,6 +18,17 @@ class PromptError(MedusaError):
 
 class TokenizerError(MedusaError):
     """The tokenizer files beside an engine cannot be used; the message names the file."""
+
+
+# distinct from an empty prompt: the text was there, the tokenizer's vocabulary had nothing for it
+NO_TOKENS = ("the prompt encodes to no tokens with this engine's tokenizer (none of its text is in the vocabulary): "
+             "pass text the model's vocabulary covers, or token ids")
+
+
+def _some_tokens(ids: list[int]) -> list[int]:
+    if not ids:
+        raise PromptError(NO_TOKENS)
+    return ids
 
 
 def check_text(text: str) -> None:
@@ -70,6 +82,10 @@ class TextCodec:
         check_text(text)
         if chat:
             return self.encode_chat([{"role": "user", "content": text}])
+        return _some_tokens(self.encode_raw(text))
+
+    def encode_raw(self, text: str) -> list[int]:
+        """The tokenizer's ids for ``text`` (special tokens as its post-processor adds them), unchecked."""
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -78,7 +94,7 @@ class TextCodec:
         messages = check_messages(messages)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return [int(i) for i in ids]
+        return _some_tokens([int(i) for i in ids])
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -86,9 +102,12 @@ class TextCodec:
 
 class FileTextCodec:
     """Tokenizer files saved beside an engine (``tokenizer.json``, ``tokenizer_config.json``,
-    ``chat_template.jinja``), read with the ``tokenizers`` library and ``jinja2``: no transformers."""
+    ``chat_template.jinja``), read with the ``tokenizers`` library and ``jinja2``: no transformers.
 
-    def __init__(self, folder):
+    ``check``: encode the probe texts the export recorded (``runtime/tokenizer_probe.py``) and refuse
+    files that no longer give the recorded ids (``TokenizerError``)."""
+
+    def __init__(self, folder, *, check: bool = True):
         import json
         from pathlib import Path
 
@@ -115,6 +134,23 @@ class FileTextCodec:
         self._template = None
         if self.chat_template is not None:
             self._compile(folder)
+        if check:
+            self._check_probe(folder)
+
+    def _check_probe(self, folder) -> None:
+        from medusa_trt.runtime.tokenizer_probe import PROBE_FILE, first_difference, probe, read_probe
+
+        try:
+            recorded = read_probe(folder)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TokenizerError(f"{folder / PROBE_FILE} is corrupt ({_short(exc)}): copy the engine's tokenizer files again or export again") from exc
+        if recorded is None:
+            return
+        # the texts only: a chat template may be added or changed after export (put chat_template.jinja beside the files)
+        differs = first_difference(dataclasses.replace(recorded, chat=None), probe(self, recorded.texts, chat=False))
+        if differs:
+            raise TokenizerError(f"the engine's tokenizer {folder / 'tokenizer.json'} {differs}, unlike at export "
+                                 "(edited or replaced since): copy the engine's tokenizer files again or export again")
 
     def _compile(self, folder) -> None:
         """Compile the chat template once, so a broken one is named at load, not on the first request."""
@@ -139,7 +175,7 @@ class FileTextCodec:
     def _render(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError
 
-        special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
+        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v) is not None}
         try:
             return self._template.render(messages=messages, add_generation_prompt=True, **special)
         except TemplateError as exc:
@@ -149,6 +185,10 @@ class FileTextCodec:
         check_text(text)
         if chat:  # the template writes the special tokens itself
             return self.encode_chat([{"role": "user", "content": text}])
+        return _some_tokens(self.encode_raw(text))
+
+    def encode_raw(self, text: str) -> list[int]:
+        """The tokenizer's ids for ``text`` (special tokens as its post-processor adds them), unchecked."""
         return self.tokenizer.encode(text).ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -157,7 +197,14 @@ class FileTextCodec:
         if self.chat_template is None:
             raise PromptError("the tokenizer has no chat template: a conversation cannot be encoded")
         messages = check_messages(messages)
-        return self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids
+        return _some_tokens(self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string, or an added-token dict with its ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
