@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
+from medusa_trt.exporter.triton_model import TEST_STEP_CLOCK
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS, TRITON_INPUTS, TRITON_OUTPUTS, max_tokens_limit
 
@@ -66,6 +67,9 @@ class TritonRepoConfig:
     chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
     overwrite: bool = False  # replace an existing model folder of the same name
     copy_engine: bool = False  # copy the engine into <model>/engine/ (self-contained) instead of referencing it relatively
+    # tests only, no CLI flag: > 0 makes the model's deadlines count this many seconds per engine step of a request instead
+    # of reading the wall clock, so a test's deadline passes after a known number of steps (triton_model's module doc)
+    test_seconds_per_step: float = 0.0
 
     def __post_init__(self):
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
@@ -80,6 +84,9 @@ class TritonRepoConfig:
             raise TritonRepoError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not self.request_timeout >= 0 or self.request_timeout == float("inf"):
             raise TritonRepoError(f"request_timeout must be a number of seconds >= 0 (0: none), got {self.request_timeout}")
+        if not 0 <= self.test_seconds_per_step < float("inf"):
+            raise TritonRepoError(f"test_seconds_per_step must be a number of seconds >= 0 (0: the wall clock), "
+                                  f"got {self.test_seconds_per_step}")
         if not 0 <= self.temperature < float("inf") or not 0 < self.top_p <= 1:
             raise TritonRepoError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
 
@@ -192,6 +199,8 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
         "default_top_p": repr(float(config.top_p)),
         "chat_template": "auto" if config.chat_template is None else str(config.chat_template).lower(),
     }
+    if config.test_seconds_per_step:  # written only when set: a production config never names the test hook
+        params[TEST_STEP_CLOCK] = repr(float(config.test_seconds_per_step))
 
     def q(text: str) -> str:  # a protobuf text-format string literal
         return json.dumps(text, ensure_ascii=False)

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,9 @@ from medusa_trt.runtime.engine import EngineFiles
 
 LIMIT = 200  # the security server's max_tokens_limit
 CAP_TIMEOUT = 30.0  # its request_timeout: the longest deadline a request may ask for
+# The deadline tests' servers run the model's test step clock (TritonRepoConfig.test_seconds_per_step): a request's
+# deadline passes after a known number of engine steps, whatever the machine's speed (CAP_TIMEOUT: 10,000 steps, never)
+STEP_S = 0.003
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,8 @@ def runtime(engine):
 @pytest.fixture(scope="module")
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("security-repo")
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT))
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT,
+                                       test_seconds_per_step=STEP_S))
     log_file = tmp_path_factory.mktemp("security-log") / "tritonserver.log"  # not test_serving's log
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=log_file)).start()
     yield server
@@ -272,25 +277,61 @@ def test_max_tokens_above_the_limit_is_refused(server, runtime):
     assert _text(server, STORY_PROMPTS[0], max_tokens=LIMIT)[0][-1].finish_reason in ("length", "stop")  # the limit itself is served
 
 
+def _assert_sent_steps(chunks, text: str, full, steps: int, stream: bool) -> None:
+    """A request that timed out sent the first ``steps`` engine steps of the full generation and no more:
+    a response per step then the empty "timeout" one (stream), or one "timeout" response with their text."""
+    assert [c.finish_reason for c in chunks] == ([""] * steps if stream else []) + ["timeout"]
+    if stream:  # the past-deadline step's tokens are not sent
+        assert (chunks[-1].text, chunks[-1].token_ids) == ("", [])
+    ids = [t for c in chunks for t in c.token_ids]
+    assert steps <= len(ids) < len(full.token_ids) and ids == full.token_ids[: len(ids)]  # at least a token per step
+    assert len(text) < len(full.text) and full.text.startswith(text)  # what it sent before the deadline, no more
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_request_deadline_ends_with_timeout(server, runtime, stream):
     full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=LIMIT, chat_template=False)
-    started = time.monotonic()
-    # 10 ms: well under what 200 tokens take; the deadline is checked at every step (the watchdog alone polls every 0.2 s,
-    # longer than these 200 tokens may take)
+    # 10 ms at STEP_S per step: steps 1-3 (9 ms) are sent, step 4 (12 ms) is past the deadline; checked at every step
+    # (the watchdog alone polls every 0.2 s)
     chunks, text = _text(server, STORY_PROMPTS[0], max_tokens=LIMIT, timeout_s=0.01, stream=stream)
-    assert chunks[-1].finish_reason == "timeout" and time.monotonic() - started < 5
-    assert len(text) < len(full.text) and full.text.startswith(text)  # what it sent before the deadline, no more
+    _assert_sent_steps(chunks, text, full, 3, stream)
     with pytest.raises(RequestFailed, match=f"timeout_s 60 exceeds this server's request_timeout of {CAP_TIMEOUT:g} s"):
         list(stream_generate(server.grpc_address, "Hi", timeout_s=60.0, stream=stream))
 
 
-def test_server_default_deadline(serving, engine, tmp_path):
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", max_tokens=240, request_timeout=0.05))
+def test_server_default_deadline(serving, engine, runtime, tmp_path):
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", max_tokens=240, request_timeout=0.05,
+                                       test_seconds_per_step=STEP_S))
+    full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=240, chat_template=False)
     with TritonServer(ServeConfig(repo=tmp_path / "repo", log_file=tmp_path / "tritonserver.log")) as server:
-        chunks, _ = _text(server, STORY_PROMPTS[0])  # no timeout_s: the server's deadline
-        assert chunks[-1].finish_reason == "timeout"
-        assert sum(len(c.token_ids) for c in chunks) < 240
+        chunks, text = _text(server, STORY_PROMPTS[0])  # no timeout_s: the server's deadline
+    _assert_sent_steps(chunks, text, full, 16, stream=True)  # 50 ms at STEP_S per step: 16 steps (48 ms), step 17 (51 ms) is past it
+
+
+def test_deadline_clocks(tmp_path, monkeypatch):
+    """A deadline reads the wall clock from the request's arrival, unless the config names the test step clock (only
+    a config that asks for it does); a bad step is refused where it is written and where it is read."""
+    from medusa_trt.exporter import triton_model
+    from medusa_trt.exporter.triton_model import TEST_STEP_CLOCK, _Live, step_clock
+    from medusa_trt.exporter.triton_repo import TritonRepoError, config_pbtxt
+    from medusa_trt.runtime.errors import MedusaError
+
+    assert TEST_STEP_CLOCK not in config_pbtxt(TritonRepoConfig(engine="e.onnx", repo=tmp_path), "e.onnx", 16)
+    assert f'"{TEST_STEP_CLOCK}" value: {{ string_value: "0.003" }}' in config_pbtxt(
+        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=STEP_S), "e.onnx", 16)
+    assert (step_clock({}), step_clock({TEST_STEP_CLOCK: ""}), step_clock({TEST_STEP_CLOCK: "0.003"})) == (0.0, 0.0, 0.003)
+    for bad in ("-1", "inf", "nan", "soon"):
+        with pytest.raises(MedusaError, match=f"config.pbtxt parameter {TEST_STEP_CLOCK} is '{bad}': use seconds >= 0"):
+            step_clock({TEST_STEP_CLOCK: bad})
+    with pytest.raises(TritonRepoError, match="test_seconds_per_step must be a number of seconds >= 0"):
+        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=-1.0)
+
+    wall, stepped = _Live(None, None, None, 100.0, 0.01), _Live(None, None, None, 100.0, 0.01, STEP_S)
+    for now, steps, past in ((100.009, 3, (False, False)), (100.01, 4, (True, True)), (1e9, 0, (True, False))):
+        monkeypatch.setattr(triton_model, "time", SimpleNamespace(monotonic=lambda now=now: now))  # the model's clock only
+        wall.steps = stepped.steps = steps
+        assert (wall.past_deadline(), stepped.past_deadline()) == past, (now, steps)
+    assert not _Live(None, None, None, 100.0, None, STEP_S).past_deadline()  # no deadline
 
 
 def test_bad_parameters_get_errors_while_a_good_request_finishes(server, runtime):
