@@ -35,15 +35,15 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP)
 
 # The main job on the built-in default: SmolLM2-135M with the shipped heads, exported to ONNX once
-# into one engine folder (heads template assets/smollm2-135m-template.json, int8 heads graph), then generated with every
-# drafter (heads, retrieval, recycled successors) and with plain decoding on the same engine.
+# into one engine folder, then generated with every drafter (heads, retrieval, recycled successors)
+# and with plain decoding on the same engine. The heads folder's export.json gives the engine its
+# heads template (template.json there), draft vocabulary (16,384 ids) and int8 heads graph.
 HEADS  := assets/smollm2-135m-medusa
-TREE   := assets/smollm2-135m-template.json
 ENGINE := build/smollm2-135m-medusa
 
-$(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(TREE)
+$(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(HEADS)/template.json $(HEADS)/export.json
 	mkdir -p build
-	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --tree $(TREE) --quantize heads-int8 --draft-vocab 16384 --out $@ --max-batch 4 --max-context 1024
+	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --out $@ --max-batch 4 --max-context 1024
 
 demo: $(ENGINE)
 	$(VENV)/bin/medusa-run --engine $(ENGINE) --max-new-tokens 128 --compare-plain \

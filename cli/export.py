@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a file the suffix decides)")
     p.add_argument("--step-cost", metavar="FILE", help="engine folder only: the drafting budget's verify-cost table, from a "
                                                       "medusa-calibrate report (.report.json, its step_ms); default: the runtime's")
-    p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file")
+    p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file (default: the heads folder's export.json, "
+                                  "else a chain over the heads)")
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
     p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per step (tree nodes, prefill chunk)")
@@ -54,13 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="the heads draft from the first N token ids only (a byte-level BPE gives its most frequent tokens the lowest "
-                        "ids): a smaller heads projection to read after every verify step; output unchanged (default: the whole vocabulary)")
-    p.add_argument("--quantize", choices=list(QUANTIZE_MODES),
+                        "ids): a smaller heads projection to read after every verify step; output unchanged (default: the heads folder's "
+                        "export.json, else the whole vocabulary)")
+    p.add_argument("--quantize", choices=[*QUANTIZE_MODES, "none"],
                    help="ONNX Runtime weight quantization: int8 = dynamic int8 on every weight matmul of the step graph (faster, output "
                         "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
                         "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
                         "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
-                        "column in both graphs")
+                        "column in both graphs; none = fp32 graphs. Default: the heads folder's export.json, else none")
     p.add_argument("--block-size", type=int, help=f"--quantize int4: weights per block sharing a scale, a power of two >= 16 "
                                                   f"(default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--accuracy-level", type=int, help=f"--quantize int4: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
@@ -70,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+def _with_heads_defaults(args, *, onnx_graph: bool) -> tuple[str | None, int | None, str | None]:
+    """--tree, --draft-vocab and --quantize, each from the heads folder's export.json where the command
+    line leaves it out (``exporter/export_defaults.py``; --quantize none: fp32 graphs). The heads' int8
+    quantization applies to standard fp32 ONNX graphs only (not a .plan, --attention plugin or --dtype)."""
+    from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
+
+    found = read_export_defaults(args.heads)
+    taken = {}
+    if args.tree is None and found.tree is not None:
+        taken["tree"] = found.tree
+    if args.draft_vocab is None and found.draft_vocab is not None:
+        taken["draft vocabulary"] = found.draft_vocab
+    if args.quantize is None and found.quantize is not None and onnx_graph:
+        taken["quantize"] = found.quantize
+    if taken:
+        print(f"from {Path(args.heads) / EXPORT_DEFAULTS}: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
+    quantize = None if args.quantize == "none" else args.quantize or taken.get("quantize")
+    tree = args.tree if args.tree is not None else taken.get("tree")
+    return tree, args.draft_vocab if args.draft_vocab is not None else taken.get("draft vocabulary"), quantize
 
 
 @entry("medusa-export")
@@ -113,14 +136,15 @@ def _export(args) -> int:
         onnx_out = out if folder else onnx_beside(out) if trt_config else out
         if trt_config is None and args.dtype == "bf16":
             raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16")
-        if trt_config is not None and args.quantize:
+        if trt_config is not None and args.quantize not in (None, "none"):
             raise ExportError(f"--quantize {args.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: drop it for a .plan")
         check_output_path(onnx_out)
-        config = ExportConfig(out=onnx_out, tree=args.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
+        tree, draft_vocab, quantize = _with_heads_defaults(args, onnx_graph=trt_config is None and args.attention == "onnx" and args.dtype == "fp32")
+        config = ExportConfig(out=onnx_out, tree=tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
                               dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
-                              quantize=QuantizeConfig.from_options(args.quantize, args.block_size, args.accuracy_level), attention=args.attention,
+                              quantize=QuantizeConfig.from_options(quantize, args.block_size, args.accuracy_level), attention=args.attention,
                               successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
-                              draft_vocab=args.draft_vocab)
+                              draft_vocab=draft_vocab)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

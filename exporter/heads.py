@@ -306,6 +306,7 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike) -> Path:
         (tmp / HEADS_CONFIG).write_text(heads.config.to_json())
         for path in (tmp, tmp / HEADS_WEIGHTS, tmp / HEADS_CONFIG):  # mkdtemp makes them private
             path.chmod(0o755 if path.is_dir() else 0o644)
+        _keep_export_defaults(folder, tmp)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
@@ -313,6 +314,22 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _keep_export_defaults(old: Path, new: Path) -> None:
+    """Heads retrained into the same folder keep its export.json and the tree file it names
+    (``exporter/export_defaults.py``): the settings the folder's engines are exported with."""
+    from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS
+
+    if not (old / EXPORT_DEFAULTS).is_file():
+        return
+    shutil.copyfile(old / EXPORT_DEFAULTS, new / EXPORT_DEFAULTS)
+    try:
+        tree = json.loads((old / EXPORT_DEFAULTS).read_text(encoding="utf-8")).get("tree")
+    except (ValueError, AttributeError):
+        return  # a broken file travels as it is; the export names it
+    if isinstance(tree, str) and tree.endswith(".json") and (old / tree).is_file() and Path(tree).name == tree:
+        shutil.copyfile(old / tree, new / tree)
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:

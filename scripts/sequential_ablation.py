@@ -48,7 +48,7 @@ from medusa_trt.training.train import (
 
 log = logging.getLogger("sequential_ablation")
 SHIPPED = "assets/smollm2-135m-medusa"
-TEMPLATE = "assets/smollm2-135m-template.json"
+TEMPLATE = "assets/smollm2-135m-medusa/template.json"
 
 
 def main() -> None:

@@ -206,7 +206,7 @@ def _same_tree(a, b) -> None:
         assert (getattr(a, field) == getattr(b, field)).all(), field
 
 
-TREE_SPECS = ["custom", "chain-3", str(REPO / "assets" / "smollm2-135m-tree.json"), str(REPO / "assets" / "smollm2-135m-template.json")]
+TREE_SPECS = ["custom", "chain-3", str(REPO / "assets" / "smollm2-135m-tree.json"), str(REPO / "assets" / "smollm2-135m-medusa" / "template.json")]
 
 
 @pytest.mark.parametrize("spec", TREE_SPECS + (["mc_sim_7b_63"] if TREES.is_file() else []))

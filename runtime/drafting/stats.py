@@ -13,7 +13,7 @@ PRIOR_WEIGHT = 4.0
 # Starting estimates fitted to an offline replay of the 50 calibration prompts (SmolLM2-135M, the
 # shipped heads, 128 greedy tokens, every drafter; disjoint from the training and the benchmark
 # prompts): accepted / tested per key, shrunk towards the previous hand-set value with the weight
-# of 8 observations. Rerun: .venv/bin/python scripts/replay_drafts.py --tree assets/smollm2-135m-template.json
+# of 8 observations. Rerun: .venv/bin/python scripts/replay_drafts.py --tree assets/smollm2-135m-medusa/template.json
 # --prompts assets/calibration_prompts.jsonl --every 1 --draft heads,lookup,recycle --tally tally.json
 # Heads drafts by probability bucket (heads.CONFIDENCE_EDGES), depths 1-2 pooled (deeper ones
 # agree within their noise): a head's softmax probability is close to its acceptance rate.
