@@ -9,6 +9,8 @@ with the same temperature / top-p / top-k, prompt i seeded with seed + i):
                      the engine's heads template (or ``--tree``, repeatable)
   * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
   * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
+  * ``llama.cpp[F]``: ``--peer llama.cpp:F.gguf`` (repeatable): llama.cpp on a GGUF of the same model, greedy,
+                     the same threads (``llama.cpp+lookup`` with its prompt-lookup decoding); ``medusa_trt.bench.peers``
 Repeat ``--engine`` to compare engines (int4 and int8 ones against fp32, say): each gets ``plain`` and
 ``medusa`` rows; greedy agreement is measured against the first engine's plain decoding (share of
 prompts identical, mean matching prefix) and against the row's own engine's plain decoding (prompts
@@ -57,6 +59,10 @@ def build_parser() -> Parser:
                         "(default: every drafter the engine supports)")
     p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
+    p.add_argument("--peer", action="append", metavar="KIND:GGUF",
+                   help="another engine on the same prompt ids, greedy, same threads, interleaved: llama.cpp:FILE.gguf "
+                        "(llama-cpp-python; make peers builds it) or llama.cpp+lookup:FILE.gguf (with its prompt-lookup "
+                        "decoding); the file must be a GGUF of the engine's model; repeatable")
     p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
     p.add_argument("--threads", type=positive_int, help="intra-op threads for ONNX Runtime and torch")
     p.add_argument("--out", help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); "
@@ -86,9 +92,18 @@ def check_options(args) -> None:
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise MedusaError(f"{' / '.join(given)} {verb} when sampling: add --temperature (e.g. 0.7), or drop it for greedy decoding")
+    from medusa_trt.bench.peers import binding_missing, parse_peer
+
+    args.peers = [parse_peer(text) for text in args.peer or []]
+    if args.peers and args.temperature > 0:
+        raise MedusaError("--peer rows decode greedily: drop --temperature, or drop --peer")
+    if args.peers and binding_missing():
+        raise MedusaError(f"--peer {args.peer[0]}: {binding_missing()}")
     names = [Path(e).stem for e in args.engine]
     drafts = [",".join(d) or "none" for d in args.draft or []]
-    for what, values in (("--engine", names), ("--tree", args.tree or []), ("--acceptance", args.acceptance or []), ("--draft", drafts)):
+    peers = [p.name for p in args.peers]
+    for what, values in (("--engine", names), ("--tree", args.tree or []), ("--acceptance", args.acceptance or []), ("--draft", drafts),
+                         ("--peer", peers)):
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise MedusaError(f"{what} {repeated[0]} is given twice: its rows would overwrite each other "
@@ -303,12 +318,20 @@ def run_bench(args) -> dict:
             runtime.generate(ids[0], max_new_tokens=4, sampling=params(rule, 0))  # warm-up: first calls pay one-time costs
     if hf is not None:
         rows["hf"], rows["hf-lookup"] = _Row("hf"), _Row("hf-lookup")
+    from medusa_trt.bench.peers import make_peer
+
+    peers = [make_peer(spec, threads=args.threads, context=first.max_context, vocab_size=meta.vocab_size) for spec in args.peers]
+    for peer in peers:
+        rows[peer.name] = _Row(peer.name)
+        peer.generate(ids[0], 4, frozenset(eos))  # warm-up, as for the engines
     for i, prompt in enumerate(tqdm(ids, desc="medusa-bench", unit="prompt", disable=None)):
         for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
             for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
                 r = runtime.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=params(rule, i))
                 rows[key].add(r.token_ids, r.stats.seconds, r.stats.accepted_per_step, r.stats.verify_seconds, r.stats.heads_seconds,
                               r.stats.host_seconds, r.stats.drafted_tokens)
+        for peer in peers:
+            rows[peer.name].add(*peer.generate(prompt, args.max_new_tokens, frozenset(eos)))
         if hf is not None:
             rows["hf"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, None, params(None, i)))
             rows["hf-lookup"].add(*_hf_generate(hf, prompt, args.max_new_tokens, eos, args.lookup_tokens, params(None, i)))

@@ -1,0 +1,1 @@
+"""Benchmarks beside medusa-bench: peer engines run on the same prompts (``peers``)."""
