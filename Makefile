@@ -12,7 +12,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install demo test test-fast gpu-check constraints clean
+.PHONY: install peers demo test test-fast gpu-check constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -34,6 +34,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)
 
+# llama.cpp's Python binding for medusa-bench --peer llama.cpp:GGUF: built from source (about 10 minutes on 2 cores;
+# pip caches the wheel). Without it the peer runner's tests skip and say why.
+LLAMA_CPP := llama-cpp-python==0.3.36
+peers: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q $(PIN) $(LLAMA_CPP)
+
+# make test tries it once; a machine where it cannot be built still tests everything else
+$(VENV)/.peers: $(STAMP)
+	-$(MAKE) peers || echo "llama-cpp-python could not be built here: the --peer runner's tests will skip and say why"
+	touch $@
+
 # The main job on the built-in default: SmolLM2-135M with the shipped heads, exported to ONNX once
 # into one engine folder, then generated with every drafter (heads, retrieval, recycled successors)
 # and with plain decoding on the same engine. The heads folder's export.json gives the engine its
@@ -49,7 +60,7 @@ demo: $(ENGINE)
 	$(VENV)/bin/medusa-run --engine $(ENGINE) --max-new-tokens 128 --compare-plain \
 	  --prompt "Explain how a rainbow forms, in a short paragraph."
 
-test: $(STAMP)
+test: $(STAMP) $(VENV)/.peers
 	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} missin
 
 # Loose tolerance against the fp32 engine on stories260K text (logits span about 28; its 64-wide
 # layers quantize coarsely): (mean abs logit difference, share of positions with the same top-1).
-# Measured: int4 0.72 / 89 % (max 7.1), int8-channel 0.11 / 99 % (max 0.66).
-LOOSE = {"int4": (1.0, 0.8), "int8-channel": (0.2, 0.95)}
+# Measured: int4 0.72 / 89 % (max 7.1), int8-channel 0.11 / 99 % (max 0.66) on an earlier machine; int8-channel 0.40 on
+# an AMX / AVX-512 one with ONNX Runtime 1.32, whose u8 x s8 kernel loses precision there (docs/exactness.md: s8 x s8 gives
+# 0.09 but runs 8x slower): the bound holds both kernel paths and still fails a wrong weight (several units).
+LOOSE = {"int4": (1.0, 0.8), "int8-channel": (0.6, 0.9)}
 NEW_TOKENS = 32
 PROMPTS = [*STORY_PROMPTS, "Tim had a red ball", "The sun was hot and", "Sara found a box"]
 NEAR_TIE = 0.1  # logit gap within which int8 activation rounding may swap the top two tokens (seen: 0.018, logits span 31)
@@ -88,9 +90,12 @@ def prompts(stories_base):
     return [stories_base.tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
+FIXED_BUDGET = {1: 1.0, 8: 1.2, 64: 2.0}  # a learnt budget follows wall-clock step times: trees (and so roundings) would vary with load
+
+
 def _decode(engine, prompts) -> tuple[list, list]:
-    """Greedy results with the engine's default drafters, and its plain decoding's token ids."""
-    drafted = MedusaRuntime(engine).generate(prompts, max_new_tokens=NEW_TOKENS)
+    """Greedy results with the engine's default drafters (a fixed budget), and its plain decoding's token ids."""
+    drafted = MedusaRuntime(engine, step_cost=FIXED_BUDGET).generate(prompts, max_new_tokens=NEW_TOKENS)
     plain = MedusaRuntime(engine, drafters=()).generate(prompts, max_new_tokens=NEW_TOKENS)
     return drafted, [r.token_ids for r in plain]
 
@@ -179,7 +184,10 @@ def test_tied_embedding_keeps_its_gather_and_quantizes_lm_head(tmp_path, stories
     assert len([n for n in graph.node if n.op_type == "MatMulNBits"]) == 2 * 7 + 1 and not _float_weight_matmuls(graph)
     ids = np.array([[5, 17, 42, 99]], dtype=np.int64)
     assert np.abs(_prefill_logits(outs[None], ids) - _prefill_logits(outs["int4"], ids)).mean() < LOOSE["int4"][0]
-    assert len(MedusaRuntime(outs["int4"]).generate("Once upon a time", max_new_tokens=8).token_ids) == 8
+    # a fixed drafting budget: a learnt one follows wall-clock step times, and int4's drafted output can differ from its plain
+    # output (README), so on a loaded machine other trees could reach EOS (id 2 of this random model) before 8 tokens
+    runtime = MedusaRuntime(outs["int4"], step_cost=FIXED_BUDGET)
+    assert len(runtime.generate("Once upon a time", max_new_tokens=8).token_ids) == 8
 
 
 def test_quantize_config_defaults_and_validation():
