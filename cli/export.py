@@ -74,27 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _with_heads_defaults(args, *, onnx_graph: bool) -> tuple[str | None, int | None, str | None]:
-    """--tree, --draft-vocab and --quantize, each from the heads folder's export.json where the command
-    line leaves it out (``exporter/export_defaults.py``; --quantize none: fp32 graphs). The heads' int8
-    quantization applies to standard fp32 ONNX graphs only (not a .plan, --attention plugin or --dtype)."""
-    from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
-
-    found = read_export_defaults(args.heads)
-    taken = {}
-    if args.tree is None and found.tree is not None:
-        taken["tree"] = found.tree
-    if args.draft_vocab is None and found.draft_vocab is not None:
-        taken["draft vocabulary"] = found.draft_vocab
-    if args.quantize is None and found.quantize is not None and onnx_graph:
-        taken["quantize"] = found.quantize
-    if taken:
-        print(f"from {Path(args.heads) / EXPORT_DEFAULTS}: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
-    quantize = None if args.quantize == "none" else args.quantize or taken.get("quantize")
-    tree = args.tree if args.tree is not None else taken.get("tree")
-    return tree, args.draft_vocab if args.draft_vocab is not None else taken.get("draft vocabulary"), quantize
-
-
 @entry("medusa-export")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -113,6 +92,7 @@ def _export(args) -> int:
     try:
         from medusa_trt.cli.common import load_model
         from medusa_trt.exporter.engine_folder import read_step_cost
+        from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
         from medusa_trt.exporter.onnx_export import ExportConfig, ExportError, check_output_path, export_onnx, is_folder_out
         from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
 
@@ -139,12 +119,15 @@ def _export(args) -> int:
         if trt_config is not None and args.quantize not in (None, "none"):
             raise ExportError(f"--quantize {args.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: drop it for a .plan")
         check_output_path(onnx_out)
-        tree, draft_vocab, quantize = _with_heads_defaults(args, onnx_graph=trt_config is None and args.attention == "onnx" and args.dtype == "fp32")
-        config = ExportConfig(out=onnx_out, tree=tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
+        chosen, taken = read_export_defaults(args.heads).under(
+            args.tree, args.draft_vocab, args.quantize, quantizable=trt_config is None and args.attention == "onnx" and args.dtype == "fp32")
+        if taken:
+            print(f"from {Path(args.heads) / EXPORT_DEFAULTS}: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
+        config = ExportConfig(out=onnx_out, tree=chosen.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
                               dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
-                              quantize=QuantizeConfig.from_options(quantize, args.block_size, args.accuracy_level), attention=args.attention,
+                              quantize=QuantizeConfig.from_options(chosen.quantize, args.block_size, args.accuracy_level), attention=args.attention,
                               successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
-                              draft_vocab=draft_vocab)
+                              draft_vocab=chosen.draft_vocab)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

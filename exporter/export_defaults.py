@@ -35,6 +35,20 @@ class ExportDefaults:
     draft_vocab: int | None = None  # None: the whole vocabulary
     quantize: str | None = None  # None: fp32 graphs
 
+    def under(self, tree: str | None, draft_vocab: int | None, quantize: str | None, *, quantizable: bool) -> tuple[ExportDefaults, dict]:
+        """The settings to export with: each asked one (not None; quantize "none": fp32 graphs), else
+        this default; and what was taken from here ({setting: value}, for the user). ``quantizable``:
+        the graphs are standard fp32 ONNX ones (not a .plan, plugin attention or fp16), which the heads'
+        quantization needs."""
+        taken = {}
+        if tree is None and self.tree is not None:
+            taken["tree"] = tree = self.tree
+        if draft_vocab is None and self.draft_vocab is not None:
+            taken["draft vocabulary"] = draft_vocab = self.draft_vocab
+        if quantize is None and self.quantize is not None and quantizable:
+            taken["quantize"] = quantize = self.quantize
+        return ExportDefaults(tree, draft_vocab, None if quantize == "none" else quantize), taken
+
 
 def read_export_defaults(heads: str | os.PathLike | None) -> ExportDefaults:
     """The defaults a heads folder carries (all None without a folder or its export.json)."""

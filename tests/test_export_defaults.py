@@ -100,3 +100,10 @@ def test_heads_retrained_into_their_folder_keep_its_export_json(heads_dir, tiny_
     assert (folder / EXPORT_DEFAULTS).read_bytes() == (heads_dir / EXPORT_DEFAULTS).read_bytes()
     assert json.loads((folder / "template.json").read_text()) == TEMPLATE
     assert read_export_defaults(folder).draft_vocab == 256
+
+
+def test_the_heads_quantization_applies_to_standard_fp32_graphs_only():
+    found = ExportDefaults("chain-2", 64, "heads-int8")
+    assert found.under(None, None, None, quantizable=False) == (ExportDefaults("chain-2", 64, None), {"tree": "chain-2", "draft vocabulary": 64})
+    assert found.under("chain-1", 32, "none", quantizable=True) == (ExportDefaults("chain-1", 32, None), {})
+    assert found.under(None, None, None, quantizable=True)[0] == found
