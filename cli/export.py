@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weights, KV cache and logits (bf16: .plan only)")
     p.add_argument("--attention", default="onnx", choices=["onnx", "plugin"],
                    help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)")
+    p.add_argument("--no-key-slots", action="store_true",
+                   help="append the new keys after the cache as engines before key slots did: a verify step then equals a plain "
+                        "step to float rounding only (default for ONNX Runtime engines: key slots, bit for bit; TensorRT: appended)")
     p.add_argument("--opset", type=int, default=23)
     p.add_argument("--successors", type=int, default=DEFAULT_SUCCESSORS,
                    help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
@@ -127,7 +130,7 @@ def _export(args) -> int:
                               dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
                               quantize=QuantizeConfig.from_options(chosen.quantize, args.block_size, args.accuracy_level), attention=args.attention,
                               successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
-                              draft_vocab=chosen.draft_vocab)
+                              draft_vocab=chosen.draft_vocab, key_slots=trt_config is None and args.attention == "onnx" and not args.no_key_slots)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

@@ -45,6 +45,7 @@ from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, de
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
+from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class ExportConfig:
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
     step_cost: dict | None = None  # an engine folder's drafting budget (tokens per step -> relative cost); None: the runtime's default
     draft_vocab: int | None = None  # the heads project onto the first N token ids only (HeadsGraph); None: the whole vocabulary
+    # the step graph takes key_slots (runtime/key_slots.py): a verify step equals a plain step bit for bit on ONNX
+    # Runtime; None: yes for the standard attention (the plugin appends the new keys itself)
+    key_slots: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
@@ -94,6 +98,10 @@ class ExportConfig:
             raise ExportError(f"--dtype {self.dtype} is not one of {', '.join(DTYPES)}")
         if isinstance(self.quantize, str):
             object.__setattr__(self, "quantize", QuantizeConfig(self.quantize))  # an unknown mode fails here
+        if self.key_slots is None:
+            object.__setattr__(self, "key_slots", self.attention == "onnx")
+        if self.key_slots and self.attention != "onnx":
+            raise ExportError("key slots are a form of the standard attention: drop --attention plugin or --key-slots")
         if self.quantize and self.attention != "onnx":
             raise ExportError(f"--quantize {self.quantize.mode} quantizes the standard graph for ONNX Runtime: drop --attention plugin")
         if self.quantize and self.dtype != "fp32":
@@ -148,18 +156,22 @@ def check_output_path(out: Path) -> None:
         raise ExportError(f"cannot write {out}: folder {parent} is not writable ({exc.strerror})") from exc
 
 
-def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int) -> tuple[torch.Tensor, ...]:
+def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int, key_slots: bool = False) -> tuple[torch.Tensor, ...]:
+    """Step inputs with a cache of ``past`` committed slots; with ``key_slots`` the view holds them
+    and the new tokens' slots after them (past + tokens slots)."""
     spec, device = model.kv_spec, model.device
     gen = torch.Generator().manual_seed(0)
-    kv_shape = (past, spec.num_layers, batch, spec.num_kv_heads, spec.head_dim)
-    return (
+    kv_shape = (past + tokens if key_slots else past, spec.num_layers, batch, spec.num_kv_heads, spec.head_dim)
+    positions = (past + torch.arange(tokens)).expand(batch, tokens).contiguous().to(device)
+    inputs = (
         torch.randint(0, model.vocab_size, (batch, tokens), generator=gen).to(device),
-        (past + torch.arange(tokens)).expand(batch, tokens).contiguous().to(device),
+        positions,
         torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)).expand(batch, tokens, tokens).contiguous().to(device),
         torch.full((batch,), past, dtype=torch.int64).to(device),
         torch.randn(kv_shape, generator=gen).to(device, spec.dtype),
         torch.randn(kv_shape, generator=gen).to(device, spec.dtype),
     )
+    return (*inputs, positions.clone()) if key_slots else inputs
 
 
 class _WithSuccessors(torch.nn.Module):
@@ -170,8 +182,9 @@ class _WithSuccessors(torch.nn.Module):
         super().__init__()
         self.model, self.k = model, k
 
-    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value):  # the step contract's inputs
-        logits, hidden, next_ids, new_key, new_value = self.model(input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value)
+    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value, key_slots=None):  # the step contract's inputs
+        logits, hidden, next_ids, new_key, new_value = self.model(input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value,
+                                                                  key_slots)
         return logits, hidden, next_ids, new_key, new_value, logits.topk(self.k, dim=-1).indices
 
 
@@ -179,11 +192,14 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     """``config.max_context`` is resolved (an int) here."""
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
     tokens = torch.export.Dim("tokens", min=1, max=max(config.max_tokens, 3))
-    past = torch.export.Dim("past", min=0, max=config.max_context)
+    past = torch.export.Dim("past", min=0, max=config.max_context + key_slots.slack(config.max_tokens))
     dynamic = (
         {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens, 2: tokens}, {0: batch},
         {0: past, 2: batch}, {0: past, 2: batch},
     )
+    names_in = list(STEP_INPUTS)
+    if config.key_slots:
+        dynamic, names_in = (*dynamic, {0: batch, 1: tokens}), [*names_in, key_slots.INPUT]
     table = None
     if config.attention == "plugin":
         from medusa_trt.plugins.tree_attention.torch_op import onnx_translation_table
@@ -194,8 +210,8 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     graph, names = (_WithSuccessors(model, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (model, list(STEP_OUTPUTS))
     try:
         return torch.onnx.export(
-            graph, _example_inputs(model, 2, 3, min(5, config.max_context)), dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
-            input_names=list(STEP_INPUTS), output_names=names, verbose=False, custom_translation_table=table,
+            graph, _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots), dynamo=True, dynamic_shapes=dynamic,
+            opset_version=config.opset, input_names=names_in, output_names=names, verbose=False, custom_translation_table=table,
         )
     finally:
         model.attention_form = previous
@@ -226,6 +242,7 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
         max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
         is_chat=bool(model.is_chat), quantization=config.quantize.mode if config.quantize else "none", attention=config.attention,
         successors=min(config.successors, model.vocab_size), head_input=model.head_input, draft_vocab=config.draft_vocab,
+        key_slots=bool(config.key_slots),
     )
 
 

@@ -341,6 +341,9 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
             f"{onnx_path.name} holds ONNX Runtime's dynamic {meta.quantization} graph, which TensorRT does not build: "
             "export without --quantize (int8 / fp8 engines come from Q/DQ nodes, e.g. NVIDIA ModelOpt on the exported ONNX)"
         )
+    if meta.key_slots:
+        raise TensorRTBuildError(f"{onnx_path.name} takes key slots (ONNX Runtime's exact key layout), which the TensorRT backend does not "
+                                 "feed: export it again with --no-key-slots (medusa-export does so for a .plan)")
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
     if src.folder is not None:

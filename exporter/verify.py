@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.contract import NEXT_INPUT, STEP_OUTPUTS
+from medusa_trt.runtime import key_slots
+from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEXT_INPUT, STEP_OUTPUTS
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.runtime.tree import CompiledTree
@@ -48,8 +49,15 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     np_dtype = np.float16 if spec.dtype == torch.float16 else np.float32
     gen = np.random.default_rng(0)
 
+    scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
+
     def run(ids, positions, mask, lengths, past_key, past_value):
         feeds = dict(input_ids=ids, position_ids=positions, tree_mask=mask, cache_lengths=lengths, past_key=past_key, past_value=past_value)
+        if scattered:  # the new keys go to slots of the view: pad it with zero slots to hold them
+            slots, _ = key_slots.assign(mask, lengths, limit=2**31)
+            pad = max(0, int(slots.max()) + 1 - past_key.shape[0])
+            extra = np.zeros((pad, *past_key.shape[1:]), dtype=past_key.dtype)
+            feeds.update(past_key=np.concatenate([past_key, extra]), past_value=np.concatenate([past_value, extra]), key_slots=slots)
         ours = dict(zip(names, session.run(None, feeds)))
         theirs = model(*(torch.from_numpy(np.ascontiguousarray(v)).to(device) for v in feeds.values()))
         return ours, dict(zip(STEP_OUTPUTS, theirs))

@@ -31,7 +31,7 @@ from torch import nn
 
 from medusa_trt.exporter.heads import MedusaHeads
 from medusa_trt.exporter.models import BaseModel
-from medusa_trt.plugins.tree_attention.reference import tree_attention, visibility_bias
+from medusa_trt.plugins.tree_attention.reference import scattered_bias, tree_attention, visibility_bias
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class _StepKV:
     tree_mask: torch.Tensor  # bool [B, T, T]
     cache_lengths: torch.Tensor  # int64 [B]
     attention_form: str = "onnx"  # one of ATTENTION_FORMS
+    key_slots: torch.Tensor | None = None  # int64 [B, T]: scatter the new K/V into the view there (runtime/key_slots.py)
     new_key: list = field(default_factory=list)  # per layer [B, Hkv, T, D]
     new_value: list = field(default_factory=list)
 
@@ -81,12 +82,12 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
         from medusa_trt.plugins.tree_attention import torch_op  # noqa: F401 - registers torch.ops.medusa_trt
 
         out = torch.ops.medusa_trt.tree_attention(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale)
-    elif query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:  # eager CUDA: Triton kernel
+    elif kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:  # eager CUDA
         out = _kernel_attend()(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer=layer, scale=scale)
     else:  # reference math in standard ops (what the standard ONNX graph holds)
         past_key = kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
         past_value = kv.past_value[:, layer].permute(1, 2, 0, 3)
-        out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling)  # (B, Hq, T, D)
+        out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling, kv.key_slots)  # (B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -156,16 +157,24 @@ class MedusaModel(nn.Module):
         cache_lengths: torch.Tensor,  # int64 [B]: committed tokens per sequence
         past_key: torch.Tensor,  # [S, layers, B, Hkv, D], S >= max(cache_lengths)
         past_value: torch.Tensor,  # [S, layers, B, Hkv, D]
+        key_slots: torch.Tensor | None = None,  # int64 [B, T]: each new key's slot in the view (runtime/key_slots.py); S > its max
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns logits [B, T, V], head-input hidden [B, T, H], the base argmax next_ids [B, T]
         (all greedy acceptance needs, so a backend need not copy the logits out) and the new
         key/value [T, layers, B, Hkv, D].
 
         The cache is slot-major so that the first S slots of a preallocated buffer are one
-        contiguous block: ONNX Runtime can bind them without a copy."""
-        kv = _StepKV(past_key, past_value, tree_mask, cache_lengths, self.attention_form)
+        contiguous block: ONNX Runtime can bind them without a copy. With ``key_slots`` the new
+        keys are scattered into the view (over its stale slots) instead of appended after it, so a
+        verify step can lay every key out as plain decoding does (runtime/key_slots.py)."""
+        if key_slots is not None and self.attention_form == "plugin":
+            raise ValueError("the plugin attention appends the new keys: key_slots is for the standard form")
+        kv = _StepKV(past_key, past_value, tree_mask, cache_lengths, self.attention_form, key_slots)
         # the plugin form reads tree_mask and cache_lengths itself; its traced graph drops this bias as dead code
-        bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S+T)
+        if key_slots is None:
+            bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S+T)
+        else:
+            bias = scattered_bias(cache_lengths, tree_mask, key_slots, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S)
         out = self.base.model(
             input_ids=input_ids,
             position_ids=position_ids,

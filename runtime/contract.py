@@ -13,6 +13,7 @@ import numpy as np
 
 STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
 STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
+KEY_SLOTS_INPUT = "key_slots"  # optional int64 (B, T): where each new key sits on the attention's key axis (runtime/key_slots.py)
 SUCCESSORS_OUTPUT = "next_topk"  # optional (B, W, k) int64: the base model's top-k after each node (engines since successors)
 DEFAULT_SUCCESSORS = 8  # its k unless medusa-export --successors says otherwise
 HEADS_INPUTS = ("hidden",)
@@ -29,6 +30,9 @@ class StepOutput:
     _logits: Callable[[], np.ndarray]  # () -> float (B, W, V) on the host
     _rows: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, nodes) -> float (N, V) on the host
     _hidden_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None  # (rows, nodes) -> float32 (N, H) on the host
+    # bool (B, W): the node's logits are the ones a plain one-token step gives it, bit for bit (an engine with key
+    # slots, runtime/key_slots.py); None: no such claim. The loop accepts no draft past a node without it.
+    exact: np.ndarray | None = None
 
     def logits(self) -> np.ndarray:
         """Base logits (B, W, V) on the host, fetched on first use (sampling rules only)."""

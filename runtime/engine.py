@@ -60,6 +60,7 @@ class EngineMeta:
     # heads: root_ids too, and the graph expands the tree's template, one proposals row per expanded node)
     head_input: str = "hidden"
     draft_vocab: int | None = None  # the heads graph's logits cover token ids 0 .. N-1 only (None: the whole vocabulary)
+    key_slots: bool = False  # the step graph takes key_slots [B, T] (runtime/key_slots.py); engines before it append the new keys
 
     @property
     def reads_roots(self) -> bool:

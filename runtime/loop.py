@@ -318,9 +318,11 @@ class Scheduler:
                 probs = _lazy_probs(host[b], s.params)
             verdict = s.rule.accept(tree, out.argmax[b, : tree.num_nodes], probs, s)
             s.accept_stats.learn(tree, verdict.path)
-            room = self._room(s)
-            if len(verdict.path) - 1 > room:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
-                verdict = Verdict(verdict.path[: room + 1], int(tree.tokens[verdict.path[room + 1]]))
+            keep = self._room(s) + 1
+            if out.exact is not None:  # past a node whose logits are not its plain-step logits, bit for bit, nothing is kept
+                keep = min(keep, max(1, next((j for j, node in enumerate(verdict.path) if not out.exact[b, node]), keep)))
+            if len(verdict.path) > keep:  # out of budget: the next accepted draft (a sample of the base model) is the bonus
+                verdict = Verdict(verdict.path[:keep], int(tree.tokens[verdict.path[keep]]))
             verdicts[b] = verdict
         return verdicts
 

@@ -4,6 +4,10 @@ Query i of sequence b attends to
   * committed cache slots s < cache_lengths[b] (slots past it hold stale or scratch data), and
   * the new (tree) keys j with tree_mask[b, i, j] true (its ancestors and itself).
 Grouped-query attention: query head h reads KV head h // (Hq // Hkv).
+
+With ``key_slots`` (engines that have that step input, ``runtime/key_slots.py``) the new keys are
+scattered into the cache view at the host's slots instead of appended after it, so every key can
+sit where plain decoding puts it; the math is the same, the key axis is the view's S slots.
 """
 
 from __future__ import annotations
@@ -29,14 +33,39 @@ def visibility_bias(
     return bias[:, None]  # (B, 1, T, S+T)
 
 
+def scattered_bias(
+    cache_lengths: torch.Tensor,  # int64 [B]
+    tree_mask: torch.Tensor,  # bool/int [B, T, T]
+    key_slots: torch.Tensor,  # int64 [B, T]: where node j's key sits, in cache_lengths[b] .. S-1
+    past_len: int,  # S: the bound view's slots (> max(key_slots))
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive bias [B, 1, T, S] for keys scattered to ``key_slots``: 0 where visible, the dtype's minimum elsewhere."""
+    batch, num_new = tree_mask.shape[0], tree_mask.shape[1]
+    slots = torch.arange(past_len, device=tree_mask.device)
+    past_visible = (slots[None, :] < cache_lengths[:, None])[:, None, :].expand(batch, num_new, past_len)  # (B, T, S)
+    new = torch.zeros((batch, num_new, past_len), dtype=dtype, device=tree_mask.device)
+    new = new.scatter(2, key_slots[:, None, :].expand(batch, num_new, num_new), tree_mask.to(dtype))  # (B, T, S): 1 where visible
+    visible = past_visible | (new > 0)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=tree_mask.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return bias[:, None]  # (B, 1, T, S)
+
+
+def scatter_new(past: torch.Tensor, new: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    """past [B, Hkv, S, D] with new [B, Hkv, T, D] written at slots key_slots [B, T] (a copy: the cache is untouched)."""
+    index = key_slots[:, None, :, None].expand(new.shape)  # (B, Hkv, T, D)
+    return past.scatter(2, index, new)
+
+
 def tree_attention(
     query: torch.Tensor,  # [B, Hq, T, D], rotary already applied
     key: torch.Tensor,  # [B, Hkv, T, D] keys of the new tokens
     value: torch.Tensor,  # [B, Hkv, T, D]
     past_key: torch.Tensor,  # [B, Hkv, S, D] committed cache (view of the first S slots)
     past_value: torch.Tensor,  # [B, Hkv, S, D]
-    bias: torch.Tensor,  # [B, 1, T, S+T] from visibility_bias
+    bias: torch.Tensor,  # [B, 1, T, S+T] from visibility_bias ([B, 1, T, S] from scattered_bias with key_slots)
     scale: float,
+    key_slots: torch.Tensor | None = None,  # int64 [B, T]: scatter the new keys into the view instead of appending them
 ) -> torch.Tensor:
     """Returns the attention output [B, Hq, T, D].
 
@@ -46,8 +75,11 @@ def tree_attention(
     batch, hq, t, d = query.shape
     hkv = key.shape[1]
     groups = hq // hkv
-    keys = torch.cat([past_key, key], dim=2)  # (B, Hkv, S+T, D)
-    values = torch.cat([past_value, value], dim=2)  # (B, Hkv, S+T, D)
+    if key_slots is None:
+        keys = torch.cat([past_key, key], dim=2)  # (B, Hkv, S+T, D)
+        values = torch.cat([past_value, value], dim=2)  # (B, Hkv, S+T, D)
+    else:
+        keys, values = scatter_new(past_key, key, key_slots), scatter_new(past_value, value, key_slots)  # (B, Hkv, S, D)
     q = query.reshape(batch, hkv, groups * t, d)  # head h = kv * G + g -> row g * T + i of KV head kv
     mask = bias.to(query.dtype).expand(batch, groups, t, bias.shape[-1]).reshape(batch, 1, groups * t, bias.shape[-1])  # (B, 1, G*T, S+T)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # (B, Hkv, G*T, D)

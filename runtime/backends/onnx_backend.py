@@ -14,10 +14,12 @@ on the GPU, the commit runs there and only the ids and the rows the loop reads c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
+from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
 from medusa_trt.runtime.contract import NEXT_INPUT, STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 BUFFERS = ("auto", "host", "device")  # auto: device buffers on the CUDA provider, host buffers otherwise
+_LANES: dict[tuple, int | None] = {}  # key slots' measured lane count per (engine, provider, threads)
 SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in ("past_key", "past_value"))  # from the host; buffers bind the cache
 
 
@@ -94,12 +97,29 @@ class OnnxBackend:
         if not self.successors:
             log.info("%s has no %s output (exported before it): the recycle drafter learns the argmax only", files.step.name,
                      SUCCESSORS_OUTPUT)
-        sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=self.max_context, dtype=self.dtype, successors=self.successors)
+        # engines with key slots scatter a tree's keys past the cache length: slack slots keep them in the buffer
+        self.slots = self.max_context + (key_slots.slack(meta.max_tokens) if meta.key_slots else 0)
+        sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=self.slots, dtype=self.dtype, successors=self.successors)
         self.buffers: StepBuffers = self._buffers(buffers, sizes)
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
+        self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
+        if meta.key_slots and self.max_tokens >= 4 and self.max_context > max(key_slots.PROBE_LENGTHS) + 3:  # the probe fits
+            self.key_lanes = self._probe_lanes(files, threads)
         log.info("onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB", self.session.get_providers()[0],
                  type(self.buffers).__name__, self.buffers.cache_bytes / 2**20, self.buffers.output_bytes / 2**20)
+
+    def _probe_lanes(self, files: EngineFiles, threads: int | None) -> int | None:
+        """The softmax's lane count for key slots, measured once per engine, provider and thread count in a process."""
+        key = (str(files.step.resolve()), self.session.get_providers()[0], threads)
+        if key not in _LANES:
+            _LANES[key] = key_slots.probe_lanes(self, self.meta.vocab_size)
+            if _LANES[key] is None:
+                log.warning("%s: no lane count in %s makes a verify step equal a plain step on this machine; drafted output equals "
+                            "plain output to float rounding only", files.step.name, key_slots.LANES)
+            else:
+                log.info("%s: key slots at %d lanes (a verify step is a plain step, bit for bit)", files.step.name, _LANES[key])
+        return _LANES[key]
 
     def _buffers(self, kind: str, sizes: BufferSizes) -> StepBuffers:
         """Device buffers where the step session runs on CUDA (``"device"`` forces them: on the CPU
@@ -125,20 +145,27 @@ class OnnxBackend:
         if tokens > self.meta.max_tokens:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.meta.max_tokens}")
         past = int(cache_lengths.max())  # host value: the bound view's length
+        small, exact = SMALL_INPUTS, None
         inputs = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
             "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool),
             "cache_lengths": np.ascontiguousarray(cache_lengths, dtype=np.int64),
         }
+        if self.meta.key_slots:  # each new key where plain decoding puts its position (runtime/key_slots.py)
+            slots, exact = key_slots.assign(inputs["tree_mask"], inputs["cache_lengths"], self.slots, self.key_lanes)
+            inputs[key_slots.INPUT] = slots
+            exact = exact if self.key_lanes else None
+            past, small = max(past, int(slots.max()) + 1), (*SMALL_INPUTS, key_slots.INPUT)
         io = self._binding
         io.clear_binding_inputs()
         io.clear_binding_outputs()
-        for name in SMALL_INPUTS:
+        for name in small:
             io.bind_cpu_input(name, inputs[name])
         self.buffers.bind_step(io, batch, tokens, past)  # the first `past` cache slots and every output, in place
         self.session.run_with_iobinding(io)
-        return self.buffers.step_output()
+        out = self.buffers.step_output()
+        return out if exact is None else dataclasses.replace(out, exact=exact)
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the

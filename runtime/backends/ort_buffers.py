@@ -46,7 +46,7 @@ class BufferSizes:
     at B = max_batch rows of max_tokens new tokens."""
 
     max_batch: int
-    max_context: int
+    max_context: int  # cache slots per row: the runtime's max_context and any key-slot slack (runtime/key_slots.py)
     max_tokens: int
     num_layers: int
     num_kv_heads: int

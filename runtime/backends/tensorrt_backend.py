@@ -159,6 +159,9 @@ class TensorRTBackend:
                 f"runtime asks for max_batch {self.max_batch} / max_context {self.max_context} but the engine was built for "
                 f"{meta.max_batch} / {meta.max_context}: build again with larger --max-batch / --max-context"
             )
+        if meta.key_slots:
+            raise EngineError(f"{files.step.name} was built from a graph with key slots, which this backend does not feed: "
+                              "export with --no-key-slots and build again")
         self.max_tokens = meta.max_tokens
         self.whole_cache = meta.attention == "plugin"  # the plugin reads committed slots only: bind them all
         if meta.attention == "plugin":
