@@ -156,6 +156,12 @@ def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
     return [out, choices_path, report_path] + ([plot_path] if plotted else [])
 
 
+def is_engine_folder(engine: str) -> bool:
+    from medusa_trt.runtime.engine import EngineFiles
+
+    return Path(engine).is_dir() and EngineFiles.locate(engine).folder is not None
+
+
 @entry("medusa-calibrate")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         check_options(args)
         report, acc, choice, chain = calibrate(args)
         written = write_outputs(out, report, acc, choice, chain)
+        if args.engine and is_engine_folder(args.engine):  # the folder's drafting budget follows what was just measured
+            from medusa_trt.exporter.engine_folder import record_step_cost
+
+            written.append(record_step_cost(args.engine, {int(k): v for k, v in report["step_ms"].items()}, report["heads_ms"]))
     except USER_ERRORS as exc:
         return fail("medusa-calibrate", exc)
     chain_t = chain.num_nodes

@@ -65,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
                         "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
                         "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
-                        "column in both graphs; none = fp32 graphs. Default: the heads folder's export.json, else none")
-    p.add_argument("--block-size", type=int, help=f"--quantize int4: weights per block sharing a scale, a power of two >= 16 "
+                        "column in both graphs; int8-block = 8-bit block-wise MatMulNBits in both graphs; none = fp32 graphs. "
+                        "Every mode but int8 keeps drafted output identical to the engine's own plain output. Default: the heads folder's export.json, else none")
+    p.add_argument("--block-size", type=int, help=f"--quantize int4 / int8-block: weights per block sharing a scale, a power of two >= 16 "
                                                   f"(default {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--accuracy-level", type=int, help=f"--quantize int4: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
+    p.add_argument("--accuracy-level", type=int, help=f"--quantize int4 / int8-block: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
                                                       f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
     p.add_argument("--no-verify", action="store_true", help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one")
@@ -130,7 +131,8 @@ def _export(args) -> int:
                               dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
                               quantize=QuantizeConfig.from_options(chosen.quantize, args.block_size, args.accuracy_level), attention=args.attention,
                               successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
-                              draft_vocab=chosen.draft_vocab, key_slots=trt_config is None and args.attention == "onnx" and not args.no_key_slots)
+                              draft_vocab=chosen.draft_vocab, key_slots=trt_config is None and args.attention == "onnx" and not args.no_key_slots,
+                              measure_cost=trt_config is None)
         model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
         result = export_onnx(model, config)
     except USER_ERRORS as exc:

@@ -45,7 +45,7 @@ def graph_io(path: Path) -> dict:
 
 
 def write_folder_files(model, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, *, step_cost: dict | None = None,
-                       backend: str = "onnxruntime") -> None:
+                       backend: str = "onnxruntime", heads_cost: float | None = None) -> None:
     """config.json, generation_config.json and drafting.json of a staged engine folder."""
     folder = staged.folder
     _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
@@ -57,6 +57,8 @@ def write_folder_files(model, staged: EngineFiles, meta: EngineMeta, tree: Compi
         "drafters": [d for d in DRAFTERS if (d != "heads" or meta.num_heads and tree.depth_max) and (d != "recycle" or meta.successors)],
         "step_cost": None if step_cost is None else {str(k): float(v) for k, v in sorted(step_cost.items())},
     }
+    if heads_cost is not None:  # the heads call after a step, relative to a one-token step (runtime/step_cost.py)
+        drafting["heads_cost"] = float(heads_cost)
     _write_json(folder / DRAFTING_FILE, drafting)
     write_folder_config(folder, folder_config(folder, meta, backend))
 
@@ -95,6 +97,24 @@ def _jsonable(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads_ms: float = 0.0) -> Path:
+    """Write an engine folder's measured step cost into its drafting.json (relative to the one-token
+    step) and re-record the manifest; each file is replaced whole. Returns drafting.json's path."""
+    from medusa_trt.runtime.engine_folder import read_drafting
+    from medusa_trt.runtime.manifest import write_manifest
+
+    folder = Path(folder)
+    one = step_ms[min(step_ms)]
+    drafting = read_drafting(folder) | {"step_cost": {str(k): float(v / one) for k, v in sorted(step_ms.items())},
+                                        "heads_cost": float(heads_ms / one)}
+    path = folder / DRAFTING_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    _write_json(tmp, drafting)
+    os.replace(tmp, path)
+    write_manifest(EngineFiles.locate(folder))
+    return path
 
 
 def _write_json(path: Path, data) -> None:

@@ -51,7 +51,7 @@ from medusa_trt.runtime.tree import CompiledTree, load_tree
 log = logging.getLogger(__name__)
 
 # None: fp32 throughout; the modes of exporter/quantize.py: "int8" (dynamic int8 step graph), "heads-int8"
-# (the heads graph only: output identical to fp32), "int4" (MatMulNBits, both graphs), "int8-channel"
+# (the heads graph only: output identical to fp32), "int4" / "int8-block" (MatMulNBits, both graphs), "int8-channel"
 # (int8 weights with one scale per output column, both graphs)
 QUANTIZE_MODES = (None, *_QUANTIZE_MODES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
@@ -85,6 +85,8 @@ class ExportConfig:
     # the step graph takes key_slots (runtime/key_slots.py): a verify step equals a plain step bit for bit on ONNX
     # Runtime; None: yes for the standard attention (the plugin appends the new keys itself)
     key_slots: bool | None = None
+    # an engine folder without step_cost: time the exported engine here (runtime/step_cost.py) and record its own curve
+    measure_cost: bool = True
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
@@ -319,6 +321,9 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
             from medusa_trt.exporter.engine_folder import write_folder_files
 
             write_folder_files(model, staged, meta, tree, step_cost=config.step_cost)
+            if config.step_cost is None and config.measure_cost and config.dtype in ("fp32", "fp16"):
+                cost = _measure_cost(staged)
+                write_folder_files(model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads)
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         if folder:
@@ -331,6 +336,19 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)
     return ExportResult(final, diffs, TOLERANCE[config.dtype], loose)
+
+
+def _measure_cost(staged: EngineFiles):
+    """The staged engine's own step-cost curve on this machine (ONNX Runtime, batch 1)."""
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.step_cost import measure
+
+    log.info("timing the engine's verify steps for the drafting budget (drafting.json step_cost)")
+    backend = OnnxBackend(staged.folder, max_batch=1)
+    try:
+        return measure(backend, top_k=backend.meta.top_k)
+    finally:
+        del backend
 
 
 def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:

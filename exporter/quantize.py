@@ -17,6 +17,9 @@ metadata over:
   int8-channel  ``rows_int8`` on both graphs: int8 weights with one scale per output column,
                 activations with one scale per row (per token), so a row's output never
                 depends on its batch neighbours.
+  int8-block    ``MatMulNBits`` with 8-bit weights (as int4, ``block_size`` / ``accuracy_level``
+                alike): int8 activations per block and row at level 4, so also batch-independent,
+                in one fused kernel instead of int8-channel's chain of small ops.
 
 The tied embedding of a model whose ``lm_head`` shares it stays a float ``Gather`` (one row a
 token, nothing to gain); the ``lm_head`` matmul reads it through a ``Transpose`` in the step
@@ -33,8 +36,9 @@ from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 
 log = logging.getLogger(__name__)
 
-MODES = ("int8", "heads-int8", "int4", "int8-channel")
-BLOCKWISE = ("int4",)  # modes that take block_size / accuracy_level
+MODES = ("int8", "heads-int8", "int4", "int8-channel", "int8-block")
+BLOCKWISE = ("int4", "int8-block")  # modes that take block_size / accuracy_level (MatMulNBits)
+NBITS = {"int4": 4, "int8-block": 8}  # MatMulNBits' weight bits per mode
 DEFAULT_BLOCK_SIZE = 32  # weights per int4 block (MatMulNBits' block_size); 128 is coarser and about 1.3x as fast at 8 tokens a step
 MIN_BLOCK_SIZE = 16  # MatMulNBits' smallest block; block sizes are powers of two
 ACCURACY_LEVELS = range(0, 5)  # MatMulNBits' accuracy_level: 0 unset (fp32), 1 fp32, 2 fp16, 3 bf16, 4 int8
@@ -57,7 +61,7 @@ class QuantizeConfig:
         given = [f"--{n.replace('_', '-')}" for n in ("block_size", "accuracy_level") if getattr(self, n) is not None]
         if self.mode not in BLOCKWISE:
             if given:
-                raise ExportError(f"{' / '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --quantize int4 only: "
+                raise ExportError(f"{' / '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --quantize int4 / int8-block only: "
                                   f"drop it, or pass --quantize int4")
             return
         block = DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
@@ -78,7 +82,7 @@ class QuantizeConfig:
             from medusa_trt.exporter.onnx_export import ExportError
 
             flag = "--block-size" if block_size is not None else "--accuracy-level"
-            raise ExportError(f"{flag} applies to --quantize int4 only: add --quantize int4, or drop {flag}")
+            raise ExportError(f"{flag} applies to --quantize int4 / int8-block only: add --quantize int4, or drop {flag}")
         return None if mode is None else cls(mode, block_size, accuracy_level)
 
     @property
@@ -97,15 +101,15 @@ def quantize_engine(files: EngineFiles, meta: EngineMeta, config: QuantizeConfig
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every node it skips at INFO
     if config.mode == "int8":
         dynamic_int8(files.step, meta)
-    elif config.mode == "int4":
-        int4_matmuls(files.step, meta, config)
+    elif config.mode in NBITS:
+        nbits_matmuls(files.step, meta, config)
     elif config.mode == "int8-channel":
         rows_int8(files.step, meta)
     # heads-int8: the step graph stays fp32
     if not Path(files.heads).is_file():  # no heads: a plain engine
         return
-    if config.mode == "int4":
-        int4_matmuls(files.heads, meta, config)
+    if config.mode in NBITS:
+        nbits_matmuls(files.heads, meta, config)
     else:
         rows_int8(files.heads, meta)
 
@@ -129,10 +133,10 @@ def dynamic_int8(path: Path, meta: EngineMeta) -> None:
     _replace_graph(path, proto, meta)
 
 
-def int4_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
+def nbits_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
     """Every weight matmul (``Gemm`` of a ``Linear`` first turned into ``MatMul``) as
-    ``MatMulNBits``: 4-bit weights, asymmetric, in blocks of ``config.block_size`` input rows
-    with one fp32 scale and 4-bit zero point per block and output column; in place."""
+    ``MatMulNBits``: 4- or 8-bit weights (``NBITS``), asymmetric, in blocks of ``config.block_size``
+    input rows with one fp32 scale and zero point per block and output column; in place."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     from onnxruntime.quantization.onnx_model import ONNXModel
@@ -140,11 +144,12 @@ def int4_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
     model = ONNXModel(onnx.load(str(path)))
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
-    quantizer = MatMulNBitsQuantizer(model.model, bits=4, block_size=config.block_size, is_symmetric=False,
+    bits = NBITS[config.mode]
+    quantizer = MatMulNBitsQuantizer(model.model, bits=bits, block_size=config.block_size, is_symmetric=False,
                                      accuracy_level=config.accuracy_level, op_types_to_quantize=("MatMul",))
     quantizer.process()
     count = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
-    log.info("%s: %d weight matmuls as 4-bit MatMulNBits (block %d, accuracy level %d)", path.name, count, config.block_size,
+    log.info("%s: %d weight matmuls as %d-bit MatMulNBits (block %d, accuracy level %d)", path.name, count, bits, config.block_size,
              config.accuracy_level)
     _replace_graph(path, quantizer.model.model, meta)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.runtime import key_slots
+
 from medusa_trt.exporter.tensorrt_build import TensorRTBuildError
 from medusa_trt.runtime.contract import NEXT_INPUT
 from medusa_trt.runtime.engine import EngineMeta
@@ -119,6 +121,13 @@ def step_feeds(meta: EngineMeta, *, seed: int = 0) -> list[dict[str, np.ndarray]
         "past_key": cache(width),
         "past_value": cache(width),
     }
+    if meta.key_slots:  # an ONNX Runtime graph with key slots: the new keys' slots, and a view that holds them
+        for feeds in (prefill, step):
+            slots, _ = key_slots.assign(feeds["tree_mask"], feeds["cache_lengths"], limit=2**31)
+            extra = int(slots.max()) + 1 - feeds["past_key"].shape[0]
+            if extra > 0:
+                feeds["past_key"], feeds["past_value"] = (np.concatenate([feeds[n], cache(extra)]) for n in ("past_key", "past_value"))
+            feeds[key_slots.INPUT] = slots
     return [prefill, step]
 
 

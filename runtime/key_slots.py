@@ -30,9 +30,13 @@ and ``scripts/verify_vs_plain.py`` and the tests check the whole claim.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT as INPUT  # int64 [B, T]: the step input of engines with EngineMeta.key_slots
+log = logging.getLogger(__name__)
+
 LANES = (8, 16, 32, 64)  # lane counts probe_lanes tries, smallest first
 BLOCK = 256  # keys per block of the P V product's sum (MLAS sgemm's K stride at head_dim 64)
 SLACK_LANES = 16  # the buffers' slack fits trees of up to 32 nodes at this lane count (more: the appended layout)
@@ -114,39 +118,82 @@ def assign(tree_mask: np.ndarray, cache_lengths: np.ndarray, limit: int, lanes: 
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
-PROBE_LENGTHS = (21, 45)  # cache lengths probe_lanes checks: a short row can pass at a lane count too small for longer ones
+PROBE_LENGTHS = (21, 45, 77)  # cache lengths probe_lanes checks: a short row can pass at a lane count too small for longer ones
 
 
-def probe_lanes(backend, vocab: int, *, seed: int = 0) -> int | None:
-    """The smallest lane count in ``LANES`` under which a verify step on ``backend`` (an engine with
-    key slots; its ``key_lanes`` the lane count ``step`` assigns with) gives a branching tree's path
-    the logits of plain steps, bit for bit, at each of ``PROBE_LENGTHS``; None when none does (key
-    slots then keep the appended layout). Per length: a prefill, 3 plain steps and a 4-token tree
-    step per candidate, at batch 1. Row 0's cache is left holding scratch (a new sequence
-    overwrites it: only slots below a cache length are ever read)."""
+def _attention_graphs(elem: int) -> dict[str, bytes]:
+    """Two one-op attention graphs, q (1, 1, G*T, D), k / v (1, 1, S, D), bias (1, 1, G*T, S) -> y, laid
+    out as the exported graph lays out grouped-query attention (the G query heads of a KV head stacked
+    on the query axis): ONNX's Attention op (what opset-23 engines hold) and MatMul + Softmax + MatMul
+    (what older opsets hold)."""
+    from medusa_trt.runtime.backends.ort_buffers import _model, _node, _tensor
+
+    q, kv, bias = ("b", "h", "gt", "d"), ("b", "h", "s", "d"), ("b", "one", "gt", "s")
+    inputs = [_tensor("q", elem, q), _tensor("k", elem, kv), _tensor("v", elem, kv), _tensor("bias", elem, bias)]
+    out = [_tensor("y", elem, q)]
+    fused = _model("medusa_lanes_attention", [_node("Attention", ("q", "k", "v", "bias"), ("y",))], inputs, out, opset=23, ir_version=10)
+    plain = _model("medusa_lanes_softmax", [
+        _node("Transpose", ("k",), ("kt",), perm=(0, 1, 3, 2)), _node("MatMul", ("q", "kt"), ("scores",)),
+        _node("Add", ("scores", "bias"), ("masked",)), _node("Softmax", ("masked",), ("p",), axis=-1), _node("MatMul", ("p", "v"), ("y",)),
+    ], inputs, out)
+    return {"attention": fused, "softmax": plain}
+
+
+def probe_lanes(head_dim: int, groups: int, dtype=np.float32, providers=("CPUExecutionProvider",), threads: int | None = None, *,
+                seed: int = 0) -> int | None:
+    """The smallest lane count in ``LANES`` under which ONNX Runtime's attention on this machine gives
+    a branching tree's path, laid out by ``assign``, the outputs of plain one-token steps, bit for
+    bit, at each of ``PROBE_LENGTHS``; None when none does (key slots then claim nothing). Checked on
+    both attention forms an engine may hold (the Attention op and Softmax between two MatMuls) at the
+    engine's head size, query heads per KV head (``groups``) and dtype: float math that the engine's
+    quantized matmuls could otherwise hide."""
+    import onnxruntime as ort
+
+    from medusa_trt.runtime.backends.ort_buffers import ELEM_TYPES
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    sessions = []
+    for graph in _attention_graphs(ELEM_TYPES[np.dtype(dtype)]).values():
+        try:
+            sessions.append(ort.InferenceSession(graph, sess_options=options, providers=list(providers)))
+        except Exception as exc:  # noqa: BLE001 - an op this ONNX Runtime lacks: the other form decides
+            log.debug("lane probe graph not runnable here: %s", exc)
+    if not sessions:
+        return None
     rng = np.random.default_rng(seed)
+    mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)  # root, a sibling, the path below the root
+    path = [0, 2, 3]
+    floor = np.finfo(dtype).min
+
+    def stacked(x: np.ndarray) -> np.ndarray:  # (G, T, ...) -> (1, 1, G*T, ...)
+        return np.ascontiguousarray(x.reshape(1, 1, -1, *x.shape[2:]))
+
     passing = list(LANES)
     for length in PROBE_LENGTHS:
-        tokens = rng.integers(0, vocab, length + 3)  # the prompt, then the path t0 t1 t2
-        for start in range(0, length, backend.max_tokens):  # the prompt in chunks a step takes
-            n = min(backend.max_tokens, length - start)
-            mask = np.tri(n, dtype=bool)[None]
-            backend.step(tokens[None, start : start + n], start + np.arange(n)[None], mask, np.array([start]))
-            backend.commit(np.arange(n)[None], np.array([n]), np.array([start]))
-        plain = []
-        for j in range(3):  # plain steps: t0, t1, t2 at positions length + j
-            at = np.array([length + j])
-            out = backend.step(tokens[None, length + j : length + j + 1], at[None], np.ones((1, 1, 1), bool), at)
-            plain.append(out.logits_rows(np.array([0]), np.array([0]))[0].copy())
-            backend.commit(np.zeros((1, 1), np.int64), np.array([1]), at)
-        sibling = (tokens[length + 1] + 1) % vocab
-        ids = np.array([[tokens[length], sibling, tokens[length + 1], tokens[length + 2]]])  # root, a sibling, then the path
-        mask = np.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], dtype=bool)
-        positions = length + np.array([[0, 1, 1, 2]])
-        for lanes in list(passing):
-            backend.key_lanes = lanes
-            got = backend.step(ids, positions, mask, np.array([length])).logits_rows(np.zeros(3, np.int64), np.array([0, 2, 3]))
-            if not all(np.array_equal(got[i], plain[i]) for i in range(3)):
-                passing.remove(lanes)
-    backend.key_lanes = passing[0] if passing else None
-    return backend.key_lanes
+        keys = rng.standard_normal((1, 1, length + 4, head_dim)).astype(dtype)  # cache, then the 4 new tokens' keys
+        values = rng.standard_normal((1, 1, length + 4, head_dim)).astype(dtype)
+        queries = rng.standard_normal((groups, 4, head_dim)).astype(dtype)  # (G, T, D)
+        for session in sessions:
+            plain = []
+            for d, node in enumerate(path):  # node at depth d as a plain step: keys of positions 0 .. length + d in place
+                order = list(range(length)) + [length + p for p in path[: d + 1]]
+                feeds = {"q": stacked(queries[:, node : node + 1]), "k": keys[:, :, order], "v": values[:, :, order],
+                         "bias": np.zeros((1, 1, groups, len(order)), dtype=dtype)}
+                plain.append(session.run(None, feeds)[0][0, 0])  # (G, D)
+            for lanes in list(passing):
+                slots, _ = assign(mask[None], np.array([length]), 10**9, lanes)
+                width = int(slots.max()) + 1
+                k = np.zeros((1, 1, width, head_dim), dtype=dtype)
+                v = np.zeros_like(k)
+                k[:, :, :length], v[:, :, :length] = keys[:, :, :length], values[:, :, :length]
+                k[:, :, slots[0]], v[:, :, slots[0]] = keys[:, :, length:], values[:, :, length:]
+                visible = np.zeros((4, width), dtype=bool)
+                visible[:, :length] = True
+                visible[:, slots[0]] = mask
+                bias = stacked(np.broadcast_to(np.where(visible, 0, floor).astype(dtype), (groups, 4, width)))
+                got = session.run(None, {"q": stacked(queries), "k": k, "v": v, "bias": bias})[0].reshape(groups, 4, head_dim)
+                if not all(np.array_equal(got[:, node], plain[d]) for d, node in enumerate(path)):
+                    passing.remove(lanes)
+    return passing[0] if passing else None

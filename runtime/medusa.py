@@ -24,6 +24,7 @@ import numpy as np
 from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
+from medusa_trt.runtime.step_cost import drafting_pays
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
@@ -54,13 +55,19 @@ class _EngineInfo:
                    meta.expansion)
 
 
-def _folder_step_cost(files: EngineFiles | None) -> dict | None:
-    """The step-cost table an engine folder's drafting.json records (None: none, or not a folder)."""
+def _folder_step_cost(files: EngineFiles | None) -> tuple[dict | None, float]:
+    """The step-cost table an engine folder's drafting.json records and its heads call's cost,
+    both relative to a one-token step ((None, 0): none, or not a folder)."""
     if files is None or files.folder is None:
-        return None
+        return None, 0.0
     from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
 
-    return step_cost_table(read_drafting(files.folder).get("step_cost"))
+    raw = read_drafting(files.folder)
+    try:
+        heads = float(raw.get("heads_cost") or 0.0)
+    except (TypeError, ValueError) as exc:
+        raise EngineError(f"drafting.json heads_cost {raw.get('heads_cost')!r} is not a number: export the engine folder again") from exc
+    return step_cost_table(raw.get("step_cost")), heads
 
 
 class MedusaRuntime:
@@ -84,7 +91,7 @@ class MedusaRuntime:
         else:
             raise EngineError(f"unsupported engine {type(engine).__name__}: pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa")
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
-        self._folder_step_cost = _folder_step_cost(getattr(self.backend, "files", None))
+        self._folder_step_cost, self._heads_cost = _folder_step_cost(getattr(self.backend, "files", None))
         self.num_heads = info.num_heads
         if cfg.tree is not None:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
@@ -112,10 +119,15 @@ class MedusaRuntime:
         """The drafter set: ``names``, or by default every drafter the engine supports; an explicit
         ``chain-0`` heads template with the default set keeps its old meaning, plain decoding."""
         heads = bool(self.num_heads and tree.depth_max)
-        if names is None:
-            names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
         step_cost = self.config.step_cost or self._folder_step_cost
         config = DraftingConfig() if step_cost is None else DraftingConfig(cost=CostModel(dict(step_cost)), learn_cost=False)
+        if names is None:
+            names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
+            max_nodes = min(config.max_nodes, self.backend.max_tokens or config.max_nodes)
+            if names and not drafting_pays(config.cost, self._heads_cost if "heads" in names else 0.0, max_nodes, config.max_depth):
+                log.warning("no tree can beat plain decoding on this engine's measured step cost (%s, heads call %.2f): "
+                            "default drafting is plain decoding here", step_cost, self._heads_cost)
+                names = ()
         template = HeadsTemplate(tree, tree_walk(tree), self._info.expansion) if heads else None
         return Drafting(tuple(names), template, config,
                         engine_max_nodes=self.backend.max_tokens)

@@ -50,7 +50,7 @@ def test_folder_layout_and_config(engines, stories_model):
     assert config["engine"] == json.loads(read_meta(loose.step).to_json()) | {"model": config["engine"]["model"]}
     assert engine_meta(root) == read_meta(folder.step)  # the graph's metadata and config.json agree
     step = config["graphs"]["step"]
-    assert set(step["inputs"]) == {"input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value"}
+    assert set(step["inputs"]) == {"input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value", "key_slots"}
     assert step["inputs"]["input_ids"] == {"dtype": "int64", "shape": ["batch", "tokens"]}
     assert {"logits", "hidden", "new_key", "new_value"} <= set(step["outputs"])
     assert set(config["graphs"]["heads"]["inputs"]) == {"hidden"}
@@ -60,7 +60,8 @@ def test_folder_layout_and_config(engines, stories_model):
     assert sorted(eos if isinstance(eos, list) else [eos]) == sorted(stories_model.eos_token_ids)
     drafting = json.loads((root / "drafting.json").read_text())
     assert drafting["heads_template"]["paths"] == [list(p) for p in MedusaRuntime(root).tree.paths]
-    assert drafting["drafters"] == ["heads", "lookup", "recycle"] and drafting["step_cost"] is None
+    assert drafting["drafters"] == ["heads", "lookup", "recycle"]
+    assert drafting["step_cost"]["1"] == 1.0 and drafting["heads_cost"] > 0  # the engine's own cost, timed at export
     listed = set(json.loads((root / "files.json").read_text())["files"])
     assert listed == names - {"files.json"}, "the manifest covers every file but itself"
 
@@ -202,16 +203,24 @@ def test_triton_repo_can_copy_the_engine_in(engines, tmp_path, form):
         MedusaRuntime(engine).generate(STORY_PROMPTS[1], max_new_tokens=8).token_ids
 
 
-def test_tensorrt_build_into_a_folder_stages_and_swaps(engines, tmp_path, monkeypatch):
+def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, monkeypatch):
     """The folder plumbing of a TensorRT build, with the builder itself replaced (no TensorRT
     here): the plans land beside the ONNX graphs, config.json says tensorrt, the manifest covers
     the plans, the ONNX files are shared (hard links), and a failed build leaves the folder as it was."""
     from medusa_trt.exporter import tensorrt_build
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
     from medusa_trt.runtime.engine_folder import read_folder_config
 
-    folder, _ = engines
+    # TensorRT builds take the appended layout: no key slots, no ONNX Runtime timing (what medusa-export does for them)
+    folder = export_onnx(stories_model, ExportConfig(out=tmp_path / "src", tree=TREE, max_batch=4, max_context=256, key_slots=False,
+                                                     measure_cost=False)).files
     work = tmp_path / "eng"
     shutil.copytree(folder.folder, work)
+    with pytest.raises(tensorrt_build.TensorRTBuildError, match="--no-key-slots"):
+        keyed = export_onnx(stories_model, ExportConfig(out=tmp_path / "keyed", tree=TREE, max_context=256, measure_cost=False)).files
+        monkeypatch.setattr(tensorrt_build, "require_tensorrt", lambda path=None: object())
+        tensorrt_build.build_engines(keyed.folder, tensorrt_build.TensorRTConfig(plan=keyed.folder / "model.plan"))
+    shutil.rmtree(tmp_path / "keyed")
     built = []
 
     def fake_build(trt, onnx_path, target, profile, config, precisions):
@@ -233,7 +242,7 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(engines, tmp_path, monkey
     assert config.meta == engine_meta(folder.folder)
     listed = json.loads((work / "files.json").read_text())["files"]
     assert {"model.plan", "heads.plan", "model.onnx", "config.json"} <= set(listed)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "src"]
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 
     assert OnnxBackend(work).files == EngineFiles.in_folder(work)  # ONNX Runtime still runs the folder's ONNX graphs
@@ -247,7 +256,7 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(engines, tmp_path, monkey
     with pytest.raises(tensorrt_build.TensorRTBuildError):
         tensorrt_build.build_engines(again, tensorrt_build.TensorRTConfig(plan=again / "model.plan"))
     assert sorted(p.name for p in again.iterdir()) == before and read_folder_config(again).backend == "onnxruntime"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "eng"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "eng", "src"]
 
 
 def test_export_cli_writes_a_folder(tmp_path):

@@ -96,6 +96,12 @@ def test_padding_takes_free_slots_and_is_never_exact():
     assert key_slots.slack(64) >= key_slots.SLACK_LANES * 32
 
 
+def test_the_lane_probe_finds_this_machines_lanes():
+    """ONNX Runtime's CPU attention lays rows out in 8 or 16 lanes (AVX2 / AVX-512) here; the engines below hold to it."""
+    lanes = key_slots.probe_lanes(64, 3, threads=2)
+    assert lanes in key_slots.LANES
+
+
 # ----------------------------------------------------------------------------- engines
 
 
@@ -193,6 +199,7 @@ def engines(stories_base, tmp_path_factory):
     models = {"stories": stories_base, "d64": load_base_model(folder)}
     made = {}
     for name, (model, extra) in {"fp32": ("stories", {}), "int8-channel": ("stories", {"quantize": "int8-channel"}),
+                                 "int4": ("stories", {"quantize": "int4"}),
                                  "appended": ("stories", {"key_slots": False}), "d64": ("d64", {})}.items():
         out = tmp_path_factory.mktemp(f"ks-{name}") / "model.onnx"
         export_onnx(MedusaModel(models[model], None), ExportConfig(out=out, tree="chain-0", max_batch=4, max_context=512, **extra))
@@ -200,7 +207,7 @@ def engines(stories_base, tmp_path_factory):
     return made
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8-channel"])
+@pytest.mark.parametrize("kind", ["fp32", "int8-channel", "int4"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("nodes", [1, 9, 29])
 def test_verify_step_logits_equal_plain_step_logits(engines, stories_base, kind, batch, nodes):

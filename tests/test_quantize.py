@@ -135,10 +135,14 @@ def _prefill_logits(path, ids: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     meta = read_meta(path)
     batch, tokens = ids.shape
-    empty = np.zeros((0, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim), dtype=np.float32)
-    feeds = dict(input_ids=ids, position_ids=np.broadcast_to(np.arange(tokens), ids.shape).astype(np.int64),
+    slots = tokens if meta.key_slots else 0  # a key-slots graph scatters the new keys into the view: give it room
+    empty = np.zeros((slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim), dtype=np.float32)
+    positions = np.broadcast_to(np.arange(tokens), ids.shape).astype(np.int64)
+    feeds = dict(input_ids=ids, position_ids=positions,
                  tree_mask=np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy(),
                  cache_lengths=np.zeros(batch, dtype=np.int64), past_key=empty, past_value=empty)
+    if meta.key_slots:
+        feeds["key_slots"] = positions
     return session.run(["logits"], feeds)[0]
 
 
@@ -211,8 +215,8 @@ BAD_OPTIONS = {
     "block size too small": (["--quantize", "int4", "--block-size", "8"], "--block-size 8 is not a power of two >= 16"),
     "accuracy level above 4": (["--quantize", "int4", "--accuracy-level", "5"], "--accuracy-level 5 is out of range: pass 0..4"),
     "accuracy level negative": (["--quantize", "int4", "--accuracy-level", "-1"], "--accuracy-level -1 is out of range"),
-    "block size without --quantize": (["--block-size", "64"], "--block-size applies to --quantize int4 only: add --quantize int4"),
-    "accuracy level with int8": (["--quantize", "int8-channel", "--accuracy-level", "1"], "--accuracy-level applies to --quantize int4 only"),
+    "block size without --quantize": (["--block-size", "64"], "--block-size applies to --quantize int4 / int8-block only: add --quantize int4"),
+    "accuracy level with int8": (["--quantize", "int8-channel", "--accuracy-level", "1"], "--accuracy-level applies to --quantize int4 / int8-block only"),
     "int4 with the plugin": (["--quantize", "int4", "--attention", "plugin"], "--quantize int4 quantizes the standard graph"),
 }
 

@@ -215,7 +215,8 @@ def built_plans(tmp_path_factory, stories_base, stories_fitted):
     folder = tmp_path_factory.mktemp("plans")
     for attention in ("onnx", "plugin"):
         onnx_path = folder / f"{attention}.onnx"
-        export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention))
+        export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention,
+                                                                                      key_slots=False))
         plans[attention] = build_engines(onnx_path, TensorRTConfig(plan=folder / f"{attention}.plan")).step
     return plans
 

@@ -45,7 +45,8 @@ needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORR
 @pytest.fixture(scope="module")
 def engine(export_engine, stories_base):
     """stories260K with 3 random heads, the custom tree (7 nodes), fp32."""
-    return export_engine("trt-compare", medusa_model(stories_base, random_heads(stories_base, 3)), tree=CUSTOM_TREE, max_context=64)
+    return export_engine("trt-compare", medusa_model(stories_base, random_heads(stories_base, 3)), tree=CUSTOM_TREE, max_context=64,
+                         key_slots=False)  # TensorRT builds take the appended layout
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,15 @@ def test_step_feeds_are_a_prefill_then_a_tree_step(engine):
     assert step["position_ids"].tolist() == [(7 + tree.depth).tolist(), (4 + tree.depth).tolist()]
     for feed in (prefill, step):
         assert feed["input_ids"].max() < meta.vocab_size and feed["input_ids"].dtype == np.int64
+
+
+def test_step_feeds_of_a_key_slots_graph_carry_the_slots(engine):
+    import dataclasses
+
+    for feed in step_feeds(dataclasses.replace(read_meta(engine), key_slots=True)):
+        slots = feed["key_slots"]
+        assert slots.shape == feed["input_ids"].shape and feed["past_key"].shape[0] > slots.max()
+        assert (slots >= feed["cache_lengths"][:, None]).all()
 
 
 def test_feeds_fit_small_engines_and_heads_inputs(engine):

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 BUFFERS = ("auto", "host", "device")  # auto: device buffers on the CUDA provider, host buffers otherwise
-_LANES: dict[tuple, int | None] = {}  # key slots' measured lane count per (engine, provider, threads)
+_LANES: dict[tuple, int | None] = {}  # key slots' measured lane count per (head_dim, groups, dtype, provider, threads)
 SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in ("past_key", "past_value"))  # from the host; buffers bind the cache
 
 
@@ -104,21 +104,23 @@ class OnnxBackend:
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
         self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
-        if meta.key_slots and self.max_tokens >= 4 and self.max_context > max(key_slots.PROBE_LENGTHS) + 3:  # the probe fits
+        if meta.key_slots:
             self.key_lanes = self._probe_lanes(files, threads)
         log.info("onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB", self.session.get_providers()[0],
                  type(self.buffers).__name__, self.buffers.cache_bytes / 2**20, self.buffers.output_bytes / 2**20)
 
     def _probe_lanes(self, files: EngineFiles, threads: int | None) -> int | None:
-        """The softmax's lane count for key slots, measured once per engine, provider and thread count in a process."""
-        key = (str(files.step.resolve()), self.session.get_providers()[0], threads)
+        """The attention's lane count for key slots on this machine, measured once per head size, dtype,
+        provider and thread count in a process (``key_slots.probe_lanes``)."""
+        groups = max(1, self.meta.hidden_size // self.meta.head_dim // self.meta.num_kv_heads)  # query heads per KV head
+        key = (self.meta.head_dim, groups, self.meta.dtype, self.session.get_providers()[0], threads)
         if key not in _LANES:
-            _LANES[key] = key_slots.probe_lanes(self, self.meta.vocab_size)
+            _LANES[key] = key_slots.probe_lanes(self.meta.head_dim, groups, self.dtype, self.session.get_providers(), threads)
             if _LANES[key] is None:
-                log.warning("%s: no lane count in %s makes a verify step equal a plain step on this machine; drafted output equals "
-                            "plain output to float rounding only", files.step.name, key_slots.LANES)
+                log.warning("%s: no lane count in %s makes ONNX Runtime's attention lay a tree out as plain steps on this machine; "
+                            "drafted output equals plain output to float rounding only", files.step.name, key_slots.LANES)
             else:
-                log.info("%s: key slots at %d lanes (a verify step is a plain step, bit for bit)", files.step.name, _LANES[key])
+                log.info("key slots at %d lanes: a verify step is a plain step, bit for bit", _LANES[key])
         return _LANES[key]
 
     def _buffers(self, kind: str, sizes: BufferSizes) -> StepBuffers:

@@ -422,15 +422,21 @@ def _tensor(name: str, elem: int, dims: tuple) -> bytes:
 
 
 def _node(op: str, inputs: tuple, outputs: tuple, **ints) -> bytes:
-    """NodeProto: input=1, output=2, op_type=4, attribute=5 (AttributeProto: name=1, i=3, type=20 (INT=2))."""
-    attrs = b"".join(_msg(5, _msg(1, k) + _int(3, v) + _int(20, 2)) for k, v in ints.items())
+    """NodeProto: input=1, output=2, op_type=4, attribute=5 (AttributeProto: name=1, i=3, ints=8, type=20 (INT=2, INTS=7));
+    an attribute given as a tuple is INTS."""
+    def attr(k, v) -> bytes:
+        if isinstance(v, tuple):
+            return _msg(1, k) + b"".join(_int(8, x) for x in v) + _int(20, 7)
+        return _msg(1, k) + _int(3, v) + _int(20, 2)
+
+    attrs = b"".join(_msg(5, attr(k, v)) for k, v in ints.items())
     return b"".join(_msg(1, i) for i in inputs) + b"".join(_msg(2, o) for o in outputs) + _msg(4, op) + attrs
 
 
-def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes]) -> bytes:
+def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes], *, opset: int = OPSET, ir_version: int = IR_VERSION) -> bytes:
     """ModelProto: ir_version=1, producer_name=2, graph=7 (node=1, name=2, input=11, output=12), opset_import=8 (version=2)."""
     graph = b"".join(_msg(1, n) for n in nodes) + _msg(2, name) + b"".join(_msg(11, i) for i in inputs) + b"".join(_msg(12, o) for o in outputs)
-    return _int(1, IR_VERSION) + _msg(2, "medusa-trt") + _msg(7, graph) + _msg(8, _int(2, OPSET))
+    return _int(1, ir_version) + _msg(2, "medusa-trt") + _msg(7, graph) + _msg(8, _int(2, opset))
 
 
 CACHE = ("slots", "layers", "batch", "kv_heads", "head_dim")

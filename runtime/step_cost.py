@@ -1,0 +1,86 @@
+"""An engine's own step-cost curve, measured: what the drafting budget weighs a tree against.
+
+A verify step of W tokens costs ``table[W]`` one-token steps, and the heads call after it costs
+``heads`` more (plain decoding pays neither). Engines differ wildly: fp32 on 2 CPU cores pays
+1.3x for 8 tokens, an int4 (MatMulNBits) engine several times that, so one shared table sends
+big trees to engines where they cost more than they emit. ``measure`` times the engine itself
+(chain steps over a committed context, and one heads call); the exporter writes the result into
+an engine folder's ``drafting.json`` and ``medusa-calibrate`` rewrites it there.
+
+``drafting_pays`` is the by-design guard: when no tree could beat plain decoding even with every
+draft of its deepest path accepted (min(W, depth + 1) tokens for ``table[W] + heads``, against 1
+for ``table[1]``), the runtime drafts nothing on that engine by default, so default drafting is
+never slower than plain decoding there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per step timed (those the engine takes)
+CONTEXT = 256  # committed tokens the timed steps attend to (fewer when the engine's context is smaller)
+REPEATS = 5  # timed calls per size, after one warm-up; the median counts
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    table: dict[int, float]  # tokens per step -> cost relative to a one-token step
+    heads: float = 0.0  # the heads call after a step, relative to a one-token step (0: no heads)
+    step_ms: float = 0.0  # the one-token step's median time, for humans
+
+    def to_drafting(self) -> dict:
+        """The drafting.json entries."""
+        return {"step_cost": {str(k): round(float(v), 4) for k, v in sorted(self.table.items())}, "heads_cost": round(float(self.heads), 4)}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: a new shape pays allocation and planning once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, top_k: int = 1) -> MeasuredCost:
+    """Time ``backend`` (the step contract): chain steps of each size over ``context`` committed
+    slots at batch 1, and one heads call when the engine has heads. Commits nothing (the cache's
+    contents do not change the cost)."""
+    limit = backend.max_tokens or max(sizes)
+    sizes = sorted({s for s in sizes if s <= limit} | {1})
+    context = max(0, min(context, backend.max_context - sizes[-1]))
+    lengths = np.array([context], dtype=np.int64)  # (1,)
+    ms = {}
+    for t in sizes:
+        ids = np.zeros((1, t), dtype=np.int64)  # (1, T)
+        positions = context + np.arange(t, dtype=np.int64)[None, :]  # (1, T)
+        mask = np.tri(t, dtype=bool)[None]  # (1, T, T)
+        ms[t] = _median_ms(lambda: backend.step(ids, positions, mask, lengths), repeats)
+    heads = 0.0
+    meta = getattr(backend, "meta", None)
+    if meta is not None and meta.num_heads:
+        roots = np.zeros(1, dtype=np.int64)
+        heads = _median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), min(top_k, meta.top_k), roots), repeats) / ms[1]
+    cost = MeasuredCost({t: ms[t] / ms[1] for t in sizes}, heads, ms[1])
+    log.info("step cost over %d context tokens: %s; heads %.2f (one-token step %.2f ms)", context,
+             ", ".join(f"{t}: {c:.2f}" for t, c in cost.table.items()), heads, ms[1])
+    return cost
+
+
+def drafting_pays(cost, heads: float, max_nodes: int, max_depth: int) -> bool:
+    """Whether some tree of 2..max_nodes tokens could beat plain decoding if every draft on its
+    deepest path were accepted: a tree of W nodes emits at most min(W, max_depth + 1) tokens, for
+    cost(W) + heads against 1 for cost(1). ``cost`` a ``CostModel`` (relative, batch 1)."""
+    if max_nodes < 2 or max_depth < 1:
+        return False
+    widths = np.arange(1, max_nodes + 1)
+    rel = cost.cost(widths)  # (W,)
+    best = np.minimum(widths, max_depth + 1)[1:]
+    return bool((best / (rel[1:] + heads) > 1.0 / rel[0]).any())

@@ -1,0 +1,89 @@
+"""Cost-aware drafting on every engine (issue 25): the engine's own measured step cost.
+
+The exporter times an engine folder it writes and records the curve (drafting.json ``step_cost``
+and ``heads_cost``); the runtime's budget reads it, and where no tree could beat plain decoding
+even with every draft accepted (a steep curve), default drafting is plain decoding, by design.
+The steep engine here is a real one behind a backend that sleeps in proportion to the tokens of
+a step, as an int4 engine's cost grows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from medusa_trt.runtime.drafting import CostModel
+from medusa_trt.runtime.drafting.builder import DEFAULT_STEP_COST
+from medusa_trt.runtime.step_cost import drafting_pays, measure
+
+
+class SteepBackend:
+    """A real backend whose steps cost ``unit`` x tokens^2 seconds more (and the heads call ``heads`` seconds):
+    steeper than linear, as an int4 engine's cost grows past a few tokens."""
+
+    def __init__(self, inner, unit: float = 0.002, heads: float = 0.002):
+        self.inner, self.unit, self.heads = inner, unit, heads
+        self.meta, self.max_tokens, self.max_context = inner.meta, inner.max_tokens, inner.max_context
+
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+        time.sleep(self.unit * (input_ids.shape[0] * input_ids.shape[1]) ** 2)
+        return self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
+
+    def propose(self, nodes, top_k, roots=None):
+        time.sleep(self.heads)
+        return self.inner.propose(nodes, top_k, roots)
+
+
+@pytest.fixture(scope="module")
+def folder(stories_base, stories_fitted, tmp_path_factory):
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.exporter.wrapper import MedusaModel
+
+    out = tmp_path_factory.mktemp("cost") / "engine"
+    export_onnx(MedusaModel(stories_base, stories_fitted), ExportConfig(out=out, tree="chain-3", max_batch=2, max_context=320))
+    return out
+
+
+def test_export_records_the_engines_own_cost(folder):
+    drafting = json.loads((folder / "drafting.json").read_text())
+    table = {int(k): v for k, v in drafting["step_cost"].items()}
+    assert sorted(table) == [1, 2, 4, 8, 16, 32, 64] and table[1] == 1.0 and all(v > 0 for v in table.values())
+    assert drafting["heads_cost"] > 0
+
+
+def test_the_default_table_lets_drafting_pay():
+    assert drafting_pays(CostModel(dict(DEFAULT_STEP_COST)), 0.2, 64, 8)
+    assert not drafting_pays(CostModel({1: 1.0, 64: 64.0}), 0.0, 64, 8)  # a tree costs what its tokens would plain
+    assert not drafting_pays(CostModel({1: 1.0, 2: 2.1, 8: 5.0, 64: 40.0}), 0.0, 64, 1)  # one draft deep: at most 2 tokens
+    assert not drafting_pays(CostModel(dict(DEFAULT_STEP_COST)), 0.2, 1, 8)
+
+
+def test_a_steep_engine_decodes_plain_by_default(folder, tmp_path):
+    from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+
+    steep = measure(SteepBackend(OnnxBackend(folder, max_batch=1)), sizes=(1, 2, 4, 8, 16), repeats=2, top_k=1)
+    assert steep.table[2] > 2 and steep.table[16] > 50 and steep.heads > 0.2
+    assert not drafting_pays(CostModel(steep.table), steep.heads, 64, 8)
+
+    from medusa_trt.exporter.engine_folder import record_step_cost
+
+    work = tmp_path / "steep"
+    shutil.copytree(folder, work)
+    record_step_cost(work, steep.table, steep.heads)  # what medusa-calibrate does with what it measured
+    assert json.loads((work / "drafting.json").read_text())["heads_cost"] == pytest.approx(steep.heads)
+    rt = MedusaRuntime(work)
+    assert rt.drafting.names == ()  # no tree can pay: plain decoding, no heads call
+    flat = MedusaRuntime(folder)
+    assert flat.drafting.names == ("heads", "lookup", "recycle")  # the same engine at its own (flatter) cost drafts
+    prompt = "Once upon a time"
+    got = rt.generate(prompt, max_new_tokens=24)
+    assert got.token_ids == flat.plain().generate(prompt, max_new_tokens=24).token_ids
+    assert set(got.stats.accepted_per_step) == {1} and got.stats.drafted_tokens == 0 and got.stats.heads_seconds == 0.0
+    explicit = MedusaRuntime(work, drafters=("heads",))  # asked for, the heads still draft
+    assert explicit.drafting.names == ("heads",)
+    assert np.isfinite(steep.step_ms)
