@@ -84,9 +84,13 @@ class LlamaCppPeer:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
         self.name, self.spec = spec.name, spec
+        # prompt lookup evaluates the last token and up to lookup_tokens drafts at once: room for them past the context.
+        # It reads every position's logits, which the binding keeps in a buffer of n_batch rows unless logits_all is
+        # asked for when the context is made (0.3.x): without it, a sequence past 512 tokens overflows that buffer
+        context += lookup_tokens + 1 if draft is not None else 0
         try:
             self.llm = Llama(model_path=str(spec.path), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                             draft_model=draft, verbose=False, seed=0)
+                             draft_model=draft, logits_all=draft is not None, verbose=False, seed=0)
         except (ValueError, RuntimeError) as exc:  # a file llama.cpp cannot load
             raise PeerError(f"--peer {spec.kind}:{spec.path}: llama.cpp cannot load it ({exc}): pass a GGUF model file") from exc
         self.vocab_size = self.llm.n_vocab()

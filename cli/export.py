@@ -140,6 +140,7 @@ def _export(args) -> int:
     if result.files.folder is not None:
         print(f"wrote {result.files.folder}/ (config.json, {result.files.step.name}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "")
               + ", tokenizer, generation_config.json, drafting.json)")
+        _print_step_cost(result.files.folder)
     else:
         print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
     if result.diffs:
@@ -164,6 +165,18 @@ def _export(args) -> int:
     for comparison in compared:
         print(comparison.summary())
     return _triton_repo(args.triton_repo, files.folder or files.step)
+
+
+def _print_step_cost(folder) -> None:
+    """What the drafting budget will weigh trees with: the step cost drafting.json records."""
+    from medusa_trt.runtime.engine_folder import read_drafting
+
+    drafting = read_drafting(folder)
+    table = drafting.get("step_cost")
+    if table:
+        costs = ", ".join(f"{k}: {float(v):.2f}" for k, v in sorted(table.items(), key=lambda kv: int(kv[0])))
+        print(f"drafting budget: step cost by tokens per step {costs}; heads call {float(drafting.get('heads_cost') or 0):.2f} "
+              "(relative to a one-token step, timed here)")
 
 
 def _triton_repo(repo: str | None, engine: Path) -> int:

@@ -46,6 +46,9 @@ from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
 from medusa_trt.runtime.text import PromptError
 
+HEADS_IDLE = 4  # steps in a row whose trees kept none of the heads' nodes before the heads rest
+HEADS_REST = 8  # steps a sequence then drafts without the heads (and calls them not)
+
 
 @dataclass(frozen=True)
 class StepDrafts:
@@ -158,6 +161,8 @@ class Seq:
     proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
     confidence: np.ndarray | None = None  # float32 [D, K]: the heads' probabilities of the top-k ids (greedy drafts)
     drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
+    heads_idle: int = 0  # steps in a row whose trees kept none of the heads' nodes
+    heads_rest: int = 0  # steps left that draft without the heads (nor call them)
     started: float = 0.0
     hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the caller asked for hidden states
 
@@ -301,7 +306,7 @@ class Scheduler:
             return StepTree.chain(s.root)
         if s.heads is not None:
             s.heads.proposals, s.heads.confidence = s.proposals, s.confidence
-        fragments = [d.propose(s.history, depth) for d in s.drafters]
+        fragments = [d.propose(s.history, depth) for d in s.drafters if d is not s.heads or not s.heads_rest]
         drafting = self.rt.drafting
         if not s.rule.learnt_budget:  # sampled rows: the fixed one-row table, so neighbours never change a seed's draws
             return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.config.cost)
@@ -342,7 +347,7 @@ class Scheduler:
             commit_nodes[b, : len(v.path)] = v.path
             counts[b] = len(v.path)  # root + accepted drafts enter the cache
             s.root = int(v.bonus)
-            heads_at[b], wants_heads[b] = v.path[-1], s.heads is not None
+            heads_at[b], wants_heads[b] = v.path[-1], s.heads is not None and not self._rest_heads(s, tree)
             s.stats.verify_seconds += verify
             if s.hidden is not None:  # the committed nodes' states: each the one before the token that follows it
                 s.hidden.append(out.hidden_rows(np.full(len(v.path), b), v.path))
@@ -413,6 +418,19 @@ class Scheduler:
                 for d in range(tree.depth_max):
                     s.proposals[d, : walk.draws[d]] = draw_without_replacement(s.rng, q[d], int(walk.draws[d]))
                 s.drafts_q = q
+
+    def _rest_heads(self, s: Seq, tree: StepTree) -> bool:
+        """After a step: whether the heads sit out the next one. A heads call costs a fixed share of a
+        step whatever the tree keeps, so when the budget kept none of the heads' nodes ``HEADS_IDLE``
+        steps in a row, the sequence drafts without them (and calls them not) for ``HEADS_REST``
+        steps, then tries again."""
+        if s.heads_rest:
+            s.heads_rest -= 1
+            return s.heads_rest > 0
+        s.heads_idle = 0 if any("heads" in sources for sources in tree.sources) else s.heads_idle + 1
+        if s.heads_idle >= HEADS_IDLE:
+            s.heads_idle, s.heads_rest = 0, HEADS_REST
+        return s.heads_rest > 0
 
     def _room(self, s: Seq) -> int:
         """Most drafted tokens the sequence may still accept (a step emits accepted + 1)."""

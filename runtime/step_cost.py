@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per step timed (those the engine takes)
 CONTEXT = 256  # committed tokens the timed steps attend to (fewer when the engine's context is smaller)
-REPEATS = 5  # timed calls per size, after one warm-up; the median counts
+REPEATS = 9  # timed rounds (one call of each size per round), after one warm-up round; the median counts
 
 
 @dataclass(frozen=True)
@@ -39,38 +39,51 @@ class MeasuredCost:
         return {"step_cost": {str(k): round(float(v), 4) for k, v in sorted(self.table.items())}, "heads_cost": round(float(self.heads), 4)}
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: a new shape pays allocation and planning once
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+def _isotonic(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a wider step never costs less."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(count)]
 
 
 def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, top_k: int = 1) -> MeasuredCost:
     """Time ``backend`` (the step contract): chain steps of each size over ``context`` committed
-    slots at batch 1, and one heads call when the engine has heads. Commits nothing (the cache's
-    contents do not change the cost)."""
+    slots at batch 1, and one heads call when the engine has heads. Sizes are timed in rounds (one
+    call of each per round, after a warm-up round), so a passing disturbance spreads over all of
+    them; the per-size medians are then made non-decreasing. Commits nothing (the cache's contents
+    do not change the cost)."""
     limit = backend.max_tokens or max(sizes)
     sizes = sorted({s for s in sizes if s <= limit} | {1})
     context = max(0, min(context, backend.max_context - sizes[-1]))
     lengths = np.array([context], dtype=np.int64)  # (1,)
-    ms = {}
+    calls = {}
     for t in sizes:
         ids = np.zeros((1, t), dtype=np.int64)  # (1, T)
         positions = context + np.arange(t, dtype=np.int64)[None, :]  # (1, T)
         mask = np.tri(t, dtype=bool)[None]  # (1, T, T)
-        ms[t] = _median_ms(lambda: backend.step(ids, positions, mask, lengths), repeats)
-    heads = 0.0
+        calls[t] = (lambda ids=ids, positions=positions, mask=mask: backend.step(ids, positions, mask, lengths))
     meta = getattr(backend, "meta", None)
     if meta is not None and meta.num_heads:
         roots = np.zeros(1, dtype=np.int64)
-        heads = _median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), min(top_k, meta.top_k), roots), repeats) / ms[1]
-    cost = MeasuredCost({t: ms[t] / ms[1] for t in sizes}, heads, ms[1])
+        calls["heads"] = lambda: backend.propose(np.zeros(1, dtype=np.int64), min(top_k, meta.top_k), roots)
+    times: dict = {k: [] for k in calls}
+    for round_ in range(repeats + 1):  # round 0 warms up: a new shape pays allocation and planning once
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_:
+                times[key].append(time.perf_counter() - start)
+    ms = [float(np.median(times[t])) * 1e3 for t in sizes]
+    ms = _isotonic(ms)
+    heads = float(np.median(times["heads"])) * 1e3 / ms[0] if "heads" in times else 0.0
+    cost = MeasuredCost({t: m / ms[0] for t, m in zip(sizes, ms)}, heads, ms[0])
     log.info("step cost over %d context tokens: %s; heads %.2f (one-token step %.2f ms)", context,
-             ", ".join(f"{t}: {c:.2f}" for t, c in cost.table.items()), heads, ms[1])
+             ", ".join(f"{t}: {c:.2f}" for t, c in cost.table.items()), heads, ms[0])
     return cost
 
 

@@ -82,3 +82,15 @@ def test_a_peer_of_another_vocabulary_is_refused(binding, tmp_path, capsys, expo
     prompts.write_text(json.dumps({"turns": ["Once upon a time"]}))
     assert main(["--engine", str(engine), "--prompts", str(prompts), "--no-hf", "--peer", f"llama.cpp:{smol}"]) == 2
     assert "has a vocabulary of 49152 tokens, the engine 512: pass a GGUF of the engine's model" in capsys.readouterr().err
+
+
+def test_lookup_peer_runs_past_the_bindings_batch(binding):
+    """llama.cpp prompt lookup reads every position's logits: a sequence past n_batch (512) tokens must fit its buffer."""
+    from medusa_trt.bench.peers import make_peer, parse_peer
+
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} missing")
+    peer = make_peer(parse_peer(f"llama.cpp+lookup:{STORIES}"), threads=2, context=1024, vocab_size=512)
+    prompt = ([1] + list(range(20, 120))) * 6  # 606 tokens, repetitive: lookup drafts several tokens a step
+    out, seconds = peer.generate(prompt, 32, frozenset())
+    assert len(out) == 32 and seconds > 0

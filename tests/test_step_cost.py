@@ -87,3 +87,26 @@ def test_a_steep_engine_decodes_plain_by_default(folder, tmp_path):
     explicit = MedusaRuntime(work, drafters=("heads",))  # asked for, the heads still draft
     assert explicit.drafting.names == ("heads",)
     assert np.isfinite(steep.step_ms)
+
+
+def test_heads_the_budget_never_keeps_rest(folder, tmp_path):
+    """A heads call costs a share of every step: when the budget keeps none of their nodes (here a
+    verify cost that makes any tree lose) HEADS_IDLE steps in a row, the sequence stops calling them
+    for HEADS_REST steps."""
+    from medusa_trt.exporter.engine_folder import record_step_cost
+    from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.loop import HEADS_IDLE, HEADS_REST
+
+    work = tmp_path / "rest"
+    shutil.copytree(folder, work)
+    record_step_cost(work, {1: 1.0, 2: 3.0, 64: 100.0}, 0.1)
+    rt = MedusaRuntime(work, drafters=("heads",))  # asked for: the runtime drafts with them, the budget keeps no node
+    calls = []
+    propose = rt.backend.propose
+    rt.backend.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
+    got = rt.generate("Once upon a time", max_new_tokens=40)
+    steps = got.stats.steps
+    assert got.stats.drafted_tokens == 0 and steps >= 30
+    period = HEADS_IDLE + HEADS_REST  # HEADS_IDLE steps with the heads, then HEADS_REST without
+    assert len(calls) <= 1 + (steps // period + 1) * (HEADS_IDLE + 1) and len(calls) < steps * 0.6
+    assert got.token_ids == rt.plain().generate("Once upon a time", max_new_tokens=40).token_ids

@@ -104,7 +104,7 @@ class OnnxBackend:
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
         self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
-        if meta.key_slots:
+        if meta.key_slots and self.session.get_providers()[0] == "CPUExecutionProvider":  # the probed kernels; no claim elsewhere
             self.key_lanes = self._probe_lanes(files, threads)
         log.info("onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB", self.session.get_providers()[0],
                  type(self.buffers).__name__, self.buffers.cache_bytes / 2**20, self.buffers.output_bytes / 2**20)
