@@ -27,7 +27,8 @@ def texts(path: Path) -> list[str]:
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        out.append("\n\n".join([row["turns"][0], *(row.get("reference") or [])[:1]]))
+        reference = [r for r in (row.get("reference") or []) if isinstance(r, str)][:1]  # some rows hold lists: skipped
+        out.append("\n\n".join([row["turns"][0], *reference]))
     return out
 
 
