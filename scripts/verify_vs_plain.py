@@ -12,7 +12,9 @@ plain-step logits:
 
     .venv/bin/python scripts/verify_vs_plain.py --engine build/q-fp32 --engine build/q-int8-channel
 
-What it showed on ONNX Runtime 1.32 CPU (SmolLM2-135M and stories260K, fp32 and int8-channel): chains
+On an engine with key slots (the default since 2026-12-03) the backend lays every layout out as
+plain decoding would, so all three are bit-exact (docs/exactness.md); ``--no-key-slots`` engines
+show the diagnosis below. What it showed on ONNX Runtime 1.32 CPU (SmolLM2-135M and stories260K, fp32 and int8-channel): chains
 are bit-exact, trees are not (2e-5 in fp32 logits), and the aligned tree is bit-exact again with
 ``--align 8``: the attention's softmax sums its row in 8-lane blocks, so a key's contribution rounds
 by its index modulo 8, and a sibling between a node's ancestors moves them to other lanes. An int8
