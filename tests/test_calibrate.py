@@ -336,3 +336,22 @@ def test_cli_write_failure_leaves_nothing(capsys, tmp_path, fitted_engine, monke
     assert err.strip() == f"medusa-calibrate: error: cannot write {out}: No space left on device: check the folder " \
                           "(free space, permissions) or pick another --out"
     assert list(out.parent.iterdir()) == []
+
+
+def test_cli_on_an_engine_folder_records_its_cost(capsys, tmp_path, stories_base, stories_fitted):
+    """medusa-calibrate --engine DIR rewrites the folder's measured step cost (drafting.json) and its manifest."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.runtime import MedusaRuntime
+
+    folder = tmp_path / "engine"
+    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-3", max_context=256, measure_cost=False))
+    assert json.loads((folder / "drafting.json").read_text())["step_cost"] is None
+    out = tmp_path / "tree.json"
+    code = main(["--engine", str(folder), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
+                 "--max-new-tokens", "16", "--max-nodes", "8", "--repeats", "2", "--limit", "2"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    drafting = json.loads((folder / "drafting.json").read_text())
+    assert sorted(int(k) for k in drafting["step_cost"]) == [1, 2, 4, 8] and drafting["step_cost"]["1"] == 1.0
+    assert drafting["heads_cost"] > 0 and str(folder / "drafting.json") in printed.out
+    assert MedusaRuntime(folder).drafting.names  # the manifest still matches: the folder loads
