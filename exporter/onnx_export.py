@@ -345,10 +345,7 @@ def _measure_cost(staged: EngineFiles):
 
     log.info("timing the engine's verify steps for the drafting budget (drafting.json step_cost)")
     backend = OnnxBackend(staged.folder, max_batch=1)
-    try:
-        return measure(backend, top_k=backend.meta.top_k)
-    finally:
-        del backend
+    return measure(backend, top_k=backend.meta.top_k)
 
 
 def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:

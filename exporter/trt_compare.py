@@ -123,11 +123,7 @@ def step_feeds(meta: EngineMeta, *, seed: int = 0) -> list[dict[str, np.ndarray]
     }
     if meta.key_slots:  # an ONNX Runtime graph with key slots: the new keys' slots, and a view that holds them
         for feeds in (prefill, step):
-            slots, _ = key_slots.assign(feeds["tree_mask"], feeds["cache_lengths"], limit=2**31)
-            extra = int(slots.max()) + 1 - feeds["past_key"].shape[0]
-            if extra > 0:
-                feeds["past_key"], feeds["past_value"] = (np.concatenate([feeds[n], cache(extra)]) for n in ("past_key", "past_value"))
-            feeds[key_slots.INPUT] = slots
+            key_slots.add_to_feeds(feeds)
     return [prefill, step]
 
 

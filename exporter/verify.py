@@ -53,11 +53,8 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
 
     def run(ids, positions, mask, lengths, past_key, past_value):
         feeds = dict(input_ids=ids, position_ids=positions, tree_mask=mask, cache_lengths=lengths, past_key=past_key, past_value=past_value)
-        if scattered:  # the new keys go to slots of the view: pad it with zero slots to hold them
-            slots, _ = key_slots.assign(mask, lengths, limit=2**31)
-            pad = max(0, int(slots.max()) + 1 - past_key.shape[0])
-            extra = np.zeros((pad, *past_key.shape[1:]), dtype=past_key.dtype)
-            feeds.update(past_key=np.concatenate([past_key, extra]), past_value=np.concatenate([past_value, extra]), key_slots=slots)
+        if scattered:  # the new keys go to slots of the view: pad it to hold them
+            key_slots.add_to_feeds(feeds)
         ours = dict(zip(names, session.run(None, feeds)))
         theirs = model(*(torch.from_numpy(np.ascontiguousarray(v)).to(device) for v in feeds.values()))
         return ours, dict(zip(STEP_OUTPUTS, theirs))

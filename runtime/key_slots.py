@@ -118,6 +118,20 @@ def assign(tree_mask: np.ndarray, cache_lengths: np.ndarray, limit: int, lanes: 
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
+def add_to_feeds(feeds: dict) -> dict:
+    """Numpy step feeds for a key-slots graph run outside a backend (export checks): ``key_slots`` for
+    their tree_mask / cache_lengths (no lane claim needed), and past_key / past_value padded with zero
+    slots to hold them. Returns ``feeds``, updated."""
+    slots, _ = assign(feeds["tree_mask"], feeds["cache_lengths"], limit=2**31)
+    extra = int(slots.max()) + 1 - feeds["past_key"].shape[0]
+    if extra > 0:
+        for name in ("past_key", "past_value"):
+            past = feeds[name]
+            feeds[name] = np.concatenate([past, np.zeros((extra, *past.shape[1:]), dtype=past.dtype)])
+    feeds[INPUT] = slots
+    return feeds
+
+
 PROBE_LENGTHS = (21, 45, 77)  # cache lengths probe_lanes checks: a short row can pass at a lane count too small for longer ones
 
 

@@ -34,10 +34,6 @@ class MeasuredCost:
     heads: float = 0.0  # the heads call after a step, relative to a one-token step (0: no heads)
     step_ms: float = 0.0  # the one-token step's median time, for humans
 
-    def to_drafting(self) -> dict:
-        """The drafting.json entries."""
-        return {"step_cost": {str(k): round(float(v), 4) for k, v in sorted(self.table.items())}, "heads_cost": round(float(self.heads), 4)}
-
 
 def _isotonic(values: list[float]) -> list[float]:
     """The closest non-decreasing sequence (pool adjacent violators): a wider step never costs less."""
