@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 STUB_ENV := $(abspath .venv-stub)
 export MEDUSA_TRT_STUB_ENV := $(STUB_ENV)
 # The versions the suite was last run with (every package, pinned). `make install CONSTRAINTS=` installs the newest
-# releases pyproject.toml's ranges admit instead, to test them (README, Testing); `make constraints` records them.
+# releases pyproject.toml's ranges admit instead, to test them (docs/testing.md); `make constraints` records them.
 CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
@@ -69,7 +69,7 @@ test-fast: $(STAMP)
 # Record what .venv holds as the tested versions (after `make install CONSTRAINTS=` and a green `make test`)
 constraints:
 	{ echo "# The versions CI and the developers ran the suite with: make installs with -c constraints.txt."; \
-	  echo "# Refresh after testing newer releases (README, Testing): make constraints"; \
+	  echo "# Refresh after testing newer releases (docs/testing.md): make constraints"; \
 	  $(PIP) freeze --exclude-editable | sed 's/+cpu$$//' | sort -f; } > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
 
 # On a GPU machine (no install needed there): GPU tests + a short benchmark, report in build/gpu-check/

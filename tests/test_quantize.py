@@ -189,7 +189,7 @@ def test_tied_embedding_keeps_its_gather_and_quantizes_lm_head(tmp_path, stories
     ids = np.array([[5, 17, 42, 99]], dtype=np.int64)
     assert np.abs(_prefill_logits(outs[None], ids) - _prefill_logits(outs["int4"], ids)).mean() < LOOSE["int4"][0]
     # a fixed drafting budget: a learnt one follows wall-clock step times, and int4's drafted output can differ from its plain
-    # output (README), so on a loaded machine other trees could reach EOS (id 2 of this random model) before 8 tokens
+    # output (docs/benchmarks.md), so on a loaded machine other trees could reach EOS (id 2 of this random model) before 8 tokens
     runtime = MedusaRuntime(outs["int4"], step_cost=FIXED_BUDGET)
     assert len(runtime.generate("Once upon a time", max_new_tokens=8).token_ids) == 8
 
