@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from medusa_trt.exporter.models import load_base_model
-        from medusa_trt.training.train import TrainConfig, check_inputs, run
+        from medusa_trt.training.checks import check_inputs
+        from medusa_trt.training.config import TrainConfig
+        from medusa_trt.training.train import run
 
         config = TrainConfig(
             out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head, head_input=args.head_input,

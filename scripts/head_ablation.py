@@ -22,7 +22,10 @@ from pathlib import Path
 
 from medusa_trt.exporter.heads import save_heads
 from medusa_trt.exporter.models import load_base_model
-from medusa_trt.training.train import SEQUENCES, TrainConfig, _read_sequences, _sample, cache_hidden, train_heads
+from medusa_trt.training.config import TrainConfig
+from medusa_trt.training.data import Sample, cache_hidden, read_sequences
+from medusa_trt.training.train import train_heads
+from medusa_trt.training.workdir import SEQUENCES
 
 log = logging.getLogger("head_ablation")
 
@@ -43,11 +46,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     work = Path(args.work)
-    records = _read_sequences(work / SEQUENCES)
+    records = read_sequences(work)
     if not records:
         raise SystemExit(f"head_ablation: {work / SEQUENCES} holds no sequences yet")
     keys = sorted(records, key=lambda k: (k[0] != "prompt", k[1]))[: args.max_sequences]  # first turns by prompt index, then follow-ups
-    samples = [_sample(records[k]) for k in keys]
+    samples = [Sample.from_record(records[k]) for k in keys]
     base = load_base_model(args.model)
     data = TrainConfig(out=str(work.with_suffix("")), work=str(work), shared_lm_head=True, epochs=args.epochs, batch_size=args.batch_size,
                        lr=args.lr, holdout=args.holdout, bf16=True)

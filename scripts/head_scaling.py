@@ -27,7 +27,10 @@ from safetensors.torch import load_file
 
 from medusa_trt.exporter.heads import load_heads
 from medusa_trt.exporter.models import load_base_model
-from medusa_trt.training.train import TrainConfig, _split, head_accuracy, train_heads
+from medusa_trt.training.config import TrainConfig
+from medusa_trt.training.data import split_holdout
+from medusa_trt.training.train import head_accuracy, train_heads
+from medusa_trt.training.workdir import CACHE
 
 log = logging.getLogger("head_scaling")
 
@@ -44,12 +47,12 @@ def main() -> None:
 
     heads_dir = Path(args.heads)
     config = TrainConfig(**json.loads((heads_dir / "train_config.json").read_text()))
-    cache_file = config.workdir / "cache.safetensors"
+    cache_file = config.workdir / CACHE
     if not cache_file.is_file():
         raise SystemExit(f"head_scaling: {cache_file} missing: run the README's medusa-train command first")
     base = load_base_model(args.model)
     cached = load_file(str(cache_file))
-    train_idx, held_idx = _split(cached, config)  # the shipped run's split
+    train_idx, held_idx = split_holdout(cached, config)  # the shipped run's split
     train_seqs = cached["sequence"][train_idx].unique()  # (S,)
     order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(config.seed + 1))
     chosen = train_seqs[order[: max(1, int(len(train_seqs) * args.fraction))]]
@@ -63,7 +66,8 @@ def main() -> None:
     size = dict(hidden_size=base.model.config.hidden_size, vocab_size=base.model.config.vocab_size, lm_head=lm_head)
     hidden, targets = cached["hidden"][held_idx], cached["targets"][held_idx]
     report = {"held_out_positions": len(held_idx), "runs": {}}
-    report["runs"][f"{args.fraction:g} of the training sequences"] = {"train_positions": metrics["train_positions"], **head_accuracy(heads, hidden, targets)}
+    report["runs"][f"{args.fraction:g} of the training sequences"] = {"train_positions": metrics["train_positions"],
+                                                                     **head_accuracy(heads, hidden, targets)}
     shipped_metrics = json.loads((heads_dir / "metrics.json").read_text())
     report["runs"][f"shipped ({heads_dir})"] = {"train_positions": shipped_metrics["train_positions"],
                                                 **head_accuracy(load_heads(heads_dir, **size).eval(), hidden, targets)}

@@ -21,8 +21,9 @@ import numpy as np
 from medusa_trt.runtime import MedusaRuntime
 
 
-def measure(runtime: MedusaRuntime, width: int, context: int) -> tuple[float, float, float]:
-    """One round: (verify step ms, heads ms right after it, heads ms repeated)."""
+def time_round(runtime: MedusaRuntime, width: int, context: int) -> tuple[float, float, float]:
+    """One round: (verify step ms, heads ms right after it, heads ms repeated). ``runtime.step_cost.measure``
+    times the heads after a step only; this sets the repeated (warm) call beside it."""
     backend = runtime.backend
     mask = np.tril(np.ones((1, width, width), dtype=bool))  # (1, W, W)
     ids, pos = np.zeros((1, width), dtype=np.int64), np.arange(width)[None] + context  # (1, W)
@@ -53,18 +54,19 @@ def main(argv=None) -> int:
     for name, rt in runtimes.items():
         if not rt.backend.meta.num_heads:
             p.error(f"{name} has no heads to time")
-        measure(rt, args.width, args.context)  # warm-up
+        time_round(rt, args.width, args.context)  # warm-up
     rounds: dict[str, list] = {e: [] for e in runtimes}
     for _ in range(args.rounds):
         for name, rt in runtimes.items():
-            rounds[name].append(measure(rt, args.width, args.context))
+            rounds[name].append(time_round(rt, args.width, args.context))
     report = {}
     for name, rows in rounds.items():
         step, cold, warm = np.median(np.array(rows), axis=0)
         meta = runtimes[name].backend.meta
         report[name] = {"heads_vocab": meta.heads_vocab, "quantization": meta.quantization, "verify_step_ms": float(step),
                         "heads_after_step_ms": float(cold), "heads_repeated_ms": float(warm)}
-        logging.info("%s (%d heads columns): verify %.1f ms, heads after it %.2f ms, repeated %.2f ms", name, meta.heads_vocab, step, cold, warm)
+        logging.info("%s (%d heads columns): verify %.1f ms, heads after it %.2f ms, repeated %.2f ms",
+                     name, meta.heads_vocab, step, cold, warm)
     if args.out:
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps({"width": args.width, "context": args.context, "threads": args.threads, "engines": report}, indent=1))

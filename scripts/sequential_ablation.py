@@ -42,9 +42,10 @@ from tqdm import tqdm
 
 from medusa_trt.exporter.heads import HeadsConfig, init_heads, load_heads, save_heads
 from medusa_trt.exporter.models import load_base_model
-from medusa_trt.training.train import (
-    IGNORE, SEQUENCES, TrainConfig, _read_sequences, _sample, _steps, cache_hidden, teacher_path,
-)
+from medusa_trt.training.config import TrainConfig
+from medusa_trt.training.data import IGNORE, Sample, cache_hidden, read_sequences
+from medusa_trt.training.train import teacher_path, train_steps
+from medusa_trt.training.workdir import CHECKPOINT, SEQUENCES
 
 log = logging.getLogger("sequential_ablation")
 SHIPPED = "assets/smollm2-135m-medusa"
@@ -70,13 +71,13 @@ def main() -> None:
         return
 
     work = Path(args.work)
-    records = _read_sequences(work / SEQUENCES)
+    records = read_sequences(work)
     keys = sorted(k for k in records if k[0] == "prompt")
     held_keys = [k for k in keys if k[1] < args.eval_prompts]
     train_keys = [k for k in keys if k[1] >= args.eval_prompts][: args.max_train]
     if not held_keys or not train_keys:
         raise SystemExit(f"sequential_ablation: {work / SEQUENCES} has {len(held_keys)} held-out and {len(train_keys)} training sequences")
-    samples = [_sample(records[k]) for k in held_keys + train_keys]
+    samples = [Sample.from_record(records[k]) for k in held_keys + train_keys]
     base = load_base_model(args.model)
     data = TrainConfig(out=str(work.with_suffix("")), work=str(work), shared_lm_head=True, epochs=args.epochs,
                        batch_size=args.batch_size, lr=args.lr, bf16=True)
@@ -87,25 +88,9 @@ def main() -> None:
     report = {"held_out_sequences": len(held_keys), "train_sequences": len(train_keys), "train_positions": len(train_idx),
               "held_out_positions": len(held_idx), "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
               "template": template["name"], "variants": {}}
-    embed, lm_head = base.model.get_input_embeddings(), base.model.lm_head
-    cfg = base.model.config
     for name in args.variants.split(","):
         started = time.perf_counter()
-        if name == "shipped":
-            heads = load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed)
-            trained = {}
-        else:
-            head_input = "hidden+next" if name == "next-aware" else "hidden+path"
-            config = HeadsConfig(num_heads=4, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                 shared_lm_head=True, base_model="smollm2-135m", head_input=head_input)
-            heads = init_heads(config, lm_head, seed=0, embed=embed)
-            frozen = ()
-            if name == "sequential+shipped-head1":
-                shipped = load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed)
-                heads.heads[0].load_state_dict(shipped.heads[0].state_dict())
-                frozen = (0,)
-            trained = _train(heads, frozen, cached, train_idx, data, Path(f"build/seq-ablation/{name}.work"))
-            save_heads(heads, f"build/seq-ablation/{name}")
+        heads, trained = _variant(name, base, cached, train_idx, data)
         heads.eval()
         scores = score(heads, cached, held_idx, template)
         report["variants"][name] = {"head_input": heads.config.head_input, "seconds": round(time.perf_counter() - started),
@@ -118,14 +103,34 @@ def main() -> None:
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
 
 
+def _variant(name: str, base, cached, train_idx, data: TrainConfig) -> tuple:
+    """(heads, training summary) of one variant: the shipped heads as they are, or heads trained here (and saved)."""
+    embed, lm_head = base.model.get_input_embeddings(), base.model.lm_head
+    cfg = base.model.config
+    if name == "shipped":
+        return load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed), {}
+    head_input = "hidden+next" if name == "next-aware" else "hidden+path"
+    config = HeadsConfig(num_heads=4, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                         shared_lm_head=True, base_model="smollm2-135m", head_input=head_input)
+    heads = init_heads(config, lm_head, seed=0, embed=embed)
+    frozen = ()
+    if name == "sequential+shipped-head1":
+        shipped = load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed)
+        heads.heads[0].load_state_dict(shipped.heads[0].state_dict())
+        frozen = (0,)
+    trained = _train(heads, frozen, cached, train_idx, data, Path(f"build/seq-ablation/{name}.work"))
+    save_heads(heads, f"build/seq-ablation/{name}")
+    return heads, trained
+
+
 SHIPPED_PROMPTS = 6200  # the shipped heads' run took the pool's first 6,200 (README: Training and calibration)
 
 
 def write_prompts(path: Path, train: int = 1200) -> None:
     """The pool's prompts past the shipped run's (held out), then its first ``train`` (trained on), as JSONL."""
-    from medusa_trt.training.prompts import _original_pool, _wider_pool, training_prompts
+    from medusa_trt.training.prompts import builtin_pool, training_prompts
 
-    pool = training_prompts(len(set(_original_pool() + _wider_pool())))  # the whole pool, in the seeded order
+    pool = training_prompts(len(builtin_pool()))  # the whole pool, in the seeded order
     rows = pool[SHIPPED_PROMPTS:] + pool[:train]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in rows))
@@ -143,9 +148,8 @@ def _train(heads, frozen, cached, train_idx, data: TrainConfig, work: Path) -> d
     work.mkdir(parents=True, exist_ok=True)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    steps_per_epoch = math.ceil(len(train_idx) / config.batch_size)
-    total, step, history = steps_per_epoch * config.epochs, 0, []
-    checkpoint = work / "checkpoint.pt"
+    total, step, history = math.ceil(len(train_idx) / config.batch_size) * config.epochs, 0, []
+    checkpoint = work / CHECKPOINT
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
         heads.load_state_dict(state["heads"])
@@ -154,8 +158,7 @@ def _train(heads, frozen, cached, train_idx, data: TrainConfig, work: Path) -> d
     heads.train()
     started = time.perf_counter()
     with tqdm(total=total, initial=step, desc=f"training {work.stem}", unit="step", disable=None) as bar:
-        _steps(heads, optimizer, config, cached["hidden"], cached["targets"], cached["next"], train_idx, steps_per_epoch,
-               total, step, history, bar, None)
+        train_steps(heads, optimizer, config, cached, train_idx, step, history, bar)
     torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": total, "history": history}, checkpoint)
     return {"steps": total, "train_seconds": round(time.perf_counter() - started), "loss_last": history[-1]}
 

@@ -63,7 +63,9 @@ def stories_prompts(stories_base):
 
 def _story_heads(stories_base, tmp_path_factory, head_input: str):
     """Heads reading ``head_input`` trained (a few seconds) on the model's own continuations of story openings."""
-    from medusa_trt.training.train import TrainConfig, build_sequences, cache_hidden, train_heads
+    from medusa_trt.training.config import TrainConfig
+    from medusa_trt.training.data import build_sequences, cache_hidden
+    from medusa_trt.training.train import train_heads
 
     work = tmp_path_factory.mktemp(head_input.replace("+", "-"))
     prompts = work / "openings.txt"

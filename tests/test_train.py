@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_trt.training.train import IGNORE, TrainConfig, TrainError, build_sequences, cache_hidden, head_accuracy, medusa_loss, run, train_heads
+from medusa_trt.training.config import TrainConfig, TrainError
+from medusa_trt.training.data import IGNORE, build_sequences, cache_hidden
+from medusa_trt.training.train import head_accuracy, medusa_loss, run, train_heads
 
 
 def test_loss_with_decay_on_hand_computed_logits():
@@ -296,10 +298,10 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
     import json
 
     from conftest import SHARED
-    from medusa_trt.training.prompts import _original_pool, training_prompts
+    from medusa_trt.training.prompts import original_pool, training_prompts
 
     pool = training_prompts(6954)
-    assert len(set(pool)) == 6954 and set(_original_pool()) <= set(pool)
+    assert len(set(pool)) == 6954 and set(original_pool()) <= set(pool)
     assert training_prompts(500, seed=3) == training_prompts(1000, seed=3)[:500]  # more prompts continue the same list
     with pytest.raises(ValueError, match="6954 distinct prompts"):
         training_prompts(7000)
@@ -313,14 +315,14 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
 def test_recorded_hidden_states_replace_the_forward_pass(stories_base, tmp_path, monkeypatch):
     """Generation records each sequence's hidden states; the cache is built from them, equal to a
     forward pass over the sequences, and with the shards gone the forward pass runs again."""
-    import medusa_trt.training.train as train_module
+    import medusa_trt.training.data as data_module
 
     config = _config(tmp_path, num_prompts=5, new_tokens=20)
     sequences = build_sequences(stories_base, config)
     assert all(s.shard is not None for s in sequences)
     calls = []
-    original = train_module._forward_hidden
-    monkeypatch.setattr(train_module, "_forward_hidden", lambda *a: calls.append(1) or original(*a))
+    original = data_module._forward_hidden
+    monkeypatch.setattr(data_module, "_forward_hidden", lambda *a: calls.append(1) or original(*a))
     recorded = cache_hidden(stories_base, sequences, config)
     assert len(calls) == 1  # one probe of the recorded states, no pass over the data
     shutil.rmtree(config.workdir / "hidden")
@@ -351,7 +353,7 @@ def test_follow_ups_continue_the_models_own_answers(smollm2_base, tmp_path):
 
 
 def test_follow_ups_need_a_chat_model(stories_base, tmp_path):
-    from medusa_trt.training.train import check_model
+    from medusa_trt.training.checks import check_model
 
     with pytest.raises(TrainError, match="needs a chat model"):
         check_model(stories_base, _config(tmp_path, follow_ups=2))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.runtime.step_cost import measure
 from medusa_trt.runtime.tree import chain_paths
 
 log = logging.getLogger(__name__)
@@ -213,8 +214,8 @@ def median_ms(fn, repeats: int) -> float:
 
 def measure_step_ms(runtime, sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median latency (ms) of ``runtime.backend.step`` on T chain-masked tokens over ``context``
-    committed cache slots, for each T in ``sizes``; batch 1. The cache contents do not matter for
-    timing and nothing is committed."""
+    committed cache slots, for each T in ``sizes``; batch 1. Timed by ``runtime.step_cost.measure``
+    (the engine's own step-cost curve, made non-decreasing); nothing is committed."""
     backend = runtime.backend
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] < 1:
@@ -225,14 +226,10 @@ def measure_step_ms(runtime, sizes, context: int = 256, repeats: int = 5) -> dic
     if context < 0 or context + sizes[-1] > backend.max_context:
         raise CalibrationError(f"timing {sizes[-1]} tokens over a {context}-token context needs max_context >= "
                                f"{context + sizes[-1]}, the engine has {backend.max_context}: lower the context or --max-nodes")
-    lengths = np.array([context], dtype=np.int64)  # (1,)
-    out = {}
-    for T in sizes:
-        ids = np.zeros((1, T), dtype=np.int64)  # (1, T) token values do not change the cost
-        positions = context + np.arange(T, dtype=np.int64)[None, :]  # (1, T)
-        mask = np.tril(np.ones((T, T), dtype=bool))[None]  # (1, T, T)
-        out[T] = median_ms(lambda: backend.step(ids, positions, mask, lengths), repeats)
-        log.info("step over %d context tokens, T=%d: %.3f ms", context, T, out[T])
+    cost = measure(backend, sizes=sizes, context=context, repeats=repeats)
+    out = {T: cost.table[T] * cost.step_ms for T in sizes}
+    for T, ms in out.items():
+        log.info("step over %d context tokens, T=%d: %.3f ms", context, T, ms)
     return out
 
 
@@ -240,6 +237,10 @@ def measure_heads_ms(runtime, top_k: int, repeats: int = 5) -> float:
     """Median latency (ms) of one ``backend.propose`` call (the heads at the accepted node), which
     the loop pays once per step whatever the tree."""
     backend = runtime.backend
+    if getattr(backend, "meta", None) is not None:  # an engine: runtime.step_cost.measure times its heads after a step
+        cost = measure(backend, sizes=(1,), context=0, repeats=repeats, top_k=top_k)
+        return cost.heads * cost.step_ms
+    # the torch backend carries no EngineMeta, whose heads runtime.step_cost.measure does not time: time them here
     one = np.zeros((1, 1), dtype=np.int64)
     backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
     root = np.zeros(1, dtype=np.int64)  # (1,) the next token, read by next-token-aware heads (its value does not change the cost)
@@ -276,7 +277,8 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         length += width
     tokens = [int(target[0, width - 1])]
     # the root of each proposal is the token just emitted (next-token-aware heads read it)
-    proposals = [np.array(backend.propose(np.array([width - 1]), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0])]  # copy: the backend reuses its buffer
+    # copy: the backend reuses its buffer
+    proposals = [np.array(backend.propose(np.array([width - 1]), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0])]
     one = np.ones((1, 1, 1), dtype=bool)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and length + 1 < max_context:
         lengths = np.array([length], dtype=np.int64)
@@ -284,7 +286,8 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         backend.commit(np.zeros((1, 1), dtype=np.int64), np.array([1]), lengths)
         length += 1
         tokens.append(int(target[0, 0]))
-        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0]))  # (n_heads, K)
+        root = np.array(tokens[-1:], dtype=np.int64)  # (1,)
+        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k, root).ids[0]))  # (n_heads, K)
     return tokens, np.stack(proposals).astype(np.int64)  # (n, n_heads, K)
 
 

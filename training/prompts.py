@@ -409,7 +409,7 @@ OWN_TEXT_TASKS = [
 ]
 
 
-def _wider_pool() -> list[str]:
+def wider_pool() -> list[str]:
     """The prompts added for training at scale: new templates, topics and task families."""
     pool: list[str] = []
     topics = TOPICS + MORE_TOPICS
@@ -456,14 +456,20 @@ def training_prompts(count: int = 400, seed: int = 0) -> list[str]:
     """``count`` distinct prompts, the same for the same seed, and the first ``count`` of any larger
     ``count`` (a resumed run asked for more continues the same list); ``ValueError`` when the pool
     has fewer."""
-    pool = sorted(set(_original_pool() + _wider_pool()))
+    pool = builtin_pool()
     if count > len(pool):
         raise ValueError(f"the built-in pool has {len(pool)} distinct prompts, fewer than {count}")
     random.Random(seed).shuffle(pool)
     return pool[:count]
 
 
-def _original_pool() -> list[str]:
+def builtin_pool() -> list[str]:
+    """Every distinct built-in prompt, sorted (``training_prompts`` shuffles them by seed)."""
+    return sorted(set(original_pool() + wider_pool()))
+
+
+def original_pool() -> list[str]:
+    """The prompts of the first training runs (a subset of the pool)."""
     pool: list[str] = []
     for template in TEMPLATES:
         for topic in TOPICS:
@@ -500,4 +506,4 @@ def pool_digest() -> str:
     """A short hash of the built-in pool: a work folder made from another pool is not resumed."""
     import hashlib
 
-    return hashlib.sha256("\n".join(sorted(set(_original_pool() + _wider_pool()))).encode()).hexdigest()[:16]
+    return hashlib.sha256("\n".join(builtin_pool()).encode()).hexdigest()[:16]
