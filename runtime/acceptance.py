@@ -9,6 +9,7 @@ which becomes the next root. A step therefore emits accepted + 1 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,59 +69,81 @@ class Verdict:
     bonus: int  # the base model's token after the last of them
 
 
-class GreedyRule:
-    """Drafted token accepted iff it equals the base argmax at its parent; the bonus is the argmax
-    at the last accepted node. Children are disjoint by token, so at most one child matches."""
+@dataclass(frozen=True, eq=False)
+class Draws:
+    """The draft distributions of a tree's sampled nodes (lossless sampling): node ``draw = d * K + j``
+    is ``ids[d, j]``, the j-th draw without replacement from ``q[d]``."""
 
-    name = "greedy"
+    q: np.ndarray  # float64 [D, V]: head d's warped distribution (V: the draft vocabulary)
+    ids: np.ndarray  # int64 [D, K]: its draws by rank (-1 past the draws made)
+
+
+Probs = Callable[[int], np.ndarray]  # node -> the base model's warped distribution there, float64 [V]
+
+
+def greedy(tree, argmax: np.ndarray) -> Verdict:
+    """Drafted token accepted iff it equals the base argmax [T] at its parent; the bonus is the argmax
+    at the last accepted node. Children are disjoint by token, so at most one child matches."""
+    node, path = 0, [0]
+    while True:
+        want = int(argmax[node])
+        nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return Verdict(path, want)
+        node = nxt
+        path.append(node)
+
+
+class GreedyRule:
+    """``greedy`` as a rule: what the loop needs to know of it."""
+
     needs_logits = False  # the step's argmax is enough
     sampled_drafts = False  # heads draft their top-k
     learnt_budget = True  # the tree may follow the cost learnt from every row: the output does not depend on the tree
 
-    def accept(self, tree, argmax: np.ndarray, probs, seq) -> Verdict:
-        node, path = 0, [0]
-        while True:
-            want = int(argmax[node])
-            nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
-            if nxt is None:
-                return Verdict(path, want)
-            node = nxt
-            path.append(node)
+    def accept(self, tree, argmax: np.ndarray, probs: Probs | None, draws: Draws | None, rng) -> Verdict:
+        return greedy(tree, argmax)
 
 
-class TypicalRule:
+def typical(tree, probs: Probs, rng, *, threshold: float, alpha: float) -> Verdict:
     """Medusa-2's typical acceptance on any tree: a drafted token x under its parent's distribution p
-    is accepted when p(x) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))); the
-    longest accepted path wins, ties going to the likelier under p, then to the first; the bonus is
-    sampled from p at its last node. NOT distribution-preserving: it trades exactness for
-    acceptance (plausible tokens pass even when p would rarely sample them)."""
+    is accepted when p(x) > min(threshold, alpha * exp(-entropy(p))); the longest accepted path
+    wins, ties going to the likelier under p, then to the first; the bonus is sampled from p at its
+    last node. NOT distribution-preserving: it trades exactness for acceptance (plausible tokens
+    pass even when p would rarely sample them)."""
+    ok = np.zeros(tree.num_nodes, dtype=bool)
+    ok[0] = True
+    logp = np.zeros(tree.num_nodes)
+    for node in range(1, tree.num_nodes):  # parents first: only below accepted nodes
+        above = int(tree.parent[node])
+        if not ok[above]:
+            continue
+        p = probs(above)
+        nz = p[p > 0]
+        entropy = float(-(nz * np.log(nz)).sum())
+        p_x = p[tree.tokens[node]]
+        ok[node] = p_x > min(threshold, alpha * np.exp(-entropy))
+        logp[node] = (np.log(p_x) if p_x > 0 else -np.inf) + logp[above]
+    candidates = np.flatnonzero(ok)
+    best = max(candidates, key=lambda n: (tree.depth[n], logp[n], -n))  # longest, then likeliest, then first
+    return Verdict(tree.path(int(best)), sample(rng, probs(int(best))))
 
-    name = "typical"
+
+@dataclass(frozen=True)
+class TypicalRule:
+    """``typical`` as a rule, with a request's thresholds (``SamplingParams.posterior_*``)."""
+
+    threshold: float
+    alpha: float
     needs_logits = True
     sampled_drafts = False
     learnt_budget = False  # the tree decides which uniforms a seed's generator spends: it must not depend on other rows
 
-    def accept(self, tree, argmax, probs, seq) -> Verdict:
-        params = seq.params
-        ok = np.zeros(tree.num_nodes, dtype=bool)
-        ok[0] = True
-        logp = np.zeros(tree.num_nodes)
-        for node in range(1, tree.num_nodes):  # parents first: only below accepted nodes
-            above = int(tree.parent[node])
-            if not ok[above]:
-                continue
-            p = probs(above)
-            nz = p[p > 0]
-            entropy = float(-(nz * np.log(nz)).sum())
-            p_x = p[tree.tokens[node]]
-            ok[node] = p_x > min(params.posterior_threshold, params.posterior_alpha * np.exp(-entropy))
-            logp[node] = (np.log(p_x) if p_x > 0 else -np.inf) + logp[above]
-        candidates = np.flatnonzero(ok)
-        best = max(candidates, key=lambda n: (tree.depth[n], logp[n], -n))  # longest, then likeliest, then first
-        return Verdict(tree.path(int(best)), sample(seq.rng, probs(int(best))))
+    def accept(self, tree, argmax, probs: Probs, draws: Draws | None, rng) -> Verdict:
+        return typical(tree, probs, rng, threshold=self.threshold, alpha=self.alpha)
 
 
-class LosslessRule:
+def lossless(tree, probs: Probs, draws: Draws | None, rng) -> Verdict:
     """Recursive rejection sampling on a tree whose siblings mix sampled and deterministic drafts.
 
     At the current node (root first) with target r = p_node, the children are tried in tree order
@@ -148,49 +171,63 @@ class LosslessRule:
     accepted token at each depth is therefore distributed as p at its parent and the bonus as p at
     the last accepted node: the emitted tokens are exactly autoregressive samples of p.
     """
+    node, path = 0, [0]
+    top_k = draws.ids.shape[1] if draws is not None else 1
+    while True:
+        residual = probs(node)
+        accepted = None
+        q_head, head, removed = None, -1, 0
+        for child in tree.children[node]:
+            x = int(tree.tokens[child])
+            if tree.draw[child] >= 0:
+                d, j = divmod(int(tree.draw[child]), top_k)
+                if d != head:
+                    q_head, head, removed = draws.q[d].astype(np.float64, copy=True), d, 0
+                if j > removed:
+                    q_head[draws.ids[d, removed:j]] = 0.0  # earlier draws, tested or not
+                    removed = j
+                total = q_head.sum()
+                if total <= 0:
+                    continue
+                q = q_head / total
+                if accepts(rng.random(), residual[x], q[x]):
+                    accepted = child
+                    break
+                left = residual.copy()  # a draft vocabulary's q is zero past its first len(q) ids
+                left[: len(q)] = np.maximum(residual[: len(q)] - q, 0.0)
+            else:  # point mass on x
+                if accepts(rng.random(), residual[x], 1.0):
+                    accepted = child
+                    break
+                left = residual.copy()
+                left[x] = 0.0
+            total = left.sum()
+            residual = left / total if total > 0 else residual
+        if accepted is None:
+            return Verdict(path, sample(rng, residual))
+        node = accepted
+        path.append(node)
 
-    name = "lossless"
+
+class LosslessRule:
+    """``lossless`` as a rule."""
+
     needs_logits = True
     sampled_drafts = True  # heads draw without replacement from their warped distributions
     learnt_budget = False  # as typical: the same seed, the same tokens, whatever shares the batch
 
-    def accept(self, tree, argmax, probs, seq) -> Verdict:
-        rng, node, path = seq.rng, 0, [0]
-        top_k = seq.proposals.shape[1] if seq.proposals is not None else 1
-        while True:
-            residual = probs(node)
-            accepted = None
-            q_head, head, removed = None, -1, 0
-            for child in tree.children[node]:
-                x = int(tree.tokens[child])
-                if tree.draw[child] >= 0:
-                    d, j = divmod(int(tree.draw[child]), top_k)
-                    if d != head:
-                        q_head, head, removed = seq.drafts_q[d].astype(np.float64, copy=True), d, 0
-                    if j > removed:
-                        q_head[seq.proposals[d, removed:j]] = 0.0  # earlier draws, tested or not
-                        removed = j
-                    total = q_head.sum()
-                    if total <= 0:
-                        continue
-                    q = q_head / total
-                    if accepts(rng.random(), residual[x], q[x]):
-                        accepted = child
-                        break
-                    left = residual.copy()  # a draft vocabulary's q is zero past its first len(q) ids
-                    left[: len(q)] = np.maximum(residual[: len(q)] - q, 0.0)
-                else:  # point mass on x
-                    if accepts(rng.random(), residual[x], 1.0):
-                        accepted = child
-                        break
-                    left = residual.copy()
-                    left[x] = 0.0
-                total = left.sum()
-                residual = left / total if total > 0 else residual
-            if accepted is None:
-                return Verdict(path, sample(rng, residual))
-            node = accepted
-            path.append(node)
+    def accept(self, tree, argmax, probs: Probs, draws: Draws | None, rng) -> Verdict:
+        return lossless(tree, probs, draws, rng)
 
 
-RULES_BY_NAME = {"greedy": GreedyRule(), "typical": TypicalRule(), "lossless": LosslessRule()}
+GREEDY, LOSSLESS = GreedyRule(), LosslessRule()
+_RULES = {
+    "greedy": lambda params: GREEDY,
+    "typical": lambda params: TypicalRule(params.posterior_threshold, params.posterior_alpha),
+    "lossless": lambda params: LOSSLESS,
+}
+
+
+def rule_for(params) -> GreedyRule | TypicalRule | LosslessRule:
+    """A request's acceptance rule from its ``SamplingParams`` (``params.rule``: greedy, typical or lossless)."""
+    return _RULES[params.rule](params)

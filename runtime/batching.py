@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
+from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.text import PromptError
 
@@ -67,9 +67,9 @@ class RequestHandle:
     """A submitted request: iterate for its events (blocking), ``cancel()`` from any thread."""
 
     def __init__(self, seq: Seq, batcher: ContinuousBatcher, sink: Callable | None = None):
-        self.id = seq.index
-        self.prompt_tokens = len(seq.prompt)
-        self.max_new_tokens = seq.max_new_tokens
+        self.id = seq.request.index
+        self.prompt_tokens = len(seq.request.prompt)
+        self.max_new_tokens = seq.request.max_new_tokens
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None  # time.monotonic() of the first event with tokens
         self.last_token_at: float | None = None  # of the latest one
@@ -138,12 +138,12 @@ class ContinuousBatcher:
         if isinstance(request.prompt, list) and not request.prompt:
             raise PromptError("prompt 0 is empty: pass some text or token ids")
         _, batch = rt._prompts(request.prompt, request.chat_template)
-        seq = Seq(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling)
+        seq = Seq(SeqRequest(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling))
         handle = RequestHandle(seq, self, sink)
         with self._cond:
             if self._closed:
                 raise EngineError("the batcher is closed: create a new one")
-            self._handles[seq.index] = handle
+            self._handles[seq.request.index] = handle
             self._waiting.append(seq)
             self._cond.notify()
         self._observe("submitted", handle)
@@ -190,7 +190,7 @@ class ContinuousBatcher:
                     joining.append(self._waiting.popleft())
             for seq in [s for s in joining if s.cancelled]:  # cancelled before it ever ran
                 seq.finish_reason = "cancelled"
-                self._deliver(seq, StreamEvent(seq.index, [], "", "cancelled"))
+                self._deliver(seq, StreamEvent(seq.request.index, [], "", "cancelled"))
             joining = [s for s in joining if not s.cancelled]
             try:
                 if joining:
@@ -207,16 +207,16 @@ class ContinuousBatcher:
         for seq in [s for s in scheduler.rows if s is not None]:
             seq.finish_reason = seq.finish_reason or "error"
             with self._cond:
-                handle = self._handles.pop(seq.index, None)
+                handle = self._handles.pop(seq.request.index, None)
             if handle is not None:
                 self._observe("event", handle, StreamEvent(handle.id, [], "", "error"), handle.last_token_at)
                 handle._put(error)
 
     def _deliver(self, seq: Seq, event: StreamEvent) -> None:
         with self._cond:
-            handle = self._handles.get(seq.index)
+            handle = self._handles.get(seq.request.index)
             if event.finish_reason is not None:
-                self._handles.pop(seq.index, None)
+                self._handles.pop(seq.request.index, None)
         if handle is None:
             return
         previous = handle.last_token_at

@@ -19,6 +19,10 @@ DEFAULT_SUCCESSORS = 8  # its k unless medusa-export --successors says otherwise
 HEADS_INPUTS = ("hidden",)
 NEXT_INPUT = "root_ids"  # int64 (B,): the next token, a second input of next-token-aware heads' graphs
 HEADS_OUTPUTS = ("head_topk", "head_logits")
+# each name once, for code that binds one tensor
+INPUT_IDS, POSITION_IDS, TREE_MASK, CACHE_LENGTHS, PAST_KEY, PAST_VALUE = STEP_INPUTS
+LOGITS, HIDDEN, NEXT_IDS, NEW_KEY, NEW_VALUE = STEP_OUTPUTS
+HEAD_TOPK, HEAD_LOGITS = HEADS_OUTPUTS
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,4 +90,10 @@ class Backend(Protocol):
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
         """The heads at node ``nodes[b]`` of the last step, for every row; ``roots`` (B,) int64, the
         token chosen after that node (the next tree's root), is what next-token-aware heads read."""
+        ...
+
+    def expand(self, paths: list, top_k: int):
+        """Sequential heads that read the path and expand the runtime's template (torch backend):
+        expand ``paths`` (the template, root excluded) at top-``top_k`` and return the
+        ``drafting.sequential.Expansion``; None where the engine fixes its own (exported engines) or has none."""
         ...

@@ -4,7 +4,7 @@
 which ``hf upload``, container mounts and Triton repositories expect)::
 
   DIR/config.json             this file: format, backend, EngineMeta, file names, graph inputs/outputs
-  DIR/model.onnx (+ .data)    the step graph (DESIGN.md step contract)
+  DIR/model.onnx (+ .data)    the step graph (docs/architecture.md, the step contract)
   DIR/heads.onnx              the heads graph (absent without heads)
   DIR/tokenizer.json ...      the tokenizer files, chat template included
   DIR/generation_config.json  the base model's generation defaults (EOS ids)

@@ -34,7 +34,9 @@ import logging
 
 import numpy as np
 
+from medusa_trt.runtime.contract import CACHE_LENGTHS, PAST_KEY, PAST_VALUE, TREE_MASK
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT as INPUT  # int64 [B, T]: the step input of engines with EngineMeta.key_slots
+
 log = logging.getLogger(__name__)
 
 LANES = (8, 16, 32, 64)  # lane counts probe_lanes tries, smallest first
@@ -122,10 +124,10 @@ def add_to_feeds(feeds: dict) -> dict:
     """Numpy step feeds for a key-slots graph run outside a backend (export checks): ``key_slots`` for
     their tree_mask / cache_lengths (no lane claim needed), and past_key / past_value padded with zero
     slots to hold them. Returns ``feeds``, updated."""
-    slots, _ = assign(feeds["tree_mask"], feeds["cache_lengths"], limit=2**31)
-    extra = int(slots.max()) + 1 - feeds["past_key"].shape[0]
+    slots, _ = assign(feeds[TREE_MASK], feeds[CACHE_LENGTHS], limit=2**31)
+    extra = int(slots.max()) + 1 - feeds[PAST_KEY].shape[0]
     if extra > 0:
-        for name in ("past_key", "past_value"):
+        for name in (PAST_KEY, PAST_VALUE):
             past = feeds[name]
             feeds[name] = np.concatenate([past, np.zeros((extra, *past.shape[1:]), dtype=past.dtype)])
     feeds[INPUT] = slots

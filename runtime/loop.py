@@ -1,21 +1,23 @@
 """The draft -> verify -> accept -> commit loop over engine rows that sequences join and leave.
 
-Per sequence the loop keeps ``length`` committed tokens in its cache row, a *root* token (the
-base model's choice after them, already emitted, not yet in the cache) and its drafters (the
-Medusa heads, retrieval, recycled successors: ``drafting``). One engine step serves every
-occupied row at once; ``Scheduler.step`` reads as four functions over a ``StepPlan``:
+Per sequence the loop keeps ``length`` committed tokens in its cache row and a *root* token (the
+base model's choice after them, already emitted, not yet in the cache). Its proposers (the
+Medusa heads, retrieval, recycled successors: ``drafting``, each a ``Proposer`` over every row)
+keep their own state per sequence. One engine step serves every occupied row at once;
+``Scheduler.step`` reads as four functions over a ``StepPlan``:
 
-  draft    each decode row's drafters propose candidates below its root, merged into one trie;
+  draft    each decode row's proposers propose candidates below its root, merged into one trie;
            the greedy rows share one step width W chosen for all of them (a step pays for its
            widest row), each keeping its best W - 1 nodes; sampled rows budget alone. Prefill rows take
            the next ``prefill_chunk`` prompt tokens under a causal mask; empty rows one padding
            token over an empty cache (never committed).
   verify   one engine call over the plan: every node at position length + depth, under its
            row's tree mask; returns the base model's argmax after every node (``StepOutput``)
-  accept   each row's rule object (greedy / typical / lossless) picks the accepted path and the
+  accept   each row's rule (``acceptance``: greedy / typical / lossless, functions of the tree, the
+           target and draft distributions and the generator) picks the accepted path and the
            bonus token; the sequence's acceptance statistics learn from the nodes it tested
-  commit   K/V of root + accepted nodes into the row; bonus = next root; the heads propose at
-           the last accepted node; drafters observe what was emitted and scored; text is emitted
+  commit   K/V of root + accepted nodes into the row; bonus = next root; text is emitted; the
+           proposers observe the step (the heads call runs at each row's last accepted node)
 
 The step is W = max over rows wide; a row's unused columns are padding nodes that see only
 themselves and are never committed, so they change nothing a real node computes. A step emits
@@ -31,23 +33,23 @@ between, free rows ride along as padding.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from medusa_trt.runtime.acceptance import RULES_BY_NAME, Verdict
+from medusa_trt.runtime.acceptance import Draws, Verdict, rule_for
 from medusa_trt.runtime.config import is_int
 from medusa_trt.runtime.contract import StepOutput
+from medusa_trt.runtime.drafting.base import Observed
 from medusa_trt.runtime.drafting.builder import Candidates, StepTree, build_tree, merge, shared_width, take_width
-from medusa_trt.runtime.drafting.heads import head_confidence
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
-from medusa_trt.runtime.sampling import SamplingParams, draw_without_replacement, sample, warp
+from medusa_trt.runtime.sampling import SamplingParams, sample, warp
 from medusa_trt.runtime.text import PromptError
 
-HEADS_IDLE = 4  # steps in a row whose trees kept none of the heads' nodes before the heads rest
-HEADS_REST = 8  # steps a sequence then drafts without the heads (and calls them not)
+_KEYS = itertools.count()  # Seq.key: one per sequence, for the proposers' state
 
 
 @dataclass(frozen=True)
@@ -131,16 +133,23 @@ class StreamEvent:
     drafts: StepDrafts | None = None  # a verify step's drafted / accepted counts; None for prefill and cancellation events
 
 
-@dataclass
-class Seq:
-    """One generation: its request, its sampling state and where it is in the loop."""
+@dataclass(frozen=True)
+class SeqRequest:
+    """What a caller asked of one generation: a prompt of ``generate`` / ``stream``, or a server request."""
 
-    index: int
+    index: int  # which prompt (generate/stream) or request id (ContinuousBatcher)
     prompt: list[int]
     max_new_tokens: int
     stops: tuple[str, ...] = ()
     params: SamplingParams = SamplingParams()
-    rng: np.random.Generator | None = None  # this sequence's own: reproducible whatever shares the batch
+    hidden: bool = False  # record the heads' input hidden state before every new token (GenerationResult.hidden)
+
+
+@dataclass
+class Seq:
+    """One generation in the loop: its request, its output so far and where it is in the loop."""
+
+    request: SeqRequest
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
@@ -149,22 +158,17 @@ class Seq:
     stats: GenerationStats = None  # type: ignore[assignment]
     cancelled: bool = False  # set from any thread; honoured between steps
     # loop state
+    key: int = field(default_factory=lambda: next(_KEYS))  # the proposers' handle on it (rows move; keys do not)
     row: int = -1
     length: int = 0  # committed tokens in its cache row
     prefilled: int = 0  # prompt tokens committed so far
     root: int = 0
     history: list[int] = field(default_factory=list)  # prompt + emitted tokens (the root last), grown in place
-    rule: object = None  # acceptance rule object (acceptance.RULES_BY_NAME)
-    drafters: list = field(default_factory=list)  # this sequence's drafter objects (drafting.Drafter)
-    heads: object = None  # its HeadsDrafter, if the heads draft
+    rng: np.random.Generator | None = None  # this sequence's own: reproducible whatever shares the batch
+    rule: object = None  # its acceptance rule (acceptance.rule_for)
     accept_stats: AcceptanceStats | None = None  # online acceptance estimates per drafter key
-    proposals: np.ndarray | None = None  # int64 [D, K]: top-k ids or (lossless) draws by sibling rank
-    confidence: np.ndarray | None = None  # float32 [D, K]: the heads' probabilities of the top-k ids (greedy drafts)
-    drafts_q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from
-    heads_idle: int = 0  # steps in a row whose trees kept none of the heads' nodes
-    heads_rest: int = 0  # steps left that draft without the heads (nor call them)
     started: float = 0.0
-    hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the caller asked for hidden states
+    hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the request asked for hidden states
 
     def result(self) -> GenerationResult:
         hidden = None
@@ -183,6 +187,7 @@ class StepPlan:
     mask: np.ndarray  # bool (B, W, W): tree / causal mask; padding columns see only themselves
     lengths: np.ndarray  # int64 (B,): committed tokens per row before the step
     trees: dict  # row -> StepTree for decode rows
+    draws: dict  # row -> Draws of the row's sampled drafts (None: none)
     prefill: dict  # row -> prompt tokens this step, for prefill rows
     started: float  # perf_counter when drafting began (host overhead accounting)
 
@@ -193,7 +198,8 @@ class Scheduler:
 
     def __init__(self, runtime):
         self.rt = runtime
-        self.backend, self.tree = runtime.backend, runtime.tree
+        self.backend = runtime.backend
+        self.proposers = runtime.drafting.proposers(runtime.backend)  # in drafting.DRAFTERS order
         self.rows: list[Seq | None] = []  # len = the engine's batch B for the next step
 
     # ------------------------------------------------------------------ rows
@@ -215,16 +221,18 @@ class Scheduler:
             self._resize(width)
         now = time.perf_counter()
         for s in seqs:
+            request = s.request
             s.row = self.rows.index(None)
             self.rows[s.row] = s
-            s.rng = s.params.generator()
-            s.stats = GenerationStats(prompt_tokens=len(s.prompt))
+            s.rng = request.params.generator()
+            s.stats = GenerationStats(prompt_tokens=len(request.prompt))
             s.length = s.prefilled = 0
-            s.history = list(s.prompt)
-            s.rule = RULES_BY_NAME[s.params.rule]
+            s.history = list(request.prompt)
+            s.rule = rule_for(request.params)
             s.accept_stats = AcceptanceStats()
-            s.drafters = self.rt.drafting.make(s.history, sampled=s.rule.sampled_drafts)
-            s.heads = next((d for d in s.drafters if d.name == "heads"), None)
+            s.hidden = [] if request.hidden else None
+            for p in self.proposers:
+                p.start(s.key, s.history, sampled=s.rule.sampled_drafts)
             s.started = now
 
     def _resize(self, width: int) -> None:
@@ -240,6 +248,8 @@ class Scheduler:
 
     def _release(self, s: Seq) -> None:
         self.rows[s.row] = None
+        for p in self.proposers:
+            p.finish(s.key)
         s.stats.seconds = time.perf_counter() - s.started
         if self.active == 0:
             self.rows = []
@@ -254,7 +264,7 @@ class Scheduler:
         for s in [s for s in self.rows if s is not None and s.cancelled]:
             s.finish_reason = "cancelled"
             self._release(s)
-            yield s, StreamEvent(s.index, [], "", "cancelled")
+            yield s, StreamEvent(s.request.index, [], "", "cancelled")
         if not self.active:
             return
         plan = self._draft()
@@ -268,18 +278,24 @@ class Scheduler:
         """Every row's input for the step: a tree per decode row, a prompt chunk per prefill row."""
         started = time.perf_counter()
         rows, chunk = self.rows, self.rt.config.prefill_chunk
-        prefill = {b: min(chunk, len(s.prompt) - s.prefilled) for b, s in enumerate(rows) if s is not None and s.prefilled < len(s.prompt)}
+        prefill = {b: min(chunk, len(s.request.prompt) - s.prefilled) for b, s in enumerate(rows)
+                   if s is not None and s.prefilled < len(s.request.prompt)}
         decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
-        batch = len(rows)
-        trees, together = {}, {}
+        trees, together, draws = {}, {}, {}
         for b in decode:  # a StepTree (a fixed budget, or nothing to draft) or Candidates (budgeted with the step's other rows)
-            got = self._tree(rows[b])
+            got, draws[b] = self._tree(rows[b])
             (together if isinstance(got, Candidates) else trees)[b] = got
         if together:
             drafting = self.rt.drafting
             floor = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
-            shared = shared_width(list(together.values()), max_nodes=drafting.max_nodes, cost=drafting.cost, batch=batch, floor=floor)
+            shared = shared_width(list(together.values()), max_nodes=drafting.max_nodes, cost=drafting.cost, batch=len(rows), floor=floor)
             trees |= {b: take_width(c, shared, drafting.max_nodes) for b, c in together.items()}
+        return self._inputs(trees, draws, prefill, started)
+
+    def _inputs(self, trees: dict, draws: dict, prefill: dict, started: float) -> StepPlan:
+        """The step's tensors: each decode row's tree, each prefill row's prompt chunk, padding elsewhere."""
+        rows = self.rows
+        batch = len(rows)
         width = max([t.num_nodes for t in trees.values()] + list(prefill.values()) + [1])
         ids = np.zeros((batch, width), dtype=np.int64)  # (B, W)
         positions = np.zeros((batch, width), dtype=np.int64)  # (B, W)
@@ -293,24 +309,25 @@ class Scheduler:
             mask[b, :n, :n] = tree.mask()
         for b, n in prefill.items():
             s = rows[b]
-            ids[b, :n] = s.prompt[s.prefilled : s.prefilled + n]
+            ids[b, :n] = s.request.prompt[s.prefilled : s.prefilled + n]
             positions[b] = lengths[b] + np.minimum(np.arange(width), n - 1)
             mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
-        return StepPlan(ids, positions, mask, lengths, trees, prefill, started)
+        return StepPlan(ids, positions, mask, lengths, trees, draws, prefill, started)
 
-    def _tree(self, s: Seq) -> StepTree | Candidates:
-        """Draft: the sequence's drafters' candidates merged; a sampled row's tree under its own
-        fixed budget, a greedy row's candidates for the step's shared width (``shared_width``)."""
+    def _tree(self, s: Seq) -> tuple[StepTree | Candidates, Draws | None]:
+        """Draft: the proposers' candidates merged; a sampled row's tree under its own fixed budget,
+        a greedy row's candidates for the step's shared width (``shared_width``); the row's draws."""
         depth = min(self._room(s), self.rt.drafting.max_depth)
-        if depth == 0 or not s.drafters:
-            return StepTree.chain(s.root)
-        if s.heads is not None:
-            s.heads.proposals, s.heads.confidence = s.proposals, s.confidence
-        fragments = [d.propose(s.history, depth) for d in s.drafters if d is not s.heads or not s.heads_rest]
+        if depth == 0 or not self.proposers:
+            return StepTree.chain(s.root), None
+        proposals = [p.propose(s.key, s.history, depth) for p in self.proposers]
+        proposals = [p for p in proposals if p is not None]
+        fragments = [p.fragment for p in proposals]
+        draws = next((p.draws for p in proposals if p.draws is not None), None)  # the heads' (one proposer samples)
         drafting = self.rt.drafting
         if not s.rule.learnt_budget:  # sampled rows: the fixed one-row table, so neighbours never change a seed's draws
-            return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.config.cost)
-        return merge(s.root, fragments, s.accept_stats)
+            return build_tree(s.root, fragments, s.accept_stats, max_nodes=drafting.max_nodes, cost=drafting.config.cost), draws
+        return merge(s.root, fragments, s.accept_stats), draws
 
     def _accept(self, plan: StepPlan, out: StepOutput) -> dict[int, Verdict]:
         """Each decode row's rule picks its accepted path and bonus; the budget may cut the path."""
@@ -320,8 +337,8 @@ class Scheduler:
             probs = None
             if s.rule.needs_logits:
                 host = out.logits() if host is None else host  # (B, W, V) base logits on the host, fetched once
-                probs = _lazy_probs(host[b], s.params)
-            verdict = s.rule.accept(tree, out.argmax[b, : tree.num_nodes], probs, s)
+                probs = _lazy_probs(host[b], s.request.params)
+            verdict = s.rule.accept(tree, out.argmax[b, : tree.num_nodes], probs, plan.draws.get(b), s.rng)
             s.accept_stats.learn(tree, verdict.path)
             keep = self._room(s) + 1
             if out.exact is not None:  # past a node whose logits are not its plain-step logits, bit for bit, nothing is kept
@@ -332,35 +349,49 @@ class Scheduler:
         return verdicts
 
     def _commit(self, plan: StepPlan, out: StepOutput, verdicts: dict[int, Verdict], verify: float) -> Iterator[tuple[Seq, StreamEvent]]:
-        """K/V of root + accepted nodes into each row, new roots, heads proposals, drafters
-        updated, text emitted; finished sequences free their rows."""
-        rows, argmax = self.rows, out.argmax
+        """Commit in four steps: K/V of root + accepted nodes into each row and the new roots
+        (``_commit_cache``); the new text (``_emit``); the proposers learn from the step, the heads
+        proposing at each row's last accepted node (``_observe``); finished sequences free their rows."""
+        new, last = self._commit_cache(plan, out, verdicts, verify)
+        events = []
+        for b, tokens_b in sorted(new.items()):
+            drafts = StepDrafts.of(plan.trees[b], verdicts[b].path) if b in verdicts else None
+            events.append((self.rows[b], self._emit(self.rows[b], tokens_b, drafts=drafts)))
+        heads = self._observe(plan, out, last)
+        host = time.perf_counter() - plan.started - verify - heads
+        if verdicts and not plan.prefill:  # a pure decode step: what its width cost, heads call included
+            self.rt.drafting.cost.observe(*plan.ids.shape, verify + heads)
+        for s, event in events:
+            s.stats.host_seconds += host
+            if s.finish_reason is not None:
+                self._release(s)
+            yield s, event
+
+    def _commit_cache(self, plan: StepPlan, out: StepOutput, verdicts: dict[int, Verdict],
+                      verify: float) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """K/V of root + accepted nodes (prompt chunks) into each row; the new roots. Returns each
+        row's new tokens and its last committed node, for the rows that emit."""
+        rows = self.rows
         batch, width = plan.ids.shape
-        commit_nodes = np.zeros((batch, max(width, max((len(v.path) for v in verdicts.values()), default=1))), dtype=np.int64)  # (B, A)
+        commit_nodes = np.zeros((batch, max([width] + [len(v.path) for v in verdicts.values()])), dtype=np.int64)  # (B, A)
         counts = np.zeros(batch, dtype=np.int64)  # (B,)
-        heads_at = np.zeros(batch, dtype=np.int64)  # (B,) node whose hidden state feeds the heads
-        wants_heads = np.zeros(batch, dtype=bool)  # (B,)
-        new: dict[int, list[int]] = {}
+        new, last = {}, {}
         for b, v in verdicts.items():
             s, tree = rows[b], plan.trees[b]
-            new[b] = [int(t) for t in tree.tokens[v.path[1:]]] + [int(v.bonus)]
+            new[b], last[b] = [int(t) for t in tree.tokens[v.path[1:]]] + [int(v.bonus)], v.path[-1]
             commit_nodes[b, : len(v.path)] = v.path
             counts[b] = len(v.path)  # root + accepted drafts enter the cache
             s.root = int(v.bonus)
-            heads_at[b], wants_heads[b] = v.path[-1], s.heads is not None and not self._rest_heads(s, tree)
             s.stats.verify_seconds += verify
             if s.hidden is not None:  # the committed nodes' states: each the one before the token that follows it
                 s.hidden.append(out.hidden_rows(np.full(len(v.path), b), v.path))
         for b, n in plan.prefill.items():
-            s = rows[b]
             commit_nodes[b, :n] = np.arange(n)
             counts[b] = n
-            if s.prefilled + n == len(s.prompt):  # the prompt is in: its last node gives the first new token
-                s.root = int(argmax[b, n - 1])
-                if s.params.rule != "greedy":
-                    s.root = sample(s.rng, warp(out.logits_rows([b], [n - 1]), s.params)[0])
-                heads_at[b], wants_heads[b] = n - 1, s.heads is not None
-                new[b] = [s.root]
+            s = rows[b]
+            if s.prefilled + n == len(s.request.prompt):  # the prompt is in: its last node gives the first new token
+                s.root = self._first_token(s, out, b, n - 1)
+                new[b], last[b] = [s.root], n - 1
                 if s.hidden is not None:
                     s.hidden.append(out.hidden_rows([b], [n - 1]))
         self.backend.commit(commit_nodes, counts, plan.lengths)
@@ -368,74 +399,40 @@ class Scheduler:
             rows[b].prefilled += n
         for b in np.flatnonzero(counts):
             rows[b].length += int(counts[b])
-        heads = 0.0
-        if self.tree.depth_max and wants_heads.any():  # a chain-0 template needs no proposals
-            tick = time.perf_counter()
-            self._propose(heads_at, wants_heads)
-            heads = time.perf_counter() - tick
-            for b in np.flatnonzero(wants_heads):
-                rows[b].stats.heads_seconds += heads
-        events = []
-        for b, tokens_b in sorted(new.items()):
-            s = rows[b]
-            drafts = StepDrafts.of(plan.trees[b], verdicts[b].path) if b in verdicts else None
-            events.append((s, self._emit(s, tokens_b, drafts=drafts)))
-            tree = plan.trees.get(b)
+        return new, last
+
+    def _first_token(self, s: Seq, out: StepOutput, row: int, node: int) -> int:
+        """The base model's token after the prompt: its argmax, or for a sampling rule a sample."""
+        if not s.rule.needs_logits:
+            return int(out.argmax[row, node])
+        return sample(s.rng, warp(out.logits_rows([row], [node]), s.request.params)[0])
+
+    def _observe(self, plan: StepPlan, out: StepOutput, last: dict[int, int]) -> float:
+        """Every proposer learns from the committed step (the heads make their call here). Returns
+        the engine seconds the proposers spent (the heads call), charged to the rows it served."""
+        observed = []
+        for b, node in sorted(last.items()):
+            s, tree = self.rows[b], plan.trees.get(b)
             n = tree.num_nodes if tree is not None else plan.prefill[b]
-            nxt = out.topk[b, :n] if out.topk is not None else argmax[b, :n, None]  # (n, k) successors, best first
-            scored = (tree.tokens if tree is not None else plan.ids[b, :n], nxt)
-            for d in s.drafters:
-                d.observe(s.history, *scored)
-        host = time.perf_counter() - plan.started - verify - heads
-        if verdicts and not plan.prefill:  # a pure decode step: what its width cost, heads call included
-            self.rt.drafting.cost.observe(batch, width, verify + heads)
-        for s, event in events:
-            s.stats.host_seconds += host
-            if s.finish_reason is not None:
-                self._release(s)
-            yield s, event
-
-    # ------------------------------------------------------------------ propose
-
-    def _propose(self, nodes: np.ndarray, which: np.ndarray) -> None:
-        """Heads at ``nodes[b]`` for the rows in ``which`` (B,): their top-K ids, or for lossless
-        sampling draws without replacement from each head's warped distribution q_d
-        (``walk.draws[d]`` of them, placed by rank)."""
-        tree, walk, template = self.tree, self.rt._walk, self.rt.drafting.template
+            scored_next = out.topk[b, :n] if out.topk is not None else out.argmax[b, :n, None]  # (n, k) successors, best first
+            scored = tree.tokens if tree is not None else plan.ids[b, :n]  # (n,)
+            observed.append(Observed(s.key, b, s.history, node, tree, scored, scored_next, s.request.params, s.rng))
+        if not observed:
+            return 0.0
+        by_key = {s.key: s for s in self.rows if s is not None}
         roots = np.array([s.root if s is not None else 0 for s in self.rows], dtype=np.int64)  # (B,) next trees' roots
-        proposals = self.backend.propose(nodes, tree.top_k, roots)
-        rows = template.rows  # D heads, or P expanded nodes (sequential heads)
-        ids = proposals.ids[:, :rows]  # (B, rows, K)
-        head_logits = None
-        for b in np.flatnonzero(which):
-            s = self.rows[b]
-            s.proposals = np.array(ids[b])  # (rows, K) a copy: the backend's buffer is reused
-            head_logits = proposals.logits() if head_logits is None else head_logits  # (B, n | P, V) host
-            if not s.heads.sampled:  # top-k drafts (greedy rows, sequential heads): keyed by the heads' confidence
-                s.confidence = head_confidence(head_logits[b, :rows], s.proposals)  # (rows, K)
-            else:
-                q = warp(head_logits[b, : tree.depth_max], s.params)  # (D, V)
-                for d in range(tree.depth_max):
-                    s.proposals[d, : walk.draws[d]] = draw_without_replacement(s.rng, q[d], int(walk.draws[d]))
-                s.drafts_q = q
-
-    def _rest_heads(self, s: Seq, tree: StepTree) -> bool:
-        """After a step: whether the heads sit out the next one. A heads call costs a fixed share of a
-        step whatever the tree keeps, so when the budget kept none of the heads' nodes ``HEADS_IDLE``
-        steps in a row, the sequence drafts without them (and calls them not) for ``HEADS_REST``
-        steps, then tries again."""
-        if s.heads_rest:
-            s.heads_rest -= 1
-            return s.heads_rest > 0
-        s.heads_idle = 0 if any("heads" in sources for sources in tree.sources) else s.heads_idle + 1
-        if s.heads_idle >= HEADS_IDLE:
-            s.heads_idle, s.heads_rest = 0, HEADS_REST
-        return s.heads_rest > 0
+        engine = 0.0
+        for p in self.proposers:
+            spent = p.observe(observed, roots, out)
+            for key, seconds in spent.items():
+                by_key[key].stats.heads_seconds += seconds
+            engine += max(spent.values(), default=0.0)
+        return engine
 
     def _room(self, s: Seq) -> int:
         """Most drafted tokens the sequence may still accept (a step emits accepted + 1)."""
         by_context = self.rt.max_context - s.length - 2  # root pending: total = length + 1
-        by_budget = s.max_new_tokens - len(s.tokens) - 1
+        by_budget = s.request.max_new_tokens - len(s.tokens) - 1
         return max(min(by_context, by_budget), 0)
 
     # ------------------------------------------------------------------ emit
@@ -456,23 +453,23 @@ class Scheduler:
                 break
         s.tokens.extend(int(t) for t in new)
         s.history.extend(int(t) for t in new)
-        searched = max(len(s.text) - _longest(s.stops) + 1, 0)  # earlier text was searched last step
+        searched = max(len(s.text) - _longest(s.request.stops) + 1, 0)  # earlier text was searched last step
         s.text += _decode_tail(codec, s, final=False)
-        cut = _first_stop(s.text, s.stops, searched)
+        cut = _first_stop(s.text, s.request.stops, searched)
         if cut is not None:
             s.finish_reason = "stop"
-            while len(s.tokens) > before + 1 and _first_stop(codec.decode(s.tokens[:-1]), s.stops, searched) is not None:
+            while len(s.tokens) > before + 1 and _first_stop(codec.decode(s.tokens[:-1]), s.request.stops, searched) is not None:
                 s.tokens.pop()  # keep only the tokens up to the one completing the stop string
             s.text = s.text[:cut]
-        if s.finish_reason is None and (len(s.tokens) >= s.max_new_tokens or s.length + 1 >= self.rt.max_context):
+        if s.finish_reason is None and (len(s.tokens) >= s.request.max_new_tokens or s.length + 1 >= self.rt.max_context):
             s.finish_reason = "length"
         if s.finish_reason is not None and cut is None:
             s.text += _decode_tail(codec, s, final=True)  # an incomplete character at the very end, as decode() gives it
         s.stats.new_tokens = len(s.tokens)
-        end = len(s.text) if s.finish_reason else _safe_end(s.text, s.stops)
+        end = len(s.text) if s.finish_reason else _safe_end(s.text, s.request.stops)
         delta = s.text[len(s.sent) : end]
         s.sent = s.text[:end]
-        return StreamEvent(index=s.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason, drafts=drafts)
+        return StreamEvent(index=s.request.index, token_ids=s.tokens[before:], text=delta, finish_reason=s.finish_reason, drafts=drafts)
 
 
 def _lazy_probs(logits: np.ndarray, params: SamplingParams):

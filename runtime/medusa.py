@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from medusa_trt.runtime.acceptance import TreeWalk, tree_walk
+from medusa_trt.runtime.acceptance import tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.step_cost import drafting_pays
 from medusa_trt.runtime.engine import EngineError, EngineFiles
-from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, StreamEvent, request_limits
+from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
-from medusa_trt.runtime.drafting.sequential import Expansion, expansion
+from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec, check_messages
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
@@ -97,13 +97,11 @@ class MedusaRuntime:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
         else:
             self.tree = compile_tree(info.tree, name=info.tree_name, max_depth=self.num_heads)
-        if getattr(self.backend, "reads_path", False):  # torch backend, sequential heads: they expand this runtime's
-            # tree (with_tree copies share the backend and take subtrees of it)
-            self.backend.expansion, self.backend.expansion_top_k = expansion(self.tree.paths), self.tree.top_k
-            info = dataclasses.replace(info, expansion=self.backend.expansion, max_top_k=self.tree.top_k)
+        expanded = self.backend.expand(self.tree.paths, self.tree.top_k)  # torch backend, sequential heads: this tree
+        if expanded is not None:
+            info = dataclasses.replace(info, expansion=expanded, max_top_k=self.tree.top_k)
         self._info = info
         self._check_tree(self.tree)
-        self._walk: TreeWalk = tree_walk(self.tree)
         self.drafting = self._drafting(self.tree, cfg.drafters, explicit_tree=cfg.tree is not None)
         limit = self.backend.max_tokens
         if cfg.prefill_chunk is None:  # the default fits any engine
@@ -140,7 +138,6 @@ class MedusaRuntime:
         other.config = dataclasses.replace(self.config, tree=tree)
         other.tree = load_tree(tree, max_depth=self.num_heads)
         self._check_tree(other.tree)
-        other._walk = tree_walk(other.tree)
         other.drafting = other._drafting(other.tree, None if self.config.drafters is None else
                                          tuple(n for n in self.config.drafters if n != "heads" or other.tree.depth_max), explicit_tree=True)
         return other
@@ -271,7 +268,7 @@ class MedusaRuntime:
         stops = request_limits(max_new_tokens, stop)
         single, batch = self._prompts(prompts, chat_template)
         params = broadcast_params(len(batch), sampling, **fields)
-        return single, [Seq(i, ids, max_new_tokens, stops, p, hidden=[] if hidden else None) for i, (ids, p) in enumerate(zip(batch, params))]
+        return single, [Seq(SeqRequest(i, ids, max_new_tokens, stops, p, hidden=hidden)) for i, (ids, p) in enumerate(zip(batch, params))]
 
     # ----------------------------------------------------------------- inputs
 

@@ -4,8 +4,8 @@ For each prompt the base model's greedy continuation is generated once (plain de
 torch backend), then one forward pass over prompt + continuation gives every position's hidden
 state, hence the heads' top-k there. The replay walks the continuation as the runtime would: at
 each step the sequence's drafters (the runtime's own objects: ``medusa_trt.runtime.drafting``)
-propose, ``build_tree`` merges them under the cost model, and greedy acceptance is the longest
-tree path that matches the true continuation. Its tokens/step equal the runtime's greedy figure
+propose, ``build_tree`` merges them under the cost model, and the runtime's greedy rule, with the
+true continuation as the base model's choice, picks the longest matching tree path. Its tokens/step equal the runtime's greedy figure
 up to float ties (the recycle table sees only on-path successors here, so its figure is a lower
 bound). Use it to calibrate priors, budgets and drafter sets before running the benchmark.
 
@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from medusa_trt.exporter import load_medusa
 from medusa_trt.runtime import MedusaRuntime
-from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, build_tree
+from medusa_trt.runtime.acceptance import greedy
+from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsProposer, Observed, build_tree
+from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 
 log = logging.getLogger("replay_drafts")
@@ -88,33 +90,30 @@ def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], t
     if config is not None:
         drafting = Drafting(drafting.names, drafting.template, config, engine_max_nodes=drafting.max_nodes)
     history = list(prompt) + continuation[:1]
-    drafters = drafting.make(list(prompt), sampled=False)
-    heads = next((d for d in drafters if d.name == "heads"), None)
+    proposers = drafting.proposers(None)  # the runtime's own; the heads' proposals come from ``topk``
+    heads = next((p for p in proposers if isinstance(p, HeadsProposer)), None)
+    for p in proposers:
+        p.start(0, list(prompt), sampled=False)
     stats = AcceptanceStats() if tally is None else _Tallied(tally)
     steps, nodes, pos = [], [], 0  # continuation[pos] is the root
     depth_cap = drafting.max_depth
     while pos + 1 < len(continuation):
         room = len(continuation) - pos - 1
-        if heads is not None:
-            heads.proposals = topk[len(prompt) + pos - 1]  # heads at the last committed node (the root's parent)
-            heads.confidence = None if confidence is None else confidence[len(prompt) + pos - 1]
-        fragments = [d.propose(history, min(room, depth_cap)) for d in drafters]
-        tree = build_tree(history[-1], fragments, stats, max_nodes=drafting.max_nodes, cost=cost)
-        node, path = 0, [0]
-        while True:
-            want = continuation[pos + len(path)] if pos + len(path) < len(continuation) else -1
-            nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
-            if nxt is None:
-                break
-            node = nxt
-            path.append(node)
+        if heads is not None:  # heads at the last committed node (the root's parent)
+            heads.set_proposals(0, topk[len(prompt) + pos - 1], None if confidence is None else confidence[len(prompt) + pos - 1])
+        proposals = [p.propose(0, history, min(room, depth_cap)) for p in proposers]
+        tree = build_tree(history[-1], [p.fragment for p in proposals if p is not None], stats, max_nodes=drafting.max_nodes, cost=cost)
+        truth = np.array(continuation + [-1])  # the base model's choice after each node is the continuation's next token
+        path = greedy(tree, truth[np.minimum(pos + tree.depth + 1, len(continuation))]).path
         stats.learn(tree, path)  # the runtime's own update
         emitted = len(path)  # accepted drafts + the bonus
         new = continuation[pos + 1 : pos + 1 + emitted]
         truth = np.array(continuation[pos : pos + len(new) + 1])
         history.extend(new)
-        for d in drafters:
-            d.observe(history, truth[:-1], truth[1:, None])  # on-path successors only
+        seen = [Observed(0, 0, history, path[-1], tree, truth[:-1], truth[1:, None], SamplingParams(), None)]
+        for p in proposers:
+            if p is not heads:
+                p.observe(seen, np.array([history[-1]]), None)  # on-path successors only
         steps.append(len(new))
         nodes.append(tree.num_nodes)
         pos += len(new)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from medusa_trt.runtime.acceptance import GreedyRule, LosslessRule, TypicalRule
+from medusa_trt.runtime.acceptance import Draws, greedy, lossless, typical
 from medusa_trt.runtime.drafting import (
-    DETERMINISTIC, AcceptanceStats, CostModel, Fragment, HeadsDrafter, HeadsTemplate, LookupConfig, LookupDrafter,
+    DETERMINISTIC, AcceptanceStats, CostModel, Fragment, HeadsProposer, HeadsTemplate, LookupConfig, LookupDrafter,
     NgramIndex, RecycleConfig, RecycleDrafter, StepTree, build_tree,
 )
 from medusa_trt.runtime.acceptance import tree_walk
@@ -16,6 +16,14 @@ from medusa_trt.runtime.tree import compile_tree
 
 FLAT = CostModel({1: 1.0, 64: 1.0})  # every tree size costs the same: the builder keeps everything
 STEEP = CostModel({1: 1.0, 2: 10.0, 64: 100.0})  # any draft costs more than it can bring
+
+
+def _heads(template: HeadsTemplate, *, sampled: bool, proposals, confidence=None):
+    """A heads proposer with one sequence whose last heads call gave ``proposals``: its propose(history, depth)."""
+    heads = HeadsProposer(template)
+    heads.start(0, [], sampled=sampled)
+    heads.set_proposals(0, np.array(proposals), confidence)
+    return lambda history, max_depth: heads.propose(0, history, max_depth).fragment
 
 
 def _stats(value: float) -> AcceptanceStats:
@@ -72,15 +80,13 @@ def test_recycle_drafter_proposes_remembered_successors():
 
 def test_heads_drafter_lays_proposals_out_by_the_template():
     tree = compile_tree([[0], [1], [0, 0]])
-    drafter = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=False)
-    drafter.proposals = np.array([[20, 21], [30, 31]])
-    f = drafter.propose([1, 2], max_depth=2)
+    propose = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=False, proposals=[[20, 21], [30, 31]])
+    f = propose([1, 2], max_depth=2)
     assert f.tokens.tolist() == [20, 21, 30] and f.parent.tolist() == [-1, -1, 0]
     assert f.keys == (("heads", 1, 0), ("heads", 1, 1), ("heads", 2, 0))
-    assert drafter.propose([1, 2], max_depth=1).tokens.tolist() == [20, 21]
-    sampled = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=True)
-    sampled.proposals = np.array([[20, 21], [30, 31]])
-    assert sampled.propose([1], max_depth=2).draw.tolist() == [0, 1, 2]  # head 1 draws 0, 1; head 2 draw 0
+    assert propose([1, 2], max_depth=1).tokens.tolist() == [20, 21]
+    sampled = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=True, proposals=[[20, 21], [30, 31]])
+    assert sampled([1], max_depth=2).draw.tolist() == [0, 1, 2]  # head 1 draws 0, 1; head 2 draw 0
 
 
 def test_heads_confidence_is_the_softmax_of_the_top_k():
@@ -96,18 +102,15 @@ def test_greedy_heads_drafts_are_keyed_by_confidence():
     """With the heads' probabilities, a draft's key is (depth, probability bucket), so a confident
     head-1 guess and a doubtful one are estimated apart; lossless draws keep their rank keys."""
     tree = compile_tree([[0], [1], [0, 0]])
-    drafter = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=False)
-    drafter.proposals = np.array([[20, 21], [30, 31]])
-    drafter.confidence = np.array([[0.93, 0.04], [0.5, 0.1]], dtype=np.float32)
-    f = drafter.propose([1, 2], max_depth=2)
+    confidence = np.array([[0.93, 0.04], [0.5, 0.1]], dtype=np.float32)
+    f = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=False, proposals=[[20, 21], [30, 31]], confidence=confidence)([1, 2], 2)
     assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6))
     stats = AcceptanceStats()
     assert stats.estimate(f.keys[0]) > 0.8 and stats.estimate(f.keys[1]) < 0.1
     tree_ = build_tree(1, [f], stats, max_nodes=8, cost=CostModel({1: 1.0, 3: 1.0, 4: 1.5, 64: 20.0}))
     assert tree_.tokens.tolist() == [1, 20, 30]  # the doubtful sibling is not worth its node; the confident chain is
-    sampled = HeadsDrafter(HeadsTemplate(tree, tree_walk(tree)), sampled=True)
-    sampled.proposals, sampled.confidence = drafter.proposals, drafter.confidence
-    assert sampled.propose([1], max_depth=2).keys[0][0] == "heads"
+    sampled = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=True, proposals=[[20, 21], [30, 31]], confidence=confidence)
+    assert sampled([1], max_depth=2).keys[0][0] == "heads"
 
 
 # ------------------------------------------------------------------ the builder
@@ -186,11 +189,11 @@ def _tree():
 def test_greedy_walks_the_matching_children():
     tree = _tree()
     argmax = np.array([7, 10, 0, 0, 11, 42])  # root -> 7 -> 10 -> 11, then the bonus 42
-    v = GreedyRule().accept(tree, argmax, None, None)
+    v = greedy(tree, argmax)
     assert v.path == [0, 1, 4, 5] and v.bonus == 42
-    v = GreedyRule().accept(tree, np.array([3, 0, 0, 0, 0, 0]), None, None)
+    v = greedy(tree, np.array([3, 0, 0, 0, 0, 0]))
     assert v.path == [0] and v.bonus == 3
-    assert GreedyRule().accept(StepTree.chain(5), np.array([6]), None, None).path == [0]
+    assert greedy(StepTree.chain(5), np.array([6])).path == [0]
 
 
 class _Uniforms:
@@ -201,11 +204,7 @@ class _Uniforms:
         return self.values.pop(0)
 
 
-class _Seq:
-    def __init__(self, rng, params=SamplingParams(temperature=1.0)):
-        self.rng, self.params = rng, params
-        self.proposals = np.array([[1, 2]])
-        self.drafts_q = np.array([[0.1, 0.6, 0.3, 0.0]])
+DRAWS = Draws(q=np.array([[0.1, 0.6, 0.3, 0.0]]), ids=np.array([[1, 2]]))  # head 1 drew 1, then 2
 
 
 def test_lossless_mixes_sampled_and_point_mass_siblings():
@@ -218,17 +217,15 @@ def test_lossless_mixes_sampled_and_point_mass_siblings():
     # draw 1: u * .6 < .2 needs u < 1/3: reject at .5; residual max(0, p - q) = [0, 0, 0, .4] -> [0, 0, 0, 1]
     # draw 2: q2 = q without draw 1 = [.25, 0, .75, 0]; residual(2) = 0: rejected; residual stays [0, 0, 0, 1]
     # point mass 3: u * 1 < 1: accepted
-    seq = _Seq(_Uniforms(0.5, 0.6, 0.99, 0.0))  # the last: the bonus after the leaf
-    v = LosslessRule().accept(tree, None, probs, seq)
-    assert v.path == [0, 3] and seq.rng.values == []
+    rng = _Uniforms(0.5, 0.6, 0.99, 0.0)  # the last: the bonus after the leaf
+    v = lossless(tree, probs, DRAWS, rng)
+    assert v.path == [0, 3] and rng.values == []
     # p = [.1, .2, .5, .2]: draw 1 rejected, residual [0, 0, .5, .5]; draw 2: u * .75 < .5 for u = .5: accepted
     p2 = np.array([0.1, 0.2, 0.5, 0.2])
-    seq = _Seq(_Uniforms(0.5, 0.5, 0.0))
-    assert LosslessRule().accept(tree, None, lambda node: p2.copy(), seq).path == [0, 2]
+    assert lossless(tree, lambda node: p2.copy(), DRAWS, _Uniforms(0.5, 0.5, 0.0)).path == [0, 2]
     # all rejected: a point mass on a token of zero residual mass is rejected; bonus from the residual
     p = np.array([0.5, 0.5, 0.0, 0.0])
-    seq = _Seq(_Uniforms(0.99, 0.99, 0.0, 0.0))
-    v = LosslessRule().accept(tree, None, lambda node: p.copy(), seq)
+    v = lossless(tree, lambda node: p.copy(), DRAWS, _Uniforms(0.99, 0.99, 0.0, 0.0))
     assert v.path == [0] and v.bonus == 0  # residual after draw 1: [.4, 0, 0, 0] normalised -> 0
 
 
@@ -237,8 +234,8 @@ def test_typical_on_a_step_tree_takes_the_longest_plausible_path():
     peaked = np.full(12, 1e-3)
     peaked[[7, 10, 11]] = 1.0
     peaked /= peaked.sum()
-    seq = _Seq(_Uniforms(0.0), SamplingParams(temperature=1.0, acceptance="typical"))
-    v = TypicalRule().accept(tree, None, lambda node: peaked, seq)
+    params = SamplingParams(temperature=1.0, acceptance="typical")
+    v = typical(tree, lambda node: peaked, _Uniforms(0.0), threshold=params.posterior_threshold, alpha=params.posterior_alpha)
     assert v.path == [0, 1, 4, 5]
 
 
@@ -337,9 +334,7 @@ def test_sequential_heads_drafter_reads_each_node_from_its_parents_row():
     proposals = np.array([[20, 21], [30, 31], [40, 41], [50, 51]])  # below the root, [0], [1], [0, 0]
     confidence = np.array([[0.95, 0.02], [0.55, 0.3], [0.15, 0.1], [0.45, 0.2]], dtype=np.float32)
     for sampled in (False, True):
-        drafter = HeadsDrafter(template, sampled=sampled)
-        drafter.proposals, drafter.confidence = proposals, confidence
-        f = drafter.propose([1, 2], max_depth=3)
+        f = _heads(template, sampled=sampled, proposals=proposals, confidence=confidence)([1, 2], 3)
         assert f.tokens.tolist() == [20, 21, 30, 31, 40, 50] and f.parent.tolist() == [-1, -1, 0, 0, 1, 2]
         assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6), ("heads-p", 2, 4), ("heads-p", 2, 2),
                           ("heads-p", 3, 5))

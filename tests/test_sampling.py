@@ -21,7 +21,7 @@ import torch
 from conftest import STORIES, random_heads
 import medusa_trt.runtime.acceptance as acceptance
 from medusa_trt.runtime import MedusaRuntime
-from medusa_trt.runtime.acceptance import LosslessRule, TypicalRule
+from medusa_trt.runtime.acceptance import Draws, TypicalRule, lossless, rule_for
 from medusa_trt.runtime.drafting import StepTree
 from medusa_trt.runtime.sampling import SamplingError, SamplingParams, broadcast_params, draw_without_replacement, sample, warp
 from medusa_trt.runtime.tree import compile_tree
@@ -141,13 +141,6 @@ def _step_tree(tokens, parents, draws) -> StepTree:
     return StepTree(np.array(tokens), np.array(parents), depth, np.array(draws), names, names, tuple(map(tuple, children)), np.ones(n))
 
 
-class _Seq:
-    """What a rule reads of a sequence: its generator, sampling parameters and the heads' draws."""
-
-    def __init__(self, rng, proposals=None, drafts_q=None, params=SamplingParams(temperature=1.0)):
-        self.rng, self.params, self.proposals, self.drafts_q = rng, params, proposals, drafts_q
-
-
 def test_lossless_chain_accepts_then_rejects_into_the_residual():
     tree = _step_tree([3, 1, 2], [-1, 0, 1], [-1, 0, 1])  # root, head 1's draw, head 2's draw (K = 1)
     p = {0: [0.1, 0.6, 0.2, 0.1], 1: [0.3, 0.3, 0.1, 0.3]}
@@ -155,11 +148,11 @@ def test_lossless_chain_accepts_then_rejects_into_the_residual():
     draws = np.array([[1], [2]])
     # node 1: p(1) = 0.6 >= q(1) = 0.3: accepted whatever u. node 2: u q(2) = 0.5 * 0.4 = 0.2 > p(2) = 0.1:
     # rejected; residual = norm(max(0, p - q)) = [0.1, 0.1, 0, 0.1] / 0.3; bonus from it with u = 0.5 -> token 1
-    v = LosslessRule().accept(tree, None, _probs(p), _Seq(FixedUniforms(0.99, 0.5, 0.5), draws, q))
+    v = lossless(tree, _probs(p), Draws(q, draws), FixedUniforms(0.99, 0.5, 0.5))
     assert (v.path, v.bonus) == ([0, 1], 1)
     # u = 0.2 at node 2: 0.2 * 0.4 = 0.08 < 0.1: accepted; the leaf's bonus comes from p at node 2
     p[2] = [0.0, 0.0, 0.0, 1.0]
-    v = LosslessRule().accept(tree, None, _probs(p), _Seq(FixedUniforms(0.99, 0.2, 0.3), draws, q))
+    v = lossless(tree, _probs(p), Draws(q, draws), FixedUniforms(0.99, 0.2, 0.3))
     assert (v.path, v.bonus) == ([0, 1, 2], 3)
 
 
@@ -170,11 +163,11 @@ def test_lossless_siblings_use_residual_and_draws_without_replacement():
     # child 1 (token 0): accept prob 0.1 / 0.5 = 0.2; u = 0.5 rejects; residual [0, 0, 0.2, 0.8];
     # child 2 (token 1) was drawn from q without token 0: [0, 0.6, 0.4, 0]; residual(1) = 0 rejects;
     # residual max(0, [0, 0, .2, .8] - [0, .6, .4, 0]) -> [0, 0, 0, 1]: the bonus is token 3
-    v = LosslessRule().accept(tree, None, _probs(p), _Seq(FixedUniforms(0.5, 0.0, 0.123), draws, q))
+    v = lossless(tree, _probs(p), Draws(q, draws), FixedUniforms(0.5, 0.0, 0.123))
     assert (v.path, v.bonus) == ([0], 3)
     # u = 0.1 accepts the first child; its bonus (a leaf) comes from p at node 1
     p[1] = [0, 1, 0, 0]
-    v = LosslessRule().accept(tree, None, _probs(p), _Seq(FixedUniforms(0.1, 0.7), draws, q))
+    v = lossless(tree, _probs(p), Draws(q, draws), FixedUniforms(0.1, 0.7))
     assert (v.path, v.bonus) == ([0, 1], 1)
 
 
@@ -182,26 +175,25 @@ def test_lossless_rejected_draw_leaves_the_residual_of_the_base():
     tree = _step_tree([1, 0], [-1, 0], [-1, 0])
     p = {0: [0.0, 1.0]}
     q = np.array([[1.0, 0.0]])  # the head's only token has no base mass: rejected, the bonus is the base's token
-    v = LosslessRule().accept(tree, None, _probs(p), _Seq(FixedUniforms(0.9, 0.4), np.array([[0]]), q))
+    v = lossless(tree, _probs(p), Draws(q, np.array([[0]])), FixedUniforms(0.9, 0.4))
     assert (v.path, v.bonus) == ([0], 1)
 
 
 def test_typical_accepts_by_entropy_threshold():
-    typical = _Seq(FixedUniforms(0.5), params=SamplingParams(temperature=1.0, acceptance="typical"))
+    typical = rule_for(SamplingParams(temperature=1.0, acceptance="typical"))
+    assert isinstance(typical, TypicalRule)
     # root p = [0.7, 0.1, 0.1, 0.1]: entropy 0.940, 0.3 exp(-0.940) = 0.117, threshold min(0.09, 0.117) = 0.09
     p = {0: [0.7, 0.1, 0.1, 0.1], 1: [0.25, 0.25, 0.25, 0.25], 2: [1, 0, 0, 0], 3: [1, 0, 0, 0]}
     # node 1 token 1 (p 0.1 > 0.09): accepted; node 2 token 3 (0.1): accepted too; node 3 under node 1:
     # uniform p: entropy ln 4, 0.3 / 4 = 0.075 < 0.09 -> threshold 0.075, token 2 (0.25) accepted
     tree = _step_tree([0, 1, 3, 2], [-1, 0, 0, 1], [-1, -1, -1, -1])
-    v = TypicalRule().accept(tree, None, _probs(p), typical)
+    v = typical.accept(tree, None, _probs(p), None, FixedUniforms(0.5))
     assert (v.path, v.bonus) == ([0, 1, 3], 0)
     # a drafted token at p = 0.05 is refused; the two depth-1 nodes tie in length, the likelier wins
     p[0] = [0.8, 0.1, 0.05, 0.05]
     p[1] = [0, 0, 0.05, 0.95]
-    typical.rng = FixedUniforms(0.99)
-    assert TypicalRule().accept(_step_tree([0, 1, 2, 2], [-1, 0, 0, 1], [-1] * 4), None, _probs(p), typical).path == [0, 1]
-    typical.rng = FixedUniforms(0.99)
-    assert TypicalRule().accept(_step_tree([0, 2, 1, 2], [-1, 0, 0, 1], [-1] * 4), None, _probs(p), typical).path == [0, 2]
+    assert typical.accept(_step_tree([0, 1, 2, 2], [-1, 0, 0, 1], [-1] * 4), None, _probs(p), None, FixedUniforms(0.99)).path == [0, 1]
+    assert typical.accept(_step_tree([0, 2, 1, 2], [-1, 0, 0, 1], [-1] * 4), None, _probs(p), None, FixedUniforms(0.99)).path == [0, 2]
 
 
 # --------------------------------------------------------------------- statistical tests

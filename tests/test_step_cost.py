@@ -95,7 +95,7 @@ def test_heads_the_budget_never_keeps_rest(folder, tmp_path):
     for HEADS_REST steps."""
     from medusa_trt.exporter.engine_folder import record_step_cost
     from medusa_trt.runtime import MedusaRuntime
-    from medusa_trt.runtime.loop import HEADS_IDLE, HEADS_REST
+    from medusa_trt.runtime.drafting.heads import HEADS_IDLE, HEADS_REST
 
     work = tmp_path / "rest"
     shutil.copytree(folder, work)

@@ -22,7 +22,7 @@ import numpy as np
 from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
-from medusa_trt.runtime.contract import NEXT_INPUT, STEP_INPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.contract import CACHE_LENGTHS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_INPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 BUFFERS = ("auto", "host", "device")  # auto: device buffers on the CUDA provider, host buffers otherwise
 _LANES: dict[tuple, int | None] = {}  # key slots' measured lane count per (head_dim, groups, dtype, provider, threads)
-SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in ("past_key", "past_value"))  # from the host; buffers bind the cache
+SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in (PAST_KEY, PAST_VALUE))  # from the host; buffers bind the cache
 
 
 def default_providers() -> list[str]:
@@ -149,13 +149,13 @@ class OnnxBackend:
         past = int(cache_lengths.max())  # host value: the bound view's length
         small, exact = SMALL_INPUTS, None
         inputs = {
-            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "tree_mask": np.ascontiguousarray(tree_mask, dtype=bool),
-            "cache_lengths": np.ascontiguousarray(cache_lengths, dtype=np.int64),
+            INPUT_IDS: np.ascontiguousarray(input_ids, dtype=np.int64),
+            POSITION_IDS: np.ascontiguousarray(position_ids, dtype=np.int64),
+            TREE_MASK: np.ascontiguousarray(tree_mask, dtype=bool),
+            CACHE_LENGTHS: np.ascontiguousarray(cache_lengths, dtype=np.int64),
         }
         if self.meta.key_slots:  # each new key where plain decoding puts its position (runtime/key_slots.py)
-            slots, exact = key_slots.assign(inputs["tree_mask"], inputs["cache_lengths"], self.slots, self.key_lanes)
+            slots, exact = key_slots.assign(inputs[TREE_MASK], inputs[CACHE_LENGTHS], self.slots, self.key_lanes)
             inputs[key_slots.INPUT] = slots
             exact = exact if self.key_lanes else None
             past, small = max(past, int(slots.max()) + 1), (*SMALL_INPUTS, key_slots.INPUT)
@@ -181,6 +181,10 @@ class OnnxBackend:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
         self.buffers.commit(rows, src, dst, nodes.shape[0])
+
+    def expand(self, paths: list, top_k: int) -> None:
+        """An exported engine's heads expand what the exporter fixed: nothing to do."""
+        return None
 
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views;

@@ -33,11 +33,11 @@ from typing import Protocol
 
 import numpy as np
 
-from medusa_trt.runtime.contract import SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HIDDEN, LOGITS, NEW_KEY, NEW_VALUE, NEXT_IDS, PAST_KEY, PAST_VALUE, Proposals, SUCCESSORS_OUTPUT, StepOutput
 from medusa_trt.runtime.engine import EngineMeta
 
-FLOAT_OUTPUTS = ("logits", "hidden", "new_key", "new_value")  # stay on the device in DeviceBuffers
-ID_OUTPUTS = ("next_ids", SUCCESSORS_OUTPUT)  # int64, read by the loop every step: bound to host arrays
+FLOAT_OUTPUTS = (LOGITS, HIDDEN, NEW_KEY, NEW_VALUE)  # stay on the device in DeviceBuffers
+ID_OUTPUTS = (NEXT_IDS, SUCCESSORS_OUTPUT)  # int64, read by the loop every step: bound to host arrays
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ class BufferSizes:
 
     def output_shapes(self, batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
         kv = (tokens, self.num_layers, batch, self.num_kv_heads, self.head_dim)
-        shapes = {"logits": (batch, tokens, self.vocab_size), "hidden": (batch, tokens, self.hidden_size), "next_ids": (batch, tokens),
-                  "new_key": kv, "new_value": kv}
+        shapes = {LOGITS: (batch, tokens, self.vocab_size), HIDDEN: (batch, tokens, self.hidden_size), NEXT_IDS: (batch, tokens),
+                  NEW_KEY: kv, NEW_VALUE: kv}
         if self.successors:
             shapes[SUCCESSORS_OUTPUT] = (batch, tokens, self.successors)
         return shapes
@@ -84,7 +84,7 @@ class BufferSizes:
         return np.int64 if name in ID_OUTPUTS else self.dtype
 
     def heads_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
-        return {"head_topk": (batch, self.heads_rows, self.top_k), "head_logits": (batch, self.heads_rows, self.heads_vocab)}
+        return {HEAD_TOPK: (batch, self.heads_rows, self.top_k), HEAD_LOGITS: (batch, self.heads_rows, self.heads_vocab)}
 
 
 def _elements(shape) -> int:
@@ -137,8 +137,8 @@ class HostBuffers:
         shapes = s.output_shapes(s.max_batch, s.max_tokens)
         self.out = {name: np.zeros(_elements(shape), dtype=s.output_dtype(name)) for name, shape in shapes.items()}
         if s.heads_rows:
-            self.head_logits = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_logits"]), dtype=np.float32)
-            self.head_topk = np.zeros(_elements(s.heads_shapes(s.max_batch)["head_topk"]), dtype=np.int64)
+            self.head_logits = np.zeros(_elements(s.heads_shapes(s.max_batch)[HEAD_LOGITS]), dtype=np.float32)
+            self.head_topk = np.zeros(_elements(s.heads_shapes(s.max_batch)[HEAD_TOPK]), dtype=np.int64)
         self.cache_bytes = 2 * self.key.nbytes
         self.output_bytes = sum(a.nbytes for a in self.out.values())
         self._views: dict[str, np.ndarray] = {}
@@ -149,21 +149,21 @@ class HostBuffers:
         return flat[: _elements(shape)].reshape(shape)
 
     def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
-        io.bind_cpu_input("past_key", self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
-        io.bind_cpu_input("past_value", self._layout(self.value, batch)[:past])
+        io.bind_cpu_input(PAST_KEY, self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
+        io.bind_cpu_input(PAST_VALUE, self._layout(self.value, batch)[:past])
         self._views = {name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in self.sizes.output_shapes(batch, tokens).items()}
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def step_output(self) -> StepOutput:
-        logits, hidden = self._views["logits"], self._views["hidden"]
-        return StepOutput(self._views["next_ids"], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
+        logits, hidden = self._views[LOGITS], self._views[HIDDEN]
+        return StepOutput(self._views[NEXT_IDS], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
                           lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
 
     def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
         key, value = self._layout(self.key, batch), self._layout(self.value, batch)
-        key[dst, :, rows] = self._views["new_key"][src, :, rows]
-        value[dst, :, rows] = self._views["new_value"][src, :, rows]
+        key[dst, :, rows] = self._views[NEW_KEY][src, :, rows]
+        value[dst, :, rows] = self._views[NEW_VALUE][src, :, rows]
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         for flat in (self.key, self.value):
@@ -172,18 +172,18 @@ class HostBuffers:
 
     def bind_heads(self, io, nodes: np.ndarray) -> None:
         batch = nodes.shape[0]
-        hidden = np.ascontiguousarray(self._views["hidden"][np.arange(batch), nodes])  # (B, H)
+        hidden = np.ascontiguousarray(self._views[HIDDEN][np.arange(batch), nodes])  # (B, H)
         shapes = self.sizes.heads_shapes(batch)
-        self._heads = {"hidden": hidden, "head_topk": self.head_topk[: _elements(shapes["head_topk"])].reshape(shapes["head_topk"]),
-                       "head_logits": self.head_logits[: _elements(shapes["head_logits"])].reshape(shapes["head_logits"])}
-        io.bind_cpu_input("hidden", hidden)  # kept in self._heads until the run
-        for name in ("head_topk", "head_logits"):
+        self._heads = {HIDDEN: hidden, HEAD_TOPK: self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK]),
+                       HEAD_LOGITS: self.head_logits[: _elements(shapes[HEAD_LOGITS])].reshape(shapes[HEAD_LOGITS])}
+        io.bind_cpu_input(HIDDEN, hidden)  # kept in self._heads until the run
+        for name in (HEAD_TOPK, HEAD_LOGITS):
             array = self._heads[name]
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def proposals(self, top_k: int) -> Proposals:
-        head_logits = self._heads["head_logits"]
-        return Proposals(self._heads["head_topk"][:, :, :top_k], lambda: head_logits)
+        head_logits = self._heads[HEAD_LOGITS]
+        return Proposals(self._heads[HEAD_TOPK][:, :, :top_k], lambda: head_logits)
 
 
 # ----------------------------------------------------------------------------- device
@@ -216,8 +216,8 @@ class DeviceBuffers:
         if s.heads_rows:
             heads = s.heads_shapes(s.max_batch)
             self.head_hidden = alloc(s.max_batch * s.hidden_size, s.dtype)  # (B, H) gathered on the device
-            self.head_logits = alloc(_elements(heads["head_logits"]), np.float32)
-            self.head_topk = np.zeros(_elements(heads["head_topk"]), dtype=np.int64)
+            self.head_logits = alloc(_elements(heads[HEAD_LOGITS]), np.float32)
+            self.head_topk = np.zeros(_elements(heads[HEAD_TOPK]), dtype=np.int64)
         itemsize = np.dtype(s.dtype).itemsize
         self.cache_bytes = 2 * s.max_context * s.max_batch * s.kv_row * itemsize
         self.output_bytes = sum(_elements(shapes[n]) * itemsize for n in FLOAT_OUTPUTS) + sum(a.nbytes for a in self.host.values())
@@ -233,8 +233,8 @@ class DeviceBuffers:
 
     def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
         s = self.sizes
-        self._bind(io, "past_key", self.key, s.cache_shape(batch, past), s.dtype)
-        self._bind(io, "past_value", self.value, s.cache_shape(batch, past), s.dtype)
+        self._bind(io, PAST_KEY, self.key, s.cache_shape(batch, past), s.dtype)
+        self._bind(io, PAST_VALUE, self.value, s.cache_shape(batch, past), s.dtype)
         self._shapes = s.output_shapes(batch, tokens)
         self._host_views = {}
         for name, shape in self._shapes.items():
@@ -245,7 +245,7 @@ class DeviceBuffers:
                 self._bind(io, name, self.out[name], shape, s.dtype, output=True)
 
     def step_output(self) -> StepOutput:
-        logits, hidden = ("logits", self.out["logits"], self._shapes["logits"]), ("hidden", self.out["hidden"], self._shapes["hidden"])
+        logits, hidden = (LOGITS, self.out[LOGITS], self._shapes[LOGITS]), (HIDDEN, self.out[HIDDEN], self._shapes[HIDDEN])
         fetched: list[np.ndarray] = []
 
         def all_logits() -> np.ndarray:
@@ -253,7 +253,7 @@ class DeviceBuffers:
                 fetched.append(self.ops.to_host(logits[1], logits[2], self.sizes.dtype))
             return fetched[0]
 
-        return StepOutput(self._host_views["next_ids"], self._host_views.get(SUCCESSORS_OUTPUT), all_logits,
+        return StepOutput(self._host_views[NEXT_IDS], self._host_views.get(SUCCESSORS_OUTPUT), all_logits,
                           lambda rows, nodes: self.ops.rows_to_host(*logits[1:], self.sizes.dtype, rows, nodes),
                           lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32))
 
@@ -266,7 +266,7 @@ class DeviceBuffers:
         def index(slot: np.ndarray) -> np.ndarray:  # (N, L, 3): (slot, layer, row) of every entry and layer
             return np.stack(np.broadcast_arrays(slot[:, None], layers, rows[:, None]), axis=-1).astype(np.int64)
 
-        self.ops.commit(self.key, self.value, s.cache_shape(batch), self.out["new_key"], self.out["new_value"], self._shapes["new_key"],
+        self.ops.commit(self.key, self.value, s.cache_shape(batch), self.out[NEW_KEY], self.out[NEW_VALUE], self._shapes[NEW_KEY],
                         index(src), index(dst), s.dtype)
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
@@ -280,17 +280,17 @@ class DeviceBuffers:
         s = self.sizes
         batch = nodes.shape[0]
         index = np.stack([np.arange(batch), nodes], axis=-1).astype(np.int64)  # (B, 2)
-        self.ops.gather_rows(self.out["hidden"], self._shapes["hidden"], s.dtype, index, out=self.head_hidden)  # (B, H) on the device
+        self.ops.gather_rows(self.out[HIDDEN], self._shapes[HIDDEN], s.dtype, index, out=self.head_hidden)  # (B, H) on the device
         shapes = s.heads_shapes(batch)
-        topk = self.head_topk[: _elements(shapes["head_topk"])].reshape(shapes["head_topk"])
-        self._heads = {"head_topk": topk, "head_logits": shapes["head_logits"]}
-        self._bind(io, "hidden", self.head_hidden, (batch, s.hidden_size), s.dtype)
-        io.bind_output("head_topk", "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
-        self._bind(io, "head_logits", self.head_logits, shapes["head_logits"], np.float32, output=True)
+        topk = self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK])
+        self._heads = {HEAD_TOPK: topk, HEAD_LOGITS: shapes[HEAD_LOGITS]}
+        self._bind(io, HIDDEN, self.head_hidden, (batch, s.hidden_size), s.dtype)
+        io.bind_output(HEAD_TOPK, "cpu", 0, np.int64, list(topk.shape), topk.ctypes.data)
+        self._bind(io, HEAD_LOGITS, self.head_logits, shapes[HEAD_LOGITS], np.float32, output=True)
 
     def proposals(self, top_k: int) -> Proposals:
-        shape = self._heads["head_logits"]
-        return Proposals(self._heads["head_topk"][:, :, :top_k], lambda: self.ops.to_host(self.head_logits, shape, np.float32))
+        shape = self._heads[HEAD_LOGITS]
+        return Proposals(self._heads[HEAD_TOPK][:, :, :top_k], lambda: self.ops.to_host(self.head_logits, shape, np.float32))
 
 
 # ----------------------------------------------------------------------------- device ops
@@ -333,8 +333,8 @@ class DeviceOps:
         """In place: cache[dst[i, l]] = new[src[i, l]] for key and value (indices (N, L, 3) of (slot, layer, row))."""
 
         def bind(io):
-            for name, buf, shape in (("key", key, cache_shape), ("value", value, cache_shape), ("new_key", new_key, new_shape),
-                                     ("new_value", new_value, new_shape)):
+            for name, buf, shape in (("key", key, cache_shape), ("value", value, cache_shape), (NEW_KEY, new_key, new_shape),
+                                     (NEW_VALUE, new_value, new_shape)):
                 self._input(io, name, buf, shape, dtype)
             io.bind_cpu_input("src", src)
             io.bind_cpu_input("dst", dst)
@@ -447,9 +447,9 @@ def commit_graph(elem: int) -> bytes:
     """key/value (S, L, B, Hkv, D), new_key/new_value (T, L, B, Hkv, D), src/dst (N, L, 3) ->
     key_out/value_out = the caches with [dst] = new[src] (GatherND then ScatterND)."""
     index = ("entries", "layers", 3)
-    nodes = [_node("GatherND", ("new_key", "src"), ("key_rows",)), _node("GatherND", ("new_value", "src"), ("value_rows",)),
+    nodes = [_node("GatherND", (NEW_KEY, "src"), ("key_rows",)), _node("GatherND", (NEW_VALUE, "src"), ("value_rows",)),
              _node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)), _node("ScatterND", ("value", "dst", "value_rows"), ("value_out",))]
-    inputs = [_tensor("key", elem, CACHE), _tensor("value", elem, CACHE), _tensor("new_key", elem, NEW), _tensor("new_value", elem, NEW),
+    inputs = [_tensor("key", elem, CACHE), _tensor("value", elem, CACHE), _tensor(NEW_KEY, elem, NEW), _tensor(NEW_VALUE, elem, NEW),
               _tensor("src", INT64, index), _tensor("dst", INT64, index)]
     return _model("medusa_commit", nodes, inputs, [_tensor("key_out", elem, CACHE), _tensor("value_out", elem, CACHE)])
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import HEADS_OUTPUTS, NEXT_INPUT, STEP_OUTPUTS, SUCCESSORS_OUTPUT, Proposals, StepOutput
+from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_OUTPUTS, HEAD_LOGITS, HEAD_TOPK, HIDDEN, INPUT_IDS, LOGITS, NEW_KEY, NEW_VALUE, NEXT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_OUTPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -173,23 +173,23 @@ class TensorRTBackend:
         batch, tokens, slots = self.max_batch, meta.max_tokens, self.max_context
         self.kv_shape = (meta.num_layers, meta.num_kv_heads, meta.head_dim)  # per slot and sequence
         cache = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-        step_max = {"input_ids": (batch, tokens), "position_ids": (batch, tokens), "tree_mask": (batch, tokens, tokens),
-                    "cache_lengths": (batch,), "past_key": cache, "past_value": cache}
+        step_max = {INPUT_IDS: (batch, tokens), POSITION_IDS: (batch, tokens), TREE_MASK: (batch, tokens, tokens),
+                    CACHE_LENGTHS: (batch,), PAST_KEY: cache, PAST_VALUE: cache}
         self.step_engine = _Engine(trt, self._runtime, files.step, step_max, STEP_OUTPUTS, self.stream)
         self.heads_engine = None
         if meta.num_heads:
             if not files.heads.is_file():
                 raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again")
-            heads_inputs = {"hidden": (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.reads_roots else {})
+            heads_inputs = {HIDDEN: (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.reads_roots else {})
             self.heads_engine = _Engine(trt, self._runtime, files.heads, heads_inputs, HEADS_OUTPUTS, self.stream)
         step = self.step_engine
         self._staging = {  # pinned host copies of the per-step inputs and of the ids the host reads back
             name: torch.empty(step.buffers[name].numel(), dtype=step.buffers[name].dtype, pin_memory=True)
-            for name in ("input_ids", "position_ids", "tree_mask", "cache_lengths", "next_ids")
+            for name in (INPUT_IDS, POSITION_IDS, TREE_MASK, CACHE_LENGTHS, NEXT_IDS)
         }
         if self.heads_engine is not None:
-            topk = self.heads_engine.buffers["head_topk"]
-            self._staging["head_topk"] = torch.empty(topk.numel(), dtype=topk.dtype, pin_memory=True)
+            topk = self.heads_engine.buffers[HEAD_TOPK]
+            self._staging[HEAD_TOPK] = torch.empty(topk.numel(), dtype=topk.dtype, pin_memory=True)
             if NEXT_INPUT in self.heads_engine.inputs:
                 self._staging[NEXT_INPUT] = torch.empty(batch, dtype=torch.int64, pin_memory=True)
         width = batch * tokens  # most entries one commit copies
@@ -204,7 +204,7 @@ class TensorRTBackend:
         total = sum(b.numel() * b.element_size() for e in (step, self.heads_engine) if e for b in e.buffers.values())
         log.info("tensorrt backend: %s, %d I/O buffers, %.1f MiB (KV cache %.1f MiB), CUDA graph %s", files.step.name,
                  len(step.buffers) + (len(self.heads_engine.buffers) if self.heads_engine else 0), total / 2**20,
-                 2 * step.buffers["past_key"].numel() * step.buffers["past_key"].element_size() / 2**20, self._graph is not None)
+                 2 * step.buffers[PAST_KEY].numel() * step.buffers[PAST_KEY].element_size() / 2**20, self._graph is not None)
 
     # ----------------------------------------------------------------- helpers
 
@@ -225,7 +225,7 @@ class TensorRTBackend:
     def _cache(self, batch: int):
         """The KV cache viewed for a batch of B: (max_context, layers, B, Hkv, D) each, in place."""
         shape = (self.max_context, self.kv_shape[0], batch, *self.kv_shape[1:])
-        return self.step_engine.view("past_key", shape), self.step_engine.view("past_value", shape)
+        return self.step_engine.view(PAST_KEY, shape), self.step_engine.view(PAST_VALUE, shape)
 
     # ----------------------------------------------------------------- the step contract
 
@@ -240,17 +240,17 @@ class TensorRTBackend:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.max_tokens}")
         past = self.max_context if self.whole_cache else int(cache_lengths.max())  # host value: the bound cache length
         cache = (past, self.kv_shape[0], batch, *self.kv_shape[1:])
-        shapes = {"input_ids": (batch, tokens), "position_ids": (batch, tokens), "tree_mask": (batch, tokens, tokens),
-                  "cache_lengths": (batch,), "past_key": cache, "past_value": cache}
+        shapes = {INPUT_IDS: (batch, tokens), POSITION_IDS: (batch, tokens), TREE_MASK: (batch, tokens, tokens),
+                  CACHE_LENGTHS: (batch,), PAST_KEY: cache, PAST_VALUE: cache}
         with torch.cuda.stream(self.stream):
-            for name, array in (("input_ids", input_ids), ("position_ids", position_ids), ("tree_mask", tree_mask), ("cache_lengths", cache_lengths)):
+            for name, array in ((INPUT_IDS, input_ids), (POSITION_IDS, position_ids), (TREE_MASK, tree_mask), (CACHE_LENGTHS, cache_lengths)):
                 self._upload(name, np.asarray(array))
             if self._graph is not None:
                 self.step_engine.shapes = self._graph.run(shapes)
             else:
                 self.step_engine.run(shapes)
-            next_ids = self.step_engine.view("next_ids", self.step_engine.shapes["next_ids"])
-            argmax = self._download("next_ids", next_ids)
+            next_ids = self.step_engine.view(NEXT_IDS, self.step_engine.shapes[NEXT_IDS])
+            argmax = self._download(NEXT_IDS, next_ids)
             topk = None
             if SUCCESSORS_OUTPUT in self.step_engine.outputs:
                 topk = self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()  # host sync: recycle's table
@@ -258,11 +258,11 @@ class TensorRTBackend:
 
     def logits(self):
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""
-        return self.step_engine.view("logits", self.step_engine.shapes["logits"])
+        return self.step_engine.view(LOGITS, self.step_engine.shapes[LOGITS])
 
     def _hidden_rows(self, rows, nodes) -> np.ndarray:
         """The step's hidden state at (rows[i], nodes[i]) on the host, fp32 [N, H]."""
-        hidden = self.step_engine.view("hidden", self.step_engine.shapes["hidden"])  # (B, T, H) on the device
+        hidden = self.step_engine.view(HIDDEN, self.step_engine.shapes[HIDDEN])  # (B, T, H) on the device
         picked = hidden[list(map(int, rows)), list(map(int, nodes))]  # (N, H) a small device copy
         self.stream.synchronize()
         return picked.float().cpu().numpy()
@@ -303,14 +303,18 @@ class TensorRTBackend:
         host = self._index_host[: 3 * n]
         np.copyto(host.numpy().reshape(3, n), np.stack([rows, src, dst]))
         key, value = self._cache(nodes.shape[0])
-        new_key = self.step_engine.view("new_key", self.step_engine.shapes["new_key"])  # (T, layers, B, Hkv, D)
-        new_value = self.step_engine.view("new_value", self.step_engine.shapes["new_value"])
+        new_key = self.step_engine.view(NEW_KEY, self.step_engine.shapes[NEW_KEY])  # (T, layers, B, Hkv, D)
+        new_value = self.step_engine.view(NEW_VALUE, self.step_engine.shapes[NEW_VALUE])
         with torch.cuda.stream(self.stream):
             index = self._index[: 3 * n]
             index.copy_(host, non_blocking=True)
             rows_d, src_d, dst_d = index.view(3, n)
             key[dst_d, :, rows_d] = new_key[src_d, :, rows_d]  # (N, layers, Hkv, D)
             value[dst_d, :, rows_d] = new_value[src_d, :, rows_d]
+
+    def expand(self, paths: list, top_k: int) -> None:
+        """An exported engine's heads expand what the exporter fixed: nothing to do."""
+        return None
 
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
@@ -328,9 +332,9 @@ class TensorRTBackend:
             index = self._nodes[:batch]
             np.copyto(self._nodes_host[:batch].numpy(), nodes)
             index.copy_(self._nodes_host[:batch], non_blocking=True)
-            hidden = self.step_engine.view("hidden", self.step_engine.shapes["hidden"])  # (B, T, H)
-            heads.view("hidden", (batch, meta.hidden_size)).copy_(hidden[self._rows[:batch], index])  # (B, H)
-            shapes = {"hidden": (batch, meta.hidden_size)}
+            hidden = self.step_engine.view(HIDDEN, self.step_engine.shapes[HIDDEN])  # (B, T, H)
+            heads.view(HIDDEN, (batch, meta.hidden_size)).copy_(hidden[self._rows[:batch], index])  # (B, H)
+            shapes = {HIDDEN: (batch, meta.hidden_size)}
             if NEXT_INPUT in heads.inputs:
                 if roots is None:
                     raise EngineError("these heads read the next token: pass roots to propose")
@@ -339,14 +343,14 @@ class TensorRTBackend:
                 heads.view(NEXT_INPUT, (batch,)).copy_(staged, non_blocking=True)
                 shapes[NEXT_INPUT] = (batch,)
             heads.run(shapes)
-            topk = heads.view("head_topk", heads.shapes["head_topk"])  # (B, n, K)
-            ids = self._download("head_topk", topk)[:, :, :top_k]
+            topk = heads.view(HEAD_TOPK, heads.shapes[HEAD_TOPK])  # (B, n, K)
+            ids = self._download(HEAD_TOPK, topk)[:, :, :top_k]
         return Proposals(ids, self._head_logits)
 
     def _head_logits(self) -> np.ndarray:
         """The heads' logits [B, n, N] (N: the draft vocabulary, else V) of the last ``propose``, on the host (lossless drafting draws there)."""
         self.stream.synchronize()
-        return self.heads_engine.view("head_logits", self.heads_engine.shapes["head_logits"]).float().cpu().numpy()
+        return self.heads_engine.view(HEAD_LOGITS, self.heads_engine.shapes[HEAD_LOGITS]).float().cpu().numpy()
 
 
 class _StepGraph:
@@ -366,7 +370,7 @@ class _StepGraph:
         self.previous: tuple | None = None  # (B, T) of the last step
 
     def run(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        key = shapes["input_ids"]
+        key = shapes[INPUT_IDS]
         engine = self.engine
         if key == self.key:
             self.graph.replay()

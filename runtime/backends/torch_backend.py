@@ -85,6 +85,15 @@ class TorchBackend:
         self.cache_value[dst, :, rows] = self._new_value[src, :, rows]
 
     @torch.inference_mode()
+    def expand(self, paths: list, top_k: int):
+        """Sequential heads: they expand this template (``with_tree`` copies share the backend and take subtrees of it)."""
+        if not self.reads_path:
+            return None
+        from medusa_trt.runtime.drafting.sequential import expansion
+
+        self.expansion, self.expansion_top_k = expansion(paths), top_k
+        return self.expansion
+
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
         """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
         ``roots`` (B,) the next tokens, read by next-token-aware heads."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from medusa_trt.runtime.drafting.base import DETERMINISTIC, Drafter, Fragment
+from medusa_trt.runtime.drafting.base import DETERMINISTIC, Drafter, Fragment, Observed, PerSequence, Proposal, Proposer
 from medusa_trt.runtime.drafting.builder import CostModel, OnlineCost, StepTree, build_tree
-from medusa_trt.runtime.drafting.heads import HeadsDrafter, HeadsTemplate
+from medusa_trt.runtime.drafting.heads import HeadsProposer, HeadsTemplate
 from medusa_trt.runtime.drafting.lookup import LookupConfig, LookupDrafter, NgramIndex
 from medusa_trt.runtime.drafting.recycle import RecycleConfig, RecycleDrafter
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
@@ -49,18 +49,18 @@ class Drafting:
             depth = template.tree.depth_max
         self.max_depth = depth if self.names else 0
 
-    def make(self, history: list[int], *, sampled: bool) -> list[Drafter]:
-        """Fresh drafters for one sequence whose context is ``history`` (prompt tokens)."""
-        return [_FACTORIES[name](self, history, sampled) for name in self.names]
+    def proposers(self, backend) -> tuple[Proposer, ...]:
+        """Fresh proposers for one loop over ``backend`` (the heads call it; None: proposals are set by hand)."""
+        return tuple(_FACTORIES[name](self, backend) for name in self.names)
 
 
 _FACTORIES = {
-    "heads": lambda d, history, sampled: HeadsDrafter(d.template, sampled=sampled),
-    "lookup": lambda d, history, sampled: LookupDrafter(d.config.lookup, history),
-    "recycle": lambda d, history, sampled: RecycleDrafter(d.config.recycle),
+    "heads": lambda d, backend: HeadsProposer(d.template, backend),
+    "lookup": lambda d, backend: PerSequence("lookup", lambda history: LookupDrafter(d.config.lookup, history)),
+    "recycle": lambda d, backend: PerSequence("recycle", lambda history: RecycleDrafter(d.config.recycle)),
 }
 
 
 __all__ = ["DETERMINISTIC", "DRAFTERS", "AcceptanceStats", "CostModel", "Drafter", "Drafting", "DraftingConfig", "Fragment",
-           "HeadsDrafter", "HeadsTemplate", "LookupConfig", "OnlineCost", "LookupDrafter", "NgramIndex", "RecycleConfig", "RecycleDrafter",
-           "StepTree", "build_tree"]
+           "HeadsProposer", "HeadsTemplate", "LookupConfig", "OnlineCost", "LookupDrafter", "NgramIndex", "Observed", "PerSequence",
+           "Proposal", "Proposer", "RecycleConfig", "RecycleDrafter", "StepTree", "build_tree"]

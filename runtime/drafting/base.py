@@ -5,14 +5,28 @@ already chose, emitted, not yet in the cache), in topological order. Each node n
 (-1: the root), its token, the statistics key its acceptance is estimated under, and, for drafts
 sampled from a head's distribution (lossless sampling), which draw it is. Retrieved and recycled
 drafts are deterministic: their draft distribution is a point mass on the token.
+
+The loop speaks to every drafter through one ``Proposer`` (vLLM v1's proposers are the model): it
+serves every row of the loop, keeps each sequence's state itself, learns from each committed step
+(``observe``: the Medusa heads make their batched engine call there, and their draws) and returns
+each sequence's ``Proposal`` before the next. Drafters that need nothing of the engine (retrieval,
+recycling) are per-sequence ``Drafter`` objects behind ``PerSequence``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from medusa_trt.runtime.acceptance import Draws
+
+if TYPE_CHECKING:
+    from medusa_trt.runtime.contract import StepOutput
+    from medusa_trt.runtime.drafting.builder import StepTree
+    from medusa_trt.runtime.sampling import SamplingParams
 
 DETERMINISTIC = -1  # Fragment.draw for a draft that is not a sample of a head's distribution
 
@@ -67,3 +81,75 @@ class Drafter(Protocol):
         step's tree tokens and ``scored_next`` [N, k] the base model's top-k after each of them
         (k >= 1: argmax first), accepted or not."""
         ...
+
+
+@dataclass(frozen=True, eq=False)
+class Proposal:
+    """One sequence's candidates for a step: a fragment and, when it holds sampled drafts
+    (``Fragment.draw``), the distributions they were drawn from (what the lossless rule tests)."""
+
+    fragment: Fragment
+    draws: Draws | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Observed:
+    """One row of a committed step, as a proposer sees it: a decode row, or a prefill row whose
+    prompt is now in (the first token was chosen)."""
+
+    key: int  # the sequence (rows move between steps; keys do not)
+    row: int  # its row in this step
+    history: list[int]  # prompt + emitted tokens, the next root last
+    node: int  # its last committed node: the heads read the hidden state there
+    tree: StepTree | None  # the step's tree (None: the prompt's last chunk)
+    scored_tokens: np.ndarray  # int64 [N]: the step's tokens in this row
+    scored_next: np.ndarray  # int64 [N, k]: the base model's top-k after each of them, argmax first
+    params: SamplingParams
+    rng: np.random.Generator  # the sequence's own generator
+
+
+class Proposer(Protocol):
+    """A drafter over every row of the loop. Per sequence the loop calls ``start`` when it takes a
+    row, ``propose`` before each verify step, ``observe`` after each commit (all rows of the step at
+    once) and ``finish`` when it leaves."""
+
+    name: str
+
+    def start(self, key: int, history: list[int], *, sampled: bool) -> None:
+        """A new sequence whose context is ``history`` (its prompt); ``sampled``: its rule tests sampled drafts."""
+        ...
+
+    def propose(self, key: int, history: list[int], max_depth: int) -> Proposal | None:
+        """Candidates below the root ``history[-1]``, at most ``max_depth`` deep (None: none this step)."""
+        ...
+
+    def observe(self, rows: list[Observed], roots: np.ndarray, out: StepOutput | None) -> dict[int, float]:
+        """After a commit: ``rows`` committed, ``roots`` int64 (B,) every row's next root, ``out`` the
+        step's output. Returns the engine seconds spent per sequence key (none for host-only drafters)."""
+        ...
+
+    def finish(self, key: int) -> None:
+        """The sequence left the loop: drop its state."""
+        ...
+
+
+class PerSequence:
+    """A ``Proposer`` over one ``Drafter`` per sequence, for drafters that need nothing of the engine."""
+
+    def __init__(self, name: str, make: Callable[[list[int]], Drafter]):
+        self.name, self._make = name, make
+        self._drafters: dict[int, Drafter] = {}
+
+    def start(self, key: int, history: list[int], *, sampled: bool) -> None:
+        self._drafters[key] = self._make(history)
+
+    def propose(self, key: int, history: list[int], max_depth: int) -> Proposal:
+        return Proposal(self._drafters[key].propose(history, max_depth))
+
+    def observe(self, rows: list[Observed], roots: np.ndarray, out: StepOutput | None) -> dict[int, float]:
+        for r in rows:
+            self._drafters[r.key].observe(r.history, r.scored_tokens, r.scored_next)
+        return {}
+
+    def finish(self, key: int) -> None:
+        self._drafters.pop(key, None)

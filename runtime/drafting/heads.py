@@ -10,16 +10,20 @@ fixed rank. Without probabilities (lossless draws, or before the first heads cal
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import numpy as np
 
-from medusa_trt.runtime.acceptance import TreeWalk
-from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment
+from medusa_trt.runtime.acceptance import Draws, TreeWalk
+from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment, Observed, Proposal
+from medusa_trt.runtime.sampling import draw_without_replacement, warp
 from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.tree import CompiledTree
 
 
 class HeadsTemplate:
-    """Per-tree tables, computed once and shared by every sequence's ``HeadsDrafter``.
+    """Per-tree tables, computed once and shared by every sequence the ``HeadsProposer`` serves.
 
     The heads call gives ``rows`` proposals rows of top-K per sequence: one per head (row d - 1
     holds head d's guesses for depth d), or for sequential heads one per expanded template node
@@ -50,6 +54,9 @@ class HeadsTemplate:
         return self.expansion is not None
 
 
+HEADS_IDLE = 4  # steps in a row whose trees kept none of the heads' nodes before the heads rest
+HEADS_REST = 8  # steps a sequence then drafts without the heads (and calls them not)
+
 # Bucket edges of a head's probability for its token (the confidence keys); bucket i covers
 # [EDGES[i-1], EDGES[i]), with 0 below the first edge.
 CONFIDENCE_EDGES = np.array([0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
@@ -64,38 +71,119 @@ def head_confidence(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.exp(top - norm)
 
 
-class HeadsDrafter:
+@dataclass
+class HeadsState:
+    """One sequence's heads: what their last call proposed, and whether they rest."""
+
+    sampled: bool  # lossless draws by rank instead of top-k (never for sequential heads)
+    proposals: np.ndarray | None = None  # int64 [rows, K]: top-k ids, or (sampled) draws by rank
+    confidence: np.ndarray | None = None  # float32 [rows, K]: the heads' probabilities of those tokens (top-k drafts)
+    q: np.ndarray | None = None  # float64 [D, V]: the distributions the draws came from (sampled)
+    idle: int = 0  # steps in a row whose trees kept none of the heads' nodes
+    rest: int = 0  # steps left that draft without the heads (nor call them)
+
+
+class HeadsProposer:
+    """The Medusa heads as a ``Proposer``: after each commit one batched heads call (``backend.propose``)
+    at every row's last committed node, then each row's top-k (keyed by confidence) or, for lossless
+    sampling, its draws without replacement from each head's warped distribution (``walk.draws[d]``
+    of them, placed by rank, with the sequence's generator); before each step their fragment laid
+    out by the template. ``backend`` None: proposals come from ``set_proposals`` only (offline replay).
+
+    A heads call costs a fixed share of a step whatever the tree keeps, so when the budget kept none
+    of the heads' nodes ``HEADS_IDLE`` steps in a row, a sequence drafts without them (and calls them
+    not) for ``HEADS_REST`` steps, then tries again."""
+
     name = "heads"
 
-    def __init__(self, template: HeadsTemplate, *, sampled: bool):
-        # sampled: lossless draws by rank instead of top-k (never for sequential heads: their drafts are deterministic)
-        self.template, self.sampled = template, sampled and not template.sequential
-        self.proposals: np.ndarray | None = None  # int64 [rows, K], set by the loop after each heads call
-        self.confidence: np.ndarray | None = None  # float32 [rows, K]: the heads' probabilities of those tokens (greedy drafts)
+    def __init__(self, template: HeadsTemplate, backend=None):
+        self.template, self.backend = template, backend
+        self._state: dict[int, HeadsState] = {}
 
-    def propose(self, history: list[int], max_depth: int) -> Fragment:
-        t = self.template
-        if self.proposals is None or t.tree.depth_max == 0:
-            return Fragment.empty(self.name)
-        candidates = np.concatenate([[history[-1]], self.proposals.reshape(-1)])  # (1 + D*K,)
-        gather = t.walk.rank_gather if self.sampled else t.gather
-        tokens = candidates[gather[1:]]  # (M,); -1 where a head had no draw left
-        keep = (t.depth <= max_depth) & (tokens >= 0)
-        keys = t.lossless_keys if self.sampled else self._greedy_keys()
-        if not keep.all():  # drop nodes (and their subtrees) past the budget or without a draw
-            keep = _keep_subtrees(keep, t.parent)
-            return _subset(self.name, tokens, t.parent, keys, t.draw if self.sampled else t.no_draw, keep)
-        return Fragment(self.name, tokens, t.parent, keys, t.draw if self.sampled else t.no_draw)
+    def start(self, key: int, history: list[int], *, sampled: bool) -> None:
+        self._state[key] = HeadsState(sampled and not self.template.sequential)
 
-    def _greedy_keys(self) -> tuple:
-        t = self.template
-        if self.confidence is None:
-            return t.greedy_keys
-        bucket = np.searchsorted(CONFIDENCE_EDGES, self.confidence[t.row, t.index], side="right")  # (M,)
-        return tuple(("heads-p", int(d), int(q)) for d, q in zip(t.depth, bucket))
+    def finish(self, key: int) -> None:
+        self._state.pop(key, None)
 
-    def observe(self, history, scored_tokens, scored_next) -> None:
-        pass  # the loop refreshes ``proposals`` from the heads call
+    def set_proposals(self, key: int, ids: np.ndarray, confidence: np.ndarray | None = None, q: np.ndarray | None = None) -> None:
+        """A sequence's heads output: ids int64 [rows, K] (a copy is kept), ``confidence`` float32 [rows, K]
+        for top-k drafts, ``q`` float64 [D, V] for sampled ones."""
+        state = self._state[key]
+        state.proposals, state.confidence, state.q = np.array(ids), confidence, q
+
+    def propose(self, key: int, history: list[int], max_depth: int) -> Proposal | None:
+        state = self._state[key]
+        if state.rest:
+            return None
+        draws = Draws(state.q, state.proposals) if state.sampled and state.q is not None else None
+        return Proposal(heads_fragment(self.template, state, history, max_depth), draws)
+
+    def observe(self, rows: list[Observed], roots: np.ndarray, out) -> dict[int, float]:
+        """One heads call for the rows that want it (B,): at each observed row's last node."""
+        called = [r for r in rows if self._wants(r)]
+        if not called:
+            return {}
+        tick = time.perf_counter()
+        tree, rows_per_seq = self.template.tree, self.template.rows  # D heads, or P expanded nodes (sequential heads)
+        nodes = np.zeros(len(roots), dtype=np.int64)  # (B,)
+        for r in rows:
+            nodes[r.row] = r.node
+        proposals = self.backend.propose(nodes, tree.top_k, roots)
+        head_logits = proposals.logits()  # (B, n | P, V) on the host
+        for r in called:
+            ids = proposals.ids[r.row, :rows_per_seq]  # (rows, K)
+            if not self._state[r.key].sampled:  # top-k drafts (greedy rows, sequential heads): keyed by the heads' confidence
+                self.set_proposals(r.key, ids, head_confidence(head_logits[r.row, :rows_per_seq], ids))
+            else:
+                self.set_proposals(r.key, ids)
+                self._state[r.key].q = self._draw(r, head_logits[r.row])
+        spent = time.perf_counter() - tick
+        return {r.key: spent for r in called}
+
+    def _draw(self, r: Observed, logits: np.ndarray) -> np.ndarray:
+        """Lossless sampling: the warped distributions q [D, V] and, in the row's proposals, the draws by rank."""
+        tree, walk, proposals = self.template.tree, self.template.walk, self._state[r.key].proposals
+        q = warp(logits[: tree.depth_max], r.params)  # (D, V)
+        for d in range(tree.depth_max):
+            proposals[d, : walk.draws[d]] = draw_without_replacement(r.rng, q[d], int(walk.draws[d]))
+        return q
+
+    def _wants(self, r: Observed) -> bool:
+        """Whether the row's heads run now; after a decode step, counts idle steps and rests (see the class)."""
+        state = self._state[r.key]
+        if r.tree is None:  # the prompt is in: the first proposals
+            return True
+        if state.rest:
+            state.rest -= 1
+            return state.rest == 0
+        state.idle = 0 if any("heads" in sources for sources in r.tree.sources) else state.idle + 1
+        if state.idle >= HEADS_IDLE:
+            state.idle, state.rest = 0, HEADS_REST
+        return state.rest == 0
+
+
+def heads_fragment(template: HeadsTemplate, state: HeadsState, history: list[int], max_depth: int) -> Fragment:
+    """The heads' candidates below the root ``history[-1]`` from their last proposals, laid out by the template."""
+    t = template
+    if state.proposals is None or t.tree.depth_max == 0:
+        return Fragment.empty(HeadsProposer.name)
+    candidates = np.concatenate([[history[-1]], state.proposals.reshape(-1)])  # (1 + D*K,)
+    gather = t.walk.rank_gather if state.sampled else t.gather
+    tokens = candidates[gather[1:]]  # (M,); -1 where a head had no draw left
+    keep = (t.depth <= max_depth) & (tokens >= 0)
+    keys = t.lossless_keys if state.sampled else _greedy_keys(t, state.confidence)
+    draw = t.draw if state.sampled else t.no_draw
+    if not keep.all():  # drop nodes (and their subtrees) past the budget or without a draw
+        return _subset(HeadsProposer.name, tokens, t.parent, keys, draw, _keep_subtrees(keep, t.parent))
+    return Fragment(HeadsProposer.name, tokens, t.parent, keys, draw)
+
+
+def _greedy_keys(t: HeadsTemplate, confidence: np.ndarray | None) -> tuple:
+    if confidence is None:
+        return t.greedy_keys
+    bucket = np.searchsorted(CONFIDENCE_EDGES, confidence[t.row, t.index], side="right")  # (M,)
+    return tuple(("heads-p", int(d), int(q)) for d, q in zip(t.depth, bucket))
 
 
 def _keep_subtrees(keep: np.ndarray, parent: np.ndarray) -> np.ndarray:
