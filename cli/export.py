@@ -104,7 +104,7 @@ def _export(args) -> int:
             raise ExportError(f"--untrained-heads {args.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
 
         if args.triton_repo:  # before the export's minutes, not after
-            from medusa_trt.exporter.triton_repo import check_repo_path
+            from medusa_trt.serving.triton_repo import check_repo_path
 
             check_repo_path(args.triton_repo)
         out = Path(args.out)
@@ -184,7 +184,7 @@ def _triton_repo(repo: str | None, engine: Path) -> int:
     if repo is None:
         return 0
     try:
-        from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
+        from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
         folder = write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, overwrite=True))
     except USER_ERRORS as exc:

@@ -23,14 +23,16 @@ from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.serving.client import RequestFailed, stream_generate  # noqa: F401 - tests/test_security.py imports them from here
-from medusa_trt.serving.openai_server import API_KEY_VAR, looks_like_engine
+from medusa_trt.serving.openai_server import API_KEY_VAR, OpenAIServerConfig, looks_like_engine
+from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, TRITON_MODEL_NAME, EngineOptions, ServeDefaults
 from medusa_trt.serving.triton import (  # noqa: F401 - find_triton, stub_env: tests/conftest.py imports them from here
-    STUB_ENV_VAR, ServeConfig, ServeError, TritonServer, find_triton, make_stub_env, stub_env)
+    GRPC_PORT, HTTP_PORT, METRICS_PORT, STUB_ENV_VAR, ServeConfig, ServeError, TritonServer, find_triton, make_stub_env, stub_env)
 
 # options of one path only: given on the other, they would be ignored, so they are refused
 TRITON_ONLY = ("model", "port_grpc", "port_http", "port_metrics", "python_env", "log_verbose", "log_file", "startup_timeout")
 OPENAI_ONLY = ("port", "api_key", "shutdown_timeout")
-ENGINE_ONLY = ("model_name", "tree", "draft", "max_batch", "max_context", "threads", "max_tokens", "max_tokens_limit", "temperature", "top_p")
+ENGINE_ONLY = ("model_name", "tree", "draft", "max_batch", "max_context", "threads", "max_tokens", "max_tokens_limit", "temperature",
+               "top_p")
 TRITON_ENGINE_ONLY = ("request_timeout", "chat_template")
 
 
@@ -46,6 +48,50 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+CHAT_TEMPLATE = {"auto": None, "on": True, "off": False}  # --chat-template -> ServeDefaults.chat_template
+
+
+def add_engine_arguments(g, triton: str = "") -> None:
+    """The flags both servers take: the engine's options (``EngineOptions``) and a request's defaults
+    (``ServeDefaults``). Every default is None, read by ``engine_options`` / ``serve_defaults``: a flag
+    left out takes the dataclass's default, and medusa-serve tells a flag given from one left out.
+    ``triton``: the prefix of the help of the flags only Triton serves."""
+    d = ServeDefaults
+    g.add_argument("--tree", help="the heads' template: preset, chain-N or JSON file (default: the engine's)")
+    g.add_argument("--draft", type=drafter_list, metavar="DRAFTERS",
+                   help="drafters merged into each step's tree: a comma-separated subset of heads,lookup,recycle, or none "
+                        "(plain decoding; default: every drafter the engine supports)")
+    g.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
+    g.add_argument("--max-context", type=positive_int, help="default: the engine's")
+    g.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
+    g.add_argument("--max-tokens", type=positive_int, help=f"max_tokens of a request that sends none (default {d.max_tokens})")
+    g.add_argument("--max-tokens-limit", type=positive_int,
+                   help=f"a request asking for more new tokens is refused (default: {DEFAULT_MAX_TOKENS_LIMIT}, or the context if smaller)")
+    g.add_argument("--temperature", type=float, help=f"temperature of a request that sends none (default {d.temperature:g}: greedy)")
+    g.add_argument("--top-p", type=float, help=f"top_p of a request that sends none (default {d.top_p:g})")
+    g.add_argument("--request-timeout", type=float, help=f"{triton}seconds from arrival after which a request ends with finish_reason "
+                                                         "timeout; a request may ask for less with its timeout_s input "
+                                                         f"(default {d.request_timeout:g}: none)")
+    g.add_argument("--chat-template", choices=list(CHAT_TEMPLATE), help=f"{triton}apply the chat template to text_input "
+                                                                          "(default auto: the engine's default)")
+
+
+def engine_options(args, path) -> EngineOptions:
+    return EngineOptions(path, tree=args.tree, drafters=args.draft, max_batch=args.max_batch, max_context=args.max_context,
+                         threads=args.threads)
+
+
+def serve_defaults(args) -> ServeDefaults:
+    return ServeDefaults(**_set(max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit, temperature=args.temperature,
+                                top_p=args.top_p, request_timeout=args.request_timeout,
+                                chat_template=CHAT_TEMPLATE.get(args.chat_template)))
+
+
+def _set(**values) -> dict:
+    """The values given (not None): a config's own defaults stand for the rest."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="medusa-serve", description="Serve an engine with an OpenAI-compatible HTTP API, or a Triton model repository "
                                                 "(medusa-triton-repo) with tritonserver.")
@@ -54,43 +100,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=["openai", "triton"],
                    help="openai: the OpenAI-compatible HTTP server (the default for an engine); triton: Triton Inference Server "
                         "(a repository always is)")
-    p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds (default: loopback only; others need --allow-remote)")
+    p.add_argument("--host", default=OpenAIServerConfig.host,
+                   help="address every endpoint binds (default: loopback only; others need --allow-remote)")
     p.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback: the server then takes requests "
                                                                "from the network (OpenAI API: protect it with --api-key)")
     p.add_argument("-v", "--verbose", action="store_true")
     e = p.add_argument_group("an engine (OpenAI API, or --api triton)")
-    e.add_argument("--model-name", help="the name clients send (default: the engine's folder or file name; Triton: medusa)")
-    e.add_argument("--tree", help="the heads' template: preset, chain-N or JSON file (default: the engine's)")
-    e.add_argument("--draft", type=drafter_list, metavar="DRAFTERS",
-                   help="drafters merged into each step's tree: a comma-separated subset of heads,lookup,recycle, or none "
-                        "(plain decoding; default: every drafter the engine supports)")
-    e.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
-    e.add_argument("--max-context", type=positive_int, help="default: the engine's")
-    e.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
-    e.add_argument("--max-tokens", type=positive_int, help="max_tokens of a request that sends none (default 128)")
-    e.add_argument("--max-tokens-limit", type=positive_int,
-                   help="a request asking for more new tokens is refused (default: 1024, or the context if smaller)")
-    e.add_argument("--temperature", type=float, help="temperature of a request that sends none (default 0: greedy)")
-    e.add_argument("--top-p", type=float, help="top_p of a request that sends none (default 1)")
-    e.add_argument("--request-timeout", type=float, help="Triton: seconds from arrival after which a request ends with finish_reason "
-                                                         "timeout (default 0: none)")
-    e.add_argument("--chat-template", choices=["auto", "on", "off"], help="Triton: apply the chat template to text_input "
-                                                                          "(default auto: the engine's default)")
+    e.add_argument("--model-name", help=f"the name clients send (default: the engine's folder or file name; Triton: {TRITON_MODEL_NAME})")
+    add_engine_arguments(e, triton="Triton: ")
     o = p.add_argument_group("the OpenAI API")
-    o.add_argument("--port", type=port, help="HTTP port of the API and /metrics (default 8000; 0: a free one)")
+    o.add_argument("--port", type=port, help=f"HTTP port of the API and /metrics (default {OpenAIServerConfig.port}; 0: a free one)")
     o.add_argument("--api-key", help=f"clients must send 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_VAR}, "
                                      "which other local users cannot read on the command line)")
-    o.add_argument("--shutdown-timeout", type=float, help="seconds requests in flight get on SIGTERM before they are cancelled (default 5)")
+    o.add_argument("--shutdown-timeout", type=float, help="seconds requests in flight get on SIGTERM before they are cancelled "
+                                                          f"(default {OpenAIServerConfig.shutdown_timeout:g})")
     t = p.add_argument_group("Triton")
     t.add_argument("--model", action="append", help="model of the repository to load (repeatable; default: every one)")
-    t.add_argument("--port-grpc", type=port, help="gRPC port (default 8001; 0: a free one)")
-    t.add_argument("--port-http", type=port, help="HTTP port (default 8000; 0: a free one)")
-    t.add_argument("--port-metrics", type=port, help="metrics port (default 8002; 0: a free one)")
-    t.add_argument("--python-env", help=f"environment (venv) the Python backend stub runs model.py in; needs numpy<2 (default: ${STUB_ENV_VAR} or this one)")
-    t.add_argument("--make-stub-env", metavar="DIR", help="make a venv with numpy<2 over this environment's packages for --python-env, then exit")
+    t.add_argument("--port-grpc", type=port, help=f"gRPC port (default {GRPC_PORT}; 0: a free one)")
+    t.add_argument("--port-http", type=port, help=f"HTTP port (default {HTTP_PORT}; 0: a free one)")
+    t.add_argument("--port-metrics", type=port, help=f"metrics port (default {METRICS_PORT}; 0: a free one)")
+    t.add_argument("--python-env", help="environment (venv) the Python backend stub runs model.py in; needs numpy<2 "
+                                        f"(default: ${STUB_ENV_VAR} or this one)")
+    t.add_argument("--make-stub-env", metavar="DIR",
+                   help="make a venv with numpy<2 over this environment's packages for --python-env, then exit")
     t.add_argument("--log-verbose", type=non_negative_int, nargs="?", const=1, help="tritonserver verbose logging level (1 if given bare)")
     t.add_argument("--log-file", help="write the server's output there instead of the terminal")
-    t.add_argument("--startup-timeout", type=float, help="seconds to wait for the models to load (default 300)")
+    t.add_argument("--startup-timeout", type=float,
+                   help=f"seconds to wait for the models to load (default {ServeConfig.startup_timeout:g})")
     return p
 
 
@@ -154,15 +190,11 @@ def _interrupt(*_) -> None:
 
 
 def _serve_openai(args) -> int:
-    from medusa_trt.serving.openai_server import OpenAIServerConfig, serve_openai
-    from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS
+    from medusa_trt.serving.openai_server import serve_openai
 
-    config = OpenAIServerConfig(
-        engine=args.target, host=args.host, port=_or(args.port, 8000), allow_remote=args.allow_remote, api_key=args.api_key,
-        model_name=args.model_name, max_batch=args.max_batch, max_context=args.max_context, threads=args.threads, tree=args.tree,
-        drafters=args.draft, max_tokens=_or(args.max_tokens, DEFAULT_MAX_TOKENS), max_tokens_limit=args.max_tokens_limit,
-        temperature=_or(args.temperature, 0.0), top_p=_or(args.top_p, 1.0), shutdown_timeout=_or(args.shutdown_timeout, 5.0),
-        access_log=args.verbose)
+    config = OpenAIServerConfig(engine=engine_options(args, args.target), defaults=serve_defaults(args), host=args.host,
+                                allow_remote=args.allow_remote, api_key=args.api_key, model_name=args.model_name, access_log=args.verbose,
+                                **_set(port=args.port, shutdown_timeout=args.shutdown_timeout))
 
     def ready(url: str) -> None:
         print(f"medusa-serve: serving {args.target} as {config.name!r} (OpenAI API, pid {os.getpid()})\n"
@@ -177,22 +209,18 @@ def _serve_openai(args) -> int:
 
 
 def _triton_config(args) -> ServeConfig:
-    ports = dict(grpc_port=_or(args.port_grpc, 8001) or None, http_port=_or(args.port_http, 8000) or None,
-                 metrics_port=_or(args.port_metrics, 8002) or None)
-    common = dict(host=args.host, allow_remote=args.allow_remote, python_env=args.python_env, log_verbose=_or(args.log_verbose, 0),
-                  log_file=args.log_file, startup_timeout=_or(args.startup_timeout, 300.0), **ports)
+    ports = dict(grpc_port=_or(args.port_grpc, GRPC_PORT) or None, http_port=_or(args.port_http, HTTP_PORT) or None,
+                 metrics_port=_or(args.port_metrics, METRICS_PORT) or None)
+    common = dict(host=args.host, allow_remote=args.allow_remote, python_env=args.python_env, log_file=args.log_file, **ports,
+                  **_set(log_verbose=args.log_verbose, startup_timeout=args.startup_timeout))
     if not looks_like_engine(args.target):
         return ServeConfig(repo=args.target, models=tuple(args.model or ()), **common)
-    from medusa_trt.exporter.triton_repo import TritonRepoConfig
-    from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS
+    from medusa_trt.serving.triton_repo import TritonRepoConfig
 
     if args.model:
         raise ServeError("--model picks models of a repository: an engine is served as one model, named by --model-name")
-    model = TritonRepoConfig(
-        engine=args.target, repo="", model_name=args.model_name or "medusa", tree=args.tree, drafters=args.draft,
-        max_batch=args.max_batch, max_context=args.max_context, threads=args.threads, max_tokens=_or(args.max_tokens, DEFAULT_MAX_TOKENS),
-        max_tokens_limit=args.max_tokens_limit, request_timeout=_or(args.request_timeout, 0.0), temperature=_or(args.temperature, 0.0),
-        top_p=_or(args.top_p, 1.0), chat_template={"auto": None, "on": True, "off": False, None: None}[args.chat_template])
+    model = TritonRepoConfig(engine=engine_options(args, args.target), repo="", model_name=args.model_name or TRITON_MODEL_NAME,
+                             defaults=serve_defaults(args))
     return ServeConfig(engine=model, **common)
 
 
@@ -223,23 +251,8 @@ def build_repo_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-engine", action="store_true", help="copy the engine into the model folder (hard links where possible): "
                                                               "a self-contained repository")
     p.add_argument("--out", required=True, help="the model repository folder (created; other models in it are kept)")
-    p.add_argument("--model-name", default="medusa")
-    p.add_argument("--tree", help="the heads' template: preset, chain-N or JSON file (default: the engine's)")
-    p.add_argument("--draft", type=drafter_list, metavar="DRAFTERS",
-                   help="drafters merged into each step's tree: a comma-separated subset of heads,lookup,recycle, or none "
-                        "(plain decoding; default: every drafter the engine supports)")
-    p.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
-    p.add_argument("--max-context", type=positive_int, help="default: the engine's")
-    p.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
-    p.add_argument("--max-tokens", type=positive_int, default=128, help="max_tokens of a request that sends none")
-    p.add_argument("--max-tokens-limit", type=positive_int,
-                   help="a request asking for more new tokens is refused (default: 1024, or the context if smaller)")
-    p.add_argument("--request-timeout", type=float, default=0.0,
-                   help="seconds from arrival after which a request ends with finish_reason timeout; a request may ask for "
-                        "less with its timeout_s input (default 0: no deadline)")
-    p.add_argument("--temperature", type=float, default=0.0, help="temperature of a request that sends none (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top_p of a request that sends none")
-    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto", help="apply the chat template to text_input (auto: the engine's default)")
+    p.add_argument("--model-name", default=TRITON_MODEL_NAME)
+    add_engine_arguments(p)
     p.add_argument("--force", action="store_true", help="replace an existing model folder of the same name")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -250,14 +263,10 @@ def repo_main(argv: list[str] | None = None) -> int:
     args = build_repo_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo  # no torch: works in the lean install
+        from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo  # no torch: works in the lean install
 
-        folder = write_triton_repo(TritonRepoConfig(
-            engine=args.engine, repo=args.out, model_name=args.model_name, tree=args.tree, drafters=args.draft, max_batch=args.max_batch,
-            max_context=args.max_context, threads=args.threads, max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
-            request_timeout=args.request_timeout, temperature=args.temperature,
-            top_p=args.top_p, chat_template={"auto": None, "on": True, "off": False}[args.chat_template], overwrite=args.force,
-            copy_engine=args.copy_engine))
+        folder = write_triton_repo(TritonRepoConfig(engine=engine_options(args, args.engine), repo=args.out, model_name=args.model_name,
+                                                    defaults=serve_defaults(args), overwrite=args.force, copy_engine=args.copy_engine))
     except USER_ERRORS as exc:
         return fail("medusa-triton-repo", exc)
     print(f"wrote {folder}/config.pbtxt, {folder.name}/1/model.py: serve it with medusa-serve {args.out}")

@@ -27,7 +27,7 @@ candidate created it, so the per-drafter series add up to the totals.
 Every series also has a ``model`` label (the served model's name). ``MetricsObserver`` is the
 ``batching.BatchObserver`` that turns a batcher's events into updates of a *sink*:
 ``PrometheusSink`` (the OpenAI server's /metrics) here, Triton's custom metrics in
-``exporter/triton_model.py`` (histograms where that Triton's Python backend has them). Nothing
+``serving/triton_model.py`` (histograms where that Triton's Python backend has them). Nothing
 here imports prometheus_client until a ``PrometheusSink`` is made.
 """
 

@@ -221,8 +221,16 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
     """The app over a started ``ContinuousBatcher`` of ``runtime``; ``metrics``: a
     ``PrometheusSink`` for /metrics (None: 404)."""
     app = FastAPI(title="medusa-trt", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-    context = runtime.max_context
+    _add_errors_and_auth(app, config.api_key)
+    _add_info_routes(app, config.model_name, runtime.max_context, metrics)
+    api = _Generate(runtime, batcher, config)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+def _add_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
+    """Errors as OpenAI's bodies; with ``api_key``, /v1 routes need it as a bearer token."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -234,12 +242,17 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if config.api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return ApiError(401, "missing or wrong API key: send it as the header 'Authorization: Bearer KEY'",
                                 type_="authentication_error", code="invalid_api_key").response()
         return await call_next(request)
+
+
+def _add_info_routes(app: FastAPI, model_name: str, context: int, metrics) -> None:
+    """/health, /v1/models and /metrics."""
+    created = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -247,7 +260,7 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "medusa-trt",
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "medusa-trt",
                                             "max_model_len": context}]}
 
     @app.get("/metrics")
@@ -257,11 +270,49 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    async def parse(request: Request, kind: type[_Generation]) -> _Generation:
-        limit = config.max_body_bytes
+
+class _Generate:
+    """The two generation routes: a body parsed and checked, a prompt encoded, a request submitted
+    to the batcher and answered whole or as server-sent events."""
+
+    def __init__(self, runtime, batcher, config: AppConfig):
+        self.runtime, self.batcher, self.config = runtime, batcher, config
+        self.context = runtime.max_context
+
+    async def completions(self, request: Request):
+        parsed = await self.parse(request, CompletionRequest)
+        if isinstance(parsed.prompt, str):
+            if not parsed.prompt:
+                raise ApiError(400, "prompt is empty: send some text", "prompt")
+            try:
+                ids = self.runtime.codec.encode(parsed.prompt, chat=False)
+            except MedusaError as exc:
+                raise ApiError(400, str(exc), "prompt") from None
+        else:
+            ids = parsed.prompt
+        return await self.respond(request, parsed, ids, parsed.max_tokens, chat=False)
+
+    async def chat_completions(self, request: Request):
+        parsed = await self.parse(request, ChatCompletionRequest)
+        if not parsed.messages:
+            raise ApiError(400, "messages is empty: send at least one message", "messages")
+        if not self.runtime.codec.has_chat_template:
+            raise ApiError(400, f"the model {self.config.model_name!r} has no chat template: send the prompt to /v1/completions",
+                           "messages")
+        try:
+            messages = check_messages([{"role": m.role, "content": m.text()} for m in parsed.messages], "messages")
+            ids = self.runtime.codec.encode_chat(messages)
+        except MedusaError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
+        return await self.respond(request, parsed, ids, max_tokens, chat=True)
+
+    async def parse(self, request: Request, kind: type[_Generation]) -> _Generation:
+        """The body as ``kind``, refused (400 / 404 naming the field) when too large, malformed or unsupported."""
+        limit, name = self.config.max_body_bytes, self.config.model_name
         if int(request.headers.get("content-length") or 0) > limit:
             raise ApiError(400, f"the request body is larger than {limit} bytes, more than a prompt this model's context of "
-                                f"{context} tokens can hold: send a shorter prompt")
+                                f"{self.context} tokens can hold: send a shorter prompt")
         body = bytearray()
         async for part in request.stream():
             body += part
@@ -274,31 +325,34 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
         refused = parsed.unsupported()
         if refused is not None:
             raise ApiError(400, refused[1], refused[0])
-        if parsed.model is not None and parsed.model != config.model_name:
-            raise ApiError(404, f"the model {parsed.model!r} does not exist: this server serves {config.model_name!r} (GET /v1/models)",
+        if parsed.model is not None and parsed.model != name:
+            raise ApiError(404, f"the model {parsed.model!r} does not exist: this server serves {name!r} (GET /v1/models)",
                            "model", code="model_not_found")
         return parsed
 
-    def prepare(parsed: _Generation, ids: list[int], max_tokens: int | None):
+    def prepare(self, parsed: _Generation, ids: list[int], max_tokens: int | None):
         """The batching.Request for prompt ``ids``, checked against the context (400s name the field)."""
+        context, defaults = self.context, self.config.defaults
         if len(ids) + 1 > context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context is {context} tokens, with room for at least "
-                                "one new token needed: shorten the prompt", "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt")
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context is {context} tokens, with room for at "
+                                "least one new token needed: shorten the prompt",
+                           "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt")
         room = context - len(ids)
         if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"this model's context is {context} tokens and the prompt has {len(ids)}, so at most {room} new tokens fit; "
-                                f"you asked for {max_tokens}: lower max_tokens or shorten the prompt", "max_tokens")
+            raise ApiError(400, f"this model's context is {context} tokens and the prompt has {len(ids)}, so at most {room} new tokens "
+                                f"fit; you asked for {max_tokens}: lower max_tokens or shorten the prompt", "max_tokens")
         if max_tokens is None:
-            max_tokens = min(config.defaults.max_tokens, room)
+            max_tokens = min(defaults.max_tokens, room)
         try:
-            return make_request(ids, max_tokens=max_tokens, defaults=config.defaults, stop=parsed.stop, temperature=parsed.temperature,
+            return make_request(ids, max_tokens=max_tokens, defaults=defaults, stop=parsed.stop, temperature=parsed.temperature,
                                 top_p=parsed.top_p, top_k=parsed.top_k, seed=parsed.seed, chat_template=False)
         except RequestError as exc:
             raise ApiError(400, str(exc), exc.param) from None
         except MedusaError as exc:  # SamplingError: its message names the parameter
             raise ApiError(400, str(exc), _param_in(str(exc))) from None
 
-    def submit(request, loop: asyncio.AbstractEventLoop):
+    def submit(self, request, loop: asyncio.AbstractEventLoop):
+        """(handle, queue): the request submitted; its events come through ``queue`` on ``loop``."""
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(item):  # the batcher's loop thread
@@ -308,51 +362,20 @@ def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
                 handle.cancel()
 
         try:
-            handle = batcher.submit(request, sink=sink)
+            handle = self.batcher.submit(request, sink=sink)
         except MedusaError as exc:  # a token id out of range, the batcher closed
             raise ApiError(400, str(exc), "prompt") from None
         return handle, queue
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        parsed = await parse(request, CompletionRequest)
-        if isinstance(parsed.prompt, str):
-            if not parsed.prompt:
-                raise ApiError(400, "prompt is empty: send some text", "prompt")
-            try:
-                ids = runtime.codec.encode(parsed.prompt, chat=False)
-            except MedusaError as exc:
-                raise ApiError(400, str(exc), "prompt") from None
-        else:
-            ids = parsed.prompt
-        return await respond(request, parsed, ids, parsed.max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        parsed = await parse(request, ChatCompletionRequest)
-        if not parsed.messages:
-            raise ApiError(400, "messages is empty: send at least one message", "messages")
-        if not runtime.codec.has_chat_template:
-            raise ApiError(400, f"the model {config.model_name!r} has no chat template: send the prompt to /v1/completions", "messages")
-        try:
-            messages = check_messages([{"role": m.role, "content": m.text()} for m in parsed.messages], "messages")
-            ids = runtime.codec.encode_chat(messages)
-        except MedusaError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-        max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
-        return await respond(request, parsed, ids, max_tokens, chat=True)
-
-    async def respond(request: Request, parsed: _Generation, ids: list[int], max_tokens: int | None, *, chat: bool):
-        job = prepare(parsed, ids, max_tokens)
-        handle, queue = submit(job, asyncio.get_running_loop())
-        reply = _Reply(chat=chat, model=config.model_name, prompt_tokens=len(ids))
+    async def respond(self, request: Request, parsed: _Generation, ids: list[int], max_tokens: int | None, *, chat: bool):
+        job = self.prepare(parsed, ids, max_tokens)
+        handle, queue = self.submit(job, asyncio.get_running_loop())
+        reply = _Reply(chat=chat, model=self.config.model_name, prompt_tokens=len(ids))
         if parsed.stream:
             usage = parsed.stream_options is not None and parsed.stream_options.include_usage
             return StreamingResponse(_stream(handle, queue, reply, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, handle, queue, reply)
-
-    return app
 
 
 def _param_in(message: str) -> str | None:

@@ -1,6 +1,7 @@
 """``medusa-serve ENGINE`` (``--api openai``, the default): the OpenAI-compatible server in one process.
 
     serve_openai(OpenAIServerConfig(engine="build/smollm2-135m-medusa", port=8000), on_ready=print)
+    serve_openai(OpenAIServerConfig(engine=EngineOptions("build/e", max_batch=4), defaults=ServeDefaults(max_tokens=64)))
 
 loads the engine (every file's sha256 checked once against the export's manifest), starts a
 ``ContinuousBatcher`` (its loop thread owns the engine) with the serving metrics as its observer,
@@ -22,10 +23,10 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS, ServeDefaults, max_tokens_limit
+from medusa_trt.serving.schema import EngineOptions, ServeDefaults
 from medusa_trt.serving.triton import ServeError, is_loopback
 
 log = logging.getLogger(__name__)
@@ -38,27 +39,20 @@ BODY_SLACK = 64 << 10
 
 @dataclass(frozen=True)
 class OpenAIServerConfig:
-    engine: str | os.PathLike  # an engine folder, .onnx or .plan (medusa-export --out)
+    engine: EngineOptions | str | os.PathLike  # the engine and how to run it; a path alone: EngineOptions(path), the engine's settings
+    # of a request that sends none (max_tokens is capped by the room its prompt leaves), and the per-request limit;
+    # request_timeout and chat_template are Triton's: an OpenAI request has its own fields
+    defaults: ServeDefaults = field(default_factory=ServeDefaults)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free one (on_ready says which)
     allow_remote: bool = False  # a host other than loopback
     api_key: str | None = None  # required as a bearer token on /v1 routes; None: $MEDUSA_TRT_API_KEY or no key
     model_name: str | None = None  # what /v1/models lists; None: the engine's folder or file name
-    # the engine, as MedusaRuntime takes it
-    max_batch: int | None = None
-    max_context: int | None = None
-    threads: int | None = None
-    tree: str | None = None
-    drafters: tuple[str, ...] | None = None  # None: every drafter the engine supports; (): plain decoding
-    # requests
-    max_tokens: int = DEFAULT_MAX_TOKENS  # of a request that sends none (capped by the room its prompt leaves)
-    max_tokens_limit: int | None = None  # a request asking for more is refused; None: schema.max_tokens_limit's default
-    temperature: float = 0.0  # of a request that sends none: greedy
-    top_p: float = 1.0
     shutdown_timeout: float = 5.0  # seconds requests in flight get on SIGTERM before they are cancelled
     access_log: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "engine", EngineOptions.of(self.engine))  # frozen: set once, here
         if not is_loopback(self.host) and not self.allow_remote:
             raise ServeError(f"--host {self.host} is not a loopback address: the server would take requests from other machines; "
                              "pass --allow-remote to do that on purpose (with --api-key, behind a firewall or a TLS proxy), "
@@ -72,30 +66,30 @@ class OpenAIServerConfig:
 
     @property
     def name(self) -> str:
-        return self.model_name or Path(self.engine).resolve().name.removesuffix(".onnx").removesuffix(".plan")
+        return self.model_name or Path(self.engine.path).resolve().name.removesuffix(".onnx").removesuffix(".plan")
 
 
 def load_app(config: OpenAIServerConfig):
     """(app, batcher): the engine loaded, its batcher started, the app over them."""
     try:
-        from medusa_trt.serving.openai_app import AppConfig, build_app
         from medusa_trt.serving.metrics import MetricsObserver, PrometheusSink
+        from medusa_trt.serving.openai_app import AppConfig, build_app
     except ImportError as exc:
         raise ServeError(f"the OpenAI server needs {exc.name}, which is not installed: {INSTALL_HINT}") from exc
     from medusa_trt.runtime import MedusaRuntime
     from medusa_trt.runtime.batching import ContinuousBatcher
 
-    runtime = MedusaRuntime(str(config.engine), max_batch=config.max_batch, max_context=config.max_context, threads=config.threads,
-                            tree=config.tree, drafters=config.drafters, verify_checksums=True)
-    defaults = ServeDefaults(max_tokens=min(config.max_tokens, runtime.max_context), temperature=config.temperature, top_p=config.top_p,
-                             max_tokens_limit=max_tokens_limit(runtime.max_context, config.max_tokens_limit))
+    engine = config.engine
+    runtime = MedusaRuntime(str(engine.path), max_batch=engine.max_batch, max_context=engine.max_context, threads=engine.threads,
+                            tree=engine.tree, drafters=engine.drafters, verify_checksums=True)
+    defaults = config.defaults.for_context(runtime.max_context, clamp_max_tokens=True)
     batcher = ContinuousBatcher(runtime)
     sink = PrometheusSink(config.name, load=batcher.load)
     batcher.observer = MetricsObserver(sink)
     app = build_app(runtime, batcher.start(), AppConfig(model_name=config.name, defaults=defaults,
                                                         api_key=config.api_key or os.environ.get(API_KEY_VAR) or None,
                                                         max_body_bytes=BODY_SLACK + BODY_BYTES_PER_TOKEN * runtime.max_context), sink)
-    log.info("serving %s as %r: drafters %s, max_batch %d, max_context %d", config.engine, config.name,
+    log.info("serving %s as %r: drafters %s, max_batch %d, max_context %d", engine.path, config.name,
              ",".join(runtime.drafting.names) or "none", runtime.max_batch, runtime.max_context)
     return app, batcher
 

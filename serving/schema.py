@@ -1,25 +1,31 @@
-"""The request schema, defined once for every front end: the OpenAI app, the Triton model and the
-Triton repository writer.
+"""The request schema and the servers' options, defined once for every front end: the OpenAI app,
+the Triton model and the Triton repository writer.
 
     ServeDefaults    what a request that leaves a field out gets, and the per-request limits
+    EngineOptions    the engine a server runs and how (``MedusaRuntime``'s arguments)
     max_tokens_limit the most new tokens one request may ask for, for an engine's context
     make_request     one validation from request fields to a ``batching.Request``: a bad field
                      raises ``RequestError`` naming it (the front end answers 400 / INVALID_ARG)
     TRITON_INPUTS    the Triton model's input tensors (config.pbtxt, model.py and the gRPC client
     TRITON_OUTPUTS   read these; names follow Triton's generate endpoints: text_input, max_tokens ...)
 
+Both servers' configs (``OpenAIServerConfig``, ``TritonRepoConfig``) hold a ``ServeDefaults`` and
+an ``EngineOptions``; ``medusa-serve`` and ``medusa-triton-repo`` fill them from the same flags.
 numpy-free and light: the lean install's Triton model imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from medusa_trt.runtime.errors import MedusaError
 
 DEFAULT_MAX_TOKENS = 128  # max_tokens of a request that sends none
 DEFAULT_MAX_TOKENS_LIMIT = 1024  # most new tokens one request may ask for (clipped to the context)
+TRITON_MODEL_NAME = "medusa"  # the Triton model's name unless --model-name says otherwise
 
 
 class RequestError(MedusaError):
@@ -31,28 +37,73 @@ class RequestError(MedusaError):
         self.param = param
 
 
+class ServeOptionsError(MedusaError):
+    """A server option out of range (``ServeDefaults``, ``EngineOptions``); the message names it."""
+
+
 @dataclass(frozen=True)
 class ServeDefaults:
     """Per-request defaults and limits of a server (``medusa-serve`` / ``medusa-triton-repo`` flags;
-    Triton reads them back from config.pbtxt's parameters)."""
+    Triton reads them back from config.pbtxt's parameters).
+
+    Each field is checked here; ``max_tokens`` against the limit once the engine's context is known
+    (``for_context``, ``with_limit``: what every server serves with)."""
 
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0  # greedy unless the request asks to sample
     top_p: float = 1.0
     chat_template: bool | None = None  # Triton's text_input: None applies the engine's default (instruct engines theirs)
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT  # a request asking for more new tokens is refused, not clamped
+    # a request asking for more new tokens is refused, not clamped; None: DEFAULT_MAX_TOKENS_LIMIT, or the context if smaller
+    max_tokens_limit: int | None = None
     request_timeout: float = 0.0  # Triton: seconds from arrival until a request ends with "timeout"; 0: no deadline
 
     def __post_init__(self):
-        if self.max_tokens < 1 or self.max_tokens_limit < 1:
-            raise MedusaError(f"max_tokens and max_tokens_limit must be >= 1, got {self.max_tokens}, {self.max_tokens_limit}")
-        if self.max_tokens > self.max_tokens_limit:
-            raise MedusaError(f"--max-tokens {self.max_tokens} (the default of a request) exceeds the per-request limit "
-                              f"{self.max_tokens_limit}: lower --max-tokens or raise --max-tokens-limit")
+        if self.max_tokens < 1:
+            raise ServeOptionsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ServeOptionsError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
-            raise MedusaError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+            raise ServeOptionsError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
         if not self.request_timeout >= 0 or self.request_timeout == math.inf:
-            raise MedusaError(f"request_timeout must be a number of seconds >= 0 (0: none), got {self.request_timeout}")
+            raise ServeOptionsError(f"request_timeout must be a number of seconds >= 0 (0: none), got {self.request_timeout}")
+
+    def with_limit(self, limit: int) -> ServeDefaults:
+        """These defaults under the per-request limit ``limit``; a default max_tokens above it is refused."""
+        if self.max_tokens > limit:
+            raise ServeOptionsError(f"--max-tokens {self.max_tokens} (the default of a request) exceeds the per-request limit "
+                                    f"{limit}: lower --max-tokens or raise --max-tokens-limit")
+        return dataclasses.replace(self, max_tokens_limit=limit)
+
+    def for_context(self, context: int, *, clamp_max_tokens: bool = False) -> ServeDefaults:
+        """These defaults for an engine of ``context`` tokens: the limit resolved (``max_tokens_limit``);
+        ``clamp_max_tokens``: the default max_tokens first cut to the context (the OpenAI server's rule)."""
+        limit = max_tokens_limit(context, self.max_tokens_limit)
+        clamped = dataclasses.replace(self, max_tokens=min(self.max_tokens, context)) if clamp_max_tokens else self
+        return clamped.with_limit(limit)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine a server runs and how: ``MedusaRuntime``'s arguments (``medusa-serve`` /
+    ``medusa-triton-repo`` flags; Triton reads them back from config.pbtxt's parameters)."""
+
+    path: str | os.PathLike  # an engine folder, .onnx or .plan (medusa-export --out)
+    tree: str | None = None  # the heads' template: preset, chain-N or JSON file; None: the engine's ("chain-0": plain decoding)
+    drafters: tuple[str, ...] | None = None  # subset of drafting.DRAFTERS; None: every drafter the engine supports; (): plain
+    max_batch: int | None = None  # concurrent sequences (cache rows); None: the engine's
+    max_context: int | None = None  # None: the engine's
+    threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_context", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ServeOptionsError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def of(cls, engine: EngineOptions | str | os.PathLike) -> EngineOptions:
+        """``engine`` as options: an ``EngineOptions`` as is, a path with the engine's own settings."""
+        return engine if isinstance(engine, EngineOptions) else cls(engine)
 
 
 def max_tokens_limit(context: int, asked: int | None = None) -> int:
@@ -72,10 +123,11 @@ def make_request(prompt, *, max_tokens: int | None, defaults: ServeDefaults, sto
     from medusa_trt.runtime.sampling import SamplingParams
 
     max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
+    limit = defaults.max_tokens_limit or DEFAULT_MAX_TOKENS_LIMIT  # servers resolve it for their context (for_context)
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    if max_tokens > defaults.max_tokens_limit:
-        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {defaults.max_tokens_limit} new tokens per request "
+    if max_tokens > limit:
+        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {limit} new tokens per request "
                            "(--max-tokens-limit): ask for fewer", "max_tokens")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install --no-deps nvidia-pytriton==0.7.0 (and 'tritonclient[grpc]' for clients)"
 STUB_ENV_VAR = "MEDUSA_TRT_STUB_ENV"
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # tritonserver's own defaults: medusa-serve's for a repository
 
 
 class ServeError(MedusaError):
@@ -165,7 +166,8 @@ def stub_env(python_env: str | os.PathLike | None) -> StubEnv:
         raise ServeError(f"cannot run {python} to check the stub's environment: {exc}") from exc
     where = f"the stub's Python environment {info['prefix']}"
     if info["missing"]:
-        raise ServeError(f"{where} cannot import {'; '.join(info['missing'])}: install medusa-trt there, or choose another with --python-env")
+        raise ServeError(f"{where} cannot import {'; '.join(info['missing'])}: install medusa-trt there, "
+                         "or choose another with --python-env")
     if int(info["numpy"].split(".")[0]) >= 2:
         raise ServeError(
             f"{where} has numpy {info['numpy']}, but the Triton Python backend stub in nvidia-pytriton is built against numpy 1.x "
@@ -174,7 +176,8 @@ def stub_env(python_env: str | os.PathLike | None) -> StubEnv:
     libdir = Path(info["libdir"])
     if not info["shared"] or not any(libdir.glob(f"libpython{info['version']}*.so*")):
         raise ServeError(f"{where}: its Python {info['version']} has no shared libpython in {libdir}, which the Triton stub links: "
-                         "use a Python built with --enable-shared (python.org, pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared, distro packages)")
+                         "use a Python built with --enable-shared (python.org, pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared, "
+                         "distro packages)")
     return StubEnv(bin=python.parent, version=info["version"], libdir=libdir, numpy=info["numpy"])
 
 
@@ -209,7 +212,7 @@ class ServeConfig:
     repo: str | os.PathLike | None = None  # a Triton model repository (medusa-triton-repo writes one)
     # or an engine to serve: its model folder (this TritonRepoConfig, whose ``repo`` is ignored) is
     # written into the run folder at start and goes with it at stop; exactly one of repo / engine
-    engine: object | None = None  # exporter.triton_repo.TritonRepoConfig
+    engine: object | None = None  # serving.triton_repo.TritonRepoConfig
     models: tuple[str, ...] = ()  # models to load; (): every folder in repo with a config.pbtxt
     host: str = "127.0.0.1"  # every endpoint binds here
     grpc_port: int | None = None  # None: a free port
@@ -332,7 +335,7 @@ class TritonServer:
         if self.proc is not None:
             raise ServeError("this server was already started: make a new TritonServer")
         if self.config.engine is not None:
-            from medusa_trt.exporter.triton_repo import check_engine_config
+            from medusa_trt.serving.triton_repo import check_engine_config
 
             check_engine_config(self.config.engine)  # refused here, naming the fix, before the server starts
             models = (self.config.engine.model_name,)
@@ -345,7 +348,8 @@ class TritonServer:
         env = stub_env(self.config.python_env)
         stub = dist.stub(env.version)
         if not stub.is_file():
-            raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {env.version}: use Python 3.8-3.13 for the stub's environment")
+            raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {env.version}: "
+                             "use Python 3.8-3.13 for the stub's environment")
         if not is_loopback(self.config.host):
             log.warning("tritonserver binds %s: it serves other machines, without authentication", self.config.host)
         requested = self.config
@@ -383,7 +387,7 @@ class TritonServer:
         self.run_dir = Path(tempfile.mkdtemp(prefix="medusa-serve-"))
         self._watchdog = _start_watchdog(self.run_dir, self.shm_prefix)
         if self.config.engine is not None:  # the engine's model folder, written here: it goes with the run folder
-            from medusa_trt.exporter.triton_repo import write_triton_repo
+            from medusa_trt.serving.triton_repo import write_triton_repo
 
             source = self.run_dir / "repository"
             write_triton_repo(dataclasses.replace(self.config.engine, repo=source))

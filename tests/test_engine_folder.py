@@ -167,7 +167,7 @@ def _engine_param(model_folder: Path) -> str:
 def test_triton_repo_references_the_engine_relatively(engines, tmp_path, form):
     """No absolute path: the repository and the engine move together and still resolve, the way
     the Triton model resolves it (relative to the model's folder)."""
-    from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
+    from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
     folder, loose = engines
     engine = folder.folder if form == "folder" else loose.step

@@ -29,7 +29,8 @@ import pytest
 
 from conftest import STORY_PROMPTS, medusa_model
 from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, stream_generate
-from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
+from medusa_trt.serving.schema import ServeDefaults
+from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 from medusa_trt.runtime.engine import EngineFiles
 
 LIMIT = 200  # the security server's max_tokens_limit
@@ -54,7 +55,8 @@ def runtime(engine):
 @pytest.fixture(scope="module")
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("security-repo")
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT,
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, defaults=ServeDefaults(max_tokens=16, max_tokens_limit=LIMIT,
+                                                                                        request_timeout=CAP_TIMEOUT),
                                        test_seconds_per_step=STEP_S))
     log_file = tmp_path_factory.mktemp("security-log") / "tritonserver.log"  # not test_serving's log
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=log_file)).start()
@@ -300,7 +302,7 @@ def test_request_deadline_ends_with_timeout(server, runtime, stream):
 
 
 def test_server_default_deadline(serving, engine, runtime, tmp_path):
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", max_tokens=240, request_timeout=0.05,
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", defaults=ServeDefaults(max_tokens=240, request_timeout=0.05),
                                        test_seconds_per_step=STEP_S))
     full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=240, chat_template=False)
     with TritonServer(ServeConfig(repo=tmp_path / "repo", log_file=tmp_path / "tritonserver.log")) as server:
@@ -311,10 +313,10 @@ def test_server_default_deadline(serving, engine, runtime, tmp_path):
 def test_deadline_clocks(tmp_path, monkeypatch):
     """A deadline reads the wall clock from the request's arrival, unless the config names the test step clock (only
     a config that asks for it does); a bad step is refused where it is written and where it is read."""
-    from medusa_trt.exporter import triton_model
-    from medusa_trt.exporter.triton_model import TEST_STEP_CLOCK, _Live, step_clock
-    from medusa_trt.exporter.triton_repo import TritonRepoError, config_pbtxt
     from medusa_trt.runtime.errors import MedusaError
+    from medusa_trt.serving import triton_model
+    from medusa_trt.serving.triton_model import TEST_STEP_CLOCK, _Live, step_clock
+    from medusa_trt.serving.triton_repo import TritonRepoError, config_pbtxt
 
     assert TEST_STEP_CLOCK not in config_pbtxt(TritonRepoConfig(engine="e.onnx", repo=tmp_path), "e.onnx", 16)
     assert f'"{TEST_STEP_CLOCK}" value: {{ string_value: "0.003" }}' in config_pbtxt(

@@ -31,11 +31,11 @@ import pytest
 from conftest import STORY_PROMPTS, medusa_model
 from medusa_trt.cli.serve import main as serve_main
 from medusa_trt.cli.serve import repo_main
-from medusa_trt.exporter.triton_model import parse_request
-from medusa_trt.exporter.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
 from medusa_trt.serving.client import RequestFailed, stream_generate
-from medusa_trt.serving.schema import RequestError, ServeDefaults
+from medusa_trt.serving.schema import EngineOptions, RequestError, ServeDefaults, ServeOptionsError
 from medusa_trt.serving.triton import ServeConfig, ServeError, TritonServer
+from medusa_trt.serving.triton_model import parse_request
+from medusa_trt.serving.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
 from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.sampling import SamplingError
 
@@ -87,8 +87,8 @@ def _parse_config(text: str):
 
 
 def test_repo_layout_and_config(fake_engine, tmp_path):
-    folder = write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", tree="chain-2", max_batch=2,
-                                                max_tokens=64, temperature=0.5, top_p=0.9))
+    folder = write_triton_repo(TritonRepoConfig(engine=EngineOptions(fake_engine, tree="chain-2", max_batch=2), repo=tmp_path / "repo",
+                                                defaults=ServeDefaults(max_tokens=64, temperature=0.5, top_p=0.9)))
     assert folder == (tmp_path / "repo" / "medusa").resolve()
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["1", "1/model.py", "config.pbtxt"]
     assert (folder / "1" / "model.py").read_text() == MODEL_FILE.read_text()
@@ -115,10 +115,11 @@ def test_repo_drafters(fake_engine, tmp_path, capsys):
     def drafters(folder):
         return {k: v.string_value for k, v in _parse_config((folder / "config.pbtxt").read_text()).parameters.items()}["drafters"]
 
-    assert drafters(write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "a", drafters=("heads", "lookup")))) == "heads,lookup"
-    assert drafters(write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "b", drafters=()))) == "none"
+    both = EngineOptions(fake_engine, drafters=("heads", "lookup"))
+    assert drafters(write_triton_repo(TritonRepoConfig(engine=both, repo=tmp_path / "a"))) == "heads,lookup"
+    assert drafters(write_triton_repo(TritonRepoConfig(engine=EngineOptions(fake_engine, drafters=()), repo=tmp_path / "b"))) == "none"
     with pytest.raises(TritonRepoError, match="unknown drafter 'ngram'"):
-        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "c", drafters=("ngram",)))
+        write_triton_repo(TritonRepoConfig(engine=EngineOptions(fake_engine, drafters=("ngram",)), repo=tmp_path / "c"))
     assert repo_main(["--engine", str(fake_engine), "--out", str(tmp_path / "d"), "--draft", "none"]) == 0
     assert drafters((tmp_path / "d" / "medusa")) == "none"
     capsys.readouterr()
@@ -134,7 +135,7 @@ def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
     write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo))
     with pytest.raises(TritonRepoError, match="exists"):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo))
-    write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, max_tokens=7, overwrite=True))
+    write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, defaults=ServeDefaults(max_tokens=7), overwrite=True))
     assert "default_max_tokens\" value: { string_value: \"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
 
     def broken(*_):
@@ -142,7 +143,7 @@ def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
 
     monkeypatch.setattr(shutil, "copyfile", broken)  # fails half-way: the old model stays, nothing else appears
     with pytest.raises(OSError, match="disk full"):
-        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, max_tokens=9, overwrite=True))
+        write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, defaults=ServeDefaults(max_tokens=9), overwrite=True))
     assert sorted(p.name for p in repo.iterdir()) == ["medusa", "other"]
     assert "\"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
     with pytest.raises(OSError):
@@ -157,8 +158,8 @@ def test_repo_bad_input(fake_engine, tmp_path, capsys):
     shutil.rmtree(fake_engine.with_name("model.tokenizer"))
     with pytest.raises(TritonRepoError, match="no tokenizer"):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo"))
-    with pytest.raises(TritonRepoError, match="max_batch must be >= 1"):
-        TritonRepoConfig(engine=fake_engine, repo=tmp_path / "repo", max_batch=0)
+    with pytest.raises(ServeOptionsError, match="max_batch must be >= 1"):
+        TritonRepoConfig(engine=EngineOptions(fake_engine, max_batch=0), repo=tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
     code = repo_main(["--engine", str(tmp_path / "missing.onnx"), "--out", str(tmp_path / "repo")])
     err = capsys.readouterr().err
@@ -278,10 +279,12 @@ def solo(runtime, prompt, n):
 @pytest.fixture(scope="module")
 def server(serving, engine, stories_chat_engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, max_tokens=16))
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, model_name="medusa-plain", drafters=(), max_tokens=16))
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, defaults=ServeDefaults(max_tokens=16)))
+    write_triton_repo(TritonRepoConfig(engine=EngineOptions(engine, drafters=()), repo=repo, model_name="medusa-plain",
+                                       defaults=ServeDefaults(max_tokens=16)))
     # an engine folder with a fixed drafting budget: its trees, and so its drafted-token counts, are the runtime's
-    write_triton_repo(TritonRepoConfig(engine=stories_chat_engine, repo=repo, model_name="medusa-folder", max_tokens=16))
+    write_triton_repo(TritonRepoConfig(engine=stories_chat_engine, repo=repo, model_name="medusa-folder",
+                                       defaults=ServeDefaults(max_tokens=16)))
     before = _shm()
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log"))
     server.start()

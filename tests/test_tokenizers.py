@@ -280,13 +280,14 @@ def test_wordlevel_engine_through_the_openai_server(exported, tmp_path):
 
 
 def test_wordlevel_engine_through_triton(serving, exported, tmp_path):
-    from medusa_trt.exporter.triton_repo import TritonRepoConfig, write_triton_repo
     from medusa_trt.serving.client import RequestFailed, stream_generate
+    from medusa_trt.serving.schema import ServeDefaults
     from medusa_trt.serving.triton import ServeConfig, TritonServer
+    from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
     _, engine = exported("wordlevel-qwen2")
     want = MedusaRuntime(str(engine)).generate("w1 w2 w3", max_new_tokens=12, chat_template=False)
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", max_tokens=12))
+    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", defaults=ServeDefaults(max_tokens=12)))
     with TritonServer(ServeConfig(repo=tmp_path / "repo", log_file=tmp_path / "tritonserver.log")) as server:
         chunks = list(stream_generate(server.grpc_address, "w1 w2 w3", max_tokens=12))
         assert [t for c in chunks for t in c.token_ids] == want.token_ids

@@ -60,8 +60,8 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, RequestError, ServeDefaults, make_request
 from medusa_trt.serving.schema import TRITON_INPUT_NAMES as INPUTS
-from medusa_trt.serving.schema import RequestError, ServeDefaults, make_request
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -90,14 +90,15 @@ def defaults_from(params: dict[str, str]) -> ServeDefaults:
     chat = params.get("chat_template", "auto").strip().lower()
     if chat not in ("auto", "true", "false"):
         raise MedusaError(f"config.pbtxt parameter chat_template is {chat!r}: use auto, true or false")
-    return ServeDefaults(
+    defaults = ServeDefaults(
         max_tokens=int(params.get("default_max_tokens") or ServeDefaults.max_tokens),
         temperature=float(params.get("default_temperature") or ServeDefaults.temperature),
         top_p=float(params.get("default_top_p") or ServeDefaults.top_p),
         chat_template=None if chat == "auto" else chat == "true",
-        max_tokens_limit=int(params.get("max_tokens_limit") or ServeDefaults.max_tokens_limit),
+        max_tokens_limit=int(params.get("max_tokens_limit") or DEFAULT_MAX_TOKENS_LIMIT),
         request_timeout=float(params.get("request_timeout") or ServeDefaults.request_timeout),
     )
+    return defaults.with_limit(defaults.max_tokens_limit)  # a default max_tokens above the limit is refused
 
 
 def step_clock(params: dict[str, str]) -> float:

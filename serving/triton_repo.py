@@ -1,6 +1,8 @@
 """A Triton Inference Server model repository that serves an exported engine.
 
     write_triton_repo(TritonRepoConfig(engine="build/model.onnx", repo="build/triton"))
+    write_triton_repo(TritonRepoConfig(engine=EngineOptions("build/model.onnx", max_batch=4), repo="build/triton",
+                                       defaults=ServeDefaults(max_tokens=64)))
 
 reads the engine's metadata first (without loading its graph) and refuses, naming the limit and
 the fix, what the server could not serve: more rows or context than the engine was exported
@@ -8,7 +10,7 @@ for, a tree its heads cannot propose, a missing heads graph or a file of another
 export recorded. Then it writes, atomically (a temporary folder beside it, then one rename):
 
     build/triton/medusa/config.pbtxt     Python backend, decoupled (streaming), the parameters below
-    build/triton/medusa/1/model.py       exporter/triton_model.py, copied as is
+    build/triton/medusa/1/model.py       serving/triton_model.py, copied as is
 
 The engine (a folder or an .onnx / .plan file with its siblings) is referenced by its path
 relative to the model's folder (``../../smollm2``), so the repository and the engine move
@@ -32,13 +34,13 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
-from medusa_trt.exporter.triton_model import TEST_STEP_CLOCK
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS, TRITON_INPUTS, TRITON_OUTPUTS, max_tokens_limit
+from medusa_trt.serving.schema import TRITON_INPUTS, TRITON_MODEL_NAME, TRITON_OUTPUTS, EngineOptions, ServeDefaults
+from medusa_trt.serving.triton_model import TEST_STEP_CLOCK
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +53,11 @@ class TritonRepoError(MedusaError):
 
 @dataclass(frozen=True)
 class TritonRepoConfig:
-    engine: str | os.PathLike  # an exported .onnx (ONNX Runtime) or .plan (TensorRT) engine
+    engine: EngineOptions | str | os.PathLike  # the engine (.onnx for ONNX Runtime, .plan for TensorRT, a folder) and its options;
+    # a path alone: EngineOptions(path), the engine's own settings
     repo: str | os.PathLike  # the model repository folder (created; other models in it are kept)
-    model_name: str = "medusa"
-    tree: str | None = None  # preset, chain-N or JSON file; None: the engine's tree ("chain-0": plain decoding)
-    drafters: tuple[str, ...] | None = None  # subset of drafting.DRAFTERS; None: every drafter the engine supports; (): plain
-    max_batch: int | None = None  # concurrent sequences (cache rows); None: the engine's
-    max_context: int | None = None  # None: the engine's
-    threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
-    max_tokens: int = DEFAULT_MAX_TOKENS  # default max_tokens of a request that sends none
-    max_tokens_limit: int | None = None  # a request asking for more is refused; None: schema.DEFAULT_MAX_TOKENS_LIMIT or the context
-    request_timeout: float = 0.0  # seconds from arrival; then the request ends with finish_reason "timeout"; 0: none
-    temperature: float = 0.0  # default sampling of a request that sends none: greedy
-    top_p: float = 1.0
-    chat_template: bool | None = None  # None: the engine's default (instruct engines apply theirs)
+    model_name: str = TRITON_MODEL_NAME
+    defaults: ServeDefaults = field(default_factory=ServeDefaults)  # of a request that sends none, and the per-request limits
     overwrite: bool = False  # replace an existing model folder of the same name
     copy_engine: bool = False  # copy the engine into <model>/engine/ (self-contained) instead of referencing it relatively
     # tests only, no CLI flag: > 0 makes the model's deadlines count this many seconds per engine step of a request instead
@@ -72,23 +65,12 @@ class TritonRepoConfig:
     test_seconds_per_step: float = 0.0
 
     def __post_init__(self):
+        object.__setattr__(self, "engine", EngineOptions.of(self.engine))  # frozen: set once, here
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
             raise TritonRepoError(f"model name {self.model_name!r} must be a plain folder name")
-        for name in ("max_batch", "max_context", "threads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise TritonRepoError(f"{name} must be >= 1, got {value}")
-        if self.max_tokens < 1:
-            raise TritonRepoError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
-            raise TritonRepoError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
-        if not self.request_timeout >= 0 or self.request_timeout == float("inf"):
-            raise TritonRepoError(f"request_timeout must be a number of seconds >= 0 (0: none), got {self.request_timeout}")
         if not 0 <= self.test_seconds_per_step < float("inf"):
             raise TritonRepoError(f"test_seconds_per_step must be a number of seconds >= 0 (0: the wall clock), "
                                   f"got {self.test_seconds_per_step}")
-        if not 0 <= self.temperature < float("inf") or not 0 < self.top_p <= 1:
-            raise TritonRepoError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
 
 
 def check_engine(engine: str | os.PathLike) -> Path:
@@ -123,35 +105,32 @@ def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
 def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Path) -> int:
     """Refuse, naming the limit and the fix, what the engine cannot serve; the effective
     per-request max_tokens limit."""
+    options = config.engine
     for name, flag in (("max_batch", "--max-batch"), ("max_context", "--max-context")):
-        asked, limit = getattr(config, name), getattr(meta, name)
+        asked, limit = getattr(options, name), getattr(meta, name)
         if asked is not None and asked > limit:
             raise TritonRepoError(f"{flag} {asked} exceeds the engine's {name} {limit} ({engine.name} was exported with "
                                   f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}")
-    if config.tree is not None:
-        _check_tree(config.tree, meta)
-    if config.drafters is not None:
+    if options.tree is not None:
+        _check_tree(options.tree, meta)
+    if options.drafters is not None:
         from medusa_trt.runtime.drafting import DRAFTERS
 
-        unknown = [d for d in config.drafters if d not in DRAFTERS]
+        unknown = [d for d in options.drafters if d not in DRAFTERS]
         if unknown:
             raise TritonRepoError(f"unknown drafter {unknown[0]!r}: use a subset of {', '.join(DRAFTERS)}, or none")
-        if "heads" in config.drafters and not meta.num_heads:
+        if "heads" in options.drafters and not meta.num_heads:
             raise TritonRepoError(f"--draft heads: {engine.name} has no Medusa heads; drop heads from --draft or export with --heads")
     try:
-        limit = max_tokens_limit(config.max_context or meta.max_context, config.max_tokens_limit)
+        return config.defaults.for_context(options.max_context or meta.max_context).max_tokens_limit
     except MedusaError as exc:
         raise TritonRepoError(str(exc)) from exc
-    if config.max_tokens > limit:
-        raise TritonRepoError(f"--max-tokens {config.max_tokens} (the default of a request) exceeds the per-request limit {limit}: "
-                              f"lower --max-tokens or raise --max-tokens-limit")
-    return limit
 
 
 def check_engine_config(config: TritonRepoConfig) -> int:
     """What ``write_triton_repo`` checks of the engine and the options, without writing anything
     (medusa-serve --api triton ENGINE refuses a bad one before starting a server); the limit."""
-    engine, meta = _engine(config.engine)
+    engine, meta = _engine(config.engine.path)
     return check_against_engine(config, meta, engine)
 
 
@@ -185,19 +164,20 @@ def _tree_value(tree: str | None) -> str:
 
 def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -> str:
     """The model configuration (protobuf text format); ``engine`` relative to the model's folder."""
+    options, defaults = config.engine, config.defaults
     params = {
         "engine": engine,
-        "tree": _tree_value(config.tree),
-        "drafters": "" if config.drafters is None else (",".join(config.drafters) or "none"),
-        "max_batch": "" if config.max_batch is None else str(config.max_batch),
-        "max_context": "" if config.max_context is None else str(config.max_context),
-        "threads": "" if config.threads is None else str(config.threads),
-        "default_max_tokens": str(config.max_tokens),
+        "tree": _tree_value(options.tree),
+        "drafters": "" if options.drafters is None else (",".join(options.drafters) or "none"),
+        "max_batch": "" if options.max_batch is None else str(options.max_batch),
+        "max_context": "" if options.max_context is None else str(options.max_context),
+        "threads": "" if options.threads is None else str(options.threads),
+        "default_max_tokens": str(defaults.max_tokens),
         "max_tokens_limit": str(max_tokens_limit),
-        "request_timeout": repr(float(config.request_timeout)),
-        "default_temperature": repr(float(config.temperature)),
-        "default_top_p": repr(float(config.top_p)),
-        "chat_template": "auto" if config.chat_template is None else str(config.chat_template).lower(),
+        "request_timeout": repr(float(defaults.request_timeout)),
+        "default_temperature": repr(float(defaults.temperature)),
+        "default_top_p": repr(float(defaults.top_p)),
+        "chat_template": "auto" if defaults.chat_template is None else str(defaults.chat_template).lower(),
     }
     if config.test_seconds_per_step:  # written only when set: a production config never names the test hook
         params[TEST_STEP_CLOCK] = repr(float(config.test_seconds_per_step))
@@ -208,8 +188,10 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
     def dims(d) -> str:
         return "[ " + ", ".join(str(x) for x in d) + " ]"
 
-    inputs = ",\n".join(f"  {{ name: {q(t.name)} data_type: {t.config_type} dims: {dims(t.dims)}{' optional: true' if t.optional else ''} }}"
-                        for t in TRITON_INPUTS)
+    def optional(t) -> str:
+        return " optional: true" if t.optional else ""
+
+    inputs = ",\n".join(f"  {{ name: {q(t.name)} data_type: {t.config_type} dims: {dims(t.dims)}{optional(t)} }}" for t in TRITON_INPUTS)
     outputs = ",\n".join(f"  {{ name: {q(t.name)} data_type: {t.config_type} dims: {dims(t.dims)} }}" for t in TRITON_OUTPUTS)
     parameters = ",\n".join(f"  {{ key: {q(k)} value: {{ string_value: {q(v)} }} }}" for k, v in params.items())
     return (
@@ -234,7 +216,7 @@ def write_triton_repo(config: TritonRepoConfig) -> Path:
     sees half a model and a failure leaves nothing; a new repository is built whole beside its
     place (its parent must exist); an existing model is replaced only with ``overwrite``."""
     repo = check_repo_path(config.repo)
-    engine, meta = _engine(config.engine)
+    engine, meta = _engine(config.engine.path)
     final = repo / config.model_name
     limit = check_against_engine(config, meta, engine)
     ref = ENGINE_COPY + ("" if engine.is_dir() else "/" + engine.name) if config.copy_engine else os.path.relpath(engine, final)
