@@ -19,7 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.bench import check_out, read_prompts, staged
+from medusa_trt.bench.files import check_out, staged
+from medusa_trt.bench.prompts import read_prompts
 from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
@@ -152,7 +153,8 @@ def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
             tmp_report.write_text(json.dumps(report, indent=2))
             plotted = _plot(acc, choice, chain, tmp_plot)
     except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
-        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out") from exc
+        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) "
+                          "or pick another --out") from exc
     return [out, choices_path, report_path] + ([plot_path] if plotted else [])
 
 

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
-from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeConfig
+from medusa_trt.exporter.builder import BACKENDS, BuildConfig, Built, build
+from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from medusa_trt.exporter.quantize import MODES as QUANTIZE_MODES
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
@@ -37,24 +38,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads")
     p.add_argument("--out", required=True, help="engine path: a folder (one folder holding everything, config.json at its top), "
                                                 "model.onnx (ONNX Runtime) or engine.plan (TensorRT; the .onnx is written beside it)")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"],
+    p.add_argument("--backend", choices=BACKENDS,
                    help="engine folder only: tensorrt also builds model.plan / heads.plan in it (default: onnxruntime; "
                         "for a file the suffix decides)")
     p.add_argument("--step-cost", metavar="FILE", help="engine folder only: the drafting budget's verify-cost table, from a "
                                                       "medusa-calibrate report (.report.json, its step_ms); default: the runtime's")
     p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file (default: the heads folder's export.json, "
                                   "else a chain over the heads)")
-    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--max-batch", type=int, default=BuildConfig.max_batch)
     p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
-    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per step (tree nodes, prefill chunk)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weights, KV cache and logits (bf16: .plan only)")
-    p.add_argument("--attention", default="onnx", choices=["onnx", "plugin"],
-                   help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)")
+    p.add_argument("--max-tokens", type=int, default=BuildConfig.max_tokens, help="most new tokens per step (tree nodes, prefill chunk)")
+    p.add_argument("--dtype", default=BuildConfig.dtype, choices=["fp32", "fp16", "bf16"],
+                   help="weights, KV cache and logits (bf16: .plan only)")
+    p.add_argument("--attention", default=BuildConfig.attention, choices=["onnx", "plugin"],
+                   help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback "
+                        "for ONNX Runtime)")
     p.add_argument("--no-key-slots", action="store_true",
                    help="append the new keys after the cache as engines before key slots did: a verify step then equals a plain "
                         "step to float rounding only (default for ONNX Runtime engines: key slots, bit for bit; TensorRT: appended)")
-    p.add_argument("--opset", type=int, default=23)
-    p.add_argument("--successors", type=int, default=DEFAULT_SUCCESSORS,
+    p.add_argument("--opset", type=int, default=BuildConfig.opset)
+    p.add_argument("--successors", type=int, default=BuildConfig.successors,
                    help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="the heads draft from the first N token ids only (a byte-level BPE gives its most frequent tokens the lowest "
@@ -66,16 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
                         "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
                         "column in both graphs; int8-block = 8-bit block-wise MatMulNBits in both graphs; none = fp32 graphs. "
-                        "Every mode but int8 keeps drafted output identical to the engine's own plain output. Default: the heads folder's export.json, else none")
+                        "Every mode but int8 keeps drafted output identical to the engine's own plain output. Default: the heads "
+                        "folder's export.json, else none")
     p.add_argument("--block-size", type=int, help=f"--quantize int4 / int8-block: weights per block sharing a scale, a power of two >= 16 "
                                                   f"(default {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--accuracy-level", type=int, help=f"--quantize int4 / int8-block: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
-                                                      f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})")
+    p.add_argument("--accuracy-level", type=int,
+                   help=f"--quantize int4 / int8-block: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
+                        f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})")
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
-    p.add_argument("--no-verify", action="store_true", help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one")
-    p.add_argument("--triton-repo", metavar="DIR", help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one")
+    p.add_argument("--triton-repo", metavar="DIR",
+                   help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+def build_config(args) -> BuildConfig:
+    """The ``BuildConfig`` of the command line."""
+    return BuildConfig(model=args.model, out=args.out, heads=args.heads, untrained_heads=args.untrained_heads, head_layer=args.head_layer,
+                       backend=args.backend, step_cost=args.step_cost, tree=args.tree, max_batch=args.max_batch,
+                       max_context=args.max_context, max_tokens=args.max_tokens, dtype=args.dtype, attention=args.attention,
+                       key_slots=not args.no_key_slots, opset=args.opset, successors=args.successors, draft_vocab=args.draft_vocab,
+                       quantize=args.quantize, block_size=args.block_size, accuracy_level=args.accuracy_level,
+                       timing_cache=args.timing_cache, verify=not args.no_verify)
 
 
 @entry("medusa-export")
@@ -94,77 +111,46 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export(args) -> int:
     try:
-        from medusa_trt.cli.common import load_model
-        from medusa_trt.exporter.engine_folder import read_step_cost
-        from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
-        from medusa_trt.exporter.onnx_export import ExportConfig, ExportError, check_output_path, export_onnx, is_folder_out
-        from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
-
-        if args.untrained_heads is not None and args.untrained_heads < 0:
-            raise ExportError(f"--untrained-heads {args.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
-
+        config = build_config(args)
         if args.triton_repo:  # before the export's minutes, not after
             from medusa_trt.serving.triton_repo import check_repo_path
 
             check_repo_path(args.triton_repo)
-        out = Path(args.out)
-        folder = is_folder_out(out)
-        if not folder and (args.backend or args.step_cost):
-            raise ExportError(f"--{'backend' if args.backend else 'step-cost'} is for engine folders: pass --out DIR (no .onnx / .plan suffix)")
-        if out.suffix == ".plan":
-            trt_config = TensorRTConfig(plan=out, timing_cache=args.timing_cache)
-        elif folder and args.backend == "tensorrt":
-            trt_config = TensorRTConfig(plan=out / "model.plan", timing_cache=args.timing_cache or out.parent / "timing.cache")
-        else:
-            trt_config = None
-        onnx_out = out if folder else onnx_beside(out) if trt_config else out
-        if trt_config is None and args.dtype == "bf16":
-            raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16")
-        if trt_config is not None and args.quantize not in (None, "none"):
-            raise ExportError(f"--quantize {args.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: drop it for a .plan")
-        check_output_path(onnx_out)
-        chosen, taken = read_export_defaults(args.heads).under(
-            args.tree, args.draft_vocab, args.quantize, quantizable=trt_config is None and args.attention == "onnx" and args.dtype == "fp32")
-        if taken:
-            print(f"from {Path(args.heads) / EXPORT_DEFAULTS}: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
-        config = ExportConfig(out=onnx_out, tree=chosen.tree, max_batch=args.max_batch, max_context=args.max_context, max_tokens=args.max_tokens,
-                              dtype=args.dtype, opset=args.opset, verify=not args.no_verify,
-                              quantize=QuantizeConfig.from_options(chosen.quantize, args.block_size, args.accuracy_level), attention=args.attention,
-                              successors=args.successors, step_cost=read_step_cost(args.step_cost) if args.step_cost else None,
-                              draft_vocab=chosen.draft_vocab, key_slots=trt_config is None and args.attention == "onnx" and not args.no_key_slots,
-                              measure_cost=trt_config is None)
-        model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device="cpu")
-        result = export_onnx(model, config)
+        built = build(config, report=_print_stage)
     except USER_ERRORS as exc:
         return fail("medusa-export", exc)
-    if result.files.folder is not None:
-        print(f"wrote {result.files.folder}/ (config.json, {result.files.step.name}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "")
+    return _triton_repo(args.triton_repo, built.engine)
+
+
+def _print_stage(built: Built) -> None:
+    """What medusa-export prints as each stage of ``exporter.build`` finishes."""
+    if built.tensorrt is not None:
+        files = built.tensorrt
+        print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.sidecar.name}")
+        for comparison in built.comparisons:
+            print(comparison.summary())
+    elif built.onnx is not None:
+        _print_onnx(built.onnx)
+        if built.plan.tensorrt is not None:
+            sys.stdout.flush()  # before the TensorRT build's minutes
+    elif built.plan.taken:
+        print(f"from {built.plan.defaults_file}: " + ", ".join(f"{k} {v}" for k, v in built.plan.taken.items()))
+
+
+def _print_onnx(result) -> None:
+    """The ONNX engine's files and its check against torch."""
+    files = result.files
+    if files.folder is not None:
+        print(f"wrote {files.folder}/ (config.json, {files.step.name}" + (f", {files.heads.name}" if files.heads.exists() else "")
               + ", tokenizer, generation_config.json, drafting.json)")
-        _print_step_cost(result.files.folder)
+        _print_step_cost(files.folder)
     else:
-        print(f"wrote {result.files.step}" + (f", {result.files.heads.name}" if result.files.heads.exists() else "") + f", {result.files.tokenizer.name}/")
+        print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.tokenizer.name}/")
     if result.diffs:
         checked = {k: v for k, v in result.diffs.items() if k not in result.loose}
         detail = ", ".join(f"{k} {v:.2e}" for k, v in result.diffs.items())
         note = f"; int8 drafts ({', '.join(result.loose)}) not held to it" if result.loose else ""
         print(f"verified against torch: max abs difference {max(checked.values()):.2e} (tolerance {result.tolerance:g}{note}; {detail})")
-    if trt_config is None:
-        return _triton_repo(args.triton_repo, result.files.folder or result.files.step)
-    sys.stdout.flush()
-    try:
-        from dataclasses import replace
-
-        from medusa_trt.exporter.tensorrt_build import build_engines
-
-        compared = []  # each plan's PlanComparison against its ONNX graph
-        files = build_engines(result.files.folder or result.files.step,
-                              replace(trt_config, verify=not args.no_verify, report=compared.append))
-    except USER_ERRORS as exc:
-        return fail("medusa-export", exc)
-    print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.sidecar.name}")
-    for comparison in compared:
-        print(comparison.summary())
-    return _triton_repo(args.triton_repo, files.folder or files.step)
 
 
 def _print_step_cost(folder) -> None:

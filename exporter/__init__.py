@@ -1,7 +1,7 @@
-"""medusa_trt.exporter: base models and heads, the export wrapper, ONNX / TensorRT export, the
-Triton model repository.
+"""medusa_trt.exporter: base models and heads, the export wrapper, ONNX / TensorRT export (``build``:
+what medusa-export runs). The Triton model repository is ``medusa_trt.serving``'s.
 
-Names are imported on first use (PEP 562), so a module that needs no torch (``triton_repo``)
+Names are imported on first use (PEP 562), so a module that needs no torch (``engine_folder``)
 can be imported from the lean install; everything else here needs the ``export`` extra.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "BuildConfig": "builder", "Built": "builder", "build": "builder",
     "HeadsConfig": "heads", "HeadsFormatError": "heads", "HeadsMismatchError": "heads", "MedusaHeads": "heads",
     "init_heads": "heads", "load_heads": "heads", "save_heads": "heads",
     "BaseModel": "models", "ModelLoadError": "models", "load_base_model": "models",

@@ -4,7 +4,7 @@ Files written for ``--out build/model.onnx`` (all first into a temporary folder 
 moved into place, the step graph last, so a failed export leaves nothing behind; the folder of an
 export killed outright is removed by the next export to the same name):
 
-  build/model.onnx            step graph (DESIGN.md step contract), metadata under ``medusa_trt``
+  build/model.onnx            step graph (docs/architecture.md, the step contract), metadata under ``medusa_trt``
   build/model.onnx.data       its weights, when they are large
   build/model.heads.onnx      hidden [B, H] -> head_topk [B, n, K], head_logits [B, n, N] (N = --draft-vocab, else V)
   build/model.tokenizer/      tokenizer files (chat template included)
@@ -35,17 +35,27 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.exporter.cancel import checkpoint
-from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES, QuantizeConfig, quantize_engine
+from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES
+from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
 from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
-from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, NEXT_INPUT, STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
+from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
+from medusa_trt.runtime.contract import (
+    DEFAULT_SUCCESSORS,
+    HEADS_INPUTS,
+    HEADS_OUTPUTS,
+    KEY_SLOTS_INPUT,
+    NEXT_INPUT,
+    STEP_INPUTS,
+    STEP_OUTPUTS,
+    SUCCESSORS_OUTPUT,
+)
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
-from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
 log = logging.getLogger(__name__)
@@ -112,7 +122,8 @@ class ExportConfig:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ExportError(f"--{name.replace('_', '-')} {value} is too small: it must be >= {least}")
-        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
+        vocab = self.draft_vocab
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
             raise ExportError(f"--draft-vocab {self.draft_vocab} must be a whole number >= 1 (leave it out for the whole vocabulary)")
         if self.opset not in OPSETS:
             raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
@@ -184,7 +195,8 @@ class _WithSuccessors(torch.nn.Module):
         super().__init__()
         self.model, self.k = model, k
 
-    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value, key_slots=None):  # the step contract's inputs
+    # the step contract's inputs (STEP_INPUTS, then KEY_SLOTS_INPUT)
+    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value, key_slots=None):
         logits, hidden, next_ids, new_key, new_value = self.model(input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value,
                                                                   key_slots)
         return logits, hidden, next_ids, new_key, new_value, logits.topk(self.k, dim=-1).indices
@@ -201,7 +213,7 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     )
     names_in = list(STEP_INPUTS)
     if config.key_slots:
-        dynamic, names_in = (*dynamic, {0: batch, 1: tokens}), [*names_in, key_slots.INPUT]
+        dynamic, names_in = (*dynamic, {0: batch, 1: tokens}), [*names_in, KEY_SLOTS_INPUT]
     table = None
     if config.attention == "plugin":
         from medusa_trt.plugins.tree_attention.torch_op import onnx_translation_table
@@ -224,12 +236,12 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
     graph = HeadsGraph(model.heads, tree.top_k, config.draft_vocab, plan).eval()
     hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
-    inputs, names, dynamic = (hidden,), ["hidden"], ({0: batch},)
+    inputs, names, dynamic = (hidden,), list(HEADS_INPUTS), ({0: batch},)
     if model.heads.config.reads_next:  # next-token-aware heads: the next tree's root as a second input
-        inputs, names, dynamic = (hidden, torch.tensor([1, 2], device=model.device)), ["hidden", NEXT_INPUT], ({0: batch}, {0: batch})
+        inputs, names, dynamic = (hidden, torch.tensor([1, 2], device=model.device)), [*HEADS_INPUTS, NEXT_INPUT], ({0: batch}, {0: batch})
     return torch.onnx.export(
         graph, inputs, dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
-        input_names=names, output_names=["head_topk", "head_logits"], verbose=False,
+        input_names=names, output_names=list(HEADS_OUTPUTS), verbose=False,
     )
 
 
@@ -309,13 +321,14 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 quantize_engine(staged, meta, config.quantize)
             bar.update()
             if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
-                log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype)
+                log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels",
+                            config.dtype, config.dtype)
             elif config.verify:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(model, staged, tree, strict=not config.quantize or config.quantize.lossless, loose=loose, tolerance=TOLERANCE[config.dtype],
-                                      max_tokens=config.max_tokens, draft_vocab=config.draft_vocab)
+                diffs = verify_engine(model, staged, tree, strict=not config.quantize or config.quantize.lossless, loose=loose,
+                                      tolerance=TOLERANCE[config.dtype], max_tokens=config.max_tokens, draft_vocab=config.draft_vocab)
             bar.update()
         if folder:
             from medusa_trt.exporter.engine_folder import write_folder_files

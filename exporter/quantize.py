@@ -43,7 +43,7 @@ DEFAULT_BLOCK_SIZE = 32  # weights per int4 block (MatMulNBits' block_size); 128
 MIN_BLOCK_SIZE = 16  # MatMulNBits' smallest block; block sizes are powers of two
 ACCURACY_LEVELS = range(0, 5)  # MatMulNBits' accuracy_level: 0 unset (fp32), 1 fp32, 2 fp16, 3 bf16, 4 int8
 # int8 activations: 1.5x level 1's speed at 1 token a step, 1.7x at 8 (SmolLM2 step graph); the price is
-# drafted output that can differ from the engine's plain output (README, int4 / int8 engines)
+# drafted output that can differ from the engine's plain output (docs/benchmarks.md, int4 / int8 engines)
 DEFAULT_ACCURACY_LEVEL = 4
 
 
@@ -196,7 +196,7 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     sequence gets the same logits solo and in any batch. The heads of heads-int8 / int8 and both
     graphs of int8-channel. On the SmolLM2 step graph as fast as ``quantize_dynamic`` with
     per-channel weights (one scale per call for the activations), closer to fp32 and more often
-    the same tokens drafted as plain (README, int4 / int8 engines)."""
+    the same tokens drafted as plain (docs/benchmarks.md, int4 / int8 engines)."""
     import onnx
     from onnxruntime.quantization.onnx_model import ONNXModel
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
-from medusa_trt.runtime.contract import NEXT_INPUT
+from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, TREE_MASK
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import engine_file_list, manifest_path, write_manifest
 
@@ -121,18 +121,18 @@ def step_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
     ids = ShapeRange((1, 1), (batch, tree_nodes), (batch, tokens))  # (B, T)
     cache = ShapeRange((0, kv[0], 1, *kv[1:]), (opt_slots, kv[0], batch, *kv[1:]), (slots, kv[0], batch, *kv[1:]))
     return {
-        "input_ids": ids,
-        "position_ids": ids,
-        "tree_mask": ShapeRange((1, 1, 1), (batch, tree_nodes, tree_nodes), (batch, tokens, tokens)),
-        "cache_lengths": ShapeRange((1,), (batch,), (batch,)),
-        "past_key": cache,  # (S, layers, B, Hkv, D)
-        "past_value": cache,
+        INPUT_IDS: ids,
+        POSITION_IDS: ids,
+        TREE_MASK: ShapeRange((1, 1, 1), (batch, tree_nodes, tree_nodes), (batch, tokens, tokens)),
+        CACHE_LENGTHS: ShapeRange((1,), (batch,), (batch,)),
+        PAST_KEY: cache,  # (S, layers, B, Hkv, D)
+        PAST_VALUE: cache,
     }
 
 
 def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
     """The heads engine's profile: one hidden state per sequence (and its next token, for heads that read it)."""
-    profile = {"hidden": ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
+    profile = {HEADS_INPUTS[0]: ShapeRange((1, meta.hidden_size), (meta.max_batch, meta.hidden_size), (meta.max_batch, meta.hidden_size))}
     if meta.reads_roots:
         profile[NEXT_INPUT] = ShapeRange((1,), (meta.max_batch,), (meta.max_batch,))
     return profile
@@ -263,7 +263,7 @@ def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange
             raise TensorRTBuildError(f"TensorRT returned no engine for {onnx_path.name}: run with -v for the builder log")
         target.write_bytes(bytes(serialized))
         if config.verify:  # before the plan is moved into place: one that disagrees is never written
-            _compare(target, onnx_path, proto, "step" if "input_ids" in profile else "heads", config)
+            _compare(target, onnx_path, proto, "step" if INPUT_IDS in profile else "heads", config)
     finally:
         parse_path.unlink(missing_ok=True)
 

@@ -26,18 +26,31 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime import key_slots
-
 from medusa_trt.exporter.tensorrt_build import TensorRTBuildError
-from medusa_trt.runtime.contract import NEXT_INPUT
+from medusa_trt.runtime import key_slots
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HEAD_LOGITS,
+    HEADS_INPUTS,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    NEW_KEY,
+    NEW_VALUE,
+    NEXT_INPUT,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    TREE_MASK,
+)
 from medusa_trt.runtime.engine import EngineMeta
 from medusa_trt.runtime.tree import compile_tree
 
 log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 7  # the longer prompt of the prefill; the other is 4 (as the ONNX verification)
-STEP_COMPARED = ("logits", "hidden", "new_key", "new_value")  # float outputs of the step graph
-HEADS_COMPARED = ("head_logits",)
+STEP_COMPARED = (LOGITS, HIDDEN, NEW_KEY, NEW_VALUE)  # float outputs of the step graph
+HEADS_COMPARED = (HEAD_LOGITS,)
 FEED_DTYPES = {"fp32": np.float32, "fp16": np.float16}  # numpy has no bfloat16
 
 
@@ -105,21 +118,21 @@ def step_feeds(meta: EngineMeta, *, seed: int = 0) -> list[dict[str, np.ndarray]
 
     chain = np.tril(np.ones((width, width), dtype=bool))
     prefill = {
-        "input_ids": gen.integers(0, meta.vocab_size, size=(batch, width)).astype(np.int64),  # (B, W)
-        "position_ids": np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width)).copy(),  # (B, W)
-        "tree_mask": np.broadcast_to(chain, (batch, width, width)).copy(),  # (B, W, W)
-        "cache_lengths": np.zeros(batch, dtype=np.int64),  # (B,)
-        "past_key": cache(1),
-        "past_value": cache(1),
+        INPUT_IDS: gen.integers(0, meta.vocab_size, size=(batch, width)).astype(np.int64),  # (B, W)
+        POSITION_IDS: np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width)).copy(),  # (B, W)
+        TREE_MASK: np.broadcast_to(chain, (batch, width, width)).copy(),  # (B, W, W)
+        CACHE_LENGTHS: np.zeros(batch, dtype=np.int64),  # (B,)
+        PAST_KEY: cache(1),
+        PAST_VALUE: cache(1),
     }
     mask = tree.mask[:nodes, :nodes]  # a prefix of the node order keeps every node's ancestors
     step = {
-        "input_ids": gen.integers(0, meta.vocab_size, size=(batch, nodes)).astype(np.int64),  # (B, T)
-        "position_ids": (counts[:, None] + tree.depth[None, :nodes]).astype(np.int64),  # (B, T)
-        "tree_mask": np.broadcast_to(mask, (batch, nodes, nodes)).copy(),  # (B, T, T)
-        "cache_lengths": counts,  # (B,)
-        "past_key": cache(width),
-        "past_value": cache(width),
+        INPUT_IDS: gen.integers(0, meta.vocab_size, size=(batch, nodes)).astype(np.int64),  # (B, T)
+        POSITION_IDS: (counts[:, None] + tree.depth[None, :nodes]).astype(np.int64),  # (B, T)
+        TREE_MASK: np.broadcast_to(mask, (batch, nodes, nodes)).copy(),  # (B, T, T)
+        CACHE_LENGTHS: counts,  # (B,)
+        PAST_KEY: cache(width),
+        PAST_VALUE: cache(width),
     }
     if meta.key_slots:  # an ONNX Runtime graph with key slots: the new keys' slots, and a view that holds them
         for feeds in (prefill, step):
@@ -131,7 +144,7 @@ def heads_feeds(meta: EngineMeta, *, seed: int = 0) -> list[dict[str, np.ndarray
     """Two hidden states (and their next tokens) for the heads graph."""
     gen = np.random.default_rng(seed)
     batch = min(2, meta.max_batch)
-    feeds = {"hidden": gen.standard_normal((batch, meta.hidden_size)).astype(FEED_DTYPES[meta.dtype])}  # (B, H)
+    feeds = {HEADS_INPUTS[0]: gen.standard_normal((batch, meta.hidden_size)).astype(FEED_DTYPES[meta.dtype])}  # (B, H)
     if meta.reads_roots:
         feeds[NEXT_INPUT] = gen.integers(0, meta.vocab_size, size=batch).astype(np.int64)  # (B,)
     return [feeds]

@@ -2,7 +2,8 @@
 
 The ONNX checker first, then ONNX Runtime and torch on the same inputs: a right-padded prefill of
 two prompts of different lengths (chain mask, empty cache; at most 7 tokens and never more than
-the engine's tokens per step), then a tree step over the committed prefill cache, then the heads graph. Returns the max abs difference per output.
+the engine's tokens per step), then a tree step over the committed prefill cache, then the heads
+graph. Returns the max abs difference per output.
 """
 
 from __future__ import annotations
@@ -12,11 +13,28 @@ import logging
 import numpy as np
 import torch
 
-from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime import key_slots
-from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEXT_INPUT, STEP_OUTPUTS
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HEADS_INPUTS,
+    HIDDEN,
+    INPUT_IDS,
+    KEY_SLOTS_INPUT,
+    LOGITS,
+    NEW_KEY,
+    NEW_VALUE,
+    NEXT_IDS,
+    NEXT_INPUT,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    STEP_OUTPUTS,
+    SUCCESSORS_OUTPUT,
+    TREE_MASK,
+)
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import EngineFiles
+from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
@@ -52,7 +70,8 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
 
     def run(ids, positions, mask, lengths, past_key, past_value):
-        feeds = dict(input_ids=ids, position_ids=positions, tree_mask=mask, cache_lengths=lengths, past_key=past_key, past_value=past_value)
+        feeds = {INPUT_IDS: ids, POSITION_IDS: positions, TREE_MASK: mask, CACHE_LENGTHS: lengths,  # the step contract's order
+                 PAST_KEY: past_key, PAST_VALUE: past_value}
         if scattered:  # the new keys go to slots of the view: pad it to hold them
             key_slots.add_to_feeds(feeds)
         ours = dict(zip(names, session.run(None, feeds)))
@@ -68,39 +87,27 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     empty = np.zeros((0, spec.num_layers, 2, spec.num_kv_heads, spec.head_dim), dtype=np_dtype)
     ours, theirs = run(ids, positions, mask, np.zeros(2, dtype=np.int64), empty, empty)
     diffs = {
-        "prefill logits": max(_diff(theirs["logits"][b, : counts[b]], ours["logits"][b, : counts[b]]) for b in range(2)),
-        "prefill new K/V": max(_diff(theirs["new_key"][: counts[b], :, b], ours["new_key"][: counts[b], :, b]) for b in range(2)),
+        "prefill logits": max(_diff(theirs[LOGITS][b, : counts[b]], ours[LOGITS][b, : counts[b]]) for b in range(2)),
+        "prefill new K/V": max(_diff(theirs[NEW_KEY][: counts[b], :, b], ours[NEW_KEY][: counts[b], :, b]) for b in range(2)),
     }
     # tree step over the committed prefill (ragged: counts tokens)
-    past_key = ours["new_key"].copy()  # (width, layers, 2, Hkv, D); slots past a row's length are invisible
-    past_value = ours["new_value"].copy()
+    past_key = ours[NEW_KEY].copy()  # (width, layers, 2, Hkv, D); slots past a row's length are invisible
+    past_value = ours[NEW_VALUE].copy()
     t = tree.num_nodes
     tree_ids = gen.integers(0, model.vocab_size, size=(2, t)).astype(np.int64)
     tree_pos = (counts[:, None] + tree.depth[None, :]).astype(np.int64)
     tree_mask = np.broadcast_to(tree.mask, (2, t, t)).copy()
     ours, theirs = run(tree_ids, tree_pos, tree_mask, counts.astype(np.int64), past_key, past_value)
-    diffs["tree logits"] = _diff(theirs["logits"], ours["logits"])
-    if "next_topk" in ours:  # the top-k ids must index the k largest logits (ties may order differently)
-        k = ours["next_topk"].shape[-1]
-        picked = np.take_along_axis(ours["logits"], ours["next_topk"], axis=-1)  # (2, T, k)
-        kth = -np.partition(-ours["logits"], k - 1, axis=-1)[..., k - 1 : k]  # (2, T, 1)
+    diffs["tree logits"] = _diff(theirs[LOGITS], ours[LOGITS])
+    if SUCCESSORS_OUTPUT in ours:  # the top-k ids must index the k largest logits (ties may order differently)
+        k = ours[SUCCESSORS_OUTPUT].shape[-1]
+        picked = np.take_along_axis(ours[LOGITS], ours[SUCCESSORS_OUTPUT], axis=-1)  # (2, T, k)
+        kth = -np.partition(-ours[LOGITS], k - 1, axis=-1)[..., k - 1 : k]  # (2, T, 1)
         if not (picked >= kth - 1e-6).all():
-            raise VerificationError(f"{files.step.name}: next_topk does not hold the top-{k} logits: export again")
-    diffs["tree hidden"] = _diff(theirs["hidden"], ours["hidden"])
+            raise VerificationError(f"{files.step.name}: {SUCCESSORS_OUTPUT} does not hold the top-{k} logits: export again")
+    diffs["tree hidden"] = _diff(theirs[HIDDEN], ours[HIDDEN])
     if model.num_heads:
-        heads = ort.InferenceSession(str(files.heads), providers=["CPUExecutionProvider"])
-        hidden = ours["hidden"][:, 0]
-        feeds = {"hidden": np.ascontiguousarray(hidden)}
-        roots = ours["next_ids"][:, 0].astype(np.int64)  # (2,) what follows node 0: the next tree's root
-        if model.head_input != "hidden":
-            feeds[NEXT_INPUT] = roots
-        head_topk, head_logits = heads.run(None, feeds)
-        hidden_t, roots_t = torch.from_numpy(hidden).to(device), torch.from_numpy(roots).to(device)
-        if model.head_input == "hidden+path":  # the graph expands the tree over the draft vocabulary
-            theirs_heads = model.heads.expand(hidden_t, roots_t, expansion(tree.paths), tree.top_k, model.heads.projector(draft_vocab))
-        else:
-            theirs_heads = model.propose(hidden_t, roots_t)  # (2, n, V)
-        diffs["head logits"] = _diff(theirs_heads[..., : draft_vocab or theirs_heads.shape[-1]], head_logits)  # the draft vocabulary's columns
+        diffs["head logits"] = _heads_diff(model, files, tree, ours, draft_vocab)
     worst = max(v for k, v in diffs.items() if k not in loose)
     log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     if strict and worst > tolerance:
@@ -109,3 +116,22 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
             f"({', '.join(f'{k} {v:.2e}' for k, v in diffs.items())}); export with --no-verify to keep it anyway"
         )
     return diffs
+
+
+def _heads_diff(model, files: EngineFiles, tree: CompiledTree, ours: dict[str, np.ndarray], draft_vocab: int | None) -> float:
+    """Max abs difference of the heads graph's logits against torch, at node 0 of the checked tree step ``ours``."""
+    import onnxruntime as ort
+
+    heads = ort.InferenceSession(str(files.heads), providers=["CPUExecutionProvider"])
+    hidden = ours[HIDDEN][:, 0]  # (2, H)
+    feeds = {HEADS_INPUTS[0]: np.ascontiguousarray(hidden)}
+    roots = ours[NEXT_IDS][:, 0].astype(np.int64)  # (2,) what follows node 0: the next tree's root
+    if model.head_input != "hidden":
+        feeds[NEXT_INPUT] = roots
+    head_topk, head_logits = heads.run(None, feeds)
+    hidden_t, roots_t = torch.from_numpy(hidden).to(model.device), torch.from_numpy(roots).to(model.device)
+    if model.head_input == "hidden+path":  # the graph expands the tree over the draft vocabulary
+        theirs = model.heads.expand(hidden_t, roots_t, expansion(tree.paths), tree.top_k, model.heads.projector(draft_vocab))
+    else:
+        theirs = model.propose(hidden_t, roots_t)  # (2, n, V)
+    return _diff(theirs[..., : draft_vocab or theirs.shape[-1]], head_logits)  # the draft vocabulary's columns

@@ -1,4 +1,4 @@
-"""The export wrapper: base model + Medusa heads behind the engine step contract (DESIGN.md).
+"""The export wrapper: base model + Medusa heads behind the engine step contract (docs/architecture.md).
 
 ``MedusaModel.forward`` scores T new tokens per sequence against the committed KV cache under a
 tree mask. It wraps the ``transformers`` model as it is: the only hook is a registered attention

@@ -93,3 +93,14 @@ def drafting_pays(cost, heads: float, max_nodes: int, max_depth: int) -> bool:
     rel = cost.cost(widths)  # (W,)
     best = np.minimum(widths, max_depth + 1)[1:]
     return bool((best / (rel[1:] + heads) > 1.0 / rel[0]).any())
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after one warm-up call."""
+    fn()  # warm-up: first calls at a new shape pay allocation and planning
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3

@@ -26,7 +26,7 @@ from medusa_trt.exporter import BaseModel, MedusaModel
 from medusa_trt.plugins.tree_attention.cases import make_case
 from medusa_trt.plugins.tree_attention.kernel import reference_from_spec, tree_attention_triton, triton_importable
 from medusa_trt.runtime import MedusaRuntime
-from medusa_trt.training.calibrate import median_ms
+from medusa_trt.runtime.step_cost import median_ms
 from medusa_trt.training.ridge import fit_heads_ridge, greedy_continuations
 
 SHAPES = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime import MedusaRuntime
-from medusa_trt.training.calibrate import median_ms
+from medusa_trt.runtime.step_cost import median_ms
 
 
 def measure(runtime: MedusaRuntime, contexts: list[int], widths: list[int], repeats: int) -> dict:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import medusa_model
-from medusa_trt.cli import bench
-from medusa_trt.cli.bench import main, staged
+from medusa_trt.bench import report as bench_report
+from medusa_trt.bench.files import staged
+from medusa_trt.cli.bench import main
 
 GOOD = "".join(json.dumps({"turns": [p]}) + "\n" for p in ["Once upon a time", "The dog"])
 
@@ -167,7 +168,7 @@ def test_write_failure_leaves_nothing(folder, capsys, engine, monkeypatch):
         Path(path).write_bytes(b"\x89PNG half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bench, "plot", full_disk)
+    monkeypatch.setattr(bench_report, "plot", full_disk)
     before = _snapshot(folder)
     code = main(["--engine", str(engine), "--prompts", str(folder / "p-good.jsonl"), "--no-hf", "--max-new-tokens", "8",
                  "--limit", "1", "--out", str(folder / "outdir" / "bench.json")])

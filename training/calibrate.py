@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.step_cost import measure
+from medusa_trt.runtime.step_cost import measure, median_ms
 from medusa_trt.runtime.tree import chain_paths
 
 log = logging.getLogger(__name__)
@@ -199,17 +199,6 @@ def step_sizes(max_nodes: int) -> list[int]:
 
 
 # ----------------------------------------------------------------- measuring on an engine
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after one warm-up call."""
-    fn()  # warm-up: first calls at a new shape pay allocation and planning
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def measure_step_ms(runtime, sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:

@@ -112,7 +112,8 @@ def trim_entry_params(ptx: str, entry: str, keep: int) -> str:
     for param in params[keep:]:
         name = param.split()[-1]
         if re.search(rf"\b{re.escape(name)}\b", body):
-            raise AotCompileError(f"{entry} uses its trailing parameter {name} (scratch memory), which a TensorRT AOT launch cannot provide")
+            raise AotCompileError(f"{entry} uses its trailing parameter {name} (scratch memory), "
+                                  "which a TensorRT AOT launch cannot provide")
     kept = ",\n".join(f"\t{p}" for p in params[:keep])
     return f"{ptx[:head.end()]}\n{kept}\n{ptx[close:]}"
 

@@ -142,7 +142,8 @@ def tree_attention_triton(
             "before the kernels are first loaded, or use the torch reference (dispatch.attend(..., impl='reference'))"
         )
     if past_key.stride(-1) != 1 or past_value.stride(-1) != 1:
-        raise TreeAttentionInputError("tree attention: past_key/past_value must be contiguous in head_dim (the cache is read in place, never copied)")
+        raise TreeAttentionInputError("tree attention: past_key/past_value must be contiguous in head_dim "
+                                      "(the cache is read in place, never copied)")
     query, key, value = _dense_last(query), _dense_last(key), _dense_last(value)
     cache_lengths = cache_lengths.contiguous()  # [B]: read as lens[b]; a no-op for the runtime's buffer
     batch, num_q_heads, num_new, head_dim = query.shape
@@ -186,7 +187,8 @@ def tree_attention_triton(
     return out
 
 
-def _launch_split(kernels: ModuleType, plan: LaunchPlan, common: tuple, meta: dict, out: torch.Tensor, *, batch, num_kv_heads, rows, head_dim) -> None:
+def _launch_split(kernels: ModuleType, plan: LaunchPlan, common: tuple, meta: dict, out: torch.Tensor, *, batch, num_kv_heads, rows,
+                  head_dim) -> None:
     """Flash-decoding: partial results per context split, then the log-sum-exp combine."""
     device = out.device
     part_o = torch.empty((batch * num_kv_heads, plan.num_splits, rows, head_dim), dtype=torch.float32, device=device)

@@ -35,6 +35,7 @@ def fallback_function(opset: int):
     from onnx import AttributeProto, helper
 
     spec = TREE_ATTENTION
+    query, key, value, past_key, past_value, tree_mask, cache_lengths = spec.inputs  # the function's formal inputs
     n = helper.make_node
 
     def ints(name: str, values: list[int]):
@@ -54,40 +55,40 @@ def fallback_function(opset: int):
         n("Constant", [], ["zero"], value_int=0), n("Constant", [], ["one"], value_int=1),
         n("Constant", [], ["neg_inf_f32"], value_float=float("-inf")),
         # sizes
-        n("Shape", ["query"], ["b"], start=0, end=1),
-        n("Shape", ["query"], ["t"], start=2, end=3),
-        n("Shape", ["query"], ["d"], start=3, end=4),
-        n("Shape", ["key"], ["hkv"], start=1, end=2),
-        n("Shape", ["past_key"], ["s"], start=0, end=1),
-        n("Shape", ["query"], ["query_shape"]),
+        n("Shape", [query], ["b"], start=0, end=1),
+        n("Shape", [query], ["t"], start=2, end=3),
+        n("Shape", [query], ["d"], start=3, end=4),
+        n("Shape", [key], ["hkv"], start=1, end=2),
+        n("Shape", [past_key], ["s"], start=0, end=1),
+        n("Shape", [query], ["query_shape"]),
         # committed cache of this layer, then the new keys/values after it
-        n("Gather", ["past_key", "layer_index"], ["past_k_sbhd"], axis=1),  # (S, B, Hkv, D)
-        n("Gather", ["past_value", "layer_index"], ["past_v_sbhd"], axis=1),
+        n("Gather", [past_key, "layer_index"], ["past_k_sbhd"], axis=1),  # (S, B, Hkv, D)
+        n("Gather", [past_value, "layer_index"], ["past_v_sbhd"], axis=1),
         n("Transpose", ["past_k_sbhd"], ["past_k"], perm=[1, 2, 0, 3]),  # (B, Hkv, S, D)
         n("Transpose", ["past_v_sbhd"], ["past_v"], perm=[1, 2, 0, 3]),
-        n("Concat", ["past_k", "key"], ["keys"], axis=2),  # (B, Hkv, S+T, D)
-        n("Concat", ["past_v", "value"], ["values"], axis=2),
+        n("Concat", ["past_k", key], ["keys"], axis=2),  # (B, Hkv, S+T, D)
+        n("Concat", ["past_v", value], ["values"], axis=2),
         n("Unsqueeze", ["keys", "axis2"], ["keys5"]),  # (B, Hkv, 1, S+T, D)
         n("Unsqueeze", ["values", "axis2"], ["values5"]),
         n("Transpose", ["keys5"], ["keys5_t"], perm=[0, 1, 2, 4, 3]),  # (B, Hkv, 1, D, S+T)
         # grouped-query: query head h reads KV head h // G
         n("Concat", ["b", "hkv", "minus_one", "t", "d"], ["grouped_shape"], axis=0),
-        n("Reshape", ["query", "grouped_shape"], ["query5"]),  # (B, Hkv, G, T, D)
+        n("Reshape", [query, "grouped_shape"], ["query5"]),  # (B, Hkv, G, T, D)
         n("MatMul", ["query5", "keys5_t"], ["raw_scores"]),  # (B, Hkv, G, T, S+T)
-        n("CastLike", ["scale_f32", "query"], ["scale"]),
+        n("CastLike", ["scale_f32", query], ["scale"]),
         n("Mul", ["raw_scores", "scale"], ["scores"]),
         # visibility: committed slots s < cache_lengths[b], then the tree mask
         n("Squeeze", ["s", "axis0"], ["s_scalar"]),
         n("Range", ["zero", "s_scalar", "one"], ["slots"]),  # (S,)
         n("Unsqueeze", ["slots", "axis0"], ["slots_row"]),  # (1, S)
-        n("Unsqueeze", ["cache_lengths", "axis1"], ["lengths_col"]),  # (B, 1)
+        n("Unsqueeze", [cache_lengths, "axis1"], ["lengths_col"]),  # (B, 1)
         n("Less", ["slots_row", "lengths_col"], ["past_visible"]),  # (B, S)
         n("Unsqueeze", ["past_visible", "axis1"], ["past_visible3"]),  # (B, 1, S)
         n("Concat", ["b", "t", "s"], ["bts"], axis=0),
         n("Expand", ["past_visible3", "bts"], ["past_visible_t"]),  # (B, T, S)
-        n("Concat", ["past_visible_t", "tree_mask"], ["visible"], axis=2),  # (B, T, S+T)
+        n("Concat", ["past_visible_t", tree_mask], ["visible"], axis=2),  # (B, T, S+T)
         n("Unsqueeze", ["visible", "axes12"], ["visible5"]),  # (B, 1, 1, T, S+T)
-        n("CastLike", ["neg_inf_f32", "query"], ["neg_inf"]),
+        n("CastLike", ["neg_inf_f32", query], ["neg_inf"]),
         n("Where", ["visible5", "scores", "neg_inf"], ["masked"]),
         n("Softmax", ["masked"], ["probs"], axis=-1),
         n("MatMul", ["probs", "values5"], ["out5"]),  # (B, Hkv, G, T, D)

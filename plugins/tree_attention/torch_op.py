@@ -15,6 +15,7 @@ the ONNX checker and shape inference see the node's types.
 from __future__ import annotations
 
 import torch
+
 from medusa_trt.plugins.tree_attention.reference import tree_attention as _tree_attention
 from medusa_trt.plugins.tree_attention.reference import visibility_bias
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
@@ -60,8 +61,8 @@ def _(query, key, value, past_key, past_value, tree_mask, cache_lengths, layer, 
     return query.new_empty(query.shape)  # (B, Hq, T, D), like the query
 
 
-# ONNX type constraint of each input, in spec order
-_INPUT_TYPES = {"query": "T", "key": "T", "value": "T", "past_key": "T", "past_value": "T", "tree_mask": "M", "cache_lengths": "I"}
+# ONNX type constraint of each input, in spec order: query, key, value, past_key, past_value (T), tree_mask (M), cache_lengths (I)
+_INPUT_TYPES = dict(zip(TREE_ATTENTION.inputs, ("T", "T", "T", "T", "T", "M", "I"), strict=True))
 _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 
@@ -73,7 +74,7 @@ def register_onnx_schema() -> None:
     spec = TREE_ATTENTION
     if onnx.defs.has(spec.op_type, spec.version, spec.domain):
         return
-    assert tuple(_INPUT_TYPES) == spec.inputs and spec.attributes == ("layer", "scale"), "out of step with spec.TREE_ATTENTION"
+    assert spec.attributes == ("layer", "scale"), "out of step with spec.TREE_ATTENTION"
     schema = OpSchema(
         spec.op_type, spec.domain, spec.version,
         doc="Tree attention over the slot-major KV cache (medusa_trt.plugins.tree_attention.spec).",

@@ -133,5 +133,6 @@ def tree_attention_aot_impl(
     extra_args = trtp.SymIntExprs(len(scalars))
     for i, value_expr in enumerate(scalars):
         extra_args[i] = trtp.SymInt32(value_expr)
-    log.info("%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d", PLUGIN_ID, kernel.name, kernel.num_params, kernel.num_warps, kernel.shared_mem, layer)
+    log.info("%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d", PLUGIN_ID, kernel.name, kernel.num_params,
+             kernel.num_warps, kernel.shared_mem, layer)
     return kernel.name, kernel.ptx, launch, extra_args

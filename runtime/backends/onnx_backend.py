@@ -22,7 +22,7 @@ import numpy as np
 from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
-from medusa_trt.runtime.contract import CACHE_LENGTHS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_INPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
+from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_INPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -181,6 +181,12 @@ class OnnxBackend:
         """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
         self.buffers.commit(rows, src, dst, nodes.shape[0])
+
+    def run_heads(self, hidden: np.ndarray, roots: np.ndarray | None = None) -> None:
+        """The heads graph on ``hidden`` (N, H) of ``self.dtype`` (and ``roots`` (N,) int64 for next-token-aware
+        heads), outside the loop's buffers: what a graph that ran the heads on every tree node would pay
+        (``medusa-bench`` times it)."""
+        self.heads_session.run(None, {HEADS_INPUTS[0]: hidden} | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
 
     def expand(self, paths: list, top_k: int) -> None:
         """An exported engine's heads expand what the exporter fixed: nothing to do."""

@@ -1,0 +1,171 @@
+"""``build``: what ``medusa-export`` runs, callable from Python (``medusa_trt.exporter.build``).
+
+    from medusa_trt.exporter import BuildConfig, build
+    built = build(BuildConfig(model="smollm2-135m", heads="assets/smollm2-135m-medusa", out="build/smollm2"))
+
+One engine from a base model and its heads: the ONNX graphs (``onnx_export``), checked against torch,
+then with ``out`` ending in ``.plan`` (or an engine folder with ``backend="tensorrt"``) the TensorRT
+plans built from them (``tensorrt_build``). What the config leaves open (tree, draft vocabulary,
+quantization) comes from the heads folder's export.json (``export_defaults``). The TensorRT and
+quantization rules are checked before any model loads; nothing is left on disk on failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("onnxruntime", "tensorrt")  # an engine folder's runtime: tensorrt also builds the plans into it
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """The choices of one ``medusa-export`` (each flag's help says more)."""
+
+    model: str  # smollm2-135m, a Hugging Face folder, or a .gguf file
+    out: str | Path  # an engine folder (no suffix), model.onnx (ONNX Runtime) or engine.plan (TensorRT; engine.onnx beside it)
+    heads: str | None = None  # Medusa heads folder; None (and no untrained_heads): plain decoding only
+    untrained_heads: int | None = None  # N untrained heads (identity blocks + shared lm_head)
+    head_layer: int | None = None  # decoder layer whose output feeds the heads
+    backend: str | None = None  # engine folder only: one of BACKENDS (None: onnxruntime); for a file the suffix decides
+    step_cost: str | None = None  # engine folder only: a medusa-calibrate report whose step_ms the drafting budget reads
+    tree: str | None = None  # None: the heads folder's export.json, else a chain over the heads
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_context: int | None = None  # None: 1024, or the model's positions if fewer
+    max_tokens: int = 64  # most new tokens per step (tree nodes, prefill chunk)
+    dtype: str = "fp32"  # fp32 | fp16 | bf16 (.plan only)
+    attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
+    key_slots: bool = True  # ONNX Runtime engines with standard attention: a verify step equals a plain step bit for bit
+    opset: int = 23
+    successors: int = DEFAULT_SUCCESSORS  # k of the step graph's top-k output (0: none)
+    draft_vocab: int | None = None  # None: the heads folder's export.json, else the whole vocabulary
+    quantize: str | None = None  # a quantize.MODES mode or "none"; None: the heads folder's export.json, else none
+    block_size: int | None = None  # quantize int4 / int8-block: weights per block (None: quantize.DEFAULT_BLOCK_SIZE)
+    accuracy_level: int | None = None  # quantize int4 / int8-block: MatMulNBits compute type (None: quantize.DEFAULT_ACCURACY_LEVEL)
+    timing_cache: str | None = None  # TensorRT timing cache (None: timing.cache beside the .plan)
+    verify: bool = True  # the checker, ONNX Runtime vs torch and (.plan) TensorRT vs ONNX
+
+    def __post_init__(self):
+        from medusa_trt.exporter.onnx_export import ExportError
+
+        if self.untrained_heads is not None and self.untrained_heads < 0:
+            raise ExportError(f"--untrained-heads {self.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
+        if self.backend not in (None, *BACKENDS):
+            raise ExportError(f"--backend {self.backend} is not one of {', '.join(BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Where a ``BuildConfig`` writes and what it takes from the heads folder, resolved before any work."""
+
+    onnx_out: Path  # what export_onnx writes: the folder, model.onnx, or engine.onnx beside engine.plan
+    tensorrt: object | None  # tensorrt_build.TensorRTConfig of the plans; None: ONNX Runtime only
+    defaults: object  # export_defaults.ExportDefaults: the tree, draft vocabulary and quantization to export with
+    taken: dict  # {setting: value} taken from defaults_file (for the user)
+    defaults_file: Path | None  # the heads folder's export.json
+
+
+@dataclass(frozen=True)
+class Built:
+    """Progress of a ``build``: each stage's result once it is done."""
+
+    plan: BuildPlan
+    onnx: object | None = None  # onnx_export.ExportResult
+    tensorrt: object | None = None  # runtime.engine.EngineFiles of the plans
+    comparisons: tuple = ()  # trt_compare.PlanComparison of each plan against its ONNX graph
+
+    @property
+    def engine(self) -> Path:
+        """What the runtime opens: the engine folder, else the step .plan, else the step .onnx."""
+        files = self.tensorrt if self.tensorrt is not None else self.onnx.files
+        return files.folder or files.step
+
+
+def build(config: BuildConfig, report: Callable[[Built], None] | None = None) -> Built:
+    """Export (and build) the engine; ``report`` sees the progress after each stage: the plan, the
+    ONNX engine, the TensorRT plans. Raises ``MedusaError`` subclasses a user can act on."""
+    from medusa_trt.exporter.onnx_export import export_onnx
+    from medusa_trt.exporter.wrapper import load_medusa
+
+    report = report or _log
+    built = Built(plan(config))
+    report(built)
+    onnx_config = export_config(config, built.plan)
+    model = load_medusa(config.model, config.heads, untrained_heads=config.untrained_heads, head_layer=config.head_layer, device="cpu")
+    built = dataclasses.replace(built, onnx=export_onnx(model, onnx_config))
+    report(built)
+    if built.plan.tensorrt is None:
+        return built
+    from medusa_trt.exporter.tensorrt_build import build_engines
+
+    compared = []  # each plan's PlanComparison against its ONNX graph
+    tensorrt = dataclasses.replace(built.plan.tensorrt, verify=config.verify, report=compared.append)
+    files = build_engines(built.engine, tensorrt)
+    built = dataclasses.replace(built, tensorrt=files, comparisons=tuple(compared))
+    report(built)
+    return built
+
+
+def plan(config: BuildConfig) -> BuildPlan:
+    """Where the engine goes and which defaults the heads folder adds; checks the TensorRT and
+    quantization rules and that the output can be written. Loads no model, writes nothing."""
+    from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
+    from medusa_trt.exporter.onnx_export import ExportError, check_output_path, is_folder_out
+    from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
+
+    out = Path(config.out)
+    folder = is_folder_out(out)
+    if not folder and (config.backend or config.step_cost):
+        flag = "backend" if config.backend else "step-cost"
+        raise ExportError(f"--{flag} is for engine folders: pass --out DIR (no .onnx / .plan suffix)")
+    if out.suffix == ".plan":
+        tensorrt = TensorRTConfig(plan=out, timing_cache=config.timing_cache)
+    elif folder and config.backend == "tensorrt":
+        tensorrt = TensorRTConfig(plan=out / "model.plan", timing_cache=config.timing_cache or out.parent / "timing.cache")
+    else:
+        tensorrt = None
+    onnx_out = out if folder else onnx_beside(out) if tensorrt else out
+    if tensorrt is None and config.dtype == "bf16":
+        raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; "
+                          "use fp32 or fp16")
+    if tensorrt is not None and config.quantize not in (None, "none"):
+        raise ExportError(f"--quantize {config.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: "
+                          "drop it for a .plan")
+    check_output_path(onnx_out)
+    quantizable = tensorrt is None and config.attention == "onnx" and config.dtype == "fp32"
+    defaults, taken = read_export_defaults(config.heads).under(config.tree, config.draft_vocab, config.quantize, quantizable=quantizable)
+    defaults_file = Path(config.heads) / EXPORT_DEFAULTS if config.heads else None
+    return BuildPlan(onnx_out, tensorrt, defaults, taken, defaults_file)
+
+
+def export_config(config: BuildConfig, plan: BuildPlan):
+    """The ONNX stage's ``ExportConfig``: the config's choices, the heads folder's defaults, the plan's target."""
+    from medusa_trt.exporter.engine_folder import read_step_cost
+    from medusa_trt.exporter.onnx_export import ExportConfig
+    from medusa_trt.exporter.quantize import QuantizeConfig
+
+    chosen, onnx_runtime = plan.defaults, plan.tensorrt is None
+    return ExportConfig(out=plan.onnx_out, tree=chosen.tree, max_batch=config.max_batch, max_context=config.max_context,
+                        max_tokens=config.max_tokens, dtype=config.dtype, opset=config.opset, verify=config.verify,
+                        quantize=QuantizeConfig.from_options(chosen.quantize, config.block_size, config.accuracy_level),
+                        attention=config.attention, successors=config.successors,
+                        step_cost=read_step_cost(config.step_cost) if config.step_cost else None, draft_vocab=chosen.draft_vocab,
+                        key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots, measure_cost=onnx_runtime)
+
+
+def _log(built: Built) -> None:
+    """The default ``report``: one log line per stage."""
+    if built.tensorrt is not None:
+        log.info("built %s", built.tensorrt.step)
+    elif built.onnx is not None:
+        log.info("exported %s", built.onnx.files.folder or built.onnx.files.step)
+    elif built.plan.taken:
+        log.info("from %s: %s", built.plan.defaults_file, ", ".join(f"{k} {v}" for k, v in built.plan.taken.items()))
