@@ -62,7 +62,7 @@ def main() -> None:
         Path(config.work).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         heads, metrics = train_heads(base, config, cached)
-        save_heads(heads, config.out)  # export it to decode with it (the README's real-decoding rows)
+        save_heads(heads, config.out)  # export it to decode with it (docs/benchmarks.md's real-decoding rows)
         report["variants"][name] = {"head_input": head_input, "seconds": round(time.perf_counter() - started), **metrics["holdout"],
                                     "train_positions": metrics["train_positions"], "holdout_positions": metrics["holdout_positions"],
                                     "loss_last": metrics["loss_last"][-1]}

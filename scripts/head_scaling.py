@@ -49,7 +49,7 @@ def main() -> None:
     config = TrainConfig(**json.loads((heads_dir / "train_config.json").read_text()))
     cache_file = config.workdir / CACHE
     if not cache_file.is_file():
-        raise SystemExit(f"head_scaling: {cache_file} missing: run the README's medusa-train command first")
+        raise SystemExit(f"head_scaling: {cache_file} missing: run docs/training.md's medusa-train command first")
     base = load_base_model(args.model)
     cached = load_file(str(cache_file))
     train_idx, held_idx = split_holdout(cached, config)  # the shipped run's split

@@ -162,8 +162,8 @@ def main(argv=None) -> int:
             out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
             continuation = [int(t) for t in out.token_ids]
             topk, conf = head_topk(model, ids + continuation, runtime.tree.top_k, runtime._info.expansion, len(ids))
-            rows = runtime.drafting.template.rows
-            topk, conf = topk[:, :rows], conf[:, :rows]
+            heads_rows = runtime.drafting.template.rows
+            topk, conf = topk[:, :heads_rows], conf[:, :heads_rows]
         saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
         for names, mode in rows:
             row = (",".join(names) or "none") + mode

@@ -123,7 +123,7 @@ def _variant(name: str, base, cached, train_idx, data: TrainConfig) -> tuple:
     return heads, trained
 
 
-SHIPPED_PROMPTS = 6200  # the shipped heads' run took the pool's first 6,200 (README: Training and calibration)
+SHIPPED_PROMPTS = 6200  # the shipped heads' run took the pool's first 6,200 (docs/training.md)
 
 
 def write_prompts(path: Path, train: int = 1200) -> None:
