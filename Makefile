@@ -12,7 +12,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install peers demo test test-fast gpu-check constraints clean
+.PHONY: install peers demo test lint test-fast gpu-check constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -60,8 +60,12 @@ demo: $(ENGINE)
 	$(VENV)/bin/medusa-run --engine $(ENGINE) --max-new-tokens 128 --compare-plain \
 	  --prompt "Explain how a rainbow forms, in a short paragraph."
 
-test: $(STAMP) $(VENV)/.peers
+test: $(STAMP) $(VENV)/.peers lint
 	$(PY) -m pytest -q --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -27,8 +27,10 @@ def presets_source() -> Path:
     shared = Path(os.environ.get("MEDUSA_TRT_SHARED") or HERE.parent / "shared")
     source = shared / "trees" / "medusa_choices.json"
     if not source.is_file():
-        raise SystemExit(f"medusa-trt build: the tree presets {source} are missing: lay shared/ beside the checkout "
-                         "or set MEDUSA_TRT_SHARED to the folder holding trees/medusa_choices.json")
+        raise SystemExit(
+            f"medusa-trt build: the tree presets {source} are missing: lay shared/ beside the checkout "
+            "or set MEDUSA_TRT_SHARED to the folder holding trees/medusa_choices.json"
+        )
     return source
 
 

@@ -31,5 +31,10 @@ def heads_cost(runtime) -> dict | None:
     every = timed(lambda: run_heads(hidden, roots))
     three = np.tril(np.ones((1, 3, 3), dtype=bool))
     step3 = timed(lambda: backend.step(np.zeros((1, 3), dtype=np.int64), np.arange(3)[None] + CONTEXT, three, lengths))
-    return {"tree_nodes": t, "verify_step_ms_ctx128": step, "verify_3_nodes_ms_ctx128": step3, "heads_one_node_ms": one,
-            "heads_all_nodes_ms": every}
+    return {
+        "tree_nodes": t,
+        "verify_step_ms_ctx128": step,
+        "verify_3_nodes_ms_ctx128": step3,
+        "heads_one_node_ms": one,
+        "heads_all_nodes_ms": every,
+    }

@@ -14,8 +14,10 @@ def hf_model(name: str, threads: int | None):
 
         from medusa_trt.exporter.models import load_base_model
     except ImportError as exc:  # the lean install: ONNX Runtime only
-        raise MedusaError(f"the transformers rows need torch and transformers ({exc.name} is not installed): "
-                          "pip install 'medusa-trt[export]', or pass --no-hf") from exc
+        raise MedusaError(
+            f"the transformers rows need torch and transformers ({exc.name} is not installed): "
+            "pip install 'medusa-trt[export]', or pass --no-hf"
+        ) from exc
 
     if threads:
         torch.set_num_threads(threads)
@@ -34,6 +36,7 @@ def hf_generate(base, ids: list[int], max_new_tokens: int, eos: list[int], looku
         extra |= dict(do_sample=False, top_k=None, top_p=None, temperature=None)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = base.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                  pad_token_id=eos[0] if eos else 0, **extra)
-    return out[0, len(ids):].tolist(), time.perf_counter() - start
+        out = base.model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **extra
+        )
+    return out[0, len(ids) :].tolist(), time.perf_counter() - start

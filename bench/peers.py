@@ -89,8 +89,17 @@ class LlamaCppPeer:
         # asked for when the context is made (0.3.x): without it, a sequence past 512 tokens overflows that buffer
         context += lookup_tokens + 1 if draft is not None else 0
         try:
-            self.llm = Llama(model_path=str(spec.path), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                             draft_model=draft, logits_all=draft is not None, verbose=False, seed=0)
+            self.llm = Llama(
+                model_path=str(spec.path),
+                n_ctx=context,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                draft_model=draft,
+                logits_all=draft is not None,
+                verbose=False,
+                seed=0,
+            )
         except (ValueError, RuntimeError) as exc:  # a file llama.cpp cannot load
             raise PeerError(f"--peer {spec.kind}:{spec.path}: llama.cpp cannot load it ({exc}): pass a GGUF model file") from exc
         self.vocab_size = self.llm.n_vocab()
@@ -111,6 +120,8 @@ def make_peer(spec: PeerSpec, *, threads: int | None, context: int, vocab_size: 
     """A ready peer whose vocabulary matches the engine's (its token ids then mean the same)."""
     peer = LlamaCppPeer(spec, threads=threads, context=context)
     if peer.vocab_size != vocab_size:
-        raise PeerError(f"--peer {spec.kind}:{spec.path} has a vocabulary of {peer.vocab_size} tokens, the engine {vocab_size}: "
-                        "pass a GGUF of the engine's model")
+        raise PeerError(
+            f"--peer {spec.kind}:{spec.path} has a vocabulary of {peer.vocab_size} tokens, the engine {vocab_size}: "
+            "pass a GGUF of the engine's model"
+        )
     return peer

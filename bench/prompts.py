@@ -17,7 +17,7 @@ def read_prompts(path: str, limit: int | None = None) -> list[str]:
         raise MedusaError(f"prompts file {file} does not exist")
     prompts = [_prompt(file, n, raw) for n, raw in enumerate(file.read_bytes().splitlines(), 1) if raw.strip()]
     if not prompts:
-        raise MedusaError(f"{file} holds no prompts: write one JSON record a line, such as {{\"turns\": [\"Hello\"]}}")
+        raise MedusaError(f'{file} holds no prompts: write one JSON record a line, such as {{"turns": ["Hello"]}}')
     return prompts[:limit] if limit else prompts
 
 
@@ -26,15 +26,16 @@ def _prompt(file: Path, n: int, raw: bytes) -> str:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MedusaError(f"{file}:{n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}): "
-                          "save the file as UTF-8") from exc
+        raise MedusaError(
+            f"{file}:{n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}): save the file as UTF-8"
+        ) from exc
     try:
         record = json.loads(line)
     except ValueError as exc:
-        raise MedusaError(f"{file}:{n}: not a JSON record ({exc.msg} at column {exc.colno}): "
-                          "write one JSON object a line, such as {\"turns\": [\"Hello\"]}") from exc
+        raise MedusaError(
+            f'{file}:{n}: not a JSON record ({exc.msg} at column {exc.colno}): write one JSON object a line, such as {{"turns": ["Hello"]}}'
+        ) from exc
     turns = record.get("turns") if isinstance(record, dict) else None
     if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-        raise MedusaError(f"{file}:{n}: not a Spec-Bench record with turns[0] (a non-empty string): "
-                          "write it as {\"turns\": [\"Hello\"]}")
+        raise MedusaError(f'{file}:{n}: not a Spec-Bench record with turns[0] (a non-empty string): write it as {{"turns": ["Hello"]}}')
     return turns[0]

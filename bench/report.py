@@ -23,8 +23,16 @@ class Row:
         self.drafted = 0  # draft tokens verified (tree nodes past the root), summed over steps
         self.outputs: list[list[int]] = []
 
-    def add(self, token_ids: list[int], seconds: float, accepted: list[int] | None = None, verify: float = 0.0, heads: float = 0.0,
-            host: float = 0.0, drafted: int = 0):
+    def add(
+        self,
+        token_ids: list[int],
+        seconds: float,
+        accepted: list[int] | None = None,
+        verify: float = 0.0,
+        heads: float = 0.0,
+        host: float = 0.0,
+        drafted: int = 0,
+    ):
         self.host_seconds += host
         self.drafted += drafted
         self.tokens += len(token_ids)
@@ -118,25 +126,30 @@ def write_report(report: dict, out: Path) -> list[Path]:
             tmp_json.write_text(json.dumps(report, indent=2))
             plotted = plot(report, tmp_png)
     except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
-        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) "
-                          "or pick another --out") from exc
+        raise MedusaError(
+            f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out"
+        ) from exc
     return [out, png] if plotted else [out]
 
 
 def table_lines(report: dict, written: list[Path]) -> list[str]:
     """The table ``medusa-bench`` prints: a heading, one line per method, the heads cost and what was written."""
-    lines = [f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
-             f"agreement vs {report['reference']}",
-             # vs plain / identical / prefix: against the reference; vs own / = own plain: against the plain row of the row's engine
-             f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs own':>8}{'vs hf':>8}{'identical':>11}{'prefix':>8}"
-             f"{'= own plain':>13}{'host ms/step':>14}"]
+    lines = [
+        f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, tree {report['tree']} ({report['tree_nodes']} nodes), "
+        f"agreement vs {report['reference']}",
+        # vs plain / identical / prefix: against the reference; vs own / = own plain: against the plain row of the row's engine
+        f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs own':>8}{'vs hf':>8}{'identical':>11}{'prefix':>8}"
+        f"{'= own plain':>13}{'host ms/step':>14}",
+    ]
     greedy = report["sampling"] == "greedy"  # samples differ by design: agreement columns only for greedy decoding
     lines += [_method_line(name, m, greedy) for name, m in report["methods"].items()]
     cost = report["heads_cost"]
     if cost:
-        lines.append(f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
-                     f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms "
-                     f"({cost['verify_3_nodes_ms_ctx128']:.1f} ms with 3 nodes)")
+        lines.append(
+            f"heads cost: {cost['heads_one_node_ms']:.1f} ms at the accepted node vs {cost['heads_all_nodes_ms']:.1f} ms on all "
+            f"{cost['tree_nodes']} nodes; one verify step {cost['verify_step_ms_ctx128']:.1f} ms "
+            f"({cost['verify_3_nodes_ms_ctx128']:.1f} ms with 3 nodes)"
+        )
     if written:
         lines.append("wrote " + " and ".join(str(p) for p in written))
     return lines
@@ -150,5 +163,7 @@ def _method_line(name: str, m: dict, greedy: bool) -> str:
     prefix = f"{m['matching_prefix_fraction']:.0%}" if greedy else "-"
     own = m.get("identical_to_own_plain_prompts") if greedy and m.get("identical_to_own_plain_prompts") else "-"
     host = f"{m['host_ms_per_step']:.2f}" if m.get("host_ms_per_step") is not None else "-"
-    return (f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_own:>8}{vs_hf:>8}{same:>11}{prefix:>8}"
-            f"{own:>13}{host:>14}")
+    return (
+        f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_own:>8}{vs_hf:>8}{same:>11}{prefix:>8}"
+        f"{own:>13}{host:>14}"
+    )

@@ -71,8 +71,16 @@ class BenchConfig:
                 if value is not None:
                     raise MedusaError(f"{flag} applies to the transformers rows, which --no-hf skips: drop one of the two")
         if self.temperature <= 0:
-            given = [flag for flag, value in (("--top-p", self.top_p), ("--top-k", self.top_k), ("--seed", self.seed),
-                                              ("--acceptance", self.acceptance or None)) if value is not None]
+            given = [
+                flag
+                for flag, value in (
+                    ("--top-p", self.top_p),
+                    ("--top-k", self.top_k),
+                    ("--seed", self.seed),
+                    ("--acceptance", self.acceptance or None),
+                )
+                if value is not None
+            ]
             if given:
                 verb = "applies" if len(given) == 1 else "apply"
                 raise MedusaError(f"{' / '.join(given)} {verb} when sampling: add --temperature (e.g. 0.7), or drop it for greedy decoding")
@@ -91,12 +99,19 @@ class BenchConfig:
         names = [Path(e).stem for e in self.engines]
         drafts = [",".join(d) or "none" for d in self.drafts]
         peers = [p.name for p in self.peer_specs()]
-        for what, values in (("--engine", names), ("--tree", list(self.trees)), ("--acceptance", list(self.acceptance)),
-                             ("--draft", drafts), ("--peer", peers)):
+        for what, values in (
+            ("--engine", names),
+            ("--tree", list(self.trees)),
+            ("--acceptance", list(self.acceptance)),
+            ("--draft", drafts),
+            ("--peer", peers),
+        ):
             repeated = sorted({v for v in values if values.count(v) > 1})
             if repeated:
-                raise MedusaError(f"{what} {repeated[0]} is given twice: its rows would overwrite each other "
-                                  f"({'engines are named by file stem: rename one' if what == '--engine' else 'drop the repeat'})")
+                raise MedusaError(
+                    f"{what} {repeated[0]} is given twice: its rows would overwrite each other "
+                    f"({'engines are named by file stem: rename one' if what == '--engine' else 'drop the repeat'})"
+                )
 
     def peer_specs(self) -> list:
         """The peers as ``bench.peers.PeerSpec``, checked (PeerError)."""
@@ -172,12 +187,18 @@ def _fitting(prompts: list[str], first, engines: list[tuple], max_new_tokens: in
     room = min(rt.max_context for _, _, v in engines for rt, _ in v.values()) - max_new_tokens
     fits = [i for i, x in enumerate(ids) if len(x) <= room]
     if len(fits) < len(ids):
-        log.warning("skipping %d of %d prompts longer than %d tokens (the engine's context less --max-new-tokens)",
-                    len(ids) - len(fits), len(ids), room)
+        log.warning(
+            "skipping %d of %d prompts longer than %d tokens (the engine's context less --max-new-tokens)",
+            len(ids) - len(fits),
+            len(ids),
+            room,
+        )
         prompts, ids = [prompts[i] for i in fits], [ids[i] for i in fits]
     if not ids:
-        raise MedusaError(f"no prompt fits the engine's context with --max-new-tokens {max_new_tokens}: "
-                          "export with a larger --max-context or lower --max-new-tokens")
+        raise MedusaError(
+            f"no prompt fits the engine's context with --max-new-tokens {max_new_tokens}: "
+            "export with a larger --max-context or lower --max-new-tokens"
+        )
     return prompts, ids
 
 
@@ -197,24 +218,39 @@ def _peers(config: BenchConfig, first, prompt: list[int], eos: list[int]) -> lis
     from medusa_trt.bench.peers import make_peer
 
     meta = first.backend.meta
-    peers = [make_peer(spec, threads=config.threads, context=first.max_context, vocab_size=meta.vocab_size)
-             for spec in config.peer_specs()]
+    peers = [make_peer(spec, threads=config.threads, context=first.max_context, vocab_size=meta.vocab_size) for spec in config.peer_specs()]
     for peer in peers:
         peer.generate(prompt, 4, frozenset(eos))
     return peers
 
 
-def _report(config: BenchConfig, engines: list[tuple], first, prompts: int, rows: dict[str, Row], plain_of: dict[str, str],
-            hf: bool) -> dict:
+def _report(
+    config: BenchConfig, engines: list[tuple], first, prompts: int, rows: dict[str, Row], plain_of: dict[str, str], hf: bool
+) -> dict:
     reference = rows[f"plain[{engines[0][0]}]"]
-    sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k, "seed": config.seed,
-                "acceptance": config.rules}
+    sampling = {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "seed": config.seed,
+        "acceptance": config.rules,
+    }
     return {
-        "engines": list(config.engines), "model": first.backend.meta.model, "tree": first.tree.name, "tree_nodes": first.tree.num_nodes,
-        "trees": {key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes, "drafters": list(rt.drafting.names)}
-                  for _, _, v in engines for key, (rt, _) in v.items()},
+        "engines": list(config.engines),
+        "model": first.backend.meta.model,
+        "tree": first.tree.name,
+        "tree_nodes": first.tree.num_nodes,
+        "trees": {
+            key: {"name": rt.tree.name, "nodes": rt.tree.num_nodes, "drafters": list(rt.drafting.names)}
+            for _, _, v in engines
+            for key, (rt, _) in v.items()
+        },
         "sampling": sampling if config.sampled else "greedy",
-        "prompts": prompts, "prompts_file": str(config.prompts), "every": config.every, "max_new_tokens": config.max_new_tokens,
-        "reference": reference.name, "methods": methods(rows, reference, plain_of, hf),
+        "prompts": prompts,
+        "prompts_file": str(config.prompts),
+        "every": config.every,
+        "max_new_tokens": config.max_new_tokens,
+        "reference": reference.name,
+        "methods": methods(rows, reference, plain_of, hf),
         "heads_cost": heads_cost(first),
     }

@@ -33,44 +33,74 @@ from medusa_trt.runtime.sampling import SamplingParams
 
 def build_parser() -> Parser:
     p = Parser(prog="medusa-bench", description="Benchmark Medusa against plain decoding and transformers.")
-    p.add_argument("--engine", action="append", required=True,
-                   help="an exported engine (folder, .onnx or .plan); repeat to compare engines")
+    p.add_argument(
+        "--engine", action="append", required=True, help="an exported engine (folder, .onnx or .plan); repeat to compare engines"
+    )
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")
     p.add_argument("--every", type=positive_int, default=1, help="use every N-th prompt (a subset spread over all categories)")
     p.add_argument("--tree", action="append", help="heads template for the medusa rows (default: each engine's own); repeat to compare")
-    p.add_argument("--draft", action="append", type=drafter_list, metavar="LIST",
-                   help="drafter set of a medusa row, comma-separated (heads,lookup,recycle); repeat for one row each "
-                        "(default: every drafter the engine supports)")
+    p.add_argument(
+        "--draft",
+        action="append",
+        type=drafter_list,
+        metavar="LIST",
+        help="drafter set of a medusa row, comma-separated (heads,lookup,recycle); repeat for one row each "
+        "(default: every drafter the engine supports)",
+    )
     p.add_argument("--model", help="base model for the transformers rows (default: the one the engine records)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows (no torch needed)")
-    p.add_argument("--peer", action="append", metavar="KIND:GGUF",
-                   help="another engine on the same prompt ids, greedy, same threads, interleaved: llama.cpp:FILE.gguf "
-                        "(llama-cpp-python; make peers builds it) or llama.cpp+lookup:FILE.gguf (with its prompt-lookup "
-                        "decoding); the file must be a GGUF of the engine's model; repeatable")
+    p.add_argument(
+        "--peer",
+        action="append",
+        metavar="KIND:GGUF",
+        help="another engine on the same prompt ids, greedy, same threads, interleaved: llama.cpp:FILE.gguf "
+        "(llama-cpp-python; make peers builds it) or llama.cpp+lookup:FILE.gguf (with its prompt-lookup "
+        "decoding); the file must be a GGUF of the engine's model; repeatable",
+    )
     p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
     p.add_argument("--threads", type=positive_int, help="intra-op threads for ONNX Runtime and torch")
-    p.add_argument("--out", help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); "
-                                 "default: print the table only, write nothing")
+    p.add_argument(
+        "--out",
+        help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); default: print the table only, write nothing",
+    )
     g = p.add_argument_group("sampling (default: greedy; these need --temperature above 0)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, help=f"default {SamplingParams.top_p}")
     g.add_argument("--top-k", type=non_negative_int, help=f"default {SamplingParams.top_k} (all tokens)")
     g.add_argument("--seed", type=non_negative_int, help=f"prompt i is sampled with seed + i, the same for every method (default {SEED})")
-    g.add_argument("--acceptance", action="append", choices=["typical", "lossless"],
-                   help="acceptance rule of the medusa rows (default lossless); repeat to compare")
+    g.add_argument(
+        "--acceptance",
+        action="append",
+        choices=["typical", "lossless"],
+        help="acceptance rule of the medusa rows (default lossless); repeat to compare",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
 def bench_config(args) -> bench.BenchConfig:
     """The ``BenchConfig`` of the command line (checked on construction: MedusaError)."""
-    return bench.BenchConfig(engines=tuple(args.engine), prompts=args.prompts, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                             every=args.every, trees=tuple(args.tree or ()), drafts=tuple(args.draft or ()), model=args.model,
-                             hf=not args.no_hf, peers=tuple(args.peer or ()), lookup_tokens=args.lookup_tokens, threads=args.threads,
-                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                             acceptance=tuple(args.acceptance or ()))
+    return bench.BenchConfig(
+        engines=tuple(args.engine),
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        every=args.every,
+        trees=tuple(args.tree or ()),
+        drafts=tuple(args.draft or ()),
+        model=args.model,
+        hf=not args.no_hf,
+        peers=tuple(args.peer or ()),
+        lookup_tokens=args.lookup_tokens,
+        threads=args.threads,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        acceptance=tuple(args.acceptance or ()),
+    )
 
 
 @entry("medusa-bench")

@@ -91,16 +91,21 @@ def calibrate(args):
     from medusa_trt.runtime.tree import compile_tree
     from medusa_trt.training import calibrate as cal
 
-    config = cal.CalibrateConfig(max_nodes=args.max_nodes, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                                 context=args.context, repeats=args.repeats)
+    config = cal.CalibrateConfig(
+        max_nodes=args.max_nodes, top_k=args.top_k, max_new_tokens=args.max_new_tokens, context=args.context, repeats=args.repeats
+    )
     prompts = read_prompts(args.prompts, args.limit)
     runtime = _runtime(args).with_tree("chain-0")  # plain decoding; the heads still propose every step
     if not runtime.num_heads:
         raise cal.CalibrationError("the engine has no Medusa heads, so there is no tree to calibrate: export it with --heads")
     top_k = min(config.top_k, cal.engine_top_k(runtime))
     if top_k < config.top_k:
-        log.warning("the engine's heads return top-%d proposals only: calibrating over %d ranks (export with a wider "
-                    "tree such as mc_sim_7b_63 for more)", top_k, top_k)
+        log.warning(
+            "the engine's heads return top-%d proposals only: calibrating over %d ranks (export with a wider "
+            "tree such as mc_sim_7b_63 for more)",
+            top_k,
+            top_k,
+        )
     max_nodes = min(config.max_nodes, runtime.backend.max_tokens or config.max_nodes, runtime.max_context - 1)
     if max_nodes < config.max_nodes:
         log.warning("the engine takes at most %d tokens per step: trees up to %d nodes", max_nodes, max_nodes)
@@ -118,11 +123,20 @@ def calibrate(args):
     chain = cal.best_chain(acc, step_ms, max_nodes, heads_ms)
     tree = compile_tree([list(p) for p in choice.paths], max_depth=runtime.num_heads, name=f"calibrated-{choice.num_nodes}")
     report = {
-        "engine": args.engine, "model": args.model, "heads": args.heads, "backend": runtime.backend.name,
-        "prompts_file": str(args.prompts), "prompts": len(prompts), "positions": int(hits.shape[0]),
+        "engine": args.engine,
+        "model": args.model,
+        "heads": args.heads,
+        "backend": runtime.backend.name,
+        "prompts_file": str(args.prompts),
+        "prompts": len(prompts),
+        "positions": int(hits.shape[0]),
         "config": dataclasses.asdict(config) | {"top_k_used": top_k, "max_nodes_used": max_nodes, "context_used": context},
-        "acc": acc.tolist(), "step_ms": {str(k): v for k, v in step_ms.items()}, "heads_ms": heads_ms,
-        "tree": json.loads(tree.to_json()), "choice": choice.to_dict(), "best_chain": chain.to_dict(),
+        "acc": acc.tolist(),
+        "step_ms": {str(k): v for k, v in step_ms.items()},
+        "heads_ms": heads_ms,
+        "tree": json.loads(tree.to_json()),
+        "choice": choice.to_dict(),
+        "best_chain": chain.to_dict(),
     }
     return report, acc, choice, chain
 
@@ -153,8 +167,9 @@ def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
             tmp_report.write_text(json.dumps(report, indent=2))
             plotted = _plot(acc, choice, chain, tmp_plot)
     except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
-        raise MedusaError(f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) "
-                          "or pick another --out") from exc
+        raise MedusaError(
+            f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out"
+        ) from exc
     return [out, choices_path, report_path] + ([plot_path] if plotted else [])
 
 
@@ -180,12 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         return fail("medusa-calibrate", exc)
     chain_t = chain.num_nodes
-    print(f"head-1 accuracy: top-1 {acc[0, 0]:.2f}, top-{acc.shape[1]} {acc[0].sum():.2f} "
-          f"({report['positions']} positions, {report['prompts']} prompts)")
-    print(f"chosen tree {report['tree']['name']}: {choice.num_nodes} nodes, {choice.expected_tokens_per_step:.2f} tokens/step, "
-          f"{choice.expected_tokens_per_s:.1f} tokens/s expected")
-    print(f"best chain chain-{chain_t - 1}: {chain_t} nodes, {chain.expected_tokens_per_step:.2f} tokens/step, "
-          f"{chain.expected_tokens_per_s:.1f} tokens/s expected")
+    print(
+        f"head-1 accuracy: top-1 {acc[0, 0]:.2f}, top-{acc.shape[1]} {acc[0].sum():.2f} "
+        f"({report['positions']} positions, {report['prompts']} prompts)"
+    )
+    print(
+        f"chosen tree {report['tree']['name']}: {choice.num_nodes} nodes, {choice.expected_tokens_per_step:.2f} tokens/step, "
+        f"{choice.expected_tokens_per_s:.1f} tokens/s expected"
+    )
+    print(
+        f"best chain chain-{chain_t - 1}: {chain_t} nodes, {chain.expected_tokens_per_step:.2f} tokens/step, "
+        f"{chain.expected_tokens_per_s:.1f} tokens/s expected"
+    )
     print("wrote " + ", ".join(str(p) for p in written))
     sys.stdout.flush()  # a closed pipe (| head) surfaces here, where entry() turns it into a quiet exit
     return 0

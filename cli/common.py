@@ -8,7 +8,6 @@ import sys
 
 from medusa_trt.runtime.errors import MedusaError
 
-
 # every typed error a user can cause derives from MedusaError; OS errors on their files too
 USER_ERRORS = (MedusaError, FileNotFoundError, PermissionError, IsADirectoryError)
 
@@ -36,8 +35,10 @@ def load_model(model: str, heads: str | None, untrained_heads: int | None, head_
     try:
         from medusa_trt.exporter import load_medusa
     except ImportError as exc:  # the lean install: ONNX Runtime only
-        raise MedusaError(f"--model needs torch and transformers ({exc.name} is not installed): pip install 'medusa-trt[export]', "
-                          "or run an exported engine with --engine") from exc
+        raise MedusaError(
+            f"--model needs torch and transformers ({exc.name} is not installed): pip install 'medusa-trt[export]', "
+            "or run an exported engine with --engine"
+        ) from exc
 
     return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)
 
@@ -88,8 +89,11 @@ def add_sampling_args(p) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this cumulative probability")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--seed", type=non_negative_int, help="seed of each sequence's generator (same seed, same output)")
-    g.add_argument("--acceptance", choices=["greedy", "typical", "lossless"],
-                   help="acceptance rule: lossless keeps the base model's distribution exactly; typical accepts more, not exactly")
+    g.add_argument(
+        "--acceptance",
+        choices=["greedy", "typical", "lossless"],
+        help="acceptance rule: lossless keeps the base model's distribution exactly; typical accepts more, not exactly",
+    )
 
 
 def sampling_kwargs(args) -> dict:

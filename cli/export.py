@@ -36,63 +36,124 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--heads", help="Medusa heads folder (ours or FasterDecoding/Medusa); none: plain decoding only")
     heads.add_argument("--untrained-heads", type=int, metavar="N", help="N untrained heads (identity blocks + shared lm_head)")
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads")
-    p.add_argument("--out", required=True, help="engine path: a folder (one folder holding everything, config.json at its top), "
-                                                "model.onnx (ONNX Runtime) or engine.plan (TensorRT; the .onnx is written beside it)")
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="engine folder only: tensorrt also builds model.plan / heads.plan in it (default: onnxruntime; "
-                        "for a file the suffix decides)")
-    p.add_argument("--step-cost", metavar="FILE", help="engine folder only: the drafting budget's verify-cost table, from a "
-                                                      "medusa-calibrate report (.report.json, its step_ms); default: the runtime's")
-    p.add_argument("--tree", help="default tree of the engine: preset, chain-N or JSON file (default: the heads folder's export.json, "
-                                  "else a chain over the heads)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="engine path: a folder (one folder holding everything, config.json at its top), "
+        "model.onnx (ONNX Runtime) or engine.plan (TensorRT; the .onnx is written beside it)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="engine folder only: tensorrt also builds model.plan / heads.plan in it (default: onnxruntime; for a file the suffix decides)",
+    )
+    p.add_argument(
+        "--step-cost",
+        metavar="FILE",
+        help="engine folder only: the drafting budget's verify-cost table, from a "
+        "medusa-calibrate report (.report.json, its step_ms); default: the runtime's",
+    )
+    p.add_argument(
+        "--tree",
+        help="default tree of the engine: preset, chain-N or JSON file (default: the heads folder's export.json, "
+        "else a chain over the heads)",
+    )
     p.add_argument("--max-batch", type=int, default=BuildConfig.max_batch)
     p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
     p.add_argument("--max-tokens", type=int, default=BuildConfig.max_tokens, help="most new tokens per step (tree nodes, prefill chunk)")
-    p.add_argument("--dtype", default=BuildConfig.dtype, choices=["fp32", "fp16", "bf16"],
-                   help="weights, KV cache and logits (bf16: .plan only)")
-    p.add_argument("--attention", default=BuildConfig.attention, choices=["onnx", "plugin"],
-                   help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback "
-                        "for ONNX Runtime)")
-    p.add_argument("--no-key-slots", action="store_true",
-                   help="append the new keys after the cache as engines before key slots did: a verify step then equals a plain "
-                        "step to float rounding only (default for ONNX Runtime engines: key slots, bit for bit; TensorRT: appended)")
+    p.add_argument(
+        "--dtype", default=BuildConfig.dtype, choices=["fp32", "fp16", "bf16"], help="weights, KV cache and logits (bf16: .plan only)"
+    )
+    p.add_argument(
+        "--attention",
+        default=BuildConfig.attention,
+        choices=["onnx", "plugin"],
+        help="onnx: standard ops; plugin: one medusa_trt::TreeAttention node per layer (TensorRT plugin, CPU fallback for ONNX Runtime)",
+    )
+    p.add_argument(
+        "--no-key-slots",
+        action="store_true",
+        help="append the new keys after the cache as engines before key slots did: a verify step then equals a plain "
+        "step to float rounding only (default for ONNX Runtime engines: key slots, bit for bit; TensorRT: appended)",
+    )
     p.add_argument("--opset", type=int, default=BuildConfig.opset)
-    p.add_argument("--successors", type=int, default=BuildConfig.successors,
-                   help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)")
-    p.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="the heads draft from the first N token ids only (a byte-level BPE gives its most frequent tokens the lowest "
-                        "ids): a smaller heads projection to read after every verify step; output unchanged (default: the heads folder's "
-                        "export.json, else the whole vocabulary)")
-    p.add_argument("--quantize", choices=[*QUANTIZE_MODES, "none"],
-                   help="ONNX Runtime weight quantization: int8 = dynamic int8 on every weight matmul of the step graph (faster, output "
-                        "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
-                        "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
-                        "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
-                        "column in both graphs; int8-block = 8-bit block-wise MatMulNBits in both graphs; none = fp32 graphs. "
-                        "Every mode but int8 keeps drafted output identical to the engine's own plain output. Default: the heads "
-                        "folder's export.json, else none")
-    p.add_argument("--block-size", type=int, help=f"--quantize int4 / int8-block: weights per block sharing a scale, a power of two >= 16 "
-                                                  f"(default {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--accuracy-level", type=int,
-                   help=f"--quantize int4 / int8-block: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
-                        f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})")
+    p.add_argument(
+        "--successors",
+        type=int,
+        default=BuildConfig.successors,
+        help=f"k of the step graph's top-k output that the recycle drafter learns from (default {DEFAULT_SUCCESSORS}; 0: none)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="the heads draft from the first N token ids only (a byte-level BPE gives its most frequent tokens the lowest "
+        "ids): a smaller heads projection to read after every verify step; output unchanged (default: the heads folder's "
+        "export.json, else the whole vocabulary)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=[*QUANTIZE_MODES, "none"],
+        help="ONNX Runtime weight quantization: int8 = dynamic int8 on every weight matmul of the step graph (faster, output "
+        "differs from fp32 and a row's output depends on its batch); heads-int8 = the heads graph only, one activation "
+        "scale per row (drafts cost less, output identical to fp32, same samples solo or batched); int4 = 4-bit "
+        "block-wise weights (MatMulNBits) in both graphs; int8-channel = int8 weights with one scale per output "
+        "column in both graphs; int8-block = 8-bit block-wise MatMulNBits in both graphs; none = fp32 graphs. "
+        "Every mode but int8 keeps drafted output identical to the engine's own plain output. Default: the heads "
+        "folder's export.json, else none",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help=f"--quantize int4 / int8-block: weights per block sharing a scale, a power of two >= 16 (default {DEFAULT_BLOCK_SIZE})",
+    )
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        help=f"--quantize int4 / int8-block: MatMulNBits compute type, 0 / 1 fp32 (dequantized weights), "
+        f"2 fp16, 3 bf16, 4 int8 activations (default {DEFAULT_ACCURACY_LEVEL})",
+    )
     p.add_argument("--timing-cache", help="TensorRT timing cache file, reused between builds (default: timing.cache beside the .plan)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one")
-    p.add_argument("--triton-repo", metavar="DIR",
-                   help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one",
+    )
+    p.add_argument(
+        "--triton-repo",
+        metavar="DIR",
+        help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
 def build_config(args) -> BuildConfig:
     """The ``BuildConfig`` of the command line."""
-    return BuildConfig(model=args.model, out=args.out, heads=args.heads, untrained_heads=args.untrained_heads, head_layer=args.head_layer,
-                       backend=args.backend, step_cost=args.step_cost, tree=args.tree, max_batch=args.max_batch,
-                       max_context=args.max_context, max_tokens=args.max_tokens, dtype=args.dtype, attention=args.attention,
-                       key_slots=not args.no_key_slots, opset=args.opset, successors=args.successors, draft_vocab=args.draft_vocab,
-                       quantize=args.quantize, block_size=args.block_size, accuracy_level=args.accuracy_level,
-                       timing_cache=args.timing_cache, verify=not args.no_verify)
+    return BuildConfig(
+        model=args.model,
+        out=args.out,
+        heads=args.heads,
+        untrained_heads=args.untrained_heads,
+        head_layer=args.head_layer,
+        backend=args.backend,
+        step_cost=args.step_cost,
+        tree=args.tree,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        attention=args.attention,
+        key_slots=not args.no_key_slots,
+        opset=args.opset,
+        successors=args.successors,
+        draft_vocab=args.draft_vocab,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
+        timing_cache=args.timing_cache,
+        verify=not args.no_verify,
+    )
 
 
 @entry("medusa-export")
@@ -141,8 +202,11 @@ def _print_onnx(result) -> None:
     """The ONNX engine's files and its check against torch."""
     files = result.files
     if files.folder is not None:
-        print(f"wrote {files.folder}/ (config.json, {files.step.name}" + (f", {files.heads.name}" if files.heads.exists() else "")
-              + ", tokenizer, generation_config.json, drafting.json)")
+        print(
+            f"wrote {files.folder}/ (config.json, {files.step.name}"
+            + (f", {files.heads.name}" if files.heads.exists() else "")
+            + ", tokenizer, generation_config.json, drafting.json)"
+        )
         _print_step_cost(files.folder)
     else:
         print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.tokenizer.name}/")
@@ -161,8 +225,10 @@ def _print_step_cost(folder) -> None:
     table = drafting.get("step_cost")
     if table:
         costs = ", ".join(f"{k}: {float(v):.2f}" for k, v in sorted(table.items(), key=lambda kv: int(kv[0])))
-        print(f"drafting budget: step cost by tokens per step {costs}; heads call {float(drafting.get('heads_cost') or 0):.2f} "
-              "(relative to a one-token step, timed here)")
+        print(
+            f"drafting budget: step cost by tokens per step {costs}; heads call {float(drafting.get('heads_cost') or 0):.2f} "
+            "(relative to a one-token step, timed here)"
+        )
 
 
 def _triton_repo(repo: str | None, engine: Path) -> int:

@@ -19,7 +19,17 @@ import logging
 import sys
 import time
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, add_sampling_args, drafter_list, entry, fail, positive_int, sampling_kwargs, setup_logging
+from medusa_trt.cli.common import (
+    USER_ERRORS,
+    Parser,
+    add_sampling_args,
+    drafter_list,
+    entry,
+    fail,
+    positive_int,
+    sampling_kwargs,
+    setup_logging,
+)
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
@@ -32,17 +42,31 @@ def build_parser() -> Parser:
     source.add_argument("--model", help="smollm2-135m, a Hugging Face folder, or a .gguf file (torch backend)")
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--heads", help="Medusa heads: our folder (heads.json) or a FasterDecoding/Medusa checkpoint folder")
-    heads.add_argument("--untrained-heads", type=int, metavar="N",
-                       help="N untrained heads (identity blocks + shared lm_head): shows the loop, not a speedup")
+    heads.add_argument(
+        "--untrained-heads",
+        type=int,
+        metavar="N",
+        help="N untrained heads (identity blocks + shared lm_head): shows the loop, not a speedup",
+    )
     p.add_argument("--head-layer", type=int, help="decoder layer whose output feeds the heads (default: final hidden)")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
-    prompts.add_argument("--messages", action="append", metavar="FILE",
-                         help="a conversation: a JSON list of {role, content} turns (system, user, assistant) rendered by the "
-                              "chat template; repeat for a batch")
-    p.add_argument("--tree", help="the heads' template: preset name, chain-N, or a JSON file (default: the engine's, or a chain over the heads)")
-    p.add_argument("--draft", type=drafter_list, metavar="LIST",
-                   help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)")
+    prompts.add_argument(
+        "--messages",
+        action="append",
+        metavar="FILE",
+        help="a conversation: a JSON list of {role, content} turns (system, user, assistant) rendered by the "
+        "chat template; repeat for a batch",
+    )
+    p.add_argument(
+        "--tree", help="the heads' template: preset name, chain-N, or a JSON file (default: the engine's, or a chain over the heads)"
+    )
+    p.add_argument(
+        "--draft",
+        type=drafter_list,
+        metavar="LIST",
+        help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
@@ -89,7 +113,7 @@ def read_messages(path: str) -> list[dict]:
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise PromptError(f"--messages {path} is not valid JSON ({exc}): write a list of {{\"role\", \"content\"}} objects") from exc
+        raise PromptError(f'--messages {path} is not valid JSON ({exc}): write a list of {{"role", "content"}} objects') from exc
     if isinstance(raw, dict) and "messages" in raw:
         raw = raw["messages"]
     return check_messages(raw, f"--messages {path}")
@@ -128,20 +152,38 @@ def main(argv: list[str] | None = None) -> int:
             from medusa_trt.cli.common import load_model
 
             model = load_model(args.model, args.heads, args.untrained_heads, args.head_layer, device)
-        config = RuntimeConfig(max_batch=args.max_batch, max_context=args.max_context, tree=args.tree, drafters=args.draft,
-                               device=None if args.engine else device)
+        config = RuntimeConfig(
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+            tree=args.tree,
+            drafters=args.draft,
+            device=None if args.engine else device,
+        )
         runtime = MedusaRuntime(model, config)
-        gen = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat_template=False if args.no_chat_template else None,
-                   **sampling_kwargs(args))
+        gen = dict(
+            max_new_tokens=args.max_new_tokens,
+            stop=args.stop,
+            chat_template=False if args.no_chat_template else None,
+            **sampling_kwargs(args),
+        )
         if args.stream:
             line, rate = _stream(runtime, prompts[0], gen)
         else:
             results = runtime.generate(prompts, **gen)
             if args.json:
                 for r in results:
-                    print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                                      "steps": r.stats.steps, "mean_accepted": r.stats.mean_accepted,
-                                      "tokens_per_s": r.stats.tokens_per_second}))
+                    print(
+                        json.dumps(
+                            {
+                                "text": r.text,
+                                "token_ids": r.token_ids,
+                                "finish_reason": r.finish_reason,
+                                "steps": r.stats.steps,
+                                "mean_accepted": r.stats.mean_accepted,
+                                "tokens_per_s": r.stats.tokens_per_second,
+                            }
+                        )
+                    )
                 return 0
             for i, r in enumerate(results):
                 if len(results) > 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from medusa_trt.cli.common import Parser, USER_ERRORS, entry, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
 
 
 def build_parser() -> Parser:
@@ -22,16 +22,24 @@ def build_parser() -> Parser:
     p.add_argument("--heads", type=int, default=4, help="number of heads")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--shared-lm-head", action="store_true", help="project with the frozen base lm_head (small heads)")
-    p.add_argument("--head-input", default="hidden", choices=["hidden", "hidden+next", "hidden+path"],
-                   help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token; "
-                        "hidden+path: sequential heads, head k also reads the k-1 tokens drafted above it")
+    p.add_argument(
+        "--head-input",
+        default="hidden",
+        choices=["hidden", "hidden+next", "hidden+path"],
+        help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token; "
+        "hidden+path: sequential heads, head k also reads the k-1 tokens drafted above it",
+    )
     p.add_argument("--head-layer", type=int, help="decoder layer feeding the heads (default: final hidden state)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
     p.add_argument("--teacher-forced", action="store_true", help="--data is corpus text whose own tokens are the labels")
     p.add_argument("--num-prompts", type=int, default=400, help="first-turn prompts (the built-in pool holds 6954)")
-    p.add_argument("--follow-ups", type=int, default=0,
-                   help="second turns on the model's own answers to the first N prompts (a follow-up question, or a task over the answer)")
+    p.add_argument(
+        "--follow-ups",
+        type=int,
+        default=0,
+        help="second turns on the model's own answers to the first N prompts (a follow-up question, or a task over the answer)",
+    )
     p.add_argument("--generate-engine", help="an exported .onnx engine of the same model to write the continuations (faster on CPU)")
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
     p.add_argument("--generate-batch", type=int, default=16, help="rows generating at once (at most the engine's --max-batch)")
@@ -40,11 +48,17 @@ def build_parser() -> Parser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--restart", action="store_true",
-                   help="discard work-folder progress made with other settings instead of refusing (progress made with these settings is kept: resuming is exact)")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard work-folder progress made with other settings instead of refusing "
+        "(progress made with these settings is kept: resuming is exact)",
+    )
     p.add_argument("--work", help="work folder (default: <out>.work): generated sequences, hidden states, checkpoints")
     p.add_argument("--generate-only", action="store_true", help="stop after generating the data (rerun without it to train)")
-    p.add_argument("--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)")
+    p.add_argument(
+        "--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -62,10 +76,27 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_trt.training.train import run
 
         config = TrainConfig(
-            out=args.out, num_heads=args.heads, num_layers=args.layers, shared_lm_head=args.shared_lm_head, head_input=args.head_input,
-            head_layer=args.head_layer, decay=args.decay, data=args.data, teacher_forced=args.teacher_forced,
-            num_prompts=args.num_prompts, follow_ups=args.follow_ups, generate_batch=args.generate_batch, generate_engine=args.generate_engine, new_tokens=args.new_tokens, epochs=args.epochs, batch_size=args.batch_size,
-            lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, bf16=args.bf16, work=args.work,
+            out=args.out,
+            num_heads=args.heads,
+            num_layers=args.layers,
+            shared_lm_head=args.shared_lm_head,
+            head_input=args.head_input,
+            head_layer=args.head_layer,
+            decay=args.decay,
+            data=args.data,
+            teacher_forced=args.teacher_forced,
+            num_prompts=args.num_prompts,
+            follow_ups=args.follow_ups,
+            generate_batch=args.generate_batch,
+            generate_engine=args.generate_engine,
+            new_tokens=args.new_tokens,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            bf16=args.bf16,
+            work=args.work,
         )
         check_inputs(config)  # before the model loads: a bad file costs no waiting
         torch.manual_seed(args.seed)

@@ -10,11 +10,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "BuildConfig": "builder", "Built": "builder", "build": "builder",
-    "HeadsConfig": "heads", "HeadsFormatError": "heads", "HeadsMismatchError": "heads", "MedusaHeads": "heads",
-    "init_heads": "heads", "load_heads": "heads", "save_heads": "heads",
-    "BaseModel": "models", "ModelLoadError": "models", "load_base_model": "models",
-    "MedusaModel": "wrapper", "load_medusa": "wrapper",
+    "BuildConfig": "builder",
+    "Built": "builder",
+    "build": "builder",
+    "HeadsConfig": "heads",
+    "HeadsFormatError": "heads",
+    "HeadsMismatchError": "heads",
+    "MedusaHeads": "heads",
+    "init_heads": "heads",
+    "load_heads": "heads",
+    "save_heads": "heads",
+    "BaseModel": "models",
+    "ModelLoadError": "models",
+    "load_base_model": "models",
+    "MedusaModel": "wrapper",
+    "load_medusa": "wrapper",
 }
 
 __all__ = sorted(_EXPORTS)

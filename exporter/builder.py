@@ -134,11 +134,14 @@ def plan(config: BuildConfig) -> BuildPlan:
         tensorrt = None
     onnx_out = out if folder else onnx_beside(out) if tensorrt else out
     if tensorrt is None and config.dtype == "bf16":
-        raise ExportError("--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; "
-                          "use fp32 or fp16")
+        raise ExportError(
+            "--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16"
+        )
     if tensorrt is not None and config.quantize not in (None, "none"):
-        raise ExportError(f"--quantize {config.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: "
-                          "drop it for a .plan")
+        raise ExportError(
+            f"--quantize {config.quantize} makes a graph of ONNX Runtime's quantized ops, which TensorRT does not build: "
+            "drop it for a .plan"
+        )
     check_output_path(onnx_out)
     quantizable = tensorrt is None and config.attention == "onnx" and config.dtype == "fp32"
     defaults, taken = read_export_defaults(config.heads).under(config.tree, config.draft_vocab, config.quantize, quantizable=quantizable)
@@ -153,12 +156,23 @@ def export_config(config: BuildConfig, plan: BuildPlan):
     from medusa_trt.exporter.quantize import QuantizeConfig
 
     chosen, onnx_runtime = plan.defaults, plan.tensorrt is None
-    return ExportConfig(out=plan.onnx_out, tree=chosen.tree, max_batch=config.max_batch, max_context=config.max_context,
-                        max_tokens=config.max_tokens, dtype=config.dtype, opset=config.opset, verify=config.verify,
-                        quantize=QuantizeConfig.from_options(chosen.quantize, config.block_size, config.accuracy_level),
-                        attention=config.attention, successors=config.successors,
-                        step_cost=read_step_cost(config.step_cost) if config.step_cost else None, draft_vocab=chosen.draft_vocab,
-                        key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots, measure_cost=onnx_runtime)
+    return ExportConfig(
+        out=plan.onnx_out,
+        tree=chosen.tree,
+        max_batch=config.max_batch,
+        max_context=config.max_context,
+        max_tokens=config.max_tokens,
+        dtype=config.dtype,
+        opset=config.opset,
+        verify=config.verify,
+        quantize=QuantizeConfig.from_options(chosen.quantize, config.block_size, config.accuracy_level),
+        attention=config.attention,
+        successors=config.successors,
+        step_cost=read_step_cost(config.step_cost) if config.step_cost else None,
+        draft_vocab=chosen.draft_vocab,
+        key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,
+        measure_cost=onnx_runtime,
+    )
 
 
 def _log(built: Built) -> None:

@@ -44,8 +44,16 @@ def graph_io(path: Path) -> dict:
     return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
 
 
-def write_folder_files(model, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, *, step_cost: dict | None = None,
-                       backend: str = "onnxruntime", heads_cost: float | None = None) -> None:
+def write_folder_files(
+    model,
+    staged: EngineFiles,
+    meta: EngineMeta,
+    tree: CompiledTree,
+    *,
+    step_cost: dict | None = None,
+    backend: str = "onnxruntime",
+    heads_cost: float | None = None,
+) -> None:
     """config.json, generation_config.json and drafting.json of a staged engine folder."""
     folder = staged.folder
     _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
@@ -107,8 +115,10 @@ def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads
 
     folder = Path(folder)
     one = step_ms[min(step_ms)]
-    drafting = read_drafting(folder) | {"step_cost": {str(k): float(v / one) for k, v in sorted(step_ms.items())},
-                                        "heads_cost": float(heads_ms / one)}
+    drafting = read_drafting(folder) | {
+        "step_cost": {str(k): float(v / one) for k, v in sorted(step_ms.items())},
+        "heads_cost": float(heads_ms / one),
+    }
     path = folder / DRAFTING_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     _write_json(tmp, drafting)
@@ -168,7 +178,8 @@ def read_step_cost(path: str | os.PathLike) -> dict[int, float]:
         costs = {int(k): float(v) for k, v in table.items()}
         assert costs and all(k >= 1 and v > 0 for k, v in costs.items())
     except (AttributeError, TypeError, ValueError, AssertionError) as exc:
-        raise ExportError(f"--step-cost {path} must hold step_ms (a medusa-calibrate report) or map tokens per step (>= 1) "
-                          "to positive costs") from exc
+        raise ExportError(
+            f"--step-cost {path} must hold step_ms (a medusa-calibrate report) or map tokens per step (>= 1) to positive costs"
+        ) from exc
     base = costs[min(costs)]
     return {k: v / base for k, v in sorted(costs.items())}

@@ -58,29 +58,32 @@ def read_export_defaults(heads: str | os.PathLike | None) -> ExportDefaults:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError) as exc:
-        raise ExportDefaultsError(f"{path} is not valid JSON ({exc}): fix it or remove it (the heads then export with the runtime's defaults)") from exc
+        raise ExportDefaultsError(
+            f"{path} is not valid JSON ({exc}): fix it or remove it (the heads then export with the runtime's defaults)"
+        ) from exc
     return _checked(raw, path)
 
 
 def _checked(raw, path: Path) -> ExportDefaults:
     if not isinstance(raw, dict) or raw.get("version") != VERSION or set(raw) - {"version", "tree", "draft_vocab", "quantize"}:
-        raise ExportDefaultsError(f"{path} must be an object with \"version\": {VERSION} and only \"tree\", \"draft_vocab\", \"quantize\"")
+        raise ExportDefaultsError(f'{path} must be an object with "version": {VERSION} and only "tree", "draft_vocab", "quantize"')
     tree, vocab, quantize = raw.get("tree"), raw.get("draft_vocab"), raw.get("quantize")
     if tree is not None and not isinstance(tree, str):
-        raise ExportDefaultsError(f"{path}: \"tree\" must be a file name in the heads folder, a preset name or chain-N, got {tree!r}")
+        raise ExportDefaultsError(f'{path}: "tree" must be a file name in the heads folder, a preset name or chain-N, got {tree!r}')
     if tree is not None and tree.endswith(".json"):
         tree = str((path.parent / tree).resolve())  # relative to the heads folder, so the folder travels whole
         if not Path(tree).is_file():
-            raise ExportDefaultsError(f"{path}: \"tree\" names {tree}, which does not exist: copy the whole heads folder")
+            raise ExportDefaultsError(f'{path}: "tree" names {tree}, which does not exist: copy the whole heads folder')
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
-        raise ExportDefaultsError(f"{path}: \"draft_vocab\" must be a whole number >= 1 or null, got {vocab!r}")
+        raise ExportDefaultsError(f'{path}: "draft_vocab" must be a whole number >= 1 or null, got {vocab!r}')
     if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise ExportDefaultsError(f"{path}: \"quantize\" must be one of {', '.join(QUANTIZE_MODES)} or null, got {quantize!r}")
+        raise ExportDefaultsError(f'{path}: "quantize" must be one of {", ".join(QUANTIZE_MODES)} or null, got {quantize!r}')
     return ExportDefaults(tree, vocab, quantize)
 
 
-def write_export_defaults(heads: str | os.PathLike, *, tree: str | None = None, draft_vocab: int | None = None,
-                          quantize: str | None = None) -> Path:
+def write_export_defaults(
+    heads: str | os.PathLike, *, tree: str | None = None, draft_vocab: int | None = None, quantize: str | None = None
+) -> Path:
     """Check, then write (whole or not at all) a heads folder's export.json; ``tree`` as it should
     appear in it (a file name in the folder, a preset, chain-N). Returns its path."""
     path = Path(heads) / EXPORT_DEFAULTS

@@ -267,8 +267,9 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.project(blocks[..., k, :], k) for k in range(len(self.heads))], dim=-2)  # (..., n, V)
 
 
-def init_heads(config: HeadsConfig, lm_head: nn.Linear | None, *, seed: int = 0, random: bool = False,
-               embed: nn.Module | None = None) -> MedusaHeads:
+def init_heads(
+    config: HeadsConfig, lm_head: nn.Linear | None, *, seed: int = 0, random: bool = False, embed: nn.Module | None = None
+) -> MedusaHeads:
     """Heads ready to train: blocks start as the identity (zero weights) and an own projection
     starts as a copy of the base lm_head, as in the Medusa paper. ``random=True`` gives random
     blocks instead (tests: whatever the heads propose, greedy output must stay identical).
@@ -395,7 +396,10 @@ def _fasterdecoding_config(folder: Path, state: dict[str, torch.Tensor], vocab_s
     if cfg.get("medusa_num_heads") not in (None, num_heads):
         log.warning(
             "%s/config.json says medusa_num_heads=%s but the weights hold %d heads: using %d",
-            folder, cfg.get("medusa_num_heads"), num_heads, num_heads,
+            folder,
+            cfg.get("medusa_num_heads"),
+            num_heads,
+            num_heads,
         )
     if cfg.get("medusa_num_layers") not in (None, num_layers):
         log.warning("%s/config.json says medusa_num_layers=%s but the weights hold %d", folder, cfg["medusa_num_layers"], num_layers)
@@ -404,8 +408,12 @@ def _fasterdecoding_config(folder: Path, state: dict[str, torch.Tensor], vocab_s
     hidden = state["0.0.linear.weight"].shape[1] if num_layers else state["0.0.weight"].shape[1]
     vocab = state[f"0.{num_layers}.weight"].shape[0] if not shared else vocab_size
     return HeadsConfig(
-        num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
-        shared_lm_head=shared, base_model=str(cfg.get("base_model_name_or_path", "")),
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        shared_lm_head=shared,
+        base_model=str(cfg.get("base_model_name_or_path", "")),
     )
 
 
@@ -460,6 +468,8 @@ def load_heads(
     if expected != got:
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         bad = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-        raise HeadsFormatError(f"heads weights in {folder} do not match their config: missing {missing[:4]}, unexpected {extra[:4]}, wrong shape {bad[:4]}")
+        raise HeadsFormatError(
+            f"heads weights in {folder} do not match their config: missing {missing[:4]}, unexpected {extra[:4]}, wrong shape {bad[:4]}"
+        )
     heads.load_state_dict({f"heads.{k}": v for k, v in state.items()})
     return heads

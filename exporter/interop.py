@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     import torch
 
     from medusa_trt.exporter.heads import HeadsConfig, MedusaHeads
-    from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +61,13 @@ def check_fasterdecoding(config: HeadsConfig) -> None:
         raise InteropError(
             f"these heads read the next token's embedding (head_input {config.head_input!r}), and the FasterDecoding format has no "
             "next-token input: no reader of it (TensorRT-LLM, vLLM, TGI) could run them. Train heads with --head-input hidden "
-            "to export to it")
+            "to export to it"
+        )
     if config.head_layer is not None:
         raise InteropError(
             f"these heads read decoder layer {config.head_layer}, and the FasterDecoding format has no such field: its readers "
-            "feed the heads the final hidden state. Train heads without --head-layer to export to it")
+            "feed the heads the final hidden state. Train heads without --head-layer to export to it"
+        )
 
 
 def fasterdecoding_config(heads: MedusaHeads, base_model: str | None = None) -> dict:
@@ -75,11 +76,16 @@ def fasterdecoding_config(heads: MedusaHeads, base_model: str | None = None) -> 
     cfg = heads.config
     name = base_model if base_model is not None else cfg.base_model
     if not name:
-        log.warning("the heads record no base model: config.json gets base_model_name_or_path '', which TGI and "
-                    "FasterDecoding need to find the base model; pass base_model (--base-model) with its Hugging Face id")
+        log.warning(
+            "the heads record no base model: config.json gets base_model_name_or_path '', which TGI and "
+            "FasterDecoding need to find the base model; pass base_model (--base-model) with its Hugging Face id"
+        )
     elif _medusa_trt_only(name):
-        log.warning("base_model_name_or_path %r is a name only medusa-trt knows: pass base_model (--base-model) with the "
-                    "base model's Hugging Face id or folder for other readers", name)
+        log.warning(
+            "base_model_name_or_path %r is a name only medusa-trt knows: pass base_model (--base-model) with the "
+            "base model's Hugging Face id or folder for other readers",
+            name,
+        )
     return {
         "medusa_num_heads": cfg.num_heads,
         "medusa_num_layers": cfg.num_layers,
@@ -107,8 +113,9 @@ def fasterdecoding_state(heads: MedusaHeads, dtype: torch.dtype | None = None) -
     if cfg.shared_lm_head:
         lm_head = heads.base_lm_head  # the base model's module, held outside the heads' module tree
         if getattr(lm_head, "bias", None) is not None:
-            raise InteropError("the base model's lm_head has a bias, which the FasterDecoding format cannot carry "
-                               "(each head's projection is weight-only)")
+            raise InteropError(
+                "the base model's lm_head has a bias, which the FasterDecoding format cannot carry (each head's projection is weight-only)"
+            )
         weight = lm_head.weight.detach()  # (V, H)
         if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise InteropError(f"the shared lm_head is {tuple(weight.shape)} but the heads expect ({cfg.vocab_size}, {cfg.hidden_size})")
@@ -127,8 +134,12 @@ def medusa_choices(tree) -> list[list[int]]:
     choices = [list(p) for p in compiled.paths]
     deepest = max((max(p) for p in choices), default=0)  # 0-based rank
     if deepest >= FD_TOP_K:
-        log.warning("tree %r uses proposals up to rank %d: FasterDecoding/Medusa's reference code and TGI take only the "
-                    "top %d of each head", compiled.name, deepest, FD_TOP_K)
+        log.warning(
+            "tree %r uses proposals up to rank %d: FasterDecoding/Medusa's reference code and TGI take only the top %d of each head",
+            compiled.name,
+            deepest,
+            FD_TOP_K,
+        )
     return choices
 
 
@@ -166,13 +177,16 @@ def check_out_folder(folder: str | os.PathLike) -> Path:
             raise InteropError(f"cannot write {folder}: it is a file; pick a folder name")
         foreign = sorted(p.name for p in folder.iterdir() if p.name not in FD_FILES)
         if foreign:
-            raise InteropError(f"{folder} already holds other files ({', '.join(foreign[:3])}): pick a new output folder "
-                               "(an earlier FasterDecoding export there is replaced, nothing else)")
+            raise InteropError(
+                f"{folder} already holds other files ({', '.join(foreign[:3])}): pick a new output folder "
+                "(an earlier FasterDecoding export there is replaced, nothing else)"
+            )
     return folder
 
 
-def save_fasterdecoding(heads: MedusaHeads, folder: str | os.PathLike, *, base_model: str | None = None,
-                        tree=None, dtype: torch.dtype | None = None) -> Path:
+def save_fasterdecoding(
+    heads: MedusaHeads, folder: str | os.PathLike, *, base_model: str | None = None, tree=None, dtype: torch.dtype | None = None
+) -> Path:
     """Write ``heads`` as a FasterDecoding folder (and ``tree``, a CompiledTree or list of paths, as
     its ``medusa_choices.json``), atomically: built in a temp folder beside it, then renamed; an
     earlier export there is replaced only once the new one is whole.
@@ -190,8 +204,10 @@ def save_fasterdecoding(heads: MedusaHeads, folder: str | os.PathLike, *, base_m
     if tree is not None:
         tree = tree if isinstance(tree, CompiledTree) else compile_tree(tree)
         if tree.depth_max > heads.config.num_heads:
-            raise InteropError(f"tree {tree.name!r} is {tree.depth_max} deep but there are only {heads.config.num_heads} heads: "
-                               "pick a tree at most that deep")
+            raise InteropError(
+                f"tree {tree.name!r} is {tree.depth_max} deep but there are only {heads.config.num_heads} heads: "
+                "pick a tree at most that deep"
+            )
     state = fasterdecoding_state(heads, dtype)
     config = fasterdecoding_config(heads, base_model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -228,8 +244,16 @@ def _saved_config(path: Path) -> dict | None:
     return heads_mod._read_json(config) if config.is_file() else None
 
 
-def convert_heads(heads_path: str | os.PathLike, out: str | os.PathLike, *, to: str = "fasterdecoding", model: str | None = None,
-                  tree=None, base_model: str | None = None, dtype: torch.dtype | None = None) -> Path:
+def convert_heads(
+    heads_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    to: str = "fasterdecoding",
+    model: str | None = None,
+    tree=None,
+    base_model: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Read heads (any format :func:`load_heads` reads) and write them as ``to`` in folder ``out``.
 
     ``model`` (what ``load_base_model`` takes) checks the heads against the base model, and is
@@ -258,15 +282,23 @@ def convert_heads(heads_path: str | os.PathLike, out: str | os.PathLike, *, to: 
     if model is not None:
         base = load_base_model(model)
         cfg = base.model.config
-        heads = load_heads(heads_path, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=base.model.lm_head,
-                           num_decoder_layers=cfg.num_hidden_layers, embed=base.model.get_input_embeddings())
+        heads = load_heads(
+            heads_path,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            lm_head=base.model.lm_head,
+            num_decoder_layers=cfg.num_hidden_layers,
+            embed=base.model.get_input_embeddings(),
+        )
         if base_model is None and is_hub_id(model):
             base_model = model
     else:
         if raw is None:
             raise InteropError(f"{heads_path} holds no heads.json to read the heads' sizes from: pass the base model (--model)")
         if raw.get("shared_lm_head"):
-            raise InteropError("these heads share the base model's lm_head, which the FasterDecoding format writes into every "
-                               "head: pass the base model they were trained on (--model)")
+            raise InteropError(
+                "these heads share the base model's lm_head, which the FasterDecoding format writes into every "
+                "head: pass the base model they were trained on (--model)"
+            )
         heads = load_heads(heads_path, hidden_size=raw.get("hidden_size"), vocab_size=raw.get("vocab_size"), lm_head=None)
     return save_fasterdecoding(heads, out, base_model=base_model, tree=compiled, dtype=dtype)

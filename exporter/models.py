@@ -147,7 +147,9 @@ def _readable_gguf(path: Path) -> Path:
         return _gguf_with_valid_pad(path)
     except _BAD_GGUF as exc:
         reason = " ".join(str(exc).split())[:160] or type(exc).__name__
-        raise ModelLoadError(f"{path} is not a valid GGUF file (truncated or corrupt: {reason}): download it again or pass another model") from exc
+        raise ModelLoadError(
+            f"{path} is not a valid GGUF file (truncated or corrupt: {reason}): download it again or pass another model"
+        ) from exc
 
 
 def _weights_errors() -> tuple[type[BaseException], ...]:
@@ -183,8 +185,7 @@ def check_architecture(config) -> None:
     kind = getattr(config, "model_type", type(config).__name__)
     if kind not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"model architecture {kind!r} is not supported: supported are {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(Llama-pattern decoders)"
+            f"model architecture {kind!r} is not supported: supported are {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-pattern decoders)"
         )
 
 
@@ -204,8 +205,10 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
             path = hub_snapshot(name)
         elif not path.exists():
             builtins = ", ".join(BUILTIN_MODELS)
-            raise ModelLoadError(f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, "
-                                 f"a Hugging Face id in the local cache (org/name), or one of: {builtins}")
+            raise ModelLoadError(
+                f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, "
+                f"a Hugging Face id in the local cache (org/name), or one of: {builtins}"
+            )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
@@ -240,5 +243,11 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False).to(device)
     eos = _eos_ids(model, tokenizer)
-    return BaseModel(model=model, tokenizer=tokenizer, name=name, eos_token_ids=eos, is_chat=tokenizer.chat_template is not None,
-                     tokenizer_files=tokenizer_files)
+    return BaseModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        eos_token_ids=eos,
+        is_chat=tokenizer.chat_template is not None,
+        tokenizer_files=tokenizer_files,
+    )

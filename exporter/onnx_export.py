@@ -155,11 +155,13 @@ def check_output_path(out: Path) -> None:
         raise ExportError(f"--out {out}: export the ONNX engine (.onnx or a folder) first; the .plan is built from it")
     if is_folder_out(out) and out.exists():
         if not out.is_dir():
-            raise ExportError(f"--out {out} exists and is a file: an engine folder needs a new or empty folder, "
-                              "or pass a path ending in .onnx")
+            raise ExportError(
+                f"--out {out} exists and is a file: an engine folder needs a new or empty folder, or pass a path ending in .onnx"
+            )
         if any(out.iterdir()) and not (out / FOLDER_CONFIG).is_file():
-            raise ExportError(f"--out {out} is a folder with other files in it (no engine config.json): "
-                              "choose a new folder, or remove it first")
+            raise ExportError(
+                f"--out {out} is a folder with other files in it (no engine config.json): choose a new folder, or remove it first"
+            )
     if not parent.is_dir():
         raise ExportError(f"cannot write {out}: folder {parent} does not exist; create it first")
     try:
@@ -197,8 +199,9 @@ class _WithSuccessors(torch.nn.Module):
 
     # the step contract's inputs (STEP_INPUTS, then KEY_SLOTS_INPUT)
     def forward(self, input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value, key_slots=None):
-        logits, hidden, next_ids, new_key, new_value = self.model(input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value,
-                                                                  key_slots)
+        logits, hidden, next_ids, new_key, new_value = self.model(
+            input_ids, position_ids, tree_mask, cache_lengths, past_key, past_value, key_slots
+        )
         return logits, hidden, next_ids, new_key, new_value, logits.topk(self.k, dim=-1).indices
 
 
@@ -208,8 +211,12 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     tokens = torch.export.Dim("tokens", min=1, max=max(config.max_tokens, 3))
     past = torch.export.Dim("past", min=0, max=config.max_context + key_slots.slack(config.max_tokens))
     dynamic = (
-        {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens, 2: tokens}, {0: batch},
-        {0: past, 2: batch}, {0: past, 2: batch},
+        {0: batch, 1: tokens},
+        {0: batch, 1: tokens},
+        {0: batch, 1: tokens, 2: tokens},
+        {0: batch},
+        {0: past, 2: batch},
+        {0: past, 2: batch},
     )
     names_in = list(STEP_INPUTS)
     if config.key_slots:
@@ -224,8 +231,15 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     graph, names = (_WithSuccessors(model, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (model, list(STEP_OUTPUTS))
     try:
         return torch.onnx.export(
-            graph, _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots), dynamo=True, dynamic_shapes=dynamic,
-            opset_version=config.opset, input_names=names_in, output_names=names, verbose=False, custom_translation_table=table,
+            graph,
+            _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots),
+            dynamo=True,
+            dynamic_shapes=dynamic,
+            opset_version=config.opset,
+            input_names=names_in,
+            output_names=names,
+            verbose=False,
+            custom_translation_table=table,
         )
     finally:
         model.attention_form = previous
@@ -240,8 +254,14 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
     if model.heads.config.reads_next:  # next-token-aware heads: the next tree's root as a second input
         inputs, names, dynamic = (hidden, torch.tensor([1, 2], device=model.device)), [*HEADS_INPUTS, NEXT_INPUT], ({0: batch}, {0: batch})
     return torch.onnx.export(
-        graph, inputs, dynamo=True, dynamic_shapes=dynamic, opset_version=config.opset,
-        input_names=names, output_names=list(HEADS_OUTPUTS), verbose=False,
+        graph,
+        inputs,
+        dynamo=True,
+        dynamic_shapes=dynamic,
+        opset_version=config.opset,
+        input_names=names,
+        output_names=list(HEADS_OUTPUTS),
+        verbose=False,
     )
 
 
@@ -249,13 +269,29 @@ def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) ->
     spec, cfg = model.kv_spec, model.base.config
     name = model.name if not Path(model.name).exists() else str(Path(model.name).resolve())
     return EngineMeta(
-        format_version=FORMAT_VERSION, model=name, architecture=cfg.model_type, dtype=config.dtype,
-        vocab_size=model.vocab_size, hidden_size=cfg.hidden_size, num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_heads=model.num_heads, top_k=tree.top_k,
-        tree=[list(p) for p in tree.paths], tree_name=tree.name, max_batch=config.max_batch,
-        max_context=config.max_context, max_tokens=config.max_tokens, eos_token_ids=list(model.eos_token_ids),
-        is_chat=bool(model.is_chat), quantization=config.quantize.mode if config.quantize else "none", attention=config.attention,
-        successors=min(config.successors, model.vocab_size), head_input=model.head_input, draft_vocab=config.draft_vocab,
+        format_version=FORMAT_VERSION,
+        model=name,
+        architecture=cfg.model_type,
+        dtype=config.dtype,
+        vocab_size=model.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_heads=model.num_heads,
+        top_k=tree.top_k,
+        tree=[list(p) for p in tree.paths],
+        tree_name=tree.name,
+        max_batch=config.max_batch,
+        max_context=config.max_context,
+        max_tokens=config.max_tokens,
+        eos_token_ids=list(model.eos_token_ids),
+        is_chat=bool(model.is_chat),
+        quantization=config.quantize.mode if config.quantize else "none",
+        attention=config.attention,
+        successors=min(config.successors, model.vocab_size),
+        head_input=model.head_input,
+        draft_vocab=config.draft_vocab,
         key_slots=bool(config.key_slots),
     )
 
@@ -321,14 +357,23 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 quantize_engine(staged, meta, config.quantize)
             bar.update()
             if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
-                log.warning("the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels",
-                            config.dtype, config.dtype)
+                log.warning(
+                    "the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype
+                )
             elif config.verify:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(model, staged, tree, strict=not config.quantize or config.quantize.lossless, loose=loose,
-                                      tolerance=TOLERANCE[config.dtype], max_tokens=config.max_tokens, draft_vocab=config.draft_vocab)
+                diffs = verify_engine(
+                    model,
+                    staged,
+                    tree,
+                    strict=not config.quantize or config.quantize.lossless,
+                    loose=loose,
+                    tolerance=TOLERANCE[config.dtype],
+                    max_tokens=config.max_tokens,
+                    draft_vocab=config.draft_vocab,
+                )
             bar.update()
         if folder:
             from medusa_trt.exporter.engine_folder import write_folder_files
@@ -379,8 +424,10 @@ def _fit_draft_vocab(model: MedusaModel, tree: CompiledTree, config: ExportConfi
     where it is the whole vocabulary or there are no heads)."""
     vocab = config.draft_vocab
     if vocab is not None and model.num_heads and not tree.top_k <= vocab <= model.vocab_size:
-        raise ExportError(f"--draft-vocab {vocab} must lie between the tree's top-{tree.top_k} and the model's "
-                          f"vocabulary of {model.vocab_size} tokens: pass a value in that range, or leave it out for the whole vocabulary")
+        raise ExportError(
+            f"--draft-vocab {vocab} must lie between the tree's top-{tree.top_k} and the model's "
+            f"vocabulary of {model.vocab_size} tokens: pass a value in that range, or leave it out for the whole vocabulary"
+        )
     if vocab == model.vocab_size or not model.num_heads:
         config = dataclasses.replace(config, draft_vocab=None)  # the whole vocabulary, said the usual way
     return config

@@ -61,17 +61,22 @@ class QuantizeConfig:
         given = [f"--{n.replace('_', '-')}" for n in ("block_size", "accuracy_level") if getattr(self, n) is not None]
         if self.mode not in BLOCKWISE:
             if given:
-                raise ExportError(f"{' / '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --quantize int4 / int8-block only: "
-                                  f"drop it, or pass --quantize int4")
+                raise ExportError(
+                    f"{' / '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --quantize int4 / int8-block only: "
+                    f"drop it, or pass --quantize int4"
+                )
             return
         block = DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
         level = DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
         if not isinstance(block, int) or block < MIN_BLOCK_SIZE or block & (block - 1):
-            raise ExportError(f"--block-size {block} is not a power of two >= {MIN_BLOCK_SIZE}: pass 16, 32, 64, 128, ... "
-                              f"(default {DEFAULT_BLOCK_SIZE})")
+            raise ExportError(
+                f"--block-size {block} is not a power of two >= {MIN_BLOCK_SIZE}: pass 16, 32, 64, 128, ... (default {DEFAULT_BLOCK_SIZE})"
+            )
         if not isinstance(level, int) or level not in ACCURACY_LEVELS:
-            raise ExportError(f"--accuracy-level {level} is out of range: pass {ACCURACY_LEVELS.start}..{ACCURACY_LEVELS.stop - 1} "
-                              f"(0 / 1 fp32, 4 int8 activations; default {DEFAULT_ACCURACY_LEVEL})")
+            raise ExportError(
+                f"--accuracy-level {level} is out of range: pass {ACCURACY_LEVELS.start}..{ACCURACY_LEVELS.stop - 1} "
+                f"(0 / 1 fp32, 4 int8 activations; default {DEFAULT_ACCURACY_LEVEL})"
+            )
         object.__setattr__(self, "block_size", block)
         object.__setattr__(self, "accuracy_level", level)
 
@@ -125,8 +130,14 @@ def dynamic_int8(path: Path, meta: EngineMeta) -> None:
 
     quantized = path.with_name(path.stem + ".int8.onnx")
     try:
-        quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         use_external_data_format=False, extra_options={"MatMulConstBOnly": True})
+        quantize_dynamic(
+            str(path),
+            str(quantized),
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul"],
+            use_external_data_format=False,
+            extra_options={"MatMulConstBOnly": True},
+        )
         proto = onnx.load(str(quantized))
     finally:
         quantized.unlink(missing_ok=True)
@@ -145,12 +156,24 @@ def nbits_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
     bits = NBITS[config.mode]
-    quantizer = MatMulNBitsQuantizer(model.model, bits=bits, block_size=config.block_size, is_symmetric=False,
-                                     accuracy_level=config.accuracy_level, op_types_to_quantize=("MatMul",))
+    quantizer = MatMulNBitsQuantizer(
+        model.model,
+        bits=bits,
+        block_size=config.block_size,
+        is_symmetric=False,
+        accuracy_level=config.accuracy_level,
+        op_types_to_quantize=("MatMul",),
+    )
     quantizer.process()
     count = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
-    log.info("%s: %d weight matmuls as %d-bit MatMulNBits (block %d, accuracy level %d)", path.name, count, bits, config.block_size,
-             config.accuracy_level)
+    log.info(
+        "%s: %d weight matmuls as %d-bit MatMulNBits (block %d, accuracy level %d)",
+        path.name,
+        count,
+        bits,
+        config.block_size,
+        config.accuracy_level,
+    )
     _replace_graph(path, quantizer.model.model, meta)
 
 
@@ -230,7 +253,9 @@ def _int8_columns(weight) -> tuple:
     w = numpy_helper.to_array(weight).astype(np.float32)
     scale = np.maximum(np.abs(w).max(axis=0), np.finfo(np.float32).tiny) / 127.0  # (N,)
     values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(scale.astype(np.float32), weight.name + "_int8_scale")
+    return numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(
+        scale.astype(np.float32), weight.name + "_int8_scale"
+    )
 
 
 def _row_constants() -> list:
@@ -238,8 +263,13 @@ def _row_constants() -> list:
     import numpy as np
     from onnx import numpy_helper
 
-    values = {"rowq_127": np.float32(127.0), "rowq_tiny": np.float32(np.finfo(np.float32).tiny), "rowq_128": np.float32(128.0),
-              "rowq_zero_point": np.uint8(128), "rowq_last_axis": np.array([-1], dtype=np.int64)}
+    values = {
+        "rowq_127": np.float32(127.0),
+        "rowq_tiny": np.float32(np.finfo(np.float32).tiny),
+        "rowq_128": np.float32(128.0),
+        "rowq_zero_point": np.uint8(128),
+        "rowq_last_axis": np.array([-1], dtype=np.int64),
+    }
     return [numpy_helper.from_array(np.asarray(v), k) for k, v in values.items()]
 
 

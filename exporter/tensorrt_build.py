@@ -173,8 +173,9 @@ def graph_precisions(proto, dtype: str) -> list[str]:
 def prepare_for_tensorrt(proto) -> int:
     """In place: drop the CPU fallback, tag each spec node for the parser's plugin lookup.
     Returns the number of plugin nodes."""
-    from medusa_trt.plugins.tree_attention.onnx_fallback import count_nodes, strip_fallback
     from onnx import helper
+
+    from medusa_trt.plugins.tree_attention.onnx_fallback import count_nodes, strip_fallback
 
     strip_fallback(proto)
     spec = TREE_ATTENTION
@@ -252,8 +253,14 @@ def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange
             memory_pool_limits=pools,
             builder_optimization_level=config.optimization_level,
         )
-        log.info("building %s from %s (%s, %d plugin nodes, profile %s)", target.name, onnx_path.name, "/".join(precisions), plugins,
-                 {k: (v.min, v.opt, v.max) for k, v in profile.items()})
+        log.info(
+            "building %s from %s (%s, %d plugin nodes, profile %s)",
+            target.name,
+            onnx_path.name,
+            "/".join(precisions),
+            plugins,
+            {k: (v.min, v.opt, v.max) for k, v in profile.items()},
+        )
         try:
             network = network_from_onnx_path(str(parse_path), strongly_typed=True)
             serialized = engine_bytes_from_network(network, config=build_config, save_timing_cache=str(cache))
@@ -342,8 +349,10 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
             "export without --quantize (int8 / fp8 engines come from Q/DQ nodes, e.g. NVIDIA ModelOpt on the exported ONNX)"
         )
     if meta.key_slots:
-        raise TensorRTBuildError(f"{onnx_path.name} takes key slots (ONNX Runtime's exact key layout), which the TensorRT backend does not "
-                                 "feed: export it again with --no-key-slots (medusa-export does so for a .plan)")
+        raise TensorRTBuildError(
+            f"{onnx_path.name} takes key slots (ONNX Runtime's exact key layout), which the TensorRT backend does not "
+            "feed: export it again with --no-key-slots (medusa-export does so for a .plan)"
+        )
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
     if src.folder is not None:

@@ -81,6 +81,8 @@ def check_engine_tokenizer(tokenizer, source: Path | None, folder: Path, vocab_s
     expected, got = probe(reference, texts), probe(engine, texts)
     differs = first_difference(expected, got)
     if differs:
-        raise TokenizerExportError(f"the engine's tokenizer {(shown or folder) / 'tokenizer.json'} {differs}, the ids of {where}: "
-                                   "nothing was written; report this with the model's tokenizer files")
+        raise TokenizerExportError(
+            f"the engine's tokenizer {(shown or folder) / 'tokenizer.json'} {differs}, the ids of {where}: "
+            "nothing was written; report this with the model's tokenizer files"
+        )
     (folder / PROBE_FILE).write_text(expected.to_json(), encoding="utf-8")

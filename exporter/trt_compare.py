@@ -173,8 +173,9 @@ def _per_iteration(accuracy) -> list:
     return next(iter(accuracy.values()))
 
 
-def compare_runners(runners: Sequence, feeds: Sequence[Mapping[str, np.ndarray]], tolerances: Mapping[str, Tolerance], *,
-                    graph: str) -> PlanComparison:
+def compare_runners(
+    runners: Sequence, feeds: Sequence[Mapping[str, np.ndarray]], tolerances: Mapping[str, Tolerance], *, graph: str
+) -> PlanComparison:
     """Run two polygraphy runners on ``feeds`` and compare the outputs named in ``tolerances``,
     the first runner's values as the reference."""
     from polygraphy.comparator import Comparator
@@ -189,8 +190,9 @@ def compare_runners(runners: Sequence, feeds: Sequence[Mapping[str, np.ndarray]]
             results = Comparator.run(list(runners), data_loader=[dict(f) for f in feeds])
             accuracy = Comparator.compare_accuracy(results, compare_func=_simple_compare(tolerances))
     except PolygraphyException as exc:
-        raise PlanMismatchError(f"polygraphy could not compare the {graph} graphs ({' '.join(str(exc).split())[:300]}): "
-                                "run medusa-export with -v for its log") from exc
+        raise PlanMismatchError(
+            f"polygraphy could not compare the {graph} graphs ({' '.join(str(exc).split())[:300]}): run medusa-export with -v for its log"
+        ) from exc
     iterations = _per_iteration(accuracy)
     missing = [name for name in tolerances if any(name not in it for it in iterations)]
     if missing:
@@ -205,8 +207,9 @@ def compare_runners(runners: Sequence, feeds: Sequence[Mapping[str, np.ndarray]]
 def require_match(result: PlanComparison, plan: Path) -> PlanComparison:
     """Raise ``PlanMismatchError`` naming the outputs beyond tolerance; else return ``result``."""
     if result.failed:
-        detail = ", ".join(f"{k} {result.max_abs[k]:.3g} (atol {result.tolerances[k].atol:g}, rtol {result.tolerances[k].rtol:g})"
-                           for k in result.failed)
+        detail = ", ".join(
+            f"{k} {result.max_abs[k]:.3g} (atol {result.tolerances[k].atol:g}, rtol {result.tolerances[k].rtol:g})" for k in result.failed
+        )
         raise PlanMismatchError(
             f"{plan.name} disagrees with its ONNX graph beyond tolerance in {detail}: build with --dtype fp32 (or a "
             "newer TensorRT), or pass --no-verify to keep it anyway"
@@ -222,20 +225,27 @@ def onnx_providers() -> list[str]:
     return ["cuda", "cpu"] if "CUDAExecutionProvider" in ort.get_available_providers() else ["cpu"]
 
 
-def compare_plan(plan: Path, onnx_path: Path, meta: EngineMeta, *, graph: str,
-                 tolerances: Mapping[str, Tolerance] | None = None) -> PlanComparison:
+def compare_plan(
+    plan: Path, onnx_path: Path, meta: EngineMeta, *, graph: str, tolerances: Mapping[str, Tolerance] | None = None
+) -> PlanComparison:
     """Compare a built ``plan`` (TensorRT runner) with the ``onnx_path`` it came from (ONNX Runtime
     runner) on the feeds of ``graph`` ("step" or "heads"); raises ``PlanMismatchError`` beyond tolerance."""
     if meta.dtype not in FEED_DTYPES:
-        return PlanComparison(graph=graph, max_abs={}, failed=(), tolerances={},
-                              skipped=f"{meta.dtype} has no numpy type and no kernels in ONNX Runtime's CPU provider; "
-                                      "an fp16 build compares")
+        return PlanComparison(
+            graph=graph,
+            max_abs={},
+            failed=(),
+            tolerances={},
+            skipped=f"{meta.dtype} has no numpy type and no kernels in ONNX Runtime's CPU provider; an fp16 build compares",
+        )
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
     names = STEP_COMPARED if graph == "step" else HEADS_COMPARED
     tolerances = tolerances or {name: TOLERANCES[meta.dtype] for name in names}
     feeds = step_feeds(meta) if graph == "step" else heads_feeds(meta)
-    runners = [OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=onnx_providers())),
-               TrtRunner(EngineFromBytes(Path(plan).read_bytes()))]
+    runners = [
+        OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=onnx_providers())),
+        TrtRunner(EngineFromBytes(Path(plan).read_bytes())),
+    ]
     return require_match(compare_runners(runners, feeds, tolerances, graph=graph), Path(plan))

@@ -51,8 +51,17 @@ def _diff(a: torch.Tensor, b: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool, tolerance: float, loose: tuple[str, ...] = (),
-                  max_tokens: int = PREFILL_TOKENS, draft_vocab: int | None = None) -> dict[str, float]:
+def verify_engine(
+    model,
+    files: EngineFiles,
+    tree: CompiledTree,
+    *,
+    strict: bool,
+    tolerance: float,
+    loose: tuple[str, ...] = (),
+    max_tokens: int = PREFILL_TOKENS,
+    draft_vocab: int | None = None,
+) -> dict[str, float]:
     """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails when one
     above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
     ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill;
@@ -70,8 +79,14 @@ def verify_engine(model, files: EngineFiles, tree: CompiledTree, *, strict: bool
     scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
 
     def run(ids, positions, mask, lengths, past_key, past_value):
-        feeds = {INPUT_IDS: ids, POSITION_IDS: positions, TREE_MASK: mask, CACHE_LENGTHS: lengths,  # the step contract's order
-                 PAST_KEY: past_key, PAST_VALUE: past_value}
+        feeds = {
+            INPUT_IDS: ids,
+            POSITION_IDS: positions,
+            TREE_MASK: mask,
+            CACHE_LENGTHS: lengths,  # the step contract's order
+            PAST_KEY: past_key,
+            PAST_VALUE: past_value,
+        }
         if scattered:  # the new keys go to slots of the view: pad it to hold them
             key_slots.add_to_feeds(feeds)
         ours = dict(zip(names, session.run(None, feeds)))

@@ -81,7 +81,9 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     if kv.attention_form == "plugin":  # one opaque op: exported as the spec's custom node
         from medusa_trt.plugins.tree_attention import torch_op  # noqa: F401 - registers torch.ops.medusa_trt
 
-        out = torch.ops.medusa_trt.tree_attention(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale)
+        out = torch.ops.medusa_trt.tree_attention(
+            query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale
+        )
     elif kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:  # eager CUDA
         out = _kernel_attend()(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer=layer, scale=scale)
     else:  # reference math in standard ops (what the standard ONNX graph holds)
@@ -225,8 +227,9 @@ class HeadsGraph(nn.Module):
         if heads.config.reads_path and plan is None:
             raise ValueError("sequential heads expand a template: pass its Expansion as plan=")
         if draft_vocab is not None:  # own copies: the exported graph holds only these rows
-            self.vocab_rows = nn.ParameterList([nn.Parameter(w.detach().clone(), requires_grad=False)
-                                                for w in heads.projection_weights(draft_vocab)])
+            self.vocab_rows = nn.ParameterList(
+                [nn.Parameter(w.detach().clone(), requires_grad=False) for w in heads.projection_weights(draft_vocab)]
+            )
 
     def _project(self, k: int, x: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is None:

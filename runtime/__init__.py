@@ -11,6 +11,16 @@ from medusa_trt.runtime.text import PromptError
 from medusa_trt.runtime.tree import CompiledTree, InvalidTreeError, compile_tree, load_tree
 
 __all__ = [
-    "CompiledTree", "EngineError", "EngineMeta", "GenerationResult", "GenerationStats", "InvalidTreeError", "MedusaRuntime",
-    "PromptError", "RuntimeConfig", "StreamEvent", "compile_tree", "load_tree",
+    "CompiledTree",
+    "EngineError",
+    "EngineMeta",
+    "GenerationResult",
+    "GenerationStats",
+    "InvalidTreeError",
+    "MedusaRuntime",
+    "PromptError",
+    "RuntimeConfig",
+    "StreamEvent",
+    "compile_tree",
+    "load_tree",
 ]

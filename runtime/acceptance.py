@@ -17,7 +17,6 @@ import numpy as np
 from medusa_trt.runtime.sampling import sample
 from medusa_trt.runtime.tree import CompiledTree
 
-
 # ---------------------------------------------------------------------------- sampling rules
 #
 # Terms as above. For sampling, the base model's distribution at node i is p_i = warp(logits_i)

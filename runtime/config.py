@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from medusa_trt.runtime.errors import MedusaError
 
-
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_CONTEXT = 1024  # capped by the model's positions wherever a context is chosen
 DEFAULT_PREFILL_CHUNK = 64  # capped by the engine's tokens per step
@@ -16,10 +15,14 @@ DEFAULT_PREFILL_CHUNK = 64  # capped by the engine's tokens per step
 class RuntimeConfig:
     max_batch: int | None = None  # sequences decoded together (cache rows); None: the engine's, or 4 for a torch model
     max_context: int | None = None  # prompt + generated tokens per sequence; None: the engine's, or 1024
-    tree: str | tuple | list | None = None  # the heads' template: preset name, chain-N, JSON file or paths; None: the engine's tree or a chain
+    tree: str | tuple | list | None = (
+        None  # the heads' template: preset name, chain-N, JSON file or paths; None: the engine's tree or a chain
+    )
     drafters: tuple[str, ...] | None = None  # heads, lookup, recycle; None: every drafter the engine supports; (): plain decoding
     step_cost: dict | None = None  # verify cost by tokens per step, relative (the tree budget); None: drafting.DEFAULT_STEP_COST
-    prefill_chunk: int | None = None  # prompt tokens per engine call (bounds the per-step buffers); None: min(64, the engine's tokens per step)
+    prefill_chunk: int | None = (
+        None  # prompt tokens per engine call (bounds the per-step buffers); None: min(64, the engine's tokens per step)
+    )
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
     threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
     cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
@@ -37,8 +40,11 @@ class RuntimeConfig:
             object.__setattr__(self, "drafters", tuple(names))
         if self.step_cost is not None:
             table = self.step_cost
-            if not isinstance(table, dict) or not table or not all(is_int(k) and k >= 1 and isinstance(v, (int, float)) and v > 0
-                                                                  for k, v in table.items()):
+            if (
+                not isinstance(table, dict)
+                or not table
+                or not all(is_int(k) and k >= 1 and isinstance(v, (int, float)) and v > 0 for k, v in table.items())
+            ):
                 raise MedusaError(f"step_cost must map tokens per step (integers >= 1) to positive costs, got {table!r}")
         for name in ("cuda_graph", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):

@@ -142,8 +142,9 @@ class EngineFiles:
         if path.suffix in ENGINE_SUFFIXES:
             return cls.beside(path)
         if not path.is_dir():
-            raise EngineError(f"engine {path} does not exist: export one with medusa-export --out {path} "
-                              "(a folder, or a file ending in .onnx / .plan)")
+            raise EngineError(
+                f"engine {path} does not exist: export one with medusa-export --out {path} (a folder, or a file ending in .onnx / .plan)"
+            )
         from medusa_trt.runtime.engine_folder import read_folder_config
 
         return cls.in_folder(path, ".plan" if read_folder_config(path).backend == "tensorrt" else ".onnx")
@@ -187,8 +188,10 @@ def check_folder_meta(files: EngineFiles, meta: EngineMeta) -> None:
     from medusa_trt.runtime.engine_folder import read_folder_config
 
     if read_folder_config(files.folder).meta != meta:
-        raise EngineError(f"{files.sidecar} does not describe {files.step.name} (their metadata differ): "
-                          "keep the files of one export together or export the folder again")
+        raise EngineError(
+            f"{files.sidecar} does not describe {files.step.name} (their metadata differ): "
+            "keep the files of one export together or export the folder again"
+        )
 
 
 def engine_meta(path: str | os.PathLike) -> EngineMeta:

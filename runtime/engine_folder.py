@@ -54,8 +54,18 @@ class FolderConfig:
             raise EngineError(f"engine folder backend {self.backend!r} is not one of {', '.join(BACKENDS)}: export it again")
 
     def to_json(self) -> str:
-        return json.dumps({"format": FOLDER_FORMAT, "version": FOLDER_VERSION, "backend": self.backend,
-                           "engine": dataclasses.asdict(self.meta), "files": self.files, "graphs": self.graphs}, indent=1, sort_keys=True)
+        return json.dumps(
+            {
+                "format": FOLDER_FORMAT,
+                "version": FOLDER_VERSION,
+                "backend": self.backend,
+                "engine": dataclasses.asdict(self.meta),
+                "files": self.files,
+                "graphs": self.graphs,
+            },
+            indent=1,
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str, *, source: str) -> FolderConfig:
@@ -64,8 +74,9 @@ class FolderConfig:
         except ValueError as exc:
             raise EngineError(f"{source} is not valid JSON ({exc}): export the engine folder again") from exc
         if not isinstance(raw, dict) or raw.get("format") != FOLDER_FORMAT:
-            raise EngineError(f"{source} is not a medusa-trt engine config (no \"format\": \"{FOLDER_FORMAT}\"): "
-                              "pass a folder medusa-export wrote")
+            raise EngineError(
+                f'{source} is not a medusa-trt engine config (no "format": "{FOLDER_FORMAT}"): pass a folder medusa-export wrote'
+            )
         if raw.get("version") != FOLDER_VERSION:
             raise EngineError(f"{source}: engine folder version {raw.get('version')}, this runtime reads {FOLDER_VERSION}: export it again")
         for key, kind in (("engine", dict), ("files", dict), ("graphs", dict), ("backend", str)):
@@ -80,8 +91,10 @@ def read_folder_config(folder: str | os.PathLike) -> FolderConfig:
     folder = Path(folder)
     path = folder / FOLDER_CONFIG
     if not path.is_file():
-        raise EngineError(f"{folder} is a folder but holds no {FOLDER_CONFIG}, so it is not an engine folder: "
-                          f"export one with medusa-export --out {folder}, or pass the engine's .onnx / .plan file")
+        raise EngineError(
+            f"{folder} is a folder but holds no {FOLDER_CONFIG}, so it is not an engine folder: "
+            f"export one with medusa-export --out {folder}, or pass the engine's .onnx / .plan file"
+        )
     return FolderConfig.from_json(path.read_text(encoding="utf-8", errors="replace"), source=str(path))
 
 

@@ -148,15 +148,24 @@ def _attention_graphs(elem: int) -> dict[str, bytes]:
     inputs = [_tensor("q", elem, q), _tensor("k", elem, kv), _tensor("v", elem, kv), _tensor("bias", elem, bias)]
     out = [_tensor("y", elem, q)]
     fused = _model("medusa_lanes_attention", [_node("Attention", ("q", "k", "v", "bias"), ("y",))], inputs, out, opset=23, ir_version=10)
-    plain = _model("medusa_lanes_softmax", [
-        _node("Transpose", ("k",), ("kt",), perm=(0, 1, 3, 2)), _node("MatMul", ("q", "kt"), ("scores",)),
-        _node("Add", ("scores", "bias"), ("masked",)), _node("Softmax", ("masked",), ("p",), axis=-1), _node("MatMul", ("p", "v"), ("y",)),
-    ], inputs, out)
+    plain = _model(
+        "medusa_lanes_softmax",
+        [
+            _node("Transpose", ("k",), ("kt",), perm=(0, 1, 3, 2)),
+            _node("MatMul", ("q", "kt"), ("scores",)),
+            _node("Add", ("scores", "bias"), ("masked",)),
+            _node("Softmax", ("masked",), ("p",), axis=-1),
+            _node("MatMul", ("p", "v"), ("y",)),
+        ],
+        inputs,
+        out,
+    )
     return {"attention": fused, "softmax": plain}
 
 
-def probe_lanes(head_dim: int, groups: int, dtype=np.float32, providers=("CPUExecutionProvider",), threads: int | None = None, *,
-                seed: int = 0) -> int | None:
+def probe_lanes(
+    head_dim: int, groups: int, dtype=np.float32, providers=("CPUExecutionProvider",), threads: int | None = None, *, seed: int = 0
+) -> int | None:
     """The smallest lane count in ``LANES`` under which ONNX Runtime's attention on this machine gives
     a branching tree's path, laid out by ``assign``, the outputs of plain one-token steps, bit for
     bit, at each of ``PROBE_LENGTHS``; None when none does (key slots then claim nothing). Checked on
@@ -195,8 +204,12 @@ def probe_lanes(head_dim: int, groups: int, dtype=np.float32, providers=("CPUExe
             plain = []
             for d, node in enumerate(path):  # node at depth d as a plain step: keys of positions 0 .. length + d in place
                 order = list(range(length)) + [length + p for p in path[: d + 1]]
-                feeds = {"q": stacked(queries[:, node : node + 1]), "k": keys[:, :, order], "v": values[:, :, order],
-                         "bias": np.zeros((1, 1, groups, len(order)), dtype=dtype)}
+                feeds = {
+                    "q": stacked(queries[:, node : node + 1]),
+                    "k": keys[:, :, order],
+                    "v": values[:, :, order],
+                    "bias": np.zeros((1, 1, groups, len(order)), dtype=dtype),
+                }
                 plain.append(session.run(None, feeds)[0][0, 0])  # (G, D)
             for lanes in list(passing):
                 slots, _ = assign(mask[None], np.array([length]), 10**9, lanes)

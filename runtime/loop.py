@@ -278,8 +278,11 @@ class Scheduler:
         """Every row's input for the step: a tree per decode row, a prompt chunk per prefill row."""
         started = time.perf_counter()
         rows, chunk = self.rows, self.rt.config.prefill_chunk
-        prefill = {b: min(chunk, len(s.request.prompt) - s.prefilled) for b, s in enumerate(rows)
-                   if s is not None and s.prefilled < len(s.request.prompt)}
+        prefill = {
+            b: min(chunk, len(s.request.prompt) - s.prefilled)
+            for b, s in enumerate(rows)
+            if s is not None and s.prefilled < len(s.request.prompt)
+        }
         decode = [b for b, s in enumerate(rows) if s is not None and b not in prefill]
         trees, together, draws = {}, {}, {}
         for b in decode:  # a StepTree (a fixed budget, or nothing to draft) or Candidates (budgeted with the step's other rows)
@@ -367,8 +370,9 @@ class Scheduler:
                 self._release(s)
             yield s, event
 
-    def _commit_cache(self, plan: StepPlan, out: StepOutput, verdicts: dict[int, Verdict],
-                      verify: float) -> tuple[dict[int, list[int]], dict[int, int]]:
+    def _commit_cache(
+        self, plan: StepPlan, out: StepOutput, verdicts: dict[int, Verdict], verify: float
+    ) -> tuple[dict[int, list[int]], dict[int, int]]:
         """K/V of root + accepted nodes (prompt chunks) into each row; the new roots. Returns each
         row's new tokens and its last committed node, for the rows that emit."""
         rows = self.rows
@@ -513,7 +517,7 @@ def _decode_tail(codec, s: Seq, *, final: bool) -> str:
     if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
         return ""
     s.decoded = (read, len(s.tokens))
-    return after[len(before):]
+    return after[len(before) :]
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

@@ -39,8 +39,11 @@ def engine_file_list(files: EngineFiles) -> list[Path]:
     (in an engine folder: every file in it but the manifest and hidden ones)."""
     folder = files.step.parent
     if files.folder is not None:
-        return sorted(p for p in files.folder.rglob("*") if p.is_file() and p.name != FOLDER_MANIFEST
-                      and not any(part.startswith(".") for part in p.relative_to(files.folder).parts))
+        return sorted(
+            p
+            for p in files.folder.rglob("*")
+            if p.is_file() and p.name != FOLDER_MANIFEST and not any(part.startswith(".") for part in p.relative_to(files.folder).parts)
+        )
     found = []
     for p in (files.step, files.heads, files.sidecar):
         found += [q for q in (p, p.with_name(p.name + ".data")) if q.is_file()]
@@ -88,8 +91,10 @@ def check_manifest(files: EngineFiles, *, checksums: bool = False) -> bool:
             raise EngineError(f"engine file {f} is missing: copy the whole engine (every file listed in {path.name}) or export again")
         size = f.stat().st_size
         if size != entry.get("size"):
-            raise EngineError(f"engine file {f} has {size} bytes but the export wrote {entry.get('size')} "
-                              "(truncated or replaced): copy it again or export again")
+            raise EngineError(
+                f"engine file {f} has {size} bytes but the export wrote {entry.get('size')} "
+                "(truncated or replaced): copy it again or export again"
+            )
     if checksums:
         for name, entry in sorted(entries.items()):
             f = folder / name

@@ -24,11 +24,11 @@ import numpy as np
 from medusa_trt.runtime.acceptance import tree_walk
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
-from medusa_trt.runtime.step_cost import drafting_pays
+from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
-from medusa_trt.runtime.drafting.sequential import Expansion
+from medusa_trt.runtime.step_cost import drafting_pays
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec, check_messages
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
 
@@ -51,8 +51,7 @@ class _EngineInfo:
     @classmethod
     def from_meta(cls, meta) -> _EngineInfo:
         """From an exported engine's ``EngineMeta`` (ONNX or TensorRT)."""
-        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat,
-                   meta.expansion)
+        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat, meta.expansion)
 
 
 def _folder_step_cost(files: EngineFiles | None) -> tuple[dict | None, float]:
@@ -89,7 +88,10 @@ class MedusaRuntime:
         elif hasattr(engine, "kv_spec") and hasattr(engine, "propose"):
             self.backend, codec, info = self._torch(engine, cfg)
         else:
-            raise EngineError(f"unsupported engine {type(engine).__name__}: pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa")
+            raise EngineError(
+                f"unsupported engine {type(engine).__name__}: "
+                "pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa"
+            )
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
         self._folder_step_cost, self._heads_cost = _folder_step_cost(getattr(self.backend, "files", None))
         self.num_heads = info.num_heads
@@ -123,12 +125,15 @@ class MedusaRuntime:
             names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
             max_nodes = min(config.max_nodes, self.backend.max_tokens or config.max_nodes)
             if names and not drafting_pays(config.cost, self._heads_cost if "heads" in names else 0.0, max_nodes, config.max_depth):
-                log.warning("no tree can beat plain decoding on this engine's measured step cost (%s, heads call %.2f): "
-                            "default drafting is plain decoding here", step_cost, self._heads_cost)
+                log.warning(
+                    "no tree can beat plain decoding on this engine's measured step cost (%s, heads call %.2f): "
+                    "default drafting is plain decoding here",
+                    step_cost,
+                    self._heads_cost,
+                )
                 names = ()
         template = HeadsTemplate(tree, tree_walk(tree), self._info.expansion) if heads else None
-        return Drafting(tuple(names), template, config,
-                        engine_max_nodes=self.backend.max_tokens)
+        return Drafting(tuple(names), template, config, engine_max_nodes=self.backend.max_tokens)
 
     def with_tree(self, tree) -> MedusaRuntime:
         """The same engine and buffers with another heads template (the drafters stay; ``chain-0``
@@ -138,8 +143,11 @@ class MedusaRuntime:
         other.config = dataclasses.replace(self.config, tree=tree)
         other.tree = load_tree(tree, max_depth=self.num_heads)
         self._check_tree(other.tree)
-        other.drafting = other._drafting(other.tree, None if self.config.drafters is None else
-                                         tuple(n for n in self.config.drafters if n != "heads" or other.tree.depth_max), explicit_tree=True)
+        other.drafting = other._drafting(
+            other.tree,
+            None if self.config.drafters is None else tuple(n for n in self.config.drafters if n != "heads" or other.tree.depth_max),
+            explicit_tree=True,
+        )
         return other
 
     def with_drafters(self, drafters) -> MedusaRuntime:
@@ -161,23 +169,27 @@ class MedusaRuntime:
             )
         limit = self.backend.max_tokens
         if limit is not None and tree.num_nodes > limit:
-            raise EngineError(f"tree {tree.name} has {tree.num_nodes} nodes but the engine takes at most {limit} per step: "
-                              "use a smaller tree or export with a larger --max-tokens")
+            raise EngineError(
+                f"tree {tree.name} has {tree.num_nodes} nodes but the engine takes at most {limit} per step: "
+                "use a smaller tree or export with a larger --max-tokens"
+            )
 
     @staticmethod
     def _onnx(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
 
-        backend = OnnxBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads,
-                              checksums=cfg.verify_checksums)
+        backend = OnnxBackend(
+            path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads, checksums=cfg.verify_checksums
+        )
         return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod
     def _tensorrt(path, cfg: RuntimeConfig):
         from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend  # tensorrt and torch only on this path
 
-        backend = TensorRTBackend(path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph,
-                                  checksums=cfg.verify_checksums)
+        backend = TensorRTBackend(
+            path, max_batch=cfg.max_batch, max_context=cfg.max_context, cuda_graph=cfg.cuda_graph, checksums=cfg.verify_checksums
+        )
         return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod
@@ -193,14 +205,34 @@ class MedusaRuntime:
             raise EngineError(f"max_context {max_context} exceeds the model's sliding window {window}: lower max_context")
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
         name = default_tree(model.num_heads)
-        info = _EngineInfo(model.num_heads, resolve_tree(name)[1], name, model.vocab_size, model.vocab_size, model.eos_token_ids,
-                           getattr(model, "is_chat", False))
+        info = _EngineInfo(
+            model.num_heads,
+            resolve_tree(name)[1],
+            name,
+            model.vocab_size,
+            model.vocab_size,
+            model.eos_token_ids,
+            getattr(model, "is_chat", False),
+        )
         return backend, TextCodec(model.tokenizer), info
 
     # ----------------------------------------------------------------- public API
 
-    def generate(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
-                 temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None, hidden: bool = False):
+    def generate(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = None,
+        chat_template: bool | None = None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+        acceptance=None,
+        sampling=None,
+        hidden: bool = False,
+    ):
         """One ``GenerationResult`` for a single prompt, a list for a batch. A prompt is text (the chat
         template applied for instruct engines), a list of token ids, or a conversation: a list of
         {"role": "system" | "user" | "assistant", "content": text} dicts rendered by the engine's
@@ -212,15 +244,30 @@ class MedusaRuntime:
         temperature, top_p, top_k, seed, acceptance is one value for all prompts or a list with
         one per prompt; or pass ``sampling=`` SamplingParams (one or a list). ``hidden=True`` also
         returns the heads' input hidden state before every new token (``GenerationResult.hidden``)."""
-        single, seqs = self._sequences(prompts, max_new_tokens, stop, chat_template, sampling,
-                                       dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance), hidden)
+        single, seqs = self._sequences(
+            prompts,
+            max_new_tokens,
+            stop,
+            chat_template,
+            sampling,
+            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
+            hidden,
+        )
         for _ in self._run(seqs):
             pass
         results = [s.result() for s in seqs]
         return results[0] if single else results
 
-    def completed(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
-                  sampling=None, hidden: bool = False) -> Iterator[tuple[int, GenerationResult]]:
+    def completed(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = None,
+        chat_template: bool | None = None,
+        sampling=None,
+        hidden: bool = False,
+    ) -> Iterator[tuple[int, GenerationResult]]:
         """(prompt index, result) for each prompt of a list as soon as it finishes, in the order
         they finish (options as ``generate``): rows free up and refill without waiting for the
         slowest of a batch, and a caller can store each result at once (self-distillation)."""
@@ -229,12 +276,30 @@ class MedusaRuntime:
             if event.finish_reason is not None:
                 yield event.index, seqs[event.index].result()
 
-    def stream(self, prompts, *, max_new_tokens: int = 128, stop: str | Sequence[str] | None = None, chat_template: bool | None = None,
-               temperature=None, top_p=None, top_k=None, seed=None, acceptance=None, sampling=None) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = None,
+        chat_template: bool | None = None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+        acceptance=None,
+        sampling=None,
+    ) -> Iterator[StreamEvent]:
         """Yield tokens as they are committed, one event per sequence and step (options as ``generate``);
         ``event.index`` is the prompt's position, ``event.finish_reason`` is set on its last event."""
-        _, seqs = self._sequences(prompts, max_new_tokens, stop, chat_template, sampling,
-                                  dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance))
+        _, seqs = self._sequences(
+            prompts,
+            max_new_tokens,
+            stop,
+            chat_template,
+            sampling,
+            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
+        )
         yield from self._run(seqs)
 
     def _run(self, seqs: list[Seq]) -> Iterator[StreamEvent]:
@@ -257,8 +322,10 @@ class MedusaRuntime:
         """Exclusive use of the engine and its KV cache (shared with ``with_tree`` copies): one
         loop at a time. Concurrent requests go through one ``ContinuousBatcher`` instead."""
         if not self._lock.acquire(blocking=False):
-            raise EngineError("this runtime's engine is already generating (another thread, stream or ContinuousBatcher): "
-                              "send concurrent requests through one ContinuousBatcher, or give each thread its own MedusaRuntime")
+            raise EngineError(
+                "this runtime's engine is already generating (another thread, stream or ContinuousBatcher): "
+                "send concurrent requests through one ContinuousBatcher, or give each thread its own MedusaRuntime"
+            )
         try:
             yield
         finally:
@@ -282,8 +349,15 @@ class MedusaRuntime:
             raise PromptError("chat_template=True but the tokenizer has no chat template")
         if isinstance(prompts, (bytes, bytearray, memoryview)):
             raise PromptError("prompts are text (str) or lists of token ids, not bytes: decode the bytes first")
-        single = isinstance(prompts, str) or _is_conversation(prompts) or (
-            _is_sequence(prompts) and len(prompts) > 0 and not any(isinstance(t, (str, bytes, dict)) or _is_sequence(t) for t in prompts))
+        single = (
+            isinstance(prompts, str)
+            or _is_conversation(prompts)
+            or (
+                _is_sequence(prompts)
+                and len(prompts) > 0
+                and not any(isinstance(t, (str, bytes, dict)) or _is_sequence(t) for t in prompts)
+            )
+        )
         items = [prompts] if single else list(prompts) if _is_sequence(prompts) else None
         if not items:
             raise PromptError("no prompts given: pass a string, a list of token ids, a conversation, or a list of those")
@@ -310,8 +384,10 @@ class MedusaRuntime:
         if chat_template is False:
             raise PromptError(f"prompt {i} is a conversation, which only the chat template can render: drop chat_template=False")
         if not self.codec.has_chat_template:
-            raise PromptError(f"prompt {i} is a conversation but this engine's tokenizer has no chat template: pass text or token ids, "
-                              "or put the model's chat_template.jinja in the engine's tokenizer files")
+            raise PromptError(
+                f"prompt {i} is a conversation but this engine's tokenizer has no chat template: pass text or token ids, "
+                "or put the model's chat_template.jinja in the engine's tokenizer files"
+            )
         return self.codec.encode_chat(check_messages(messages, f"prompt {i}"))
 
     def _token_ids(self, i: int, item) -> list[int]:

@@ -54,8 +54,10 @@ class SamplingParams:
         if self.acceptance is not None and self.acceptance not in RULES:
             raise SamplingError(f"acceptance {self.acceptance!r} is not one of {', '.join(RULES)}")
         if self.acceptance == "greedy" and self.temperature > 0:
-            raise SamplingError("acceptance='greedy' decodes at temperature 0: drop the temperature, "
-                                "or use acceptance='lossless' (exact) or 'typical' to sample")
+            raise SamplingError(
+                "acceptance='greedy' decodes at temperature 0: drop the temperature, "
+                "or use acceptance='lossless' (exact) or 'typical' to sample"
+            )
         if not 0 < self.posterior_threshold <= 1 or self.posterior_alpha <= 0:
             raise SamplingError("posterior_threshold must be in (0, 1] and posterior_alpha > 0")
 

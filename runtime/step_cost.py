@@ -62,7 +62,7 @@ def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPE
         ids = np.zeros((1, t), dtype=np.int64)  # (1, T)
         positions = context + np.arange(t, dtype=np.int64)[None, :]  # (1, T)
         mask = np.tri(t, dtype=bool)[None]  # (1, T, T)
-        calls[t] = (lambda ids=ids, positions=positions, mask=mask: backend.step(ids, positions, mask, lengths))
+        calls[t] = lambda ids=ids, positions=positions, mask=mask: backend.step(ids, positions, mask, lengths)
     meta = getattr(backend, "meta", None)
     if meta is not None and meta.num_heads:
         roots = np.zeros(1, dtype=np.int64)
@@ -78,8 +78,13 @@ def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPE
     ms = _isotonic(ms)
     heads = float(np.median(times["heads"])) * 1e3 / ms[0] if "heads" in times else 0.0
     cost = MeasuredCost({t: m / ms[0] for t, m in zip(sizes, ms)}, heads, ms[0])
-    log.info("step cost over %d context tokens: %s; heads %.2f (one-token step %.2f ms)", context,
-             ", ".join(f"{t}: {c:.2f}" for t, c in cost.table.items()), heads, ms[0])
+    log.info(
+        "step cost over %d context tokens: %s; heads %.2f (one-token step %.2f ms)",
+        context,
+        ", ".join(f"{t}: {c:.2f}" for t, c in cost.table.items()),
+        heads,
+        ms[0],
+    )
     return cost
 
 

@@ -21,8 +21,10 @@ class TokenizerError(MedusaError):
 
 
 # distinct from an empty prompt: the text was there, the tokenizer's vocabulary had nothing for it
-NO_TOKENS = ("the prompt encodes to no tokens with this engine's tokenizer (none of its text is in the vocabulary): "
-             "pass text the model's vocabulary covers, or token ids")
+NO_TOKENS = (
+    "the prompt encodes to no tokens with this engine's tokenizer (none of its text is in the vocabulary): "
+    "pass text the model's vocabulary covers, or token ids"
+)
 
 
 def _some_tokens(ids: list[int]) -> list[int]:
@@ -119,7 +121,9 @@ class FileTextCodec:
         try:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own untyped errors
-            raise TokenizerError(f"{folder / 'tokenizer.json'} cannot be read ({_short(exc)}): copy the engine's tokenizer folder again or export again") from exc
+            raise TokenizerError(
+                f"{folder / 'tokenizer.json'} cannot be read ({_short(exc)}): copy the engine's tokenizer folder again or export again"
+            ) from exc
         config_file = folder / "tokenizer_config.json"
         try:
             self.config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
@@ -143,14 +147,18 @@ class FileTextCodec:
         try:
             recorded = read_probe(folder)
         except (ValueError, KeyError, TypeError) as exc:
-            raise TokenizerError(f"{folder / PROBE_FILE} is corrupt ({_short(exc)}): copy the engine's tokenizer files again or export again") from exc
+            raise TokenizerError(
+                f"{folder / PROBE_FILE} is corrupt ({_short(exc)}): copy the engine's tokenizer files again or export again"
+            ) from exc
         if recorded is None:
             return
         # the texts only: a chat template may be added or changed after export (put chat_template.jinja beside the files)
         differs = first_difference(dataclasses.replace(recorded, chat=None), probe(self, recorded.texts, chat=False))
         if differs:
-            raise TokenizerError(f"the engine's tokenizer {folder / 'tokenizer.json'} {differs}, unlike at export "
-                                 "(edited or replaced since): copy the engine's tokenizer files again or export again")
+            raise TokenizerError(
+                f"the engine's tokenizer {folder / 'tokenizer.json'} {differs}, unlike at export "
+                "(edited or replaced since): copy the engine's tokenizer files again or export again"
+            )
 
     def _compile(self, folder) -> None:
         """Compile the chat template once, so a broken one is named at load, not on the first request."""

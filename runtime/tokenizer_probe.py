@@ -55,8 +55,16 @@ class Probe:
     chat: tuple[int, ...] | None
 
     def to_json(self) -> str:
-        return json.dumps({"version": PROBE_VERSION, "texts": list(self.texts), "ids": [list(i) for i in self.ids],
-                           "decoded": list(self.decoded), "chat": None if self.chat is None else list(self.chat)}, ensure_ascii=False)
+        return json.dumps(
+            {
+                "version": PROBE_VERSION,
+                "texts": list(self.texts),
+                "ids": [list(i) for i in self.ids],
+                "decoded": list(self.decoded),
+                "chat": None if self.chat is None else list(self.chat),
+            },
+            ensure_ascii=False,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Probe:
@@ -66,8 +74,12 @@ class Probe:
         texts, ids, decoded, chat = raw["texts"], raw["ids"], raw["decoded"], raw.get("chat")
         if not len(texts) == len(ids) == len(decoded):
             raise ValueError("texts, ids and decoded differ in length")
-        return cls(tuple(str(t) for t in texts), tuple(tuple(int(t) for t in i) for i in ids), tuple(str(d) for d in decoded),
-                   None if chat is None else tuple(int(t) for t in chat))
+        return cls(
+            tuple(str(t) for t in texts),
+            tuple(tuple(int(t) for t in i) for i in ids),
+            tuple(str(d) for d in decoded),
+            None if chat is None else tuple(int(t) for t in chat),
+        )
 
 
 def vocabulary_sample(codec, vocab_size: int) -> str:

@@ -90,19 +90,21 @@ def _check_paths(paths, top_k: int | None, max_depth: int | None) -> list[tuple[
             raise InvalidTreeError(f"tree path {_fmt(path)} appears twice; remove the duplicate")
         if top_k is not None and max(path) >= top_k:
             raise InvalidTreeError(
-                f"tree path {_fmt(path)} uses index {max(path)} but heads propose only top_k={top_k}; "
-                f"raise top_k or remove the path")
+                f"tree path {_fmt(path)} uses index {max(path)} but heads propose only top_k={top_k}; raise top_k or remove the path"
+            )
         if max_depth is not None and len(path) > max_depth:
             raise InvalidTreeError(
                 f"tree path {_fmt(path)} has depth {len(path)}: the tree needs {len(path)} heads but only "
-                f"{max_depth} are available; use a shallower tree")
+                f"{max_depth} are available; use a shallower tree"
+            )
         seen.add(path)
     nodes = sorted(seen, key=lambda p: (len(p), p))
     for path in nodes:  # sorted, so the shallowest gap is reported
         if len(path) > 1 and path[:-1] not in seen:
             raise InvalidTreeError(
                 f"tree path {_fmt(path)} has no parent {_fmt(path[:-1])}: a tree must be prefix-closed; "
-                f"add {_fmt(path[:-1])} or remove {_fmt(path)}")
+                f"add {_fmt(path[:-1])} or remove {_fmt(path)}"
+            )
     return nodes
 
 
@@ -111,8 +113,9 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def compile_tree(paths, *, top_k: int | None = None, max_depth: int | None = None,
-                 max_nodes: int = DEFAULT_MAX_NODES, name: str = "custom") -> CompiledTree:
+def compile_tree(
+    paths, *, top_k: int | None = None, max_depth: int | None = None, max_nodes: int = DEFAULT_MAX_NODES, name: str = "custom"
+) -> CompiledTree:
     """Compile a list of paths into frozen buffers. Pure; call once per tree."""
     if top_k is not None and top_k < 1:
         raise InvalidTreeError(f"top_k must be >= 1, got {top_k}")
@@ -121,7 +124,8 @@ def compile_tree(paths, *, top_k: int | None = None, max_depth: int | None = Non
     if T > max_nodes:
         raise InvalidTreeError(
             f"tree has {T} nodes (root included) but at most {max_nodes} are allowed; first node past the "
-            f"limit is path {_fmt(nodes[max_nodes - 1])}; prune the tree or raise max_nodes")
+            f"limit is path {_fmt(nodes[max_nodes - 1])}; prune the tree or raise max_nodes"
+        )
     K = top_k if top_k is not None else max((max(p) for p in nodes), default=0) + 1
     D = max((len(p) for p in nodes), default=0)
 
@@ -147,9 +151,18 @@ def compile_tree(paths, *, top_k: int | None = None, max_depth: int | None = Non
 
     log.debug("compiled tree %r: %d nodes, depth %d, top-k %d, %d leaves", name, T, D, K, len(leaves))
     return CompiledTree(
-        name=name, paths=tuple(nodes), top_k=K, depth_max=D, num_nodes=T,
-        depth=_frozen(depth), parent=_frozen(parent), gather_index=_frozen(gather), mask=_frozen(mask),
-        retrieve=_frozen(retrieve), path_lengths=_frozen(path_lengths))
+        name=name,
+        paths=tuple(nodes),
+        top_k=K,
+        depth_max=D,
+        num_nodes=T,
+        depth=_frozen(depth),
+        parent=_frozen(parent),
+        gather_index=_frozen(gather),
+        mask=_frozen(mask),
+        retrieve=_frozen(retrieve),
+        path_lengths=_frozen(path_lengths),
+    )
 
 
 def chain_paths(n: int) -> list[list[int]]:
@@ -169,13 +182,12 @@ def _resolve(spec, presets_file) -> tuple[str, list, int | None]:
     if isinstance(spec, (list, tuple)):
         return "custom", list(spec), None
     if not isinstance(spec, (str, os.PathLike)):
-        raise InvalidTreeError(f"tree spec must be a preset name, 'chain-N', a JSON file or a list of paths, "
-                               f"got {type(spec).__name__}")
+        raise InvalidTreeError(f"tree spec must be a preset name, 'chain-N', a JSON file or a list of paths, got {type(spec).__name__}")
     text = os.fspath(spec)
     if isinstance(spec, str) and text.startswith("chain-"):
         if not re.fullmatch(r"chain-\d+", text):
             raise InvalidTreeError(f"tree spec {text!r}: write chain-N with N a non-negative integer, e.g. chain-4")
-        return text, chain_paths(int(text[len("chain-"):])), None
+        return text, chain_paths(int(text[len("chain-") :])), None
     file = Path(text)
     if file.is_file():
         data = _read_json(file)
@@ -192,13 +204,13 @@ def _resolve(spec, presets_file) -> tuple[str, list, int | None]:
         raise InvalidTreeError(
             f"tree preset {text!r} needs the presets file, but {presets_path} does not exist (an install built without "
             f"them: reinstall medusa-trt from a wheel); set {PRESETS_ENV} to a medusa_choices.json, or pass a JSON file of "
-            "paths or chain-N")
+            "paths or chain-N"
+        )
     presets = _read_json(presets_path)
     if not isinstance(presets, dict):
         raise InvalidTreeError(f"presets file {presets_path} must map preset names to lists of paths")
     if text not in presets:
-        raise InvalidTreeError(
-            f"unknown tree {text!r}; choose one of {', '.join(sorted(presets))}, chain-N, or a JSON file of paths")
+        raise InvalidTreeError(f"unknown tree {text!r}; choose one of {', '.join(sorted(presets))}, chain-N, or a JSON file of paths")
     return text, presets[text], None
 
 
@@ -208,8 +220,9 @@ def resolve_tree(spec, *, presets_file: str | os.PathLike | None = None) -> tupl
     return name, paths
 
 
-def load_tree(spec, *, top_k: int | None = None, max_depth: int | None = None,
-              max_nodes: int = DEFAULT_MAX_NODES, presets_file=None) -> CompiledTree:
+def load_tree(
+    spec, *, top_k: int | None = None, max_depth: int | None = None, max_nodes: int = DEFAULT_MAX_NODES, presets_file=None
+) -> CompiledTree:
     """resolve_tree + compile_tree. An explicit top_k wins over one recorded in a JSON file."""
     name, paths, file_top_k = _resolve(spec, presets_file)
     if top_k is None and file_top_k is not None:

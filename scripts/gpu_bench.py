@@ -30,10 +30,24 @@ from medusa_trt.runtime.step_cost import median_ms
 from medusa_trt.training.ridge import fit_heads_ridge, greedy_continuations
 
 SHAPES = {
-    "smollm2-135m-shaped": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-    "llama-1b-shaped": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                            num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+    "smollm2-135m-shaped": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    "llama-1b-shaped": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 
 ATTENTION_SHAPES = {"smollm2-135m-shaped": (9, 3, 64), "llama-1b-shaped": (32, 4, 64)}  # Hq, Hkv, D
@@ -111,9 +125,19 @@ def attention_latency(heads: tuple[int, int, int], contexts: list[int], sizes: l
     for context in contexts:
         rows = {}
         for t in sizes:
-            case = make_case(cache_lengths=[context], num_new=t, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, mask="causal", num_layers=2, layer=1, spare_slots=64,
-                             dtype=torch.bfloat16, device="cuda")
+            case = make_case(
+                cache_lengths=[context],
+                num_new=t,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                mask="causal",
+                num_layers=2,
+                layer=1,
+                spare_slots=64,
+                dtype=torch.bfloat16,
+                device="cuda",
+            )
             dest = torch.empty_like(case.query)
             kernel_ms = _call_ms(tree_attention_triton, case, dest, repeats)
             reference_ms = _call_ms(reference_from_spec, case, dest, repeats)
@@ -150,7 +174,9 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.device == "cuda" and triton_importable():
-        report["tree_attention"] = {shape: attention_latency(ATTENTION_SHAPES[shape], [256, 4096], sizes, args.repeats) for shape in args.shapes}
+        report["tree_attention"] = {
+            shape: attention_latency(ATTENTION_SHAPES[shape], [256, 4096], sizes, args.repeats) for shape in args.shapes
+        }
     elif args.device == "cuda":
         print("tree attention kernel timing skipped: triton not installed")
     with open(args.out, "w") as f:
@@ -160,8 +186,11 @@ def main() -> None:
         steps = "  ".join(f"T={t}: {ms:.2f}" for t, ms in entry["step_ms_ctx256"].items())
         print(f"{shape} ({entry['dtype']}): verify step ms over 256 context: {steps}")
         for d in entry["decode"]:
-            print(f"  {d['tree']}: plain {d['plain']['tokens_per_s']:.1f} tok/s, medusa {d['medusa']['tokens_per_s']:.1f} tok/s "
-                  f"({d['medusa']['mean_accepted']:.2f} accepted/step), speedup {d['speedup']:.2f}x, identical tokens: {d['identical_tokens']}")
+            print(
+                f"  {d['tree']}: plain {d['plain']['tokens_per_s']:.1f} tok/s, medusa {d['medusa']['tokens_per_s']:.1f} tok/s "
+                f"({d['medusa']['mean_accepted']:.2f} accepted/step), speedup {d['speedup']:.2f}x, "
+                f"identical tokens: {d['identical_tokens']}"
+            )
     for shape, contexts in report.get("tree_attention", {}).items():
         for context, rows in contexts.items():
             cells = "  ".join(f"T={t}: {r['kernel_ms']:.3f}/{r['reference_ms']:.3f}" for t, r in rows.items())

@@ -52,20 +52,41 @@ def main() -> None:
     keys = sorted(records, key=lambda k: (k[0] != "prompt", k[1]))[: args.max_sequences]  # first turns by prompt index, then follow-ups
     samples = [Sample.from_record(records[k]) for k in keys]
     base = load_base_model(args.model)
-    data = TrainConfig(out=str(work.with_suffix("")), work=str(work), shared_lm_head=True, epochs=args.epochs, batch_size=args.batch_size,
-                       lr=args.lr, holdout=args.holdout, bf16=True)
+    data = TrainConfig(
+        out=str(work.with_suffix("")),
+        work=str(work),
+        shared_lm_head=True,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        holdout=args.holdout,
+        bf16=True,
+    )
     cached = cache_hidden(base, samples, data)
-    report = {"sequences": len(samples), "positions": int(cached["hidden"].shape[0]), "epochs": args.epochs, "batch_size": args.batch_size,
-              "lr": args.lr, "shared_lm_head": True, "layers": data.num_layers, "variants": {}}
+    report = {
+        "sequences": len(samples),
+        "positions": int(cached["hidden"].shape[0]),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "shared_lm_head": True,
+        "layers": data.num_layers,
+        "variants": {},
+    }
     for name, head_input in VARIANTS.items():
         config = dataclasses.replace(data, out=f"build/ablation/{name}", work=f"build/ablation/{name}.work", head_input=head_input)
         Path(config.work).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         heads, metrics = train_heads(base, config, cached)
         save_heads(heads, config.out)  # export it to decode with it (docs/benchmarks.md's real-decoding rows)
-        report["variants"][name] = {"head_input": head_input, "seconds": round(time.perf_counter() - started), **metrics["holdout"],
-                                    "train_positions": metrics["train_positions"], "holdout_positions": metrics["holdout_positions"],
-                                    "loss_last": metrics["loss_last"][-1]}
+        report["variants"][name] = {
+            "head_input": head_input,
+            "seconds": round(time.perf_counter() - started),
+            **metrics["holdout"],
+            "train_positions": metrics["train_positions"],
+            "holdout_positions": metrics["holdout_positions"],
+            "loss_last": metrics["loss_last"][-1],
+        }
         log.info("%s: top-1 %s", name, [round(a, 3) for a in metrics["holdout"]["top1"]])
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=2) + "\n")

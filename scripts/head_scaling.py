@@ -66,17 +66,26 @@ def main() -> None:
     size = dict(hidden_size=base.model.config.hidden_size, vocab_size=base.model.config.vocab_size, lm_head=lm_head)
     hidden, targets = cached["hidden"][held_idx], cached["targets"][held_idx]
     report = {"held_out_positions": len(held_idx), "runs": {}}
-    report["runs"][f"{args.fraction:g} of the training sequences"] = {"train_positions": metrics["train_positions"],
-                                                                     **head_accuracy(heads, hidden, targets)}
+    report["runs"][f"{args.fraction:g} of the training sequences"] = {
+        "train_positions": metrics["train_positions"],
+        **head_accuracy(heads, hidden, targets),
+    }
     shipped_metrics = json.loads((heads_dir / "metrics.json").read_text())
-    report["runs"][f"shipped ({heads_dir})"] = {"train_positions": shipped_metrics["train_positions"],
-                                                **head_accuracy(load_heads(heads_dir, **size).eval(), hidden, targets)}
+    report["runs"][f"shipped ({heads_dir})"] = {
+        "train_positions": shipped_metrics["train_positions"],
+        **head_accuracy(load_heads(heads_dir, **size).eval(), hidden, targets),
+    }
     for old in args.old:
         report["runs"][old] = head_accuracy(load_heads(old, **size).eval(), hidden, targets)
     Path(args.out).write_text(json.dumps(report, indent=2))
     for name, run in report["runs"].items():
-        print(f"{name}: top-1 " + " / ".join(f"{a:.3f}" for a in run["top1"]) + ", top-5 " + " / ".join(f"{a:.3f}" for a in run["top5"])
-              + (f" ({run['train_positions']} training positions)" if "train_positions" in run else ""))
+        print(
+            f"{name}: top-1 "
+            + " / ".join(f"{a:.3f}" for a in run["top1"])
+            + ", top-5 "
+            + " / ".join(f"{a:.3f}" for a in run["top5"])
+            + (f" ({run['train_positions']} training positions)" if "train_positions" in run else "")
+        )
     print(f"on {len(held_idx)} held-out positions; wrote {args.out}")
 
 

@@ -63,10 +63,16 @@ def main(argv=None) -> int:
     for name, rows in rounds.items():
         step, cold, warm = np.median(np.array(rows), axis=0)
         meta = runtimes[name].backend.meta
-        report[name] = {"heads_vocab": meta.heads_vocab, "quantization": meta.quantization, "verify_step_ms": float(step),
-                        "heads_after_step_ms": float(cold), "heads_repeated_ms": float(warm)}
-        logging.info("%s (%d heads columns): verify %.1f ms, heads after it %.2f ms, repeated %.2f ms",
-                     name, meta.heads_vocab, step, cold, warm)
+        report[name] = {
+            "heads_vocab": meta.heads_vocab,
+            "quantization": meta.quantization,
+            "verify_step_ms": float(step),
+            "heads_after_step_ms": float(cold),
+            "heads_repeated_ms": float(warm),
+        }
+        logging.info(
+            "%s (%d heads columns): verify %.1f ms, heads after it %.2f ms, repeated %.2f ms", name, meta.heads_vocab, step, cold, warm
+        )
     if args.out:
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps({"width": args.width, "context": args.context, "threads": args.threads, "engines": report}, indent=1))

@@ -45,7 +45,9 @@ def memory():
     return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_anon_mib": int(status["RssAnon"].split()[0]) / 1024, "rss_file_mib": int(status["RssFile"].split()[0]) / 1024}
 """
-IMPORT_PROBE = MEMORY + r"""
+IMPORT_PROBE = (
+    MEMORY
+    + r"""
 import json, sys, time
 start = time.perf_counter()
 import medusa_trt.runtime
@@ -54,14 +56,20 @@ import onnxruntime, tokenizers, jinja2.sandbox
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, **memory(), "modules": len(sys.modules), "onnxruntime": onnxruntime.__version__}))
 """
-TORCH_PROBE = MEMORY + r"""
+)
+TORCH_PROBE = (
+    MEMORY
+    + r"""
 import json, time
 start = time.perf_counter()
 import medusa_trt.exporter, torch, transformers
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, **memory()}))
 """
-GENERATE_PROBE = MEMORY + r"""
+)
+GENERATE_PROBE = (
+    MEMORY
+    + r"""
 import json, sys, time
 engine, prompt, tokens, max_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 start = time.perf_counter()
@@ -73,6 +81,7 @@ heavy = sorted({m.partition(".")[0] for m in sys.modules} & {"torch", "transform
 print(json.dumps({"load_seconds": ready, "tokens_per_s": result.stats.tokens_per_second, "token_ids": result.token_ids,
                   **memory(), "heavy_modules": heavy}))
 """
+)
 
 
 class LeanInstallError(RuntimeError):
@@ -113,8 +122,13 @@ def build_lean_venv(venv: Path) -> Path:
     python = venv / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="medusa-trt-src-") as tmp:
         wheel = build_wheel(Path(tmp))
-        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", *constraint_args(), str(wheel)],
-                              capture_output=True, text=True, timeout=900, env=clean_env())
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--retries", "2", *constraint_args(), str(wheel)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=clean_env(),
+        )
     if proc.returncode != 0:
         raise LeanInstallError(f"pip install {wheel.name} (no extras) into {venv} failed", proc.stdout + proc.stderr)
     return python
@@ -133,8 +147,13 @@ def build_wheel(tmp: Path) -> Path:
     source = copy_checkout(tmp / "src")
     env = clean_env()
     env.setdefault("MEDUSA_TRT_SHARED", str(REPO.parent / "shared"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--retries", "2", "-w", str(tmp / "dist"), str(source)],
-                          capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--retries", "2", "-w", str(tmp / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     wheels = sorted((tmp / "dist").glob("medusa_trt-*.whl"))
     if proc.returncode != 0 or not wheels:
         raise LeanInstallError(f"pip wheel {REPO} failed", proc.stdout + proc.stderr)
@@ -142,8 +161,13 @@ def build_wheel(tmp: Path) -> Path:
 
 
 def site_packages(python: Path) -> Path:
-    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True, env=clean_env())
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=clean_env(),
+    )
     return Path(out.stdout.strip())
 
 
@@ -170,8 +194,9 @@ def sizes(site: Path) -> dict:
 
 
 def probe(python: Path, code: str, *args: str) -> dict:
-    proc = subprocess.run([str(python), "-c", code, *args], capture_output=True, text=True, timeout=600, env=clean_env(),
-                          cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [str(python), "-c", code, *args], capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tempfile.gettempdir()
+    )
     if proc.returncode != 0:
         raise SystemExit(f"lean_report: {python} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -201,20 +226,42 @@ def table(report: dict) -> str:
         return f"{peak:.0f} MiB ({anon:.0f})"
 
     rows = [
-        ("site-packages on disk (pip, setuptools not counted)", f"{lean['site_packages_mib']:.0f} MiB", f"{full['site_packages_mib']:.0f} MiB"),
-        (f"import runtime + ONNX backend (median of {report['repeats']} fresh processes)",
-         f"{lean['import_seconds'] * 1000:.0f} ms", f"{full['import_seconds'] * 1000:.0f} ms"),
-        ("peak RSS after that import (anonymous part)", mem(lean["import_peak_rss_mib"], lean["import_rss_anon_mib"]),
-         mem(full["import_peak_rss_mib"], full["import_rss_anon_mib"])),
-        (gen, mem(lean["generate"]["peak_rss_mib"], lean["generate"]["rss_anon_mib"]),
-         mem(full["generate"]["peak_rss_mib"], full["generate"]["rss_anon_mib"])),
+        (
+            "site-packages on disk (pip, setuptools not counted)",
+            f"{lean['site_packages_mib']:.0f} MiB",
+            f"{full['site_packages_mib']:.0f} MiB",
+        ),
+        (
+            f"import runtime + ONNX backend (median of {report['repeats']} fresh processes)",
+            f"{lean['import_seconds'] * 1000:.0f} ms",
+            f"{full['import_seconds'] * 1000:.0f} ms",
+        ),
+        (
+            "peak RSS after that import (anonymous part)",
+            mem(lean["import_peak_rss_mib"], lean["import_rss_anon_mib"]),
+            mem(full["import_peak_rss_mib"], full["import_rss_anon_mib"]),
+        ),
+        (
+            gen,
+            mem(lean["generate"]["peak_rss_mib"], lean["generate"]["rss_anon_mib"]),
+            mem(full["generate"]["peak_rss_mib"], full["generate"]["rss_anon_mib"]),
+        ),
         ("engine load (import + sessions)", f"{lean['generate']['load_seconds']:.2f} s", f"{full['generate']['load_seconds']:.2f} s"),
-        ("decoding speed (one run, for reference)", f"{lean['generate']['tokens_per_s']:.1f} tok/s", f"{full['generate']['tokens_per_s']:.1f} tok/s"),
+        (
+            "decoding speed (one run, for reference)",
+            f"{lean['generate']['tokens_per_s']:.1f} tok/s",
+            f"{full['generate']['tokens_per_s']:.1f} tok/s",
+        ),
     ]
     torch_path = report.get("full_torch_import")
     if torch_path:
-        rows.append(("import the torch path (exporter, torch, transformers)", "not installed",
-                     f"{torch_path['seconds'] * 1000:.0f} ms, {mem(torch_path['peak_rss_mib'], torch_path['rss_anon_mib'])} peak RSS"))
+        rows.append(
+            (
+                "import the torch path (exporter, torch, transformers)",
+                "not installed",
+                f"{torch_path['seconds'] * 1000:.0f} ms, {mem(torch_path['peak_rss_mib'], torch_path['rss_anon_mib'])} peak RSS",
+            )
+        )
     lines = ["| | lean (`pip install medusa-trt`) | full (`.[all]`) |", "| --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
@@ -223,8 +270,12 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", type=Path, default=REPO / "build" / "smollm2-135m-medusa", help="an exported engine (folder or .onnx)")
-    p.add_argument("--venv", type=Path, default=REPO / "build" / "lean-venv",
-                   help="the lean venv: reused as it is if it exists (delete it after changing the package), else built here")
+    p.add_argument(
+        "--venv",
+        type=Path,
+        default=REPO / "build" / "lean-venv",
+        help="the lean venv: reused as it is if it exists (delete it after changing the package), else built here",
+    )
     p.add_argument("--full", type=Path, default=REPO / ".venv" / "bin" / "python", help="python of the full install")
     p.add_argument("--tokens", type=int, default=64, help="new tokens to generate")
     p.add_argument("--prompt", default="Explain how a rainbow forms, in a short paragraph.")
@@ -233,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "lean-report.json")
     args = p.parse_args(argv)
     if not args.engine.exists():
-        raise SystemExit(f"lean_report: engine {args.engine} missing: `make build/smollm2-135m-medusa` exports the SmolLM2 one "
-                         f"(or medusa-export --model ... --heads ... --out {args.engine})")
+        raise SystemExit(
+            f"lean_report: engine {args.engine} missing: `make build/smollm2-135m-medusa` exports the SmolLM2 one "
+            f"(or medusa-export --model ... --heads ... --out {args.engine})"
+        )
     lean_python = args.venv / "bin" / "python"
     if not lean_python.exists():
         try:
@@ -242,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         except LeanInstallError as exc:
             raise SystemExit(f"lean_report: {exc}\n{exc.output[-3000:]}") from exc
     report = {
-        "engine": str(args.engine), "prompt": args.prompt, "tokens": args.tokens, "max_batch": args.max_batch, "repeats": args.repeats,
-        "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "lean": measure(lean_python, args), "full": measure(args.full, args),
+        "engine": str(args.engine),
+        "prompt": args.prompt,
+        "tokens": args.tokens,
+        "max_batch": args.max_batch,
+        "repeats": args.repeats,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "lean": measure(lean_python, args),
+        "full": measure(args.full, args),
     }
     report["full_torch_import"] = probe(args.full, TORCH_PROBE)
     report["same_tokens"] = report["lean"]["generate"]["token_ids"] == report["full"]["generate"]["token_ids"]
@@ -254,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
-    print(f"\nlean and full decode the same tokens: {report['same_tokens']}; lean's largest: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in report["lean"]["largest_mib"].items()) + " MiB")
+    print(
+        f"\nlean and full decode the same tokens: {report['same_tokens']}; lean's largest: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in report["lean"]["largest_mib"].items())
+        + " MiB"
+    )
     print(f"wrote {args.out}")
     return 0 if report["same_tokens"] else 1
 

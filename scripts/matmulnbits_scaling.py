@@ -29,9 +29,13 @@ def _graph(weight: np.ndarray):
     from onnx import TensorProto, helper, numpy_helper
 
     k, n = weight.shape
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], [numpy_helper.from_array(weight, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(weight, "W")],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -64,16 +68,31 @@ def main() -> None:
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    weight = (np.random.default_rng(0).standard_normal((args.k, args.n), dtype=np.float32) * 0.05)  # (K, N)
+    weight = np.random.default_rng(0).standard_normal((args.k, args.n), dtype=np.float32) * 0.05  # (K, N)
     variants = {"fp32 MatMul": _graph(weight)}
     for symmetric in (False, True):
         for level in LEVELS:
-            quantizer = MatMulNBitsQuantizer(_graph(weight), bits=4, block_size=args.block_size, is_symmetric=symmetric,
-                                             accuracy_level=level, op_types_to_quantize=("MatMul",))
+            quantizer = MatMulNBitsQuantizer(
+                _graph(weight),
+                bits=4,
+                block_size=args.block_size,
+                is_symmetric=symmetric,
+                accuracy_level=level,
+                op_types_to_quantize=("MatMul",),
+            )
             quantizer.process()
             variants[f"int4 {'symmetric' if symmetric else 'asymmetric'}, accuracy level {level}"] = quantizer.model.model
-    report = {"k": args.k, "n": args.n, "block_size": args.block_size, "threads": args.threads, "onnxruntime": ort.__version__,
-              "rows": list(ROWS), "us_per_call": {}, "vs_one_row": {}, "vs_fp32_same_rows": {}}
+    report = {
+        "k": args.k,
+        "n": args.n,
+        "block_size": args.block_size,
+        "threads": args.threads,
+        "onnxruntime": ort.__version__,
+        "rows": list(ROWS),
+        "us_per_call": {},
+        "vs_one_row": {},
+        "vs_fp32_same_rows": {},
+    }
     for name, model in variants.items():
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         report["us_per_call"][name] = [round(_us_per_call(session, m, args.k, args.repeats, args.calls), 1) for m in ROWS]
@@ -81,8 +100,14 @@ def main() -> None:
     for name, us in report["us_per_call"].items():
         report["vs_one_row"][name] = [round(u / us[0], 2) for u in us]
         report["vs_fp32_same_rows"][name] = [round(u / f, 2) for u, f in zip(us, fp32)]
-        print(f"{name:40s} " + " ".join(f"{u:7.1f}" for u in us) + "  us at M = " + "/".join(map(str, ROWS))
-              + "   vs fp32: " + " ".join(f"{r:.2f}" for r in report["vs_fp32_same_rows"][name]))
+        print(
+            f"{name:40s} "
+            + " ".join(f"{u:7.1f}" for u in us)
+            + "  us at M = "
+            + "/".join(map(str, ROWS))
+            + "   vs fp32: "
+            + " ".join(f"{r:.2f}" for r in report["vs_fp32_same_rows"][name])
+        )
     if args.out:
         tmp = args.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")

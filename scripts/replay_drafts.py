@@ -30,8 +30,8 @@ from medusa_trt.exporter import load_medusa
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.acceptance import greedy
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsProposer, Observed, build_tree
-from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
+from medusa_trt.runtime.sampling import SamplingParams
 
 log = logging.getLogger("replay_drafts")
 
@@ -53,8 +53,12 @@ def head_topk(model, ids: list[int], top_k: int, expansion=None, start: int = 0)
     n = len(ids)
     empty = torch.zeros((0, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
     _, hidden, _, _, _ = model(
-        torch.tensor([ids]), torch.arange(n)[None], torch.tril(torch.ones(n, n, dtype=torch.bool))[None],
-        torch.zeros(1, dtype=torch.int64), empty, empty,
+        torch.tensor([ids]),
+        torch.arange(n)[None],
+        torch.tril(torch.ones(n, n, dtype=torch.bool))[None],
+        torch.zeros(1, dtype=torch.int64),
+        empty,
+        empty,
     )
     following = torch.tensor(ids[1:] + ids[-1:])  # (L,) the base model's next token at each position (the last: unused)
     first = max(start - 1, 0)  # the heads run at the positions before the continuation's tokens only
@@ -79,9 +83,17 @@ class _Tallied(AcceptanceStats):
         counts[1] += 1
 
 
-def replay(runtime: MedusaRuntime, prompt: list[int], continuation: list[int], topk: np.ndarray, names: tuple[str, ...],
-           cost: CostModel, config: DraftingConfig | None = None, confidence: np.ndarray | None = None,
-           tally: dict | None = None) -> tuple[list[int], list[int]]:
+def replay(
+    runtime: MedusaRuntime,
+    prompt: list[int],
+    continuation: list[int],
+    topk: np.ndarray,
+    names: tuple[str, ...],
+    cost: CostModel,
+    config: DraftingConfig | None = None,
+    confidence: np.ndarray | None = None,
+    tally: dict | None = None,
+) -> tuple[list[int], list[int]]:
     """Tokens emitted per step and nodes per step when drafting with ``names`` (and ``config``)
     along the true continuation; ``confidence`` [L, D, K] keys the heads' drafts by their
     probabilities as the runtime does (None: by rank). ``tally`` gathers [accepted, tested] per
@@ -132,14 +144,26 @@ def main(argv=None) -> int:
     p.add_argument("--draft", action="append", help="comma-separated drafter set; repeatable (default: several)")
     p.add_argument("--out", type=Path)
     p.add_argument("--cache", type=Path, help="keep the greedy outputs and head top-k here (.npz) and reuse them on the next run")
-    p.add_argument("--heads-keys", choices=("confidence", "rank", "both"), default="confidence",
-                   help="key the heads' drafts by their probabilities (the runtime's way), by rank (before), or a row of each")
-    p.add_argument("--draft-vocab", type=int, help="the heads draft from token ids 0..N-1 only, as an engine exported with --draft-vocab N (give it its own --cache)")
-    p.add_argument("--tally", type=Path, help="write [accepted, tested] per statistics key over the whole replay (JSON): what priors are fitted to")
+    p.add_argument(
+        "--heads-keys",
+        choices=("confidence", "rank", "both"),
+        default="confidence",
+        help="key the heads' drafts by their probabilities (the runtime's way), by rank (before), or a row of each",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="the heads draft from token ids 0..N-1 only, as an engine exported with --draft-vocab N (give it its own --cache)",
+    )
+    p.add_argument(
+        "--tally", type=Path, help="write [accepted, tested] per statistics key over the whole replay (JSON): what priors are fitted to"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sets = [tuple(x for x in d.split(",") if x and x != "none") for d in (args.draft or
-            ["heads", "lookup", "recycle", "heads,lookup", "heads,lookup,recycle"])]
+    sets = [
+        tuple(x for x in d.split(",") if x and x != "none")
+        for d in (args.draft or ["heads", "lookup", "recycle", "heads,lookup", "heads,lookup,recycle"])
+    ]
     model = load_medusa(args.model, args.heads)
     model.draft_vocab = args.draft_vocab
     runtime = MedusaRuntime(model, tree=args.tree, max_context=1024, max_batch=1)
@@ -167,8 +191,18 @@ def main(argv=None) -> int:
         saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
         for names, mode in rows:
             row = (",".join(names) or "none") + mode
-            results[row].append(replay(runtime, ids, continuation, topk, names, cost, confidence=None if mode else conf,
-                                       tally=tally if row == "heads,lookup,recycle" else None))
+            results[row].append(
+                replay(
+                    runtime,
+                    ids,
+                    continuation,
+                    topk,
+                    names,
+                    cost,
+                    confidence=None if mode else conf,
+                    tally=tally if row == "heads,lookup,recycle" else None,
+                )
+            )
     if args.cache and not cached:
         np.savez(args.cache, **saved)
     table = {}
@@ -176,11 +210,18 @@ def main(argv=None) -> int:
         steps = np.array([x for s, _ in per_prompt for x in s])
         nodes = np.array([x for _, n in per_prompt for x in n])
         modelled = steps.sum() / cost.cost(nodes).sum()  # tokens per plain-step cost: the modelled speedup
-        table[name] = {"tokens_per_step": float(steps.mean()), "mean_nodes": float(nodes.mean()), "modelled_vs_plain": float(modelled),
-                       "steps": int(len(steps)), "tokens": int(steps.sum())}
+        table[name] = {
+            "tokens_per_step": float(steps.mean()),
+            "mean_nodes": float(nodes.mean()),
+            "modelled_vs_plain": float(modelled),
+            "steps": int(len(steps)),
+            "tokens": int(steps.sum()),
+        }
         print(f"{name:28s} {steps.mean():.3f} tokens/step  {nodes.mean():5.1f} nodes  modelled {modelled:.2f}x plain  ({len(steps)} steps)")
-    for path, payload in ((args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": table}),
-                          (args.tally, [[list(k), v] for k, v in sorted(tally.items(), key=lambda kv: str(kv[0]))])):
+    for path, payload in (
+        (args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": table}),
+        (args.tally, [[list(k), v] for k, v in sorted(tally.items(), key=lambda kv: str(kv[0]))]),
+    ):
         if path:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps(payload, indent=1))

@@ -79,24 +79,48 @@ def main() -> None:
         raise SystemExit(f"sequential_ablation: {work / SEQUENCES} has {len(held_keys)} held-out and {len(train_keys)} training sequences")
     samples = [Sample.from_record(records[k]) for k in held_keys + train_keys]
     base = load_base_model(args.model)
-    data = TrainConfig(out=str(work.with_suffix("")), work=str(work), shared_lm_head=True, epochs=args.epochs,
-                       batch_size=args.batch_size, lr=args.lr, bf16=True)
+    data = TrainConfig(
+        out=str(work.with_suffix("")),
+        work=str(work),
+        shared_lm_head=True,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        bf16=True,
+    )
     cached = cache_hidden(base, samples, data)
     is_held = cached["sequence"] < len(held_keys)
     train_idx, held_idx = torch.nonzero(~is_held).squeeze(1), torch.nonzero(is_held).squeeze(1)
     template = json.loads(Path(TEMPLATE).read_text())
-    report = {"held_out_sequences": len(held_keys), "train_sequences": len(train_keys), "train_positions": len(train_idx),
-              "held_out_positions": len(held_idx), "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
-              "template": template["name"], "variants": {}}
+    report = {
+        "held_out_sequences": len(held_keys),
+        "train_sequences": len(train_keys),
+        "train_positions": len(train_idx),
+        "held_out_positions": len(held_idx),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "template": template["name"],
+        "variants": {},
+    }
     for name in args.variants.split(","):
         started = time.perf_counter()
         heads, trained = _variant(name, base, cached, train_idx, data)
         heads.eval()
         scores = score(heads, cached, held_idx, template)
-        report["variants"][name] = {"head_input": heads.config.head_input, "seconds": round(time.perf_counter() - started),
-                                    **trained, **scores}
-        log.info("%s: top-1 %s, template tokens/step %.3f, chain %.3f", name, [round(a, 3) for a in scores["top1"]],
-                 scores["template_tokens_per_step"], scores["chain_tokens_per_step"])
+        report["variants"][name] = {
+            "head_input": heads.config.head_input,
+            "seconds": round(time.perf_counter() - started),
+            **trained,
+            **scores,
+        }
+        log.info(
+            "%s: top-1 %s, template tokens/step %.3f, chain %.3f",
+            name,
+            [round(a, 3) for a in scores["top1"]],
+            scores["template_tokens_per_step"],
+            scores["chain_tokens_per_step"],
+        )
         out = Path(args.out)
         out.write_text(json.dumps(report, indent=2) + "\n")  # after every variant: a stopped run keeps what it measured
     _plot(report, Path(args.out).with_suffix(".png"))
@@ -110,8 +134,15 @@ def _variant(name: str, base, cached, train_idx, data: TrainConfig) -> tuple:
     if name == "shipped":
         return load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed), {}
     head_input = "hidden+next" if name == "next-aware" else "hidden+path"
-    config = HeadsConfig(num_heads=4, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                         shared_lm_head=True, base_model="smollm2-135m", head_input=head_input)
+    config = HeadsConfig(
+        num_heads=4,
+        num_layers=1,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        shared_lm_head=True,
+        base_model="smollm2-135m",
+        head_input=head_input,
+    )
     heads = init_heads(config, lm_head, seed=0, embed=embed)
     frozen = ()
     if name == "sequential+shipped-head1":
@@ -173,8 +204,9 @@ def score(heads, cached, idx, template: dict, chunk: int = 512) -> dict:
     for i in range(0, len(idx), chunk):
         sel = idx[i : i + chunk]
         t = cached["targets"][sel]  # (c, n)
-        logits = heads(cached["hidden"][sel].float(), cached["next"][sel] if heads.config.reads_next else None,
-                       teacher_path(heads, t))  # (c, n, V)
+        logits = heads(
+            cached["hidden"][sel].float(), cached["next"][sel] if heads.config.reads_next else None, teacher_path(heads, t)
+        )  # (c, n, V)
         top = logits.topk(max(top_k, 5), dim=-1).indices  # (c, n, k)
         hit = top == t[..., None]
         rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(t, 10**6))  # (c, n): rank of the true token
@@ -190,9 +222,12 @@ def score(heads, cached, idx, template: dict, chunk: int = 512) -> dict:
             d += 1
         accepted[row] = d
     chain = np.cumprod(rank[:, :depth_max] == 0, axis=1).sum(1)
-    return {"top1": ((rank == 0) & valid).sum(0).__truediv__(counts).tolist(),
-            "top5": ((rank < 5) & valid).sum(0).__truediv__(counts).tolist(),
-            "template_tokens_per_step": float(1 + accepted.mean()), "chain_tokens_per_step": float(1 + chain.mean())}
+    return {
+        "top1": ((rank == 0) & valid).sum(0).__truediv__(counts).tolist(),
+        "top5": ((rank < 5) & valid).sum(0).__truediv__(counts).tolist(),
+        "template_tokens_per_step": float(1 + accepted.mean()),
+        "chain_tokens_per_step": float(1 + chain.mean()),
+    }
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -219,8 +254,11 @@ def _plot(report: dict, path: Path) -> None:
     axes[2].set_xticks(x, names, rotation=20, fontsize=7)
     axes[2].set_title("heads alone: tokens / step (offline)")
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M heads: {report['train_positions']:,} training positions, {report['held_out_positions']:,} held out "
-                 f"(unseen prompts), {report['epochs']} epoch(s)", fontsize=10)
+    fig.suptitle(
+        f"SmolLM2-135M heads: {report['train_positions']:,} training positions, {report['held_out_positions']:,} held out "
+        f"(unseen prompts), {report['epochs']} epoch(s)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

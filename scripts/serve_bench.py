@@ -156,23 +156,40 @@ def run_level(server: Server, prompts: list[str], chat: bool, clients: int, max_
         t.join()
     wall = time.perf_counter() - start
     after = server.metrics()
-    moved = {k: after[k] - before.get(k, 0.0) for k in ("medusa:spec_decode_num_drafts_total", "medusa:spec_decode_num_draft_tokens_total",
-                                                      "medusa:spec_decode_num_accepted_tokens_total")}
+    moved = {
+        k: after[k] - before.get(k, 0.0)
+        for k in (
+            "medusa:spec_decode_num_drafts_total",
+            "medusa:spec_decode_num_draft_tokens_total",
+            "medusa:spec_decode_num_accepted_tokens_total",
+        )
+    }
     drafts, drafted, accepted = moved.values()
     tokens = sum(r["tokens"] for r in records)
     latency = [r["latency_s"] for r in records]
     ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
     return {
-        "clients": clients, "requests": len(records), "errors": errors, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-        "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
-        "draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
-        "acceptance_rate": accepted / drafted if drafted else 0.0, "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
+        "clients": clients,
+        "requests": len(records),
+        "errors": errors,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p95_s": percentile(latency, 0.95),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p95_s": percentile(ttft, 0.95),
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "drafts": drafts,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
     }
 
 
-def bench(engine: Path, prompts: list[str], chat: bool, levels: list[int], max_tokens: int, repeats: int, threads: int | None,
-          logs: Path) -> dict:
+def bench(
+    engine: Path, prompts: list[str], chat: bool, levels: list[int], max_tokens: int, repeats: int, threads: int | None, logs: Path
+) -> dict:
     """Both servers run side by side (an idle one costs nothing); the levels alternate between them."""
     extra = ["--threads", str(threads)] if threads else []
     configs = {"medusa": extra, "plain": [*extra, "--draft", "none"]}
@@ -187,11 +204,13 @@ def bench(engine: Path, prompts: list[str], chat: bool, levels: list[int], max_t
         for clients in levels:
             runs = defaultdict(list)
             for rep in range(repeats):
-                for name in (list(servers) if rep % 2 == 0 else list(servers)[::-1]):
+                for name in list(servers) if rep % 2 == 0 else list(servers)[::-1]:
                     row = run_level(servers[name], prompts, chat, clients, max_tokens)
-                    print(f"  {name:>6}: {clients:>2} clients  {row['tokens_per_s']:6.1f} tok/s  p50 {row['latency_p50_s']:.2f} s  "
-                          f"ttft p50 {row['ttft_p50_s']:.2f} s  {row['tokens_per_step']:.2f} tokens/step  errors {len(row['errors'])}",
-                          flush=True)
+                    print(
+                        f"  {name:>6}: {clients:>2} clients  {row['tokens_per_s']:6.1f} tok/s  p50 {row['latency_p50_s']:.2f} s  "
+                        f"ttft p50 {row['ttft_p50_s']:.2f} s  {row['tokens_per_step']:.2f} tokens/step  errors {len(row['errors'])}",
+                        flush=True,
+                    )
                     runs[name].append(row)
             for name, rows in runs.items():  # the repeat with the median throughput
                 results[name]["levels"].append(sorted(rows, key=lambda r: r["tokens_per_s"])[len(rows) // 2] | {"repeats": rows})
@@ -202,8 +221,11 @@ def bench(engine: Path, prompts: list[str], chat: bool, levels: list[int], max_t
 
 
 def table(results: dict) -> str:
-    lines = ["| decoding | clients | requests | tokens/s (total) | latency p50 / p95 (s) | TTFT p50 / p95 (s) | draft acceptance | tokens / step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| decoding | clients | requests | tokens/s (total) | latency p50 / p95 (s) | TTFT p50 / p95 (s) "
+        "| draft acceptance | tokens / step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     plain = {r["clients"]: r for r in results["plain"]["levels"]}
     for name in ("medusa", "plain"):
         for r in results[name]["levels"]:
@@ -211,8 +233,10 @@ def table(results: dict) -> str:
             if name == "medusa" and r["clients"] in plain:
                 speed += f" ({r['tokens_per_s'] / plain[r['clients']]['tokens_per_s']:.2f}x)"
             acceptance = f"{r['acceptance_rate']:.2f}" if r["draft_tokens"] else "-"
-            lines.append(f"| {name} | {r['clients']} | {r['requests']} | {speed} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | "
-                         f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | {acceptance} | {r['tokens_per_step']:.2f} |")
+            lines.append(
+                f"| {name} | {r['clients']} | {r['requests']} | {speed} | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | "
+                f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | {acceptance} | {r['tokens_per_step']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -264,9 +288,16 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="serve-bench-"))  # the servers' logs; a server that fails to start quotes its own
     results = {
-        "engine": str(engine), "api": "openai", "endpoint": "/v1/chat/completions" if chat else "/v1/completions", "prompts": len(prompts),
-        "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens, "greedy": True, "repeats": args.repeats,
-        "threads": args.threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "engine": str(engine),
+        "api": "openai",
+        "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "greedy": True,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         **bench(engine, prompts, chat, levels, args.max_tokens, args.repeats, args.threads, logs),
     }

@@ -27,7 +27,8 @@ def measure(runtime: MedusaRuntime, contexts: list[int], widths: list[int], repe
         for w in widths:
             mask = np.tril(np.ones((1, w, w), dtype=bool))  # (1, W, W)
             ids, pos = np.zeros((1, w), dtype=np.int64), np.arange(w)[None] + ctx  # (1, W)
-            row[w] = median_ms(lambda: backend.step(ids, pos, mask, np.array([ctx])), repeats)
+            lengths = np.array([ctx])  # (1,)
+            row[w] = median_ms(lambda ids=ids, pos=pos, mask=mask, lengths=lengths: backend.step(ids, pos, mask, lengths), repeats)
         table[ctx] = row
         logging.info("%4d cached: %s", ctx, "  ".join(f"{w}: {ms:.1f} ms" for w, ms in row.items()))
     return table

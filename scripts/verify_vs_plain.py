@@ -75,9 +75,11 @@ def compare(engine: str, prompt: str, count: int, align: int, threads: int) -> d
         "tree": ([path[0], sibling, *path[1:]], [-1, 0, 0, *range(2, count)], [0, *range(2, count + 1)]),
     }
     filler = (align - 1) % align  # puts path[1] at index 1 + align: its position modulo align again
-    layouts["tree+aligned"] = ([path[0], sibling, *[sibling] * filler, *path[1:]],
-                               [-1, 0, *[-2] * filler, 0, *range(2 + filler, count + filler)],
-                               [0, *range(2 + filler, count + 1 + filler)])
+    layouts["tree+aligned"] = (
+        [path[0], sibling, *[sibling] * filler, *path[1:]],
+        [-1, 0, *[-2] * filler, 0, *range(2 + filler, count + filler)],
+        [0, *range(2 + filler, count + 1 + filler)],
+    )
     found = {}
     for name, (toks, parents, where) in layouts.items():
         prefill()

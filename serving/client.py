@@ -40,8 +40,17 @@ class Chunk:
 _INPUT_TYPES = {t.name: (t.wire_type, t.dtype) for t in TRITON_INPUTS if t.optional and t.name != "stop"}
 
 
-def stream_generate(address: str, text: str, *, model: str = "medusa", stop=None, timeout: float = 300.0, extra_inputs=(),
-                    parameters: dict | None = None, **inputs):
+def stream_generate(
+    address: str,
+    text: str,
+    *,
+    model: str = "medusa",
+    stop=None,
+    timeout: float = 300.0,
+    extra_inputs=(),
+    parameters: dict | None = None,
+    **inputs,
+):
     """Generate over one gRPC stream (tritonclient), yielding a ``Chunk`` per response; raises
     ``RequestFailed`` for an error response. ``inputs``: max_tokens, temperature, top_p, top_k,
     seed, stream (default True), timeout_s; ``extra_inputs``: ready-made ``InferInput``s and ``parameters``:
@@ -83,9 +92,11 @@ def stream_generate(address: str, text: str, *, model: str = "medusa", stop=None
             final = response.parameters["triton_final_response"].bool_param if "triton_final_response" in response.parameters else False
             if response.outputs:
                 reason = result.as_numpy("finish_reason")
-                yield Chunk(text=b"".join(result.as_numpy("text_output").tolist()).decode("utf-8"),
-                            token_ids=[int(t) for t in result.as_numpy("token_ids")],
-                            finish_reason=reason.reshape(-1)[0].decode("utf-8") if reason is not None else "")
+                yield Chunk(
+                    text=b"".join(result.as_numpy("text_output").tolist()).decode("utf-8"),
+                    token_ids=[int(t) for t in result.as_numpy("token_ids")],
+                    finish_reason=reason.reshape(-1)[0].decode("utf-8") if reason is not None else "",
+                )
             if final:
                 done = True
                 return
@@ -107,8 +118,15 @@ class Delta:
     usage: dict | None = None  # the last event with stream_options.include_usage: prompt / completion tokens
 
 
-def stream_completion(url: str, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, api_key: str | None = None,
-                      timeout: float = 300.0, **fields) -> Iterator[Delta]:
+def stream_completion(
+    url: str,
+    prompt: str | list[int] | None = None,
+    *,
+    messages: list[dict] | None = None,
+    api_key: str | None = None,
+    timeout: float = 300.0,
+    **fields,
+) -> Iterator[Delta]:
     """Stream a completion from the OpenAI server at ``url`` (``http://HOST:PORT``): ``prompt`` to
     /v1/completions, or ``messages`` to /v1/chat/completions; ``fields``: any other body fields
     (max_tokens, temperature, stop, seed ...). Usage is asked for: the last ``Delta`` carries it."""
@@ -134,7 +152,7 @@ def stream_completion(url: str, prompt: str | list[int] | None = None, *, messag
             line = line.strip()
             if not line.startswith(b"data: "):
                 continue  # the blank line between events
-            data = line[len(b"data: "):]
+            data = line[len(b"data: ") :]
             if data == b"[DONE]":
                 return
             event = json.loads(data)

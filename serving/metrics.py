@@ -47,25 +47,55 @@ class MetricSpec:
     buckets: tuple[float, ...] = ()  # histograms: upper bounds in seconds
 
 
-NUM_DRAFTS = MetricSpec("medusa:spec_decode_num_drafts_total", "counter",
-                        "Verify steps of a request that held at least one draft token")
-NUM_DRAFT_TOKENS = MetricSpec("medusa:spec_decode_num_draft_tokens_total", "counter",
-                              "Draft tokens verified (tree nodes below the root), by the drafter credited with them", ("drafter",))
-NUM_ACCEPTED_TOKENS = MetricSpec("medusa:spec_decode_num_accepted_tokens_total", "counter",
-                                 "Draft tokens accepted and committed (the bonus token not counted), by drafter", ("drafter",))
+NUM_DRAFTS = MetricSpec("medusa:spec_decode_num_drafts_total", "counter", "Verify steps of a request that held at least one draft token")
+NUM_DRAFT_TOKENS = MetricSpec(
+    "medusa:spec_decode_num_draft_tokens_total",
+    "counter",
+    "Draft tokens verified (tree nodes below the root), by the drafter credited with them",
+    ("drafter",),
+)
+NUM_ACCEPTED_TOKENS = MetricSpec(
+    "medusa:spec_decode_num_accepted_tokens_total",
+    "counter",
+    "Draft tokens accepted and committed (the bonus token not counted), by drafter",
+    ("drafter",),
+)
 REQUESTS_FINISHED = MetricSpec("medusa:requests_finished_total", "counter", "Requests finished, by finish reason", ("finish_reason",))
 PROMPT_TOKENS = MetricSpec("medusa:prompt_tokens_total", "counter", "Prompt tokens of the requests submitted")
 GENERATION_TOKENS = MetricSpec("medusa:generation_tokens_total", "counter", "Tokens generated")
 RUNNING = MetricSpec("medusa:num_requests_running", "gauge", "Requests holding an engine row")
 WAITING = MetricSpec("medusa:num_requests_waiting", "gauge", "Requests queued for a free engine row")
-TTFT = MetricSpec("medusa:time_to_first_token_seconds", "histogram", "Seconds from submission to the first token",
-                  buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0))
-ITL = MetricSpec("medusa:inter_token_latency_seconds", "histogram", "Seconds between successive engine steps of a request",
-                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5))
-E2E = MetricSpec("medusa:e2e_request_latency_seconds", "histogram", "Seconds from submission to the request's last event",
-                 buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0))
-METRICS = (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, REQUESTS_FINISHED, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING,
-           TTFT, ITL, E2E)
+TTFT = MetricSpec(
+    "medusa:time_to_first_token_seconds",
+    "histogram",
+    "Seconds from submission to the first token",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0),
+)
+ITL = MetricSpec(
+    "medusa:inter_token_latency_seconds",
+    "histogram",
+    "Seconds between successive engine steps of a request",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+)
+E2E = MetricSpec(
+    "medusa:e2e_request_latency_seconds",
+    "histogram",
+    "Seconds from submission to the request's last event",
+    buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0),
+)
+METRICS = (
+    NUM_DRAFTS,
+    NUM_DRAFT_TOKENS,
+    NUM_ACCEPTED_TOKENS,
+    REQUESTS_FINISHED,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    RUNNING,
+    WAITING,
+    TTFT,
+    ITL,
+    E2E,
+)
 
 
 class Sink(Protocol):

@@ -70,8 +70,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}},
-                            status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}, status_code=self.status
+        )
 
 
 # ---------------------------------------------------------------------------------- the request bodies
@@ -210,8 +211,9 @@ def _validation_error(exc: ValidationError) -> ApiError:
     if kind == "model_type" and not param:
         return ApiError(400, "the body must be a JSON object")
     if kind == "extra_forbidden":
-        return ApiError(400, f"unknown field {param!r}: this server does not support it (see the OpenAI API reference for the fields)",
-                        param)
+        return ApiError(
+            400, f"unknown field {param!r}: this server does not support it (see the OpenAI API reference for the fields)", param
+        )
     if kind == "missing":
         return ApiError(400, f"{param} is required", param)
     return ApiError(400, f"{param}: {message}", param)
@@ -245,8 +247,12 @@ def _add_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
         if api_key is not None and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return ApiError(401, "missing or wrong API key: send it as the header 'Authorization: Bearer KEY'",
-                                type_="authentication_error", code="invalid_api_key").response()
+                return ApiError(
+                    401,
+                    "missing or wrong API key: send it as the header 'Authorization: Bearer KEY'",
+                    type_="authentication_error",
+                    code="invalid_api_key",
+                ).response()
         return await call_next(request)
 
 
@@ -260,8 +266,10 @@ def _add_info_routes(app: FastAPI, model_name: str, context: int, metrics) -> No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "medusa-trt",
-                                            "max_model_len": context}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "medusa-trt", "max_model_len": context}],
+        }
 
     @app.get("/metrics")
     async def metrics_text():
@@ -297,8 +305,9 @@ class _Generate:
         if not parsed.messages:
             raise ApiError(400, "messages is empty: send at least one message", "messages")
         if not self.runtime.codec.has_chat_template:
-            raise ApiError(400, f"the model {self.config.model_name!r} has no chat template: send the prompt to /v1/completions",
-                           "messages")
+            raise ApiError(
+                400, f"the model {self.config.model_name!r} has no chat template: send the prompt to /v1/completions", "messages"
+            )
         try:
             messages = check_messages([{"role": m.role, "content": m.text()} for m in parsed.messages], "messages")
             ids = self.runtime.codec.encode_chat(messages)
@@ -311,8 +320,11 @@ class _Generate:
         """The body as ``kind``, refused (400 / 404 naming the field) when too large, malformed or unsupported."""
         limit, name = self.config.max_body_bytes, self.config.model_name
         if int(request.headers.get("content-length") or 0) > limit:
-            raise ApiError(400, f"the request body is larger than {limit} bytes, more than a prompt this model's context of "
-                                f"{self.context} tokens can hold: send a shorter prompt")
+            raise ApiError(
+                400,
+                f"the request body is larger than {limit} bytes, more than a prompt this model's context of "
+                f"{self.context} tokens can hold: send a shorter prompt",
+            )
         body = bytearray()
         async for part in request.stream():
             body += part
@@ -326,26 +338,46 @@ class _Generate:
         if refused is not None:
             raise ApiError(400, refused[1], refused[0])
         if parsed.model is not None and parsed.model != name:
-            raise ApiError(404, f"the model {parsed.model!r} does not exist: this server serves {name!r} (GET /v1/models)",
-                           "model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {parsed.model!r} does not exist: this server serves {name!r} (GET /v1/models)",
+                "model",
+                code="model_not_found",
+            )
         return parsed
 
     def prepare(self, parsed: _Generation, ids: list[int], max_tokens: int | None):
         """The batching.Request for prompt ``ids``, checked against the context (400s name the field)."""
         context, defaults = self.context, self.config.defaults
         if len(ids) + 1 > context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context is {context} tokens, with room for at "
-                                "least one new token needed: shorten the prompt",
-                           "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens but this model's context is {context} tokens, with room for at "
+                "least one new token needed: shorten the prompt",
+                "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt",
+            )
         room = context - len(ids)
         if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"this model's context is {context} tokens and the prompt has {len(ids)}, so at most {room} new tokens "
-                                f"fit; you asked for {max_tokens}: lower max_tokens or shorten the prompt", "max_tokens")
+            raise ApiError(
+                400,
+                f"this model's context is {context} tokens and the prompt has {len(ids)}, so at most {room} new tokens "
+                f"fit; you asked for {max_tokens}: lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
         if max_tokens is None:
             max_tokens = min(defaults.max_tokens, room)
         try:
-            return make_request(ids, max_tokens=max_tokens, defaults=defaults, stop=parsed.stop, temperature=parsed.temperature,
-                                top_p=parsed.top_p, top_k=parsed.top_k, seed=parsed.seed, chat_template=False)
+            return make_request(
+                ids,
+                max_tokens=max_tokens,
+                defaults=defaults,
+                stop=parsed.stop,
+                temperature=parsed.temperature,
+                top_p=parsed.top_p,
+                top_k=parsed.top_k,
+                seed=parsed.seed,
+                chat_template=False,
+            )
         except RequestError as exc:
             raise ApiError(400, str(exc), exc.param) from None
         except MedusaError as exc:  # SamplingError: its message names the parameter
@@ -373,8 +405,11 @@ class _Generate:
         reply = _Reply(chat=chat, model=self.config.model_name, prompt_tokens=len(ids))
         if parsed.stream:
             usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-            return StreamingResponse(_stream(handle, queue, reply, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _stream(handle, queue, reply, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await _collect(request, handle, queue, reply)
 
 
@@ -398,16 +433,25 @@ class _Reply:
         self.created = int(time.time())
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def whole(self, text: str, finish_reason: str) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
 
     def chunk(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
         if self.chat:
@@ -415,12 +459,24 @@ class _Reply:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": None,
+        }
 
     def usage_chunk(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion", "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
 
 
 def _finish_reason(reason: str) -> str:

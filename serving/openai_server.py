@@ -54,9 +54,11 @@ class OpenAIServerConfig:
     def __post_init__(self):
         object.__setattr__(self, "engine", EngineOptions.of(self.engine))  # frozen: set once, here
         if not is_loopback(self.host) and not self.allow_remote:
-            raise ServeError(f"--host {self.host} is not a loopback address: the server would take requests from other machines; "
-                             "pass --allow-remote to do that on purpose (with --api-key, behind a firewall or a TLS proxy), "
-                             "or keep the default 127.0.0.1")
+            raise ServeError(
+                f"--host {self.host} is not a loopback address: the server would take requests from other machines; "
+                "pass --allow-remote to do that on purpose (with --api-key, behind a firewall or a TLS proxy), "
+                "or keep the default 127.0.0.1"
+            )
         if not 0 <= self.port <= 65535:
             raise ServeError(f"port {self.port} is out of range: pass 0 (a free one) to 65535")
         if self.shutdown_timeout < 0:
@@ -80,17 +82,38 @@ def load_app(config: OpenAIServerConfig):
     from medusa_trt.runtime.batching import ContinuousBatcher
 
     engine = config.engine
-    runtime = MedusaRuntime(str(engine.path), max_batch=engine.max_batch, max_context=engine.max_context, threads=engine.threads,
-                            tree=engine.tree, drafters=engine.drafters, verify_checksums=True)
+    runtime = MedusaRuntime(
+        str(engine.path),
+        max_batch=engine.max_batch,
+        max_context=engine.max_context,
+        threads=engine.threads,
+        tree=engine.tree,
+        drafters=engine.drafters,
+        verify_checksums=True,
+    )
     defaults = config.defaults.for_context(runtime.max_context, clamp_max_tokens=True)
     batcher = ContinuousBatcher(runtime)
     sink = PrometheusSink(config.name, load=batcher.load)
     batcher.observer = MetricsObserver(sink)
-    app = build_app(runtime, batcher.start(), AppConfig(model_name=config.name, defaults=defaults,
-                                                        api_key=config.api_key or os.environ.get(API_KEY_VAR) or None,
-                                                        max_body_bytes=BODY_SLACK + BODY_BYTES_PER_TOKEN * runtime.max_context), sink)
-    log.info("serving %s as %r: drafters %s, max_batch %d, max_context %d", engine.path, config.name,
-             ",".join(runtime.drafting.names) or "none", runtime.max_batch, runtime.max_context)
+    app = build_app(
+        runtime,
+        batcher.start(),
+        AppConfig(
+            model_name=config.name,
+            defaults=defaults,
+            api_key=config.api_key or os.environ.get(API_KEY_VAR) or None,
+            max_body_bytes=BODY_SLACK + BODY_BYTES_PER_TOKEN * runtime.max_context,
+        ),
+        sink,
+    )
+    log.info(
+        "serving %s as %r: drafters %s, max_batch %d, max_context %d",
+        engine.path,
+        config.name,
+        ",".join(runtime.drafting.names) or "none",
+        runtime.max_batch,
+        runtime.max_context,
+    )
     return app, batcher
 
 
@@ -123,14 +146,22 @@ def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = l
         sock = bind(config.host, config.port)
         host, port = sock.getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
         class Server(uvicorn.Server):
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
                 if not self.should_exit:  # uvicorn accepts from here on
                     on_ready(url)
 
-        server = Server(uvicorn.Config(app, log_level="info" if log.isEnabledFor(logging.INFO) else "warning",
-                                       access_log=config.access_log, timeout_graceful_shutdown=config.shutdown_timeout, lifespan="off"))
+        server = Server(
+            uvicorn.Config(
+                app,
+                log_level="info" if log.isEnabledFor(logging.INFO) else "warning",
+                access_log=config.access_log,
+                timeout_graceful_shutdown=config.shutdown_timeout,
+                lifespan="off",
+            )
+        )
         # uvicorn takes SIGTERM / SIGINT while it runs and, once stopped, raises the signal again to the handler it found:
         # that handler is a no-op here, so a stopped server returns 0 instead of dying of the signal
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -151,4 +182,3 @@ def looks_like_engine(path: str | os.PathLike) -> bool:
 
     path = Path(path)
     return path.suffix in ENGINE_SUFFIXES or (path / FOLDER_CONFIG).is_file()
-

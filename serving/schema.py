@@ -70,8 +70,10 @@ class ServeDefaults:
     def with_limit(self, limit: int) -> ServeDefaults:
         """These defaults under the per-request limit ``limit``; a default max_tokens above it is refused."""
         if self.max_tokens > limit:
-            raise ServeOptionsError(f"--max-tokens {self.max_tokens} (the default of a request) exceeds the per-request limit "
-                                    f"{limit}: lower --max-tokens or raise --max-tokens-limit")
+            raise ServeOptionsError(
+                f"--max-tokens {self.max_tokens} (the default of a request) exceeds the per-request limit "
+                f"{limit}: lower --max-tokens or raise --max-tokens-limit"
+            )
         return dataclasses.replace(self, max_tokens_limit=limit)
 
     def for_context(self, context: int, *, clamp_max_tokens: bool = False) -> ServeDefaults:
@@ -114,8 +116,18 @@ def max_tokens_limit(context: int, asked: int | None = None) -> int:
     return asked or min(DEFAULT_MAX_TOKENS_LIMIT, context)
 
 
-def make_request(prompt, *, max_tokens: int | None, defaults: ServeDefaults, stop=None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None, chat_template: bool | None = None):
+def make_request(
+    prompt,
+    *,
+    max_tokens: int | None,
+    defaults: ServeDefaults,
+    stop=None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    chat_template: bool | None = None,
+):
     """A ``batching.Request`` from a request's fields (None: the server's default). Raises
     ``RequestError`` (naming the field) for a budget or stop string it cannot serve, and
     ``SamplingError`` for sampling parameters out of range."""
@@ -127,8 +139,10 @@ def make_request(prompt, *, max_tokens: int | None, defaults: ServeDefaults, sto
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens > limit:
-        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {limit} new tokens per request "
-                           "(--max-tokens-limit): ask for fewer", "max_tokens")
+        raise RequestError(
+            f"max_tokens {max_tokens} exceeds this server's limit of {limit} new tokens per request (--max-tokens-limit): ask for fewer",
+            "max_tokens",
+        )
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):
         raise RequestError("stop holds an empty string: remove it", "stop")

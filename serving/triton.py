@@ -166,18 +166,22 @@ def stub_env(python_env: str | os.PathLike | None) -> StubEnv:
         raise ServeError(f"cannot run {python} to check the stub's environment: {exc}") from exc
     where = f"the stub's Python environment {info['prefix']}"
     if info["missing"]:
-        raise ServeError(f"{where} cannot import {'; '.join(info['missing'])}: install medusa-trt there, "
-                         "or choose another with --python-env")
+        raise ServeError(
+            f"{where} cannot import {'; '.join(info['missing'])}: install medusa-trt there, or choose another with --python-env"
+        )
     if int(info["numpy"].split(".")[0]) >= 2:
         raise ServeError(
             f"{where} has numpy {info['numpy']}, but the Triton Python backend stub in nvidia-pytriton is built against numpy 1.x "
             f"(it garbles tensors under numpy 2): pip install 'numpy<2' there, or make a small environment for the stub with "
-            f"'medusa-serve --make-stub-env DIR' and pass --python-env DIR (or set {STUB_ENV_VAR})")
+            f"'medusa-serve --make-stub-env DIR' and pass --python-env DIR (or set {STUB_ENV_VAR})"
+        )
     libdir = Path(info["libdir"])
     if not info["shared"] or not any(libdir.glob(f"libpython{info['version']}*.so*")):
-        raise ServeError(f"{where}: its Python {info['version']} has no shared libpython in {libdir}, which the Triton stub links: "
-                         "use a Python built with --enable-shared (python.org, pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared, "
-                         "distro packages)")
+        raise ServeError(
+            f"{where}: its Python {info['version']} has no shared libpython in {libdir}, which the Triton stub links: "
+            "use a Python built with --enable-shared (python.org, pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared, "
+            "distro packages)"
+        )
     return StubEnv(bin=python.parent, version=info["version"], libdir=libdir, numpy=info["numpy"])
 
 
@@ -195,8 +199,9 @@ def make_stub_env(folder: str | os.PathLike) -> Path:
     subprocess.run([str(base), "-m", "venv", str(folder)], check=True)
     python = folder / "bin" / "python3"
     subprocess.run([str(python), "-m", "pip", "install", "-q", "numpy>=1.26,<2"], check=True)
-    inner = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    inner = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()})
     lines = [f"import site; site.addsitedir({p!r})" for p in ours if Path(p).is_dir()]
     (Path(inner) / "zz_medusa_trt_base_env.pth").write_text("\n".join(lines) + "\n")
@@ -231,9 +236,11 @@ class ServeConfig:
         if self.engine is not None and self.models:
             raise ServeError("--model picks models of a repository: an engine is served as one model (--model-name)")
         if not is_loopback(self.host) and not self.allow_remote:
-            raise ServeError(f"--host {self.host} is not a loopback address: the server would take requests from other machines "
-                             "without authentication; pass --allow-remote to do that on purpose (behind a firewall or an "
-                             "authenticating proxy), or keep the default 127.0.0.1")
+            raise ServeError(
+                f"--host {self.host} is not a loopback address: the server would take requests from other machines "
+                "without authentication; pass --allow-remote to do that on purpose (behind a firewall or an "
+                "authenticating proxy), or keep the default 127.0.0.1"
+            )
 
 
 def is_loopback(host: str) -> bool:
@@ -322,10 +329,15 @@ class TritonServer:
             f"--backend-directory={self.run_dir / 'backends'}",
             f"--cache-directory={dist.caches}",
             "--model-control-mode=none",  # every model loads at start; the model-repository API is refused
-            f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
-            f"--grpc-address={host}", f"--grpc-port={c.grpc_port}",
-            f"--http-address={host}", f"--http-port={c.http_port}",
-            f"--metrics-address={host}", f"--metrics-port={c.metrics_port}", "--allow-gpu-metrics=false",
+            f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}",
+            f"--grpc-address={host}",
+            f"--grpc-port={c.grpc_port}",
+            f"--http-address={host}",
+            f"--http-port={c.http_port}",
+            f"--metrics-address={host}",
+            f"--metrics-port={c.metrics_port}",
+            "--allow-gpu-metrics=false",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--exit-timeout-secs={c.exit_timeout}",
             f"--log-verbose={c.log_verbose}",
@@ -348,8 +360,9 @@ class TritonServer:
         env = stub_env(self.config.python_env)
         stub = dist.stub(env.version)
         if not stub.is_file():
-            raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {env.version}: "
-                             "use Python 3.8-3.13 for the stub's environment")
+            raise ServeError(
+                f"nvidia-pytriton has no Python backend stub for Python {env.version}: use Python 3.8-3.13 for the stub's environment"
+            )
         if not is_loopback(self.config.host):
             log.warning("tritonserver binds %s: it serves other machines, without authentication", self.config.host)
         requested = self.config
@@ -361,7 +374,10 @@ class TritonServer:
             except BaseException as exc:
                 # a port picked free here was taken before the server bound it: pick others
                 picked = {self.config.grpc_port, self.config.http_port, self.config.metrics_port} - {
-                    requested.grpc_port, requested.http_port, requested.metrics_port}
+                    requested.grpc_port,
+                    requested.http_port,
+                    requested.metrics_port,
+                }
                 text = self.log_text()
                 retry = isinstance(exc, ServeError) and attempt < 2 and any(f":{port}' already in use" in text for port in picked)
                 self.stop()
@@ -406,7 +422,8 @@ class TritonServer:
         server_env = dict(os.environ)
         server_env["PATH"] = f"{env.bin}{os.pathsep}{server_env.get('PATH', '')}"
         server_env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(env.libdir), str(dist.libs), server_env.get("LD_LIBRARY_PATH", "")) if p)
+            p for p in (str(env.libdir), str(dist.libs), server_env.get("LD_LIBRARY_PATH", "")) if p
+        )
         server_env.pop("PYTHONHOME", None)
         out = None
         if not self.inherit_output:
@@ -415,8 +432,14 @@ class TritonServer:
         cmd = self.command(dist)
         log.info("starting %s", " ".join(cmd).replace(self._restricted, "medusa-trt-admin=<random>"))
         # its own session: Ctrl-C in a terminal reaches medusa-serve only, which stops the server in order
-        self.proc = subprocess.Popen(cmd, env=server_env, stdout=out, stderr=None if out is None else subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=server_env,
+            stdout=out,
+            stderr=None if out is None else subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._tell_watchdog(f"pid {self.proc.pid}")
         _RUNNING.add(self)
 
@@ -568,14 +591,15 @@ shutil.rmtree(run_dir, ignore_errors=True)
 def _start_watchdog(run_dir: Path, shm_prefix: str) -> subprocess.Popen:
     """The process that cleans up after a medusa-serve that died (see the module doc). Its own
     session: Ctrl-C in the terminal does not reach it; it ends when medusa-serve says "done"."""
-    return subprocess.Popen([sys.executable, "-I", "-c", _WATCHDOG, str(run_dir), shm_prefix], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, start_new_session=True)
-
+    return subprocess.Popen(
+        [sys.executable, "-I", "-c", _WATCHDOG, str(run_dir), shm_prefix],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @atexit.register
 def _stop_all() -> None:  # a script that forgot stop() or died of an exception leaves no server behind
     for server in list(_RUNNING):
         server.stop()
-
-

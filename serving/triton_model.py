@@ -140,10 +140,17 @@ def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaul
     if not prompt:
         raise RequestError("text_input is empty: send a prompt")
     stop = inputs.get("stop")
-    request = make_request(prompt, max_tokens=scalar("max_tokens", int), defaults=defaults,
-                           stop=tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else None,
-                           temperature=scalar("temperature", float), top_p=scalar("top_p", float), top_k=scalar("top_k", int),
-                           seed=scalar("seed", int), chat_template=defaults.chat_template)
+    request = make_request(
+        prompt,
+        max_tokens=scalar("max_tokens", int),
+        defaults=defaults,
+        stop=tuple(_text(s, "stop") for s in stop.reshape(-1)) if stop is not None else None,
+        temperature=scalar("temperature", float),
+        top_p=scalar("top_p", float),
+        top_k=scalar("top_k", int),
+        seed=scalar("seed", int),
+        chat_template=defaults.chat_template,
+    )
     stream = bool(scalar("stream", bool))
     return ServeRequest(request, stream, _timeout(scalar("timeout_s", float), defaults.request_timeout))
 
@@ -155,8 +162,10 @@ def _timeout(asked: float | None, server: float) -> float | None:
     if not math.isfinite(asked) or asked <= 0:
         raise RequestError(f"timeout_s must be a number of seconds > 0, got {asked}")
     if server and asked > server:
-        raise RequestError(f"timeout_s {asked:g} exceeds this server's request_timeout of {server:g} s "
-                           "(medusa-triton-repo --request-timeout): ask for less")
+        raise RequestError(
+            f"timeout_s {asked:g} exceeds this server's request_timeout of {server:g} s "
+            "(medusa-triton-repo --request-timeout): ask for less"
+        )
     return asked
 
 
@@ -187,8 +196,10 @@ class TritonPythonModel:
         if not engine.is_absolute():  # relative to the model's folder (an engine copied into the repository)
             engine = (Path(args["model_repository"]) / engine).resolve()  # through the run folder's link: messages name the real file
         if not engine.exists():
-            raise MedusaError(f"engine {engine} (config.pbtxt parameter 'engine') does not exist: "
-                              "export it with medusa-export --out, or rewrite the repository with medusa-triton-repo --engine")
+            raise MedusaError(
+                f"engine {engine} (config.pbtxt parameter 'engine') does not exist: "
+                "export it with medusa-export --out, or rewrite the repository with medusa-triton-repo --engine"
+            )
 
         def opt_int(key):
             return int(params[key]) if params.get(key) else None
@@ -196,8 +207,15 @@ class TritonPythonModel:
         # verify_checksums: a file corrupted in place (same size) is named here, once, not served
         drafters = params.get("drafters") or None  # "": the engine's default set; "none": plain decoding
         drafters = None if drafters is None else () if drafters == "none" else tuple(drafters.split(","))
-        runtime = MedusaRuntime(str(engine), max_batch=opt_int("max_batch"), max_context=opt_int("max_context"),
-                                threads=opt_int("threads"), tree=params.get("tree") or None, verify_checksums=True, drafters=drafters)
+        runtime = MedusaRuntime(
+            str(engine),
+            max_batch=opt_int("max_batch"),
+            max_context=opt_int("max_context"),
+            threads=opt_int("threads"),
+            tree=params.get("tree") or None,
+            verify_checksums=True,
+            drafters=drafters,
+        )
         self.runtime = runtime
         self.metrics = _TritonMetrics(args.get("model_name") or config.get("name", "medusa"))
         self.batcher = ContinuousBatcher(runtime, observer=MetricsObserver(self.metrics)).start()
@@ -206,12 +224,16 @@ class TritonPythonModel:
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="medusa-cancel-watch", daemon=True)
         self._watchdog.start()
-        pb_utils.Logger.log_info(f"medusa: {engine} (drafters {','.join(runtime.drafting.names) or 'none'}; heads template "
-                                 f"{runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
-                                 f"max_batch {runtime.max_batch}, max_context {runtime.max_context}")
+        pb_utils.Logger.log_info(
+            f"medusa: {engine} (drafters {','.join(runtime.drafting.names) or 'none'}; heads template "
+            f"{runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
+            f"max_batch {runtime.max_batch}, max_context {runtime.max_context}"
+        )
         if self.seconds_per_step:  # loud: a server that ignores the wall clock must not pass for a production one
-            pb_utils.Logger.log_warn(f"medusa: test hook {TEST_STEP_CLOCK} {self.seconds_per_step:g}: deadlines count "
-                                     f"{self.seconds_per_step:g} s per engine step of a request, not the wall clock")
+            pb_utils.Logger.log_warn(
+                f"medusa: test hook {TEST_STEP_CLOCK} {self.seconds_per_step:g}: deadlines count "
+                f"{self.seconds_per_step:g} s per engine step of a request, not the wall clock"
+            )
 
     def execute(self, requests):
         for request in requests:
@@ -441,11 +463,13 @@ def _inputs(request) -> dict[str, np.ndarray | None]:
 
 
 def _response(text: str, token_ids: list[int], finish_reason: str):
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("token_ids", np.asarray(token_ids, dtype=np.int64)),
-        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
-    ])
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("token_ids", np.asarray(token_ids, dtype=np.int64)),
+            pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+        ]
+    )
 
 
 def _send_error(sender, message: str, code: str) -> None:

@@ -69,8 +69,9 @@ class TritonRepoConfig:
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
             raise TritonRepoError(f"model name {self.model_name!r} must be a plain folder name")
         if not 0 <= self.test_seconds_per_step < float("inf"):
-            raise TritonRepoError(f"test_seconds_per_step must be a number of seconds >= 0 (0: the wall clock), "
-                                  f"got {self.test_seconds_per_step}")
+            raise TritonRepoError(
+                f"test_seconds_per_step must be a number of seconds >= 0 (0: the wall clock), got {self.test_seconds_per_step}"
+            )
 
 
 def check_engine(engine: str | os.PathLike) -> Path:
@@ -94,8 +95,10 @@ def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
         raise TritonRepoError(f"TensorRT engine {path} has no metadata sidecar {files.sidecar.name}: build it with medusa-export")
     meta = engine_meta(path)
     if meta.num_heads and not files.heads.is_file():
-        raise TritonRepoError(f"engine {path} has {meta.num_heads} Medusa heads but its heads graph {files.heads} is missing: "
-                              "copy it beside the engine or export again")
+        raise TritonRepoError(
+            f"engine {path} has {meta.num_heads} Medusa heads but its heads graph {files.heads} is missing: "
+            "copy it beside the engine or export again"
+        )
     from medusa_trt.runtime.manifest import check_manifest
 
     check_manifest(files)  # sizes only (the server checks the sha256 sums once at load)
@@ -109,8 +112,10 @@ def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Pat
     for name, flag in (("max_batch", "--max-batch"), ("max_context", "--max-context")):
         asked, limit = getattr(options, name), getattr(meta, name)
         if asked is not None and asked > limit:
-            raise TritonRepoError(f"{flag} {asked} exceeds the engine's {name} {limit} ({engine.name} was exported with "
-                                  f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}")
+            raise TritonRepoError(
+                f"{flag} {asked} exceeds the engine's {name} {limit} ({engine.name} was exported with "
+                f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}"
+            )
     if options.tree is not None:
         _check_tree(options.tree, meta)
     if options.drafters is not None:
@@ -139,11 +144,15 @@ def _check_tree(tree: str, meta: EngineMeta) -> None:
 
     compiled = load_tree(tree, max_depth=meta.num_heads)  # InvalidTreeError names the path and the fix
     if compiled.top_k > meta.top_k:
-        raise TritonRepoError(f"tree {compiled.name} needs top-{compiled.top_k} proposals per head but the engine's heads give "
-                              f"top-{meta.top_k}: use a tree with smaller indices, or export the engine with this tree")
+        raise TritonRepoError(
+            f"tree {compiled.name} needs top-{compiled.top_k} proposals per head but the engine's heads give "
+            f"top-{meta.top_k}: use a tree with smaller indices, or export the engine with this tree"
+        )
     if compiled.num_nodes > meta.max_tokens:
-        raise TritonRepoError(f"tree {compiled.name} has {compiled.num_nodes} nodes but the engine takes at most {meta.max_tokens} "
-                              "tokens per step: use a smaller tree, or export with a larger --max-tokens")
+        raise TritonRepoError(
+            f"tree {compiled.name} has {compiled.num_nodes} nodes but the engine takes at most {meta.max_tokens} "
+            "tokens per step: use a smaller tree, or export with a larger --max-tokens"
+        )
 
 
 def check_repo_path(repo: str | os.PathLike) -> Path:

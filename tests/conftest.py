@@ -69,11 +69,40 @@ def _story_heads(stories_base, tmp_path_factory, head_input: str):
 
     work = tmp_path_factory.mktemp(head_input.replace("+", "-"))
     prompts = work / "openings.txt"
-    prompts.write_text("\n".join(["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
-                                  "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day",
-                                  "Once upon a time", "One day", "The dog was happy", "Lily went to the park"]))
-    config = TrainConfig(out=str(work / "heads"), data=str(prompts), num_prompts=14, new_tokens=96, epochs=20, batch_size=128, lr=1e-2,
-                         warmup_steps=2, holdout=0.0, head_input=head_input, generate_batch=4, checkpoint_every=1000)
+    prompts.write_text(
+        "\n".join(
+            [
+                "Tim had a red ball",
+                "The sun was hot",
+                "Sara found a box",
+                "A cat sat on the mat",
+                "Ben wanted to fly",
+                "Mom made a cake",
+                "The bird sang",
+                "Sue lost her doll",
+                "Max ran to the door",
+                "It was a rainy day",
+                "Once upon a time",
+                "One day",
+                "The dog was happy",
+                "Lily went to the park",
+            ]
+        )
+    )
+    config = TrainConfig(
+        out=str(work / "heads"),
+        data=str(prompts),
+        num_prompts=14,
+        new_tokens=96,
+        epochs=20,
+        batch_size=128,
+        lr=1e-2,
+        warmup_steps=2,
+        holdout=0.0,
+        head_input=head_input,
+        generate_batch=4,
+        checkpoint_every=1000,
+    )
     heads, _ = train_heads(stories_base, config, cache_hidden(stories_base, build_sequences(stories_base, config), config))
     return heads.eval().requires_grad_(False)
 
@@ -92,8 +121,18 @@ def stories_sequential(stories_base, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stories_fitted(stories_base):
-    train = ["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Ben wanted to fly",
-             "Mom made a cake", "The bird sang", "Sue lost her doll", "Max ran to the door", "It was a rainy day"]
+    train = [
+        "Tim had a red ball",
+        "The sun was hot",
+        "Sara found a box",
+        "A cat sat on the mat",
+        "Ben wanted to fly",
+        "Mom made a cake",
+        "The bird sang",
+        "Sue lost her doll",
+        "Max ran to the door",
+        "It was a rainy day",
+    ]
     return fitted_heads(stories_base, [stories_base.tokenizer(p)["input_ids"] for p in train])
 
 
@@ -101,9 +140,18 @@ def _tiny_config(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if kind == "llama":
         return LlamaConfig(**common)
@@ -143,8 +191,14 @@ def assert_greedy_identical(base, prompt: list[int], got: list[int], max_new_tok
     the reference prefix); everything after a proven tie legitimately differs."""
     model = base.model
     out = model.generate(
-        torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-        eos_token_id=list(eos) or None, top_k=None, top_p=None, temperature=None,
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=list(eos) or None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
     )
     ref = out[0, len(prompt) :].tolist()
     if got == ref:
@@ -155,8 +209,7 @@ def assert_greedy_identical(base, prompt: list[int], got: list[int], max_new_tok
     gap = (logits[ref[i]] - logits[got[i]]).abs().item()
     top = logits.max().item()
     assert gap < TIE_GAP and top - logits[got[i]].item() < TIE_GAP, (
-        f"token {i} differs: medusa {got[i]} vs reference {ref[i]} with logit gap {gap:.3g} (not a tie)\n"
-        f"medusa    {got}\nreference {ref}"
+        f"token {i} differs: medusa {got[i]} vs reference {ref[i]} with logit gap {gap:.3g} (not a tie)\nmedusa    {got}\nreference {ref}"
     )
 
 
@@ -227,8 +280,16 @@ def stories_chat_engine(stories_base, stories_fitted, tmp_path_factory):
     from medusa_trt.runtime.manifest import write_manifest
 
     out = tmp_path_factory.mktemp("chat-engine") / "stories-chat"
-    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(
-        out=out, tree="mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE, max_batch=4, max_context=256, step_cost=dict(DEFAULT_STEP_COST)))
+    export_onnx(
+        medusa_model(stories_base, stories_fitted),
+        ExportConfig(
+            out=out,
+            tree="mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE,
+            max_batch=4,
+            max_context=256,
+            step_cost=dict(DEFAULT_STEP_COST),
+        ),
+    )
     (out / "chat_template.jinja").write_text(SERVING_CHAT_TEMPLATE)
     write_manifest(EngineFiles.locate(out))
     return out

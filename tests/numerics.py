@@ -49,8 +49,7 @@ def fp32_tolerance(reduction: int, magnitude: torch.Tensor | float) -> torch.Ten
     return 2 * gamma(reduction) * magnitude
 
 
-def linear_error(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 x_error: torch.Tensor | float = 0.0) -> torch.Tensor:
+def linear_error(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, x_error: torch.Tensor | float = 0.0) -> torch.Tensor:
     """Elementwise bound on how far two fp32 evaluations of ``F.linear(x, w, bias)`` (x [..., H],
     w [V, H] -> [..., V]), each in any order, can be apart when their inputs differ by at most
     ``x_error`` (elementwise): ``2 gamma_n (|x| |w|^T + |bias|) + (1 + gamma_n) x_error |w|^T``,
@@ -74,9 +73,15 @@ def silu_residual_error(x: torch.Tensor, z: torch.Tensor, z_error: torch.Tensor 
     return SILU_LIPSCHITZ * torch.as_tensor(z_error, dtype=torch.float64) + 2 * U32 * (SILU_ULPS * s.abs() + y.abs())
 
 
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, *, reduction: int | None = None,
-                      magnitude: torch.Tensor | float | None = None, tolerance: torch.Tensor | float | None = None,
-                      msg: str = "") -> None:
+def assert_close_fp32(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    reduction: int | None = None,
+    magnitude: torch.Tensor | float | None = None,
+    tolerance: torch.Tensor | float | None = None,
+    msg: str = "",
+) -> None:
     """``actual`` and ``expected`` agree within ``fp32_tolerance(reduction, magnitude)`` (or a
     ``tolerance`` built with :func:`linear_error`) everywhere; otherwise fail naming the worst
     element (the one furthest past its own allowance) and how many are off."""
@@ -95,11 +100,13 @@ def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, *, reduction
     raise AssertionError(
         f"{msg + ': ' if msg else ''}{int((over | ~torch.isfinite(diff)).sum())} of {actual.numel()} elements differ beyond "
         f"{bound}; worst at {at}: {actual[at].item():.9g} vs "
-        f"{expected[at].item():.9g}, off by {diff[at].item():.3g} where {allowed[at].item():.3g} is allowed")
+        f"{expected[at].item():.9g}, off by {diff[at].item():.3g} where {allowed[at].item():.3g} is allowed"
+    )
 
 
-def assert_same_top_ids(actual: torch.Tensor, expected: torch.Tensor, *, k: int = 1, tolerance: torch.Tensor | float,
-                        msg: str = "") -> None:
+def assert_same_top_ids(
+    actual: torch.Tensor, expected: torch.Tensor, *, k: int = 1, tolerance: torch.Tensor | float, msg: str = ""
+) -> None:
     """The top-``k`` token ids of each row (last axis) are the same, rank by rank, except where the
     two ids' logits tie, in both tensors, within the rounding ``tolerance`` (elementwise, as
     :func:`fp32_tolerance` gives it): as with ``conftest.assert_greedy_identical``, greedy may pick
@@ -121,4 +128,5 @@ def assert_same_top_ids(actual: torch.Tensor, expected: torch.Tensor, *, k: int 
     row = at[:-1]
     raise AssertionError(
         f"{msg + ': ' if msg else ''}top-{k} ids differ in {int(bad.sum())} places beyond a tie; first at row {row} rank {at[-1]}: "
-        f"{got[row].tolist()} vs {want[row].tolist()}, logit gap {gap[at].item():.3g} where a tie is {2 * allowed[row].item():.3g}")
+        f"{got[row].tolist()} vs {want[row].tolist()}, logit gap {gap[at].item():.3g} where a tie is {2 * allowed[row].item():.3g}"
+    )

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from conftest import CUSTOM_TREE, STORY_PROMPTS, medusa_model
+
 from medusa_trt.runtime import EngineError, MedusaRuntime, PromptError
 from medusa_trt.runtime.batching import ContinuousBatcher, Request
 from medusa_trt.runtime.sampling import SamplingError, SamplingParams
@@ -61,8 +61,10 @@ def test_requests_join_and_leave_mid_flight(runtime):
     late = [batcher.submit(Request(p, max_new_tokens=n, chat_template=False)) for p, n in zip(PROMPTS[4:7], LENGTHS[4:7])]
     rest = list(events)
     late_results = [h.result() for h in late]
-    sampled = [batcher.submit(Request(p, max_new_tokens=30, chat_template=False, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=i)))
-               for i, p in enumerate(PROMPTS[:3])]
+    sampled = [
+        batcher.submit(Request(p, max_new_tokens=30, chat_template=False, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=i)))
+        for i, p in enumerate(PROMPTS[:3])
+    ]
     sampled_results = [h.result() for h in sampled]
     with pytest.raises(EngineError, match="already generating"):  # the batcher owns the engine until closed
         runtime.generate("Hi", max_new_tokens=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import STORIES, medusa_model
+
 from medusa_trt.cli.bench import main
 
 
@@ -13,8 +14,26 @@ def test_bench_reports_every_method(tmp_path, capsys, export_engine, stories_bas
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "The dog", "Lily saw a bird"]))
     out = tmp_path / "bench.json"
-    code = main(["--engine", str(engine), "--prompts", str(prompts), "--max-new-tokens", "24", "--out", str(out),
-                 "--model", str(STORIES), "--tree", "chain-3", "--tree", "mc_sim_7b_63", "--every", "1"])
+    code = main(
+        [
+            "--engine",
+            str(engine),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--out",
+            str(out),
+            "--model",
+            str(STORIES),
+            "--tree",
+            "chain-3",
+            "--tree",
+            "mc_sim_7b_63",
+            "--every",
+            "1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
     methods = report["methods"]
@@ -51,8 +70,21 @@ def test_bench_rows_per_engine_against_their_own_plain(tmp_path, capsys, stories
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
     out = tmp_path / "bench.json"
-    code = main(["--engine", str(tmp_path / "fp32.onnx"), "--engine", str(tmp_path / "int4.onnx"), "--prompts", str(prompts),
-                 "--max-new-tokens", "16", "--no-hf", "--out", str(out)])
+    code = main(
+        [
+            "--engine",
+            str(tmp_path / "fp32.onnx"),
+            "--engine",
+            str(tmp_path / "int4.onnx"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--no-hf",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"plain[fp32]", "medusa[fp32]", "plain[int4]", "medusa[int4]"}
@@ -74,8 +106,23 @@ def test_bench_on_next_token_aware_heads(tmp_path, capsys, export_engine, storie
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
     out = tmp_path / "bench.json"
-    code = main(["--engine", str(engine), "--prompts", str(prompts), "--max-new-tokens", "16", "--no-hf", "--out", str(out),
-                 "--draft", "heads", "--draft", "heads,lookup,recycle"])
+    code = main(
+        [
+            "--engine",
+            str(engine),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--no-hf",
+            "--out",
+            str(out),
+            "--draft",
+            "heads",
+            "--draft",
+            "heads,lookup,recycle",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
     drafted = [m for name, m in report["methods"].items() if not name.startswith("plain")]

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import medusa_model
+
 from medusa_trt.bench import report as bench_report
 from medusa_trt.bench.files import staged
 from medusa_trt.cli.bench import main
@@ -124,8 +123,12 @@ def test_bad_input_is_one_line(folder, capsys, extra, fragment):
 
 def test_bad_input_subprocess(folder):
     """The installed command, not main(): a non-UTF-8 prompts file is one line on a real stderr."""
-    proc = subprocess.run([sys.executable, "-m", "medusa_trt.cli.bench", "--engine", "m.onnx", "--no-hf",
-                           "--prompts", str(folder / "p-latin1.jsonl")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "medusa_trt.cli.bench", "--engine", "m.onnx", "--no-hf", "--prompts", str(folder / "p-latin1.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert_one_line(proc.stderr, "medusa-bench", "p-latin1.jsonl:3: not UTF-8 text")
     assert not any((folder / "cwd").iterdir())
@@ -164,14 +167,28 @@ def test_default_writes_nothing(folder, capsys, engine):
 
 def test_write_failure_leaves_nothing(folder, capsys, engine, monkeypatch):
     """A write that fails after the benchmark (a full disk) is one line and leaves no half file or temp."""
+
     def full_disk(report, path):
         Path(path).write_bytes(b"\x89PNG half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(bench_report, "plot", full_disk)
     before = _snapshot(folder)
-    code = main(["--engine", str(engine), "--prompts", str(folder / "p-good.jsonl"), "--no-hf", "--max-new-tokens", "8",
-                 "--limit", "1", "--out", str(folder / "outdir" / "bench.json")])
+    code = main(
+        [
+            "--engine",
+            str(engine),
+            "--prompts",
+            str(folder / "p-good.jsonl"),
+            "--no-hf",
+            "--max-new-tokens",
+            "8",
+            "--limit",
+            "1",
+            "--out",
+            str(folder / "outdir" / "bench.json"),
+        ]
+    )
     assert code == 2
     assert_one_line(capsys.readouterr().err, "medusa-bench", f"cannot write {folder}/outdir/bench.json: No space left on device")
     assert _snapshot(folder) == before
@@ -179,9 +196,26 @@ def test_write_failure_leaves_nothing(folder, capsys, engine, monkeypatch):
 
 def test_closed_pipe_is_quiet(folder, engine):
     """``medusa-bench ... | head -1``: the reader goes away before the table is printed; no traceback, exit 141."""
-    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.bench", "--engine", str(engine), "--no-hf",
-                             "--prompts", str(folder / "p-good.jsonl"), "--max-new-tokens", "8", "--limit", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder / "cwd")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "medusa_trt.cli.bench",
+            "--engine",
+            str(engine),
+            "--no-hf",
+            "--prompts",
+            str(folder / "p-good.jsonl"),
+            "--max-new-tokens",
+            "8",
+            "--limit",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=folder / "cwd",
+    )
     proc.stdout.close()  # like head after its first line, but before the first write: no race
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141, err

@@ -8,13 +8,23 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import STORIES, medusa_model
+
 from medusa_trt.cli.calibrate import main
 from medusa_trt.runtime.tree import compile_tree, load_tree
 from medusa_trt.training.calibrate import (
-    CalibrationError, best_chain, expected_accept, greedy_proposals, grow_trees, head_accuracy, hits_from_proposals,
-    measure_head_hits, measure_heads_ms, measure_step_ms, pick_tree, step_cost,
+    CalibrationError,
+    best_chain,
+    expected_accept,
+    greedy_proposals,
+    grow_trees,
+    head_accuracy,
+    hits_from_proposals,
+    measure_head_hits,
+    measure_heads_ms,
+    measure_step_ms,
+    pick_tree,
+    step_cost,
 )
 
 # Decaying accuracies, 3 heads x top-10, each row sums below 1 (misses happen).
@@ -39,12 +49,14 @@ def test_head_accuracy_by_hand():
 
 def test_hits_from_proposals_alignment():
     tokens = [5, 6, 7, 8]  # t_0..t_3
-    proposals = np.array([  # row i: heads at the emission of t_i; head k guesses t_{i+1+k}
-        [[6, 9], [1, 7]],  # head 0 -> t_1 = 6 at rank 0; head 1 -> t_2 = 7 at rank 1
-        [[9, 7], [3, 4]],  # head 0 -> t_2 = 7 at rank 1; head 1 -> t_3 = 8 missing
-        [[8, 0], [0, 0]],  # head 1 would guess t_4: past the end, row dropped
-        [[0, 0], [0, 0]],
-    ])
+    proposals = np.array(
+        [  # row i: heads at the emission of t_i; head k guesses t_{i+1+k}
+            [[6, 9], [1, 7]],  # head 0 -> t_1 = 6 at rank 0; head 1 -> t_2 = 7 at rank 1
+            [[9, 7], [3, 4]],  # head 0 -> t_2 = 7 at rank 1; head 1 -> t_3 = 8 missing
+            [[8, 0], [0, 0]],  # head 1 would guess t_4: past the end, row dropped
+            [[0, 0], [0, 0]],
+        ]
+    )
     np.testing.assert_array_equal(hits_from_proposals(tokens, proposals), [[0, 1], [1, -1]])
 
 
@@ -76,8 +88,15 @@ def test_grow_trees_small_by_hand():
     acc = [[0.6, 0.2], [0.5, 0.1]]
     trees = grow_trees(acc, 10)
     # [0] .6 > [0,0] .3 > [1] .2 > [1,0] .1 > [0,1] .06 > [1,1] .02; then 2 heads x top-2 are used up
-    assert trees == [[], [[0]], [[0], [0, 0]], [[0], [0, 0], [1]], [[0], [0, 0], [1], [1, 0]],
-                     [[0], [0, 0], [1], [1, 0], [0, 1]], [[0], [0, 0], [1], [1, 0], [0, 1], [1, 1]]]
+    assert trees == [
+        [],
+        [[0]],
+        [[0], [0, 0]],
+        [[0], [0, 0], [1]],
+        [[0], [0, 0], [1], [1, 0]],
+        [[0], [0, 0], [1], [1, 0], [0, 1]],
+        [[0], [0, 0], [1], [1, 0], [0, 1], [1, 1]],
+    ]
 
 
 def test_grow_trees_compile_and_improve():
@@ -174,7 +193,9 @@ def test_next_token_aware_heads_are_calibrated_with_their_roots(stories_base, st
     timing call passes a root too."""
     from medusa_trt.runtime import MedusaRuntime
 
-    runtime = MedusaRuntime(export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware)), max_batch=1).with_tree("chain-0")
+    runtime = MedusaRuntime(export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware)), max_batch=1).with_tree(
+        "chain-0"
+    )
     ids = runtime.codec.encode(PROMPTS[0], chat=False)
     tokens, proposals = greedy_proposals(runtime, ids, 16, 3)
     assert tokens == runtime.generate(ids, max_new_tokens=16).token_ids
@@ -192,7 +213,9 @@ def test_sequential_heads_are_calibrated_along_their_expanded_template(stories_b
     root; the deeper heads' hits exist only where the true path stays in the template."""
     from medusa_trt.runtime import MedusaRuntime
 
-    runtime = MedusaRuntime(export_engine("stories-sequential", medusa_model(stories_base, stories_sequential)), max_batch=1).with_tree("chain-0")
+    runtime = MedusaRuntime(export_engine("stories-sequential", medusa_model(stories_base, stories_sequential)), max_batch=1).with_tree(
+        "chain-0"
+    )
     plan = runtime._info.expansion
     hits = measure_head_hits(runtime, [runtime.codec.encode(p, chat=False) for p in PROMPTS[:2]], 24, 3)
     assert hits.shape[1] == runtime.num_heads and (hits[:, 0] == 0).mean() > 0.3
@@ -215,14 +238,34 @@ def _prompts_file(tmp_path):
 
 def test_cli_end_to_end(capsys, tmp_path, fitted_engine):
     out = tmp_path / "tree.json"
-    code = main(["--engine", str(fitted_engine), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
-                 "--max-new-tokens", "32", "--max-nodes", "24", "--repeats", "2"])
+    code = main(
+        [
+            "--engine",
+            str(fitted_engine),
+            "--prompts",
+            str(_prompts_file(tmp_path)),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "32",
+            "--max-nodes",
+            "24",
+            "--repeats",
+            "2",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     tree = load_tree(out, max_depth=4)
     assert tree.name == f"calibrated-{tree.num_nodes}" and 1 <= tree.num_nodes <= 24
     assert out.with_suffix(".png").stat().st_size > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "tree.json", "tree.medusa_choices.json", "tree.png", "tree.report.json"]  # no temps
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "prompts.jsonl",
+        "tree.json",
+        "tree.medusa_choices.json",
+        "tree.png",
+        "tree.report.json",
+    ]  # no temps
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert report["positions"] > 50 and report["acc"][0][0] > 0.2
     assert sorted(int(k) for k in report["step_ms"]) == [1, 2, 4, 8, 16, 24]
@@ -244,8 +287,30 @@ def test_cli_torch_model_and_heads(capsys, tmp_path, stories_fitted):
 
     heads = save_heads(stories_fitted, tmp_path / "heads")
     out = tmp_path / "tree.json"
-    code = main(["--model", str(STORIES), "--heads", str(heads), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
-                 "--limit", "2", "--max-new-tokens", "16", "--max-nodes", "8", "--top-k", "4", "--context", "32", "--repeats", "1"])
+    code = main(
+        [
+            "--model",
+            str(STORIES),
+            "--heads",
+            str(heads),
+            "--prompts",
+            str(_prompts_file(tmp_path)),
+            "--out",
+            str(out),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--max-nodes",
+            "8",
+            "--top-k",
+            "4",
+            "--context",
+            "32",
+            "--repeats",
+            "1",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert load_tree(out).num_nodes <= 8
@@ -329,12 +394,32 @@ def test_cli_write_failure_leaves_nothing(capsys, tmp_path, fitted_engine, monke
     prompts = _prompts_file(tmp_path)
     out = tmp_path / "out" / "tree.json"
     out.parent.mkdir()
-    code = main(["--engine", str(fitted_engine), "--prompts", str(prompts), "--out", str(out), "--limit", "1",
-                 "--max-new-tokens", "8", "--max-nodes", "4", "--context", "16", "--repeats", "1"])
+    code = main(
+        [
+            "--engine",
+            str(fitted_engine),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--max-nodes",
+            "4",
+            "--context",
+            "16",
+            "--repeats",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.strip() == f"medusa-calibrate: error: cannot write {out}: No space left on device: check the folder " \
-                          "(free space, permissions) or pick another --out"
+    assert (
+        err.strip() == f"medusa-calibrate: error: cannot write {out}: No space left on device: check the folder "
+        "(free space, permissions) or pick another --out"
+    )
     assert list(out.parent.iterdir()) == []
 
 
@@ -347,8 +432,24 @@ def test_cli_on_an_engine_folder_records_its_cost(capsys, tmp_path, stories_base
     export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-3", max_context=256, measure_cost=False))
     assert json.loads((folder / "drafting.json").read_text())["step_cost"] is None
     out = tmp_path / "tree.json"
-    code = main(["--engine", str(folder), "--prompts", str(_prompts_file(tmp_path)), "--out", str(out),
-                 "--max-new-tokens", "16", "--max-nodes", "8", "--repeats", "2", "--limit", "2"])
+    code = main(
+        [
+            "--engine",
+            str(folder),
+            "--prompts",
+            str(_prompts_file(tmp_path)),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "16",
+            "--max-nodes",
+            "8",
+            "--repeats",
+            "2",
+            "--limit",
+            "2",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     drafting = json.loads((folder / "drafting.json").read_text())

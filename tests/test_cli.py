@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import STORIES
+
 from medusa_trt.cli.run import main
 from medusa_trt.exporter import HeadsConfig, ModelLoadError, init_heads, load_base_model, save_heads
 
@@ -20,12 +20,28 @@ def _run(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_generates_and_summarises(capsys, stories_base):
-    code, out, err = _run(capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3",
-                          "--prompt", "Once upon a time", "--max-new-tokens", "20", "--compare-plain")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--untrained-heads",
+        "3",
+        "--tree",
+        "chain-3",
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "20",
+        "--compare-plain",
+    )
     assert code == 0, err
     lines = out.strip().splitlines()
     assert "there was" in lines[0]
-    assert lines[1].startswith("medusa (drafters heads,lookup,recycle, heads template chain-3): 20 tokens,") and "accepted/step" in lines[1] and "tokens/s" in lines[1]
+    assert (
+        lines[1].startswith("medusa (drafters heads,lookup,recycle, heads template chain-3): 20 tokens,")
+        and "accepted/step" in lines[1]
+        and "tokens/s" in lines[1]
+    )
     assert lines[2].startswith("plain decoding (same engine): 20 tokens, 19 steps, 1.00 accepted/step")
     assert lines[3].startswith("speedup over plain decoding: ")
 
@@ -34,12 +50,35 @@ def test_saved_heads_batch_and_stream(capsys, stories_base, tmp_path):
     cfg = stories_base.model.config
     heads = init_heads(HeadsConfig(2, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=False), stories_base.model.lm_head, random=True)
     save_heads(heads, tmp_path / "heads")
-    code, out, err = _run(capsys, "--model", str(STORIES), "--heads", str(tmp_path / "heads"), "--prompt", "One day",
-                          "--prompt", "The cat", "--max-new-tokens", "10")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--heads",
+        str(tmp_path / "heads"),
+        "--prompt",
+        "One day",
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "10",
+    )
     assert code == 0, err
     assert out.count("--- prompt") == 2 and "medusa (drafters heads,lookup,recycle, heads template chain-2): 20 tokens" in out
-    code, out, err = _run(capsys, "--model", str(STORIES), "--heads", str(tmp_path / "heads"), "--prompt", "One day",
-                          "--max-new-tokens", "10", "--stream", "--stop", "xyzzy")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--heads",
+        str(tmp_path / "heads"),
+        "--prompt",
+        "One day",
+        "--max-new-tokens",
+        "10",
+        "--stream",
+        "--stop",
+        "xyzzy",
+    )
     assert code == 0, err
     assert "heads template chain-2): 10 tokens" in out
 
@@ -100,8 +139,22 @@ def test_entry_point_without_traceback(tmp_path):
     bad = tmp_path / "tree.json"
     bad.write_text(json.dumps([[0], [0, 0, 0]]))
     proc = subprocess.run(
-        [sys.executable, "-m", "medusa_trt.cli.run", "--model", str(STORIES), "--untrained-heads", "3", "--tree", str(bad), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "medusa_trt.cli.run",
+            "--model",
+            str(STORIES),
+            "--untrained-heads",
+            "3",
+            "--tree",
+            str(bad),
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
@@ -110,8 +163,20 @@ def test_entry_point_without_traceback(tmp_path):
 
 
 def test_json_output(capsys, stories_base):
-    code, out, err = _run(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--prompt", "One day", "--prompt", "The cat",
-                          "--max-new-tokens", "8", "--json")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--untrained-heads",
+        "2",
+        "--prompt",
+        "One day",
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
     assert code == 0, err
     records = [json.loads(line) for line in out.strip().splitlines()]
     assert len(records) == 2 and all(len(r["token_ids"]) == 8 and r["finish_reason"] == "length" for r in records)

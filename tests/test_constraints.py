@@ -66,6 +66,9 @@ def test_this_environment_holds_the_constrained_versions():
     if os.environ.get("MEDUSA_TRT_CONSTRAINTS", "constraints.txt") == "":
         pytest.skip("make install CONSTRAINTS= (newer releases on purpose): nothing to compare")
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    wrong = {name: (want, installed.get(name)) for name, want in _constraints().items()
-             if installed.get(name) is None or Version(installed[name]).public != Version(want).public}
+    wrong = {
+        name: (want, installed.get(name))
+        for name, want in _constraints().items()
+        if installed.get(name) is None or Version(installed[name]).public != Version(want).public
+    }
     assert not wrong, f"installed versions differ from constraints.txt (name: (constrained, installed)): {wrong}; run make install"

@@ -5,12 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from medusa_trt.runtime.acceptance import Draws, greedy, lossless, typical
+from medusa_trt.runtime.acceptance import Draws, greedy, lossless, tree_walk, typical
 from medusa_trt.runtime.drafting import (
-    DETERMINISTIC, AcceptanceStats, CostModel, Fragment, HeadsProposer, HeadsTemplate, LookupConfig, LookupDrafter,
-    NgramIndex, RecycleConfig, RecycleDrafter, StepTree, build_tree,
+    DETERMINISTIC,
+    AcceptanceStats,
+    CostModel,
+    Fragment,
+    HeadsProposer,
+    HeadsTemplate,
+    LookupConfig,
+    LookupDrafter,
+    NgramIndex,
+    RecycleConfig,
+    RecycleDrafter,
+    StepTree,
+    build_tree,
 )
-from medusa_trt.runtime.acceptance import tree_walk
 from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.tree import compile_tree
 
@@ -117,8 +127,7 @@ def test_greedy_heads_drafts_are_keyed_by_confidence():
 
 
 def _heads_and_lookup():
-    heads = Fragment("heads", np.array([7, 8, 9]), np.array([-1, -1, 0]), (("h", 1), ("h", 2), ("h", 3)),
-                     np.full(3, DETERMINISTIC))
+    heads = Fragment("heads", np.array([7, 8, 9]), np.array([-1, -1, 0]), (("h", 1), ("h", 2), ("h", 3)), np.full(3, DETERMINISTIC))
     lookup = Fragment.paths("lookup", [[7, 10, 11]], [[("l", 1), ("l", 2), ("l", 3)]])
     return heads, lookup
 
@@ -209,9 +218,16 @@ DRAWS = Draws(q=np.array([[0.1, 0.6, 0.3, 0.0]]), ids=np.array([[1, 2]]))  # hea
 
 def test_lossless_mixes_sampled_and_point_mass_siblings():
     # root (token 9): head-1 draws 1 (q = .6) then 2 (q without 1 = .3/.4 = .75); a lookup draft 3 (point mass)
-    tree = StepTree(np.array([9, 1, 2, 3]), np.array([-1, 0, 0, 0]), np.array([0, 1, 1, 1]), np.array([-1, 0, 1, -1]),
-                    ((), ("h",), ("h",), ("l",)), ((), ("heads",), ("heads",), ("lookup",)), ((1, 2, 3), (), (), ()),
-                    np.ones(4))
+    tree = StepTree(
+        np.array([9, 1, 2, 3]),
+        np.array([-1, 0, 0, 0]),
+        np.array([0, 1, 1, 1]),
+        np.array([-1, 0, 1, -1]),
+        ((), ("h",), ("h",), ("l",)),
+        ((), ("heads",), ("heads",), ("lookup",)),
+        ((1, 2, 3), (), (), ()),
+        np.ones(4),
+    )
     p = np.array([0.1, 0.2, 0.3, 0.4])
     probs = lambda node: p.copy()  # noqa: E731
     # draw 1: u * .6 < .2 needs u < 1/3: reject at .5; residual max(0, p - q) = [0, 0, 0, .4] -> [0, 0, 0, 1]
@@ -336,8 +352,7 @@ def test_sequential_heads_drafter_reads_each_node_from_its_parents_row():
     for sampled in (False, True):
         f = _heads(template, sampled=sampled, proposals=proposals, confidence=confidence)([1, 2], 3)
         assert f.tokens.tolist() == [20, 21, 30, 31, 40, 50] and f.parent.tolist() == [-1, -1, 0, 0, 1, 2]
-        assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6), ("heads-p", 2, 4), ("heads-p", 2, 2),
-                          ("heads-p", 3, 5))
+        assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6), ("heads-p", 2, 4), ("heads-p", 2, 2), ("heads-p", 3, 5))
         assert (f.draw == DETERMINISTIC).all()
     with pytest.raises(TemplateMismatchError, match="subtree of that template"):
         HeadsTemplate(compile_tree([[0], [1], [1, 1], [1, 1, 0]]), tree_walk(compile_tree([[0], [1], [1, 1], [1, 1, 0]])), plan)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import CUSTOM_TREE, STORY_PROMPTS, TREES, medusa_model
+
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.engine import EngineError, EngineFiles, engine_meta, read_meta
 
@@ -42,8 +42,16 @@ def test_folder_layout_and_config(engines, stories_model):
     root = folder.folder
     assert folder == EngineFiles.in_folder(root) and EngineFiles.locate(root) == folder
     names = {p.name for p in root.iterdir()}
-    assert {"config.json", "model.onnx", "heads.onnx", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-            "drafting.json", "files.json"} <= names
+    assert {
+        "config.json",
+        "model.onnx",
+        "heads.onnx",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "drafting.json",
+        "files.json",
+    } <= names
     assert not [n for n in names if n.startswith(".")], "no staging leftovers in the folder"
     config = json.loads((root / "config.json").read_text())
     assert config["format"] == "medusa-trt-engine" and config["version"] == 1 and config["backend"] == "onnxruntime"
@@ -99,7 +107,7 @@ def test_a_folder_without_config_or_with_a_foreign_graph_is_refused(engines, tmp
     (copy / "files.json").unlink()  # so the manifest is not what refuses it
     with pytest.raises(EngineError, match="does not describe model.onnx"):
         MedusaRuntime(copy)
-    (copy / "config.json").write_text("{\"format\": \"something-else\"}")
+    (copy / "config.json").write_text('{"format": "something-else"}')
     with pytest.raises(EngineError, match="not a medusa-trt engine config"):
         MedusaRuntime(copy)
 
@@ -141,10 +149,35 @@ def test_step_cost_from_a_calibrate_report_is_the_folder_budget(stories_model, t
     report = tmp_path / "tree.report.json"
     report.write_text(json.dumps({"step_ms": {"1": 20.0, "2": 20.0, "4": 24.0, "8": 30.0, "16": 40.0, "32": 80.0, "64": 160.0}}))
     out = tmp_path / "eng"
-    assert main(["--model", "../shared/models/stories260K.gguf", "--untrained-heads", "2", "--out", str(out), "--no-verify",
-                 "--max-batch", "1", "--max-context", "64", "--step-cost", str(report)]) == 0
-    assert json.loads((out / "drafting.json").read_text())["step_cost"] == {"1": 1.0, "2": 1.0, "4": 1.2, "8": 1.5, "16": 2.0,
-                                                                             "32": 4.0, "64": 8.0}
+    assert (
+        main(
+            [
+                "--model",
+                "../shared/models/stories260K.gguf",
+                "--untrained-heads",
+                "2",
+                "--out",
+                str(out),
+                "--no-verify",
+                "--max-batch",
+                "1",
+                "--max-context",
+                "64",
+                "--step-cost",
+                str(report),
+            ]
+        )
+        == 0
+    )
+    assert json.loads((out / "drafting.json").read_text())["step_cost"] == {
+        "1": 1.0,
+        "2": 1.0,
+        "4": 1.2,
+        "8": 1.5,
+        "16": 2.0,
+        "32": 4.0,
+        "64": 8.0,
+    }
     runtime = MedusaRuntime(out)
     assert runtime.drafting.config.cost.table == {1: 1.0, 2: 1.0, 4: 1.2, 8: 1.5, 16: 2.0, 32: 4.0, 64: 8.0}
     assert not runtime.drafting.config.learn_cost
@@ -160,7 +193,7 @@ def test_step_cost_from_a_calibrate_report_is_the_folder_budget(stories_model, t
 def _engine_param(model_folder: Path) -> str:
     text = (model_folder / "config.pbtxt").read_text()
     start = text.index('key: "engine"')
-    return json.loads(text[text.index("string_value:", start) + len("string_value:"):].split("}")[0].strip())
+    return json.loads(text[text.index("string_value:", start) + len("string_value:") :].split("}")[0].strip())
 
 
 @pytest.mark.parametrize("form", ["folder", "file"])
@@ -180,8 +213,10 @@ def test_triton_repo_references_the_engine_relatively(engines, tmp_path, form):
     elsewhere = tmp_path / "elsewhere"
     shutil.move(str(place), str(elsewhere))  # move both together
     resolved = elsewhere / "repo" / "medusa" / ref
-    assert MedusaRuntime(resolved).generate(STORY_PROMPTS[0], max_new_tokens=8).token_ids == \
-        MedusaRuntime(engine).generate(STORY_PROMPTS[0], max_new_tokens=8).token_ids
+    assert (
+        MedusaRuntime(resolved).generate(STORY_PROMPTS[0], max_new_tokens=8).token_ids
+        == MedusaRuntime(engine).generate(STORY_PROMPTS[0], max_new_tokens=8).token_ids
+    )
 
 
 @pytest.mark.parametrize("form", ["folder", "file"])
@@ -199,8 +234,10 @@ def test_triton_repo_can_copy_the_engine_in(engines, tmp_path, form):
 
     assert check_manifest(EngineFiles.locate(copied), checksums=True)  # every file, byte for byte
     shutil.move(str(tmp_path / "repo"), str(tmp_path / "repo2"))
-    assert MedusaRuntime(tmp_path / "repo2" / "medusa" / ref).generate(STORY_PROMPTS[1], max_new_tokens=8).token_ids == \
-        MedusaRuntime(engine).generate(STORY_PROMPTS[1], max_new_tokens=8).token_ids
+    assert (
+        MedusaRuntime(tmp_path / "repo2" / "medusa" / ref).generate(STORY_PROMPTS[1], max_new_tokens=8).token_ids
+        == MedusaRuntime(engine).generate(STORY_PROMPTS[1], max_new_tokens=8).token_ids
+    )
 
 
 def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, monkeypatch):
@@ -212,8 +249,9 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
     from medusa_trt.runtime.engine_folder import read_folder_config
 
     # TensorRT builds take the appended layout: no key slots, no ONNX Runtime timing (what medusa-export does for them)
-    folder = export_onnx(stories_model, ExportConfig(out=tmp_path / "src", tree=TREE, max_batch=4, max_context=256, key_slots=False,
-                                                     measure_cost=False)).files
+    folder = export_onnx(
+        stories_model, ExportConfig(out=tmp_path / "src", tree=TREE, max_batch=4, max_context=256, key_slots=False, measure_cost=False)
+    ).files
     work = tmp_path / "eng"
     shutil.copytree(folder.folder, work)
     with pytest.raises(tensorrt_build.TensorRTBuildError, match="--no-key-slots"):
@@ -262,9 +300,27 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
 def test_export_cli_writes_a_folder(tmp_path):
     """The one-line summary names the folder; the subprocess leaves only the folder."""
     out = tmp_path / "cli-engine"
-    proc = subprocess.run([sys.executable, "-m", "medusa_trt.cli.export", "--model", "../shared/models/stories260K.gguf",
-                           "--untrained-heads", "2", "--out", str(out), "--max-batch", "1", "--max-context", "64"],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "medusa_trt.cli.export",
+            "--model",
+            "../shared/models/stories260K.gguf",
+            "--untrained-heads",
+            "2",
+            "--out",
+            str(out),
+            "--max-batch",
+            "1",
+            "--max-context",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"wrote {out}/ (config.json, model.onnx, heads.onnx" in proc.stdout and "verified against torch" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli-engine"]

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import STORIES, medusa_model, random_heads
 
-from conftest import STORIES, random_heads, medusa_model
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.runtime import EngineError, MedusaRuntime
 from medusa_trt.runtime.engine import read_meta
@@ -55,7 +55,10 @@ CASES = {
     "garbage gguf": (["--model", "BAD/garbage.gguf"], "garbage.gguf is not a valid GGUF file"),
     "truncated gguf": (["--model", "BAD/truncated.gguf"], "truncated.gguf is not a valid GGUF file"),
     "corrupt safetensors": (["--model", "BAD/safetensors-header"], "safetensors-header/model.safetensors is not a valid safetensors file"),
-    "truncated safetensors": (["--model", "BAD/safetensors-truncated"], "safetensors-truncated/model.safetensors is not a valid safetensors file"),
+    "truncated safetensors": (
+        ["--model", "BAD/safetensors-truncated"],
+        "safetensors-truncated/model.safetensors is not a valid safetensors file",
+    ),
     "max-context 1": (["--max-context", "1"], "--max-context 1 is too small: it must be >= 2"),
     "max-context 0": (["--max-context", "0"], "--max-context 0 is too small"),
     "max-context above the model's": (["--model", "TINY", "--max-context", "1024"], "--max-context 1024 exceeds the model's 512 positions"),
@@ -63,17 +66,27 @@ CASES = {
     "max-batch -3": (["--max-batch", "-3"], "--max-batch -3 is too small"),
     "max-tokens 0": (["--max-tokens", "0"], "--max-tokens 0 is too small: it must be >= 1"),
     "untrained-heads -1": (["--untrained-heads", "-1"], "--untrained-heads -1 is negative"),
-    "head-layer past the last": (["--untrained-heads", "2", "--head-layer", "99"], "--head-layer 99 is not a decoder layer of the model: pass 0..4"),
+    "head-layer past the last": (
+        ["--untrained-heads", "2", "--head-layer", "99"],
+        "--head-layer 99 is not a decoder layer of the model: pass 0..4",
+    ),
     "head-layer negative": (["--untrained-heads", "2", "--head-layer", "-1"], "--head-layer -1 is not a decoder layer"),
     "opset too old": (["--opset", "5"], "--opset 5 is not supported: use 18..23"),
     "opset unknown": (["--opset", "99"], "--opset 99 is not supported"),
     "tree larger than max-tokens": (["--untrained-heads", "2", "--tree", "chain-2", "--max-tokens", "2"], "--max-tokens is 2"),
     "draft-vocab 0": (["--untrained-heads", "2", "--draft-vocab", "0"], "--draft-vocab 0 must be a whole number >= 1"),
-    "draft-vocab past the vocabulary": (["--untrained-heads", "2", "--draft-vocab", "600"],
-                                        "--draft-vocab 600 must lie between the tree's top-1 and the model's vocabulary of 512 tokens"),
-    "draft-vocab under the tree's top-k": (["--untrained-heads", "4", "--tree", "mc_sim_7b_63", "--draft-vocab", "4"],
-                                           "--draft-vocab 4 must lie between the tree's top-10"),
-    "triton repo under a missing folder": (["--triton-repo", "/nonexistent/deep/repo"], "its parent folder /nonexistent/deep does not exist"),
+    "draft-vocab past the vocabulary": (
+        ["--untrained-heads", "2", "--draft-vocab", "600"],
+        "--draft-vocab 600 must lie between the tree's top-1 and the model's vocabulary of 512 tokens",
+    ),
+    "draft-vocab under the tree's top-k": (
+        ["--untrained-heads", "4", "--tree", "mc_sim_7b_63", "--draft-vocab", "4"],
+        "--draft-vocab 4 must lie between the tree's top-10",
+    ),
+    "triton repo under a missing folder": (
+        ["--triton-repo", "/nonexistent/deep/repo"],
+        "its parent folder /nonexistent/deep does not exist",
+    ),
 }
 
 
@@ -104,8 +117,9 @@ def test_default_context_fits_a_model_with_fewer_positions(tmp_path, capsys, tin
 def test_small_max_tokens_engine_is_verified_and_runs(tmp_path, capsys):
     """--max-tokens under the checked prefill (7 tokens): the check uses steps the engine takes."""
     out = tmp_path / "small.onnx"
-    code, stdout, err = _run(capsys, "--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--max-tokens", "4",
-                             "--max-context", "128", "--out", out)
+    code, stdout, err = _run(
+        capsys, "--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--max-tokens", "4", "--max-context", "128", "--out", out
+    )
     assert code == 0, err
     assert "verified against torch" in stdout
     assert read_meta(out).max_tokens == 4
@@ -123,8 +137,10 @@ def external_engine(tmp_path, monkeypatch, stories_base):
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     out = tmp_path / "m.onnx"
-    onnx_export.export_onnx(medusa_model(stories_base, random_heads(stories_base, 2)),
-                            onnx_export.ExportConfig(out=out, tree="chain-2", max_context=64, verify=False))
+    onnx_export.export_onnx(
+        medusa_model(stories_base, random_heads(stories_base, 2)),
+        onnx_export.ExportConfig(out=out, tree="chain-2", max_context=64, verify=False),
+    )
     return out
 
 
@@ -166,8 +182,12 @@ def test_sweep_removes_only_folders_of_exited_exports(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     folders = {}
-    for key, owner in {"exited": f"{gone.pid} {socket.gethostname()}", "running": f"{os.getpid()} {socket.gethostname()}",
-                       "other host": f"{gone.pid} elsewhere.example", "no owner": None}.items():
+    for key, owner in {
+        "exited": f"{gone.pid} {socket.gethostname()}",
+        "running": f"{os.getpid()} {socket.gethostname()}",
+        "other host": f"{gone.pid} elsewhere.example",
+        "no owner": None,
+    }.items():
         folders[key] = tmp_path / f".m.onnx.{key.replace(' ', '_')}"
         folders[key].mkdir()
         if owner is not None:
@@ -181,7 +201,9 @@ def test_sweep_removes_only_folders_of_exited_exports(tmp_path):
 
 def _start_export(out: Path) -> subprocess.Popen:
     args = ["--model", str(STORIES), "--untrained-heads", "2", "--tree", "chain-2", "--max-context", "64", "--out", str(out)]
-    return subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.export", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "medusa_trt.cli.export", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for_staging(proc: subprocess.Popen, out: Path, timeout: float = 240) -> Path:
@@ -198,7 +220,9 @@ def _wait_for_staging(proc: subprocess.Popen, out: Path, timeout: float = 240) -
     pytest.fail("the export never staged its files")
 
 
-@pytest.mark.parametrize("sig,code,line", [(signal.SIGTERM, 143, "medusa-export: terminated"), (signal.SIGINT, 130, "medusa-export: interrupted")])
+@pytest.mark.parametrize(
+    "sig,code,line", [(signal.SIGTERM, 143, "medusa-export: terminated"), (signal.SIGINT, 130, "medusa-export: interrupted")]
+)
 def test_terminated_export_cleans_up(tmp_path, sig, code, line):
     out = tmp_path / "m.onnx"
     proc = _start_export(out)
@@ -218,7 +242,9 @@ def test_killed_export_is_swept_by_the_next(tmp_path, capsys):
     proc.kill()  # SIGKILL: no cleanup can run
     proc.communicate(timeout=60)
     assert staging.is_dir()
-    code, _, err = _run(capsys, "--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--max-context", "64", "--no-verify", "--out", out)
+    code, _, err = _run(
+        capsys, "--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--max-context", "64", "--no-verify", "--out", out
+    )
     assert code == 0, err
     assert not staging.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert read_meta(out).max_context == 64

@@ -8,10 +8,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import random_heads
+
 from medusa_trt.cli.export import main as export_main
-from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, ExportDefaults, ExportDefaultsError, read_export_defaults, write_export_defaults
+from medusa_trt.exporter.export_defaults import (
+    EXPORT_DEFAULTS,
+    ExportDefaults,
+    ExportDefaultsError,
+    read_export_defaults,
+    write_export_defaults,
+)
 from medusa_trt.exporter.heads import save_heads
 from medusa_trt.runtime.engine_folder import read_folder_config
 from medusa_trt.runtime.tree import load_tree
@@ -53,8 +59,25 @@ def test_a_plain_export_takes_the_heads_defaults(heads_dir, tiny_model_dir, tmp_
 
 def test_the_command_line_wins(heads_dir, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "engine"
-    assert export_main(["--model", str(tiny_model_dir("llama")), "--heads", str(heads_dir), "--out", str(out), "--max-context", "64",
-                        "--tree", "chain-2", "--quantize", "none"]) == 0
+    assert (
+        export_main(
+            [
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--heads",
+                str(heads_dir),
+                "--out",
+                str(out),
+                "--max-context",
+                "64",
+                "--tree",
+                "chain-2",
+                "--quantize",
+                "none",
+            ]
+        )
+        == 0
+    )
     assert "draft vocabulary 256" in capsys.readouterr().out  # the one setting left to the heads folder
     meta = read_folder_config(out).meta
     assert (meta.tree_name, meta.draft_vocab, meta.quantization) == ("chain-2", 256, "none")
@@ -66,15 +89,18 @@ def test_heads_without_export_json_export_as_before(heads_dir, tmp_path):
     assert read_export_defaults(bare) == ExportDefaults() == read_export_defaults(None)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{", "is not valid JSON"),
-    ('{"version": 2}', 'must be an object with "version": 1'),
-    ('{"version": 1, "trees": "x"}', 'and only "tree", "draft_vocab", "quantize"'),
-    ('{"version": 1, "tree": 3}', '"tree" must be a file name in the heads folder'),
-    ('{"version": 1, "tree": "gone.json"}', "which does not exist: copy the whole heads folder"),
-    ('{"version": 1, "draft_vocab": 0}', '"draft_vocab" must be a whole number >= 1 or null'),
-    ('{"version": 1, "quantize": "int3"}', '"quantize" must be one of'),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "is not valid JSON"),
+        ('{"version": 2}', 'must be an object with "version": 1'),
+        ('{"version": 1, "trees": "x"}', 'and only "tree", "draft_vocab", "quantize"'),
+        ('{"version": 1, "tree": 3}', '"tree" must be a file name in the heads folder'),
+        ('{"version": 1, "tree": "gone.json"}', "which does not exist: copy the whole heads folder"),
+        ('{"version": 1, "draft_vocab": 0}', '"draft_vocab" must be a whole number >= 1 or null'),
+        ('{"version": 1, "quantize": "int3"}', '"quantize" must be one of'),
+    ],
+)
 def test_a_bad_export_json_is_one_line_naming_it(tmp_path, capsys, tiny_model_dir, text, message):
     (tmp_path / EXPORT_DEFAULTS).write_text(text)
     with pytest.raises(ExportDefaultsError, match=message):
@@ -104,6 +130,9 @@ def test_heads_retrained_into_their_folder_keep_its_export_json(heads_dir, tiny_
 
 def test_the_heads_quantization_applies_to_standard_fp32_graphs_only():
     found = ExportDefaults("chain-2", 64, "heads-int8")
-    assert found.under(None, None, None, quantizable=False) == (ExportDefaults("chain-2", 64, None), {"tree": "chain-2", "draft vocabulary": 64})
+    assert found.under(None, None, None, quantizable=False) == (
+        ExportDefaults("chain-2", 64, None),
+        {"tree": "chain-2", "draft vocabulary": 64},
+    )
     assert found.under("chain-1", 32, "none", quantizable=True) == (ExportDefaults("chain-1", 32, None), {})
     assert found.under(None, None, None, quantizable=True)[0] == found

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CUSTOM_TREE, STORIES, STORY_PROMPTS, TREES, assert_greedy_identical, fitted_heads, medusa_model
+
 from medusa_trt.exporter import load_base_model
 from medusa_trt.runtime import MedusaRuntime
 

@@ -57,8 +57,17 @@ def assert_matches(case, *, num_splits=None):
 @pytest.mark.parametrize("num_new", [1, 4, 16, 64])
 def test_cuda_kernel_matches_reference(num_new, context, ratio, dtype):
     for i, mask in enumerate(["causal"] if num_new == 1 else ["tree", "causal"]):
-        case = make_case(cache_lengths=[context, context // 3, 0], num_new=num_new, num_q_heads=2 * ratio, num_kv_heads=2,
-                         head_dim=64, mask=mask, dtype=DTYPES[dtype], device="cuda", seed=num_new * 1000 + context * 10 + ratio + i)
+        case = make_case(
+            cache_lengths=[context, context // 3, 0],
+            num_new=num_new,
+            num_q_heads=2 * ratio,
+            num_kv_heads=2,
+            head_dim=64,
+            mask=mask,
+            dtype=DTYPES[dtype],
+            device="cuda",
+            seed=num_new * 1000 + context * 10 + ratio + i,
+        )
         assert_matches(case)
 
 
@@ -66,10 +75,25 @@ def test_cuda_kernel_matches_reference(num_new, context, ratio, dtype):
 @pytest.mark.parametrize("num_new, num_q_heads, num_kv_heads", [(1, 9, 3), (16, 9, 3), (4, 32, 4), (64, 32, 4)])
 def test_cuda_split_context(num_new, num_q_heads, num_kv_heads, dtype):
     """Long contexts: the heuristic's split and a forced one, with ragged lengths."""
-    case = make_case(cache_lengths=[4000, 1500, 0], num_new=num_new, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                     head_dim=64, dtype=DTYPES[dtype], device="cuda", seed=num_new)
-    plan = launch.plan_launch(batch=3, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_new=num_new, head_dim=64,
-                              cache_slots=case.past_key.shape[0], num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    case = make_case(
+        cache_lengths=[4000, 1500, 0],
+        num_new=num_new,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        dtype=DTYPES[dtype],
+        device="cuda",
+        seed=num_new,
+    )
+    plan = launch.plan_launch(
+        batch=3,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        num_new=num_new,
+        head_dim=64,
+        cache_slots=case.past_key.shape[0],
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+    )
     assert_matches(case)
     assert_matches(case, num_splits=max(2, plan.num_splits // 2))
 
@@ -85,8 +109,9 @@ def test_cuda_dispatch_uses_the_kernel():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_cuda_graph_replay(num_splits):
     """Captured once, replayed on new inputs written in place: no host sync or per-call state."""
-    case = make_case(cache_lengths=[600, 100], num_new=8, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                     dtype=torch.float16, device="cuda", seed=1)
+    case = make_case(
+        cache_lengths=[600, 100], num_new=8, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float16, device="cuda", seed=1
+    )
     out = torch.empty_like(case.query)
 
     def step():
@@ -100,8 +125,9 @@ def test_cuda_graph_replay(num_splits):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    fresh = make_case(cache_lengths=[300, 600], num_new=8, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                      dtype=torch.float16, device="cuda", seed=2)
+    fresh = make_case(
+        cache_lengths=[300, 600], num_new=8, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float16, device="cuda", seed=2
+    )
     for mine, new in zip(case.inputs, fresh.inputs):
         mine.copy_(new)
     graph.replay()

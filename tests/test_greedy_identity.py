@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import CUSTOM_TREE, TREES, assert_greedy_identical, fitted_heads, medusa_model, random_heads
+
 from medusa_trt.exporter import load_base_model
 from medusa_trt.exporter.heads import load_heads
 from medusa_trt.runtime import MedusaRuntime
@@ -109,7 +109,10 @@ def test_prompt_lengths_really_differ_in_batch(stories_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,tree,batch", [("torch", "mc_sim_7b_63", 4), ("torch", "chain-4", 1), ("onnxruntime", "mc_sim_7b_63", 4), ("onnxruntime", "custom", 1)])
+@pytest.mark.parametrize(
+    "backend,tree,batch",
+    [("torch", "mc_sim_7b_63", 4), ("torch", "chain-4", 1), ("onnxruntime", "mc_sim_7b_63", 4), ("onnxruntime", "custom", 1)],
+)
 def test_smollm2(smollm2_base, smollm2_heads, export_engine, backend, tree, batch):
     prompts = [
         "What is the capital of France?",
@@ -117,7 +120,10 @@ def test_smollm2(smollm2_base, smollm2_heads, export_engine, backend, tree, batc
         "Explain what a prime number is in one sentence.",
         "List three fruits.",
     ]
-    ids = [smollm2_base.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True) for p in prompts]
+    ids = [
+        smollm2_base.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        for p in prompts
+    ]
     ids = [list(i["input_ids"]) if hasattr(i, "keys") else list(i) for i in ids]
     engine = _engine(backend, export_engine, "smollm2", medusa_model(smollm2_base, smollm2_heads))
     _check(smollm2_base, engine, ids, _tree(tree), batch, 64)
@@ -131,8 +137,14 @@ def smollm2_heads(smollm2_base):
     """The shipped SmolLM2 heads (what `make demo` exports): they accept often, so every backend is
     checked on long accepted paths, not only on rejections."""
     cfg = smollm2_base.model.config
-    heads = load_heads(SHIPPED_HEADS, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=smollm2_base.model.lm_head,
-                       num_decoder_layers=cfg.num_hidden_layers, embed=smollm2_base.model.get_input_embeddings())
+    heads = load_heads(
+        SHIPPED_HEADS,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        lm_head=smollm2_base.model.lm_head,
+        num_decoder_layers=cfg.num_hidden_layers,
+        embed=smollm2_base.model.get_input_embeddings(),
+    )
     return heads.eval().requires_grad_(False)
 
 
@@ -152,8 +164,11 @@ def test_every_drafter_set_is_greedy_identical(stories_base, stories_fitted, exp
     """Heads, retrieval and recycled drafts, alone, together or none: the same tokens as transformers."""
     engine = _engine(backend, export_engine, "stories-fitted", medusa_model(stories_base, stories_fitted))
     runtime = MedusaRuntime(engine, tree=CUSTOM_TREE, max_batch=batch, max_context=256, drafters=DRAFTER_SETS[drafters])
-    prompts = [stories_base.tokenizer(p)["input_ids"] for p in REPEATS][:batch] if batch > 1 else \
-        [stories_base.tokenizer(REPEATS[0])["input_ids"]]
+    prompts = (
+        [stories_base.tokenizer(p)["input_ids"] for p in REPEATS][:batch]
+        if batch > 1
+        else [stories_base.tokenizer(REPEATS[0])["input_ids"]]
+    )
     results = runtime.generate(prompts, max_new_tokens=40)
     for prompt, result in zip(prompts, results):
         assert_greedy_identical(stories_base, prompt, result.token_ids, 40, stories_base.eos_token_ids)

@@ -7,15 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import assert_close_fp32, assert_same_top_ids, dot_magnitude, linear_error, silu_residual_error
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
 import medusa_trt.exporter.heads as heads_mod
 from medusa_trt.exporter.heads import (
-    HeadsConfig, HeadsFormatError, HeadsMismatchError, MedusaHeads, ResBlock, init_heads, load_heads,
-    save_heads)
-from numerics import assert_close_fp32, assert_same_top_ids, dot_magnitude, linear_error, silu_residual_error
+    HeadsConfig,
+    HeadsFormatError,
+    HeadsMismatchError,
+    MedusaHeads,
+    ResBlock,
+    init_heads,
+    load_heads,
+    save_heads,
+)
 
 H, V = 16, 32  # tiny hidden size and vocabulary
 
@@ -26,8 +33,7 @@ def make_lm_head(seed: int = 1, vocab: int = V) -> nn.Linear:
 
 
 def config(num_heads=3, num_layers=2, shared=False, **kw) -> HeadsConfig:
-    return HeadsConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=H, vocab_size=V,
-                       shared_lm_head=shared, **kw)
+    return HeadsConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=H, vocab_size=V, shared_lm_head=shared, **kw)
 
 
 def hidden(*lead: int) -> torch.Tensor:
@@ -46,8 +52,7 @@ def block_tensors(heads: MedusaHeads, k: int):
 
 
 def load(path, lm_head=None, **kw):
-    return load_heads(path, hidden_size=kw.pop("hidden_size", H), vocab_size=kw.pop("vocab_size", V),
-                      lm_head=lm_head, **kw)
+    return load_heads(path, hidden_size=kw.pop("hidden_size", H), vocab_size=kw.pop("vocab_size", V), lm_head=lm_head, **kw)
 
 
 # ---------------------------------------------------------------- the module
@@ -130,8 +135,7 @@ def test_default_init_is_identity_blocks_and_a_copy_of_lm_head():
 @pytest.mark.parametrize("shared", [False, True], ids=["own_proj", "shared_lm_head"])
 def test_save_load_round_trip_gives_identical_outputs(tmp_path, shared):
     lm_head = make_lm_head()
-    heads = init_heads(config(num_heads=3, num_layers=2, shared=shared, head_layer=4, base_model="tiny"),
-                       lm_head, random=True)
+    heads = init_heads(config(num_heads=3, num_layers=2, shared=shared, head_layer=4, base_model="tiny"), lm_head, random=True)
     folder = save_heads(heads, tmp_path / "heads")
     assert sorted(p.name for p in folder.iterdir()) == ["heads.json", "heads.safetensors"]
     back = load(folder, lm_head, num_decoder_layers=6)
@@ -187,8 +191,7 @@ def fd_state(num_heads, num_layers, proj=True, seed=0):
 
 def write_fd(folder: Path, state, *, heads_claim, layers_claim, version=None, fmt="pt") -> Path:
     folder.mkdir()
-    cfg = {"medusa_num_heads": heads_claim, "medusa_num_layers": layers_claim,
-           "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
+    cfg = {"medusa_num_heads": heads_claim, "medusa_num_layers": layers_claim, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
     if version is not None:
         cfg["version"] = version
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -274,16 +277,22 @@ def fd(tmp_path):
 
 def refuse_building(monkeypatch):
     """From here on, fail loudly if load_heads builds a module: a mismatch must be caught before."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("MedusaHeads was built before the mismatch was found")
+
     monkeypatch.setattr(heads_mod, "MedusaHeads", refuse)
 
 
 @pytest.mark.parametrize("kind", ["ours", "fd"])
-@pytest.mark.parametrize("bad, pattern", [
-    (dict(hidden_size=H + 8), "hidden size 16 .* has 24"),
-    (dict(vocab_size=V * 2), "vocabulary of 32 .* has 64"),
-], ids=["hidden", "vocab"])
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (dict(hidden_size=H + 8), "hidden size 16 .* has 24"),
+        (dict(vocab_size=V * 2), "vocabulary of 32 .* has 64"),
+    ],
+    ids=["hidden", "vocab"],
+)
 def test_mismatch_with_the_base_model_is_refused_before_building(request, monkeypatch, kind, bad, pattern):
     folder = request.getfixturevalue(kind)
     refuse_building(monkeypatch)
@@ -291,8 +300,9 @@ def test_mismatch_with_the_base_model_is_refused_before_building(request, monkey
         load(folder, **bad)
 
 
-@pytest.mark.parametrize("num_decoder_layers, override", [(3, None), (8, 8), (8, -1)],
-                         ids=["saved_layer_past_end", "override_past_end", "negative"])
+@pytest.mark.parametrize(
+    "num_decoder_layers, override", [(3, None), (8, 8), (8, -1)], ids=["saved_layer_past_end", "override_past_end", "negative"]
+)
 def test_head_layer_out_of_range_is_refused_before_building(ours, monkeypatch, num_decoder_layers, override):
     refuse_building(monkeypatch)
     with pytest.raises(HeadsMismatchError, match=rf"decoder layer .* layers 0\.\.{num_decoder_layers - 1}"):
@@ -337,6 +347,7 @@ def test_corrupt_weights_file_is_refused(tmp_path, ours, which):
 
 def test_weights_that_disagree_with_their_config_are_refused(ours):
     from safetensors.torch import load_file
+
     state = load_file(str(ours / "heads.safetensors"))
     del state["heads.1.0.linear.bias"]
     save_file(state, str(ours / "heads.safetensors"))
@@ -368,6 +379,7 @@ def test_failed_save_keeps_the_previous_heads_and_leaves_no_temp_folder(tmp_path
 
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")
+
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         save_heads(init_heads(config(), lm_head, seed=2, random=True), folder)
@@ -468,8 +480,13 @@ def test_sequential_head_k_reads_the_root_and_the_path_above_it_by_hand(shared):
             torch.testing.assert_close(out[:, k], y @ proj.T, rtol=1e-5, atol=1e-5)
             # the same block output projected alone (5 rows) and, in forward, beside the other heads' (a shared lm_head
             # projects all 15 rows at once): the same dot products, in GEMMs of other shapes
-            assert_close_fp32(heads.head_logits(k, x, tokens[:, : k + 1]), out[:, k], reduction=H,
-                              magnitude=dot_magnitude(heads.blocks(x, nxt, path)[:, k], proj), msg=f"head {k}")
+            assert_close_fp32(
+                heads.head_logits(k, x, tokens[:, : k + 1]),
+                out[:, k],
+                reduction=H,
+                magnitude=dot_magnitude(heads.blocks(x, nxt, path)[:, k], proj),
+                msg=f"head {k}",
+            )
         other = path.clone()
         other[:, 1] = 11  # another token at depth 2 changes head 3 only
         changed = heads(x, nxt, other)

@@ -11,18 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CUSTOM_TREE, STORIES, TREES, assert_greedy_identical, medusa_model, random_heads
+from numerics import assert_close_fp32, assert_same_top_ids, dot_magnitude, fp32_tolerance
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import CUSTOM_TREE, STORIES, TREES, assert_greedy_identical, medusa_model, random_heads
 from medusa_trt.cli.heads import main as heads_main
 from medusa_trt.exporter.heads import HeadsConfig, MedusaHeads, init_heads, load_heads, save_heads
 from medusa_trt.exporter.interop import (
-    FD_CONFIG, FD_TOP_K, FD_WEIGHTS, MEDUSA_CHOICES, InteropError, convert_heads, medusa_choices_json, save_fasterdecoding,
-    write_medusa_choices)
+    FD_CONFIG,
+    FD_TOP_K,
+    FD_WEIGHTS,
+    MEDUSA_CHOICES,
+    InteropError,
+    convert_heads,
+    medusa_choices_json,
+    save_fasterdecoding,
+    write_medusa_choices,
+)
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.tree import chain_paths, compile_tree, load_tree
-from numerics import assert_close_fp32, assert_same_top_ids, dot_magnitude, fp32_tolerance
 
 H, V = 16, 32  # tiny hidden size and vocabulary
 REPO = Path(__file__).resolve().parents[1]
@@ -80,8 +88,9 @@ def test_round_trip_through_our_fasterdecoding_loader_gives_the_same_logits(tmp_
     assert sorted(p.name for p in folder.iterdir()) == [FD_CONFIG, FD_WEIGHTS]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folder left behind"
     back = load_fd(folder)  # no lm_head given: every head carries its own projection
-    assert back.config == HeadsConfig(num_heads=3, num_layers=num_layers, hidden_size=H, vocab_size=V, shared_lm_head=False,
-                                      base_model="org/base")
+    assert back.config == HeadsConfig(
+        num_heads=3, num_layers=num_layers, hidden_size=H, vocab_size=V, shared_lm_head=False, base_model="org/base"
+    )
     x = hidden(2, 5)
     with torch.no_grad():
         assert back(x).shape == (2, 5, 3, V)
@@ -98,12 +107,21 @@ def test_files_hold_exactly_what_fasterdecoding_readers_read(tmp_path):
     heads = tiny_heads(shared=True, num_heads=2, num_layers=1, lm_head=lm_head)
     folder = save_fasterdecoding(heads, tmp_path / "fd", base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
     config = json.loads((folder / FD_CONFIG).read_text())
-    assert config == {"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                      "hidden_size": H, "vocab_size": V}
+    assert config == {
+        "medusa_num_heads": 2,
+        "medusa_num_layers": 1,
+        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "hidden_size": H,
+        "vocab_size": V,
+    }
     state = load_file(str(folder / FD_WEIGHTS))
     assert {k: tuple(v.shape) for k, v in state.items()} == {
-        "0.0.linear.weight": (H, H), "0.0.linear.bias": (H,), "0.1.weight": (V, H),
-        "1.0.linear.weight": (H, H), "1.0.linear.bias": (H,), "1.1.weight": (V, H),
+        "0.0.linear.weight": (H, H),
+        "0.0.linear.bias": (H,),
+        "0.1.weight": (V, H),
+        "1.0.linear.weight": (H, H),
+        "1.0.linear.bias": (H,),
+        "1.1.weight": (V, H),
     }
     # the shared lm_head is materialised into each head, value for value
     for k in range(2):
@@ -179,7 +197,9 @@ def test_a_failed_write_keeps_the_earlier_export(tmp_path, monkeypatch):
 @pytest.mark.parametrize("head_input", ["hidden+next", "hidden+path"])
 def test_next_token_aware_heads_are_refused_with_the_reason(tmp_path, head_input):
     heads = tiny_heads(shared=True, head_input=head_input)
-    with pytest.raises(InteropError, match=rf"'{re.escape(head_input)}'.*FasterDecoding format has no next-token input.*--head-input hidden"):
+    with pytest.raises(
+        InteropError, match=rf"'{re.escape(head_input)}'.*FasterDecoding format has no next-token input.*--head-input hidden"
+    ):
         save_fasterdecoding(heads, tmp_path / "fd")
     assert list(tmp_path.iterdir()) == []
 
@@ -206,7 +226,12 @@ def _same_tree(a, b) -> None:
         assert (getattr(a, field) == getattr(b, field)).all(), field
 
 
-TREE_SPECS = ["custom", "chain-3", str(REPO / "assets" / "smollm2-135m-tree.json"), str(REPO / "assets" / "smollm2-135m-medusa" / "template.json")]
+TREE_SPECS = [
+    "custom",
+    "chain-3",
+    str(REPO / "assets" / "smollm2-135m-tree.json"),
+    str(REPO / "assets" / "smollm2-135m-medusa" / "template.json"),
+]
 
 
 @pytest.mark.parametrize("spec", TREE_SPECS + (["mc_sim_7b_63"] if TREES.is_file() else []))
@@ -270,8 +295,9 @@ def test_stories_heads_round_trip_give_the_same_tokens(tmp_path, stories_base, s
         assert [r.stats.accepted_per_step for r in got] == [r.stats.accepted_per_step for r in want]
 
 
-def test_an_engine_exported_from_converted_heads_decodes_the_same_tokens(tmp_path, export_engine, stories_base, stories_fitted,
-                                                                          stories_prompts):
+def test_an_engine_exported_from_converted_heads_decodes_the_same_tokens(
+    tmp_path, export_engine, stories_base, stories_fitted, stories_prompts
+):
     from medusa_trt.exporter import load_medusa
 
     folder = _materialised(tmp_path, stories_fitted)
@@ -303,8 +329,9 @@ def test_cli_converts_shared_heads_with_their_model_and_tree(tmp_path, capsys, s
     heads = random_heads(stories_base, 3, seed=2, shared=True)
     ours = save_heads(heads, tmp_path / "ours")
     out = tmp_path / "fd"
-    code, stdout, err = _convert(capsys, "--heads", ours, "--out", out, "--model", STORIES, "--tree", "chain-3",
-                                 "--base-model", "org/stories")
+    code, stdout, err = _convert(
+        capsys, "--heads", ours, "--out", out, "--model", STORIES, "--tree", "chain-3", "--base-model", "org/stories"
+    )
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [FD_CONFIG, MEDUSA_CHOICES, FD_WEIGHTS]
     lines = stdout.strip().splitlines()
@@ -328,8 +355,9 @@ def test_cli_converts_own_lm_head_heads_without_a_model(tmp_path, capsys):
 
 def test_convert_heads_takes_a_cached_hub_id_model_as_the_base_model(tmp_path, monkeypatch, tiny_model_dir):
     """The model by Hub id (from a local hub cache): its lm_head goes into the heads and its id into config.json."""
-    from medusa_trt.exporter import load_base_model
     from test_models import fake_hub_cache
+
+    from medusa_trt.exporter import load_base_model
 
     fake_hub_cache(tmp_path / "hub", "org/tiny-llama", tiny_model_dir("llama"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -400,8 +428,28 @@ def test_calibrate_writes_the_tree_as_medusa_choices(capsys, tmp_path, stories_f
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in ["Once upon a time", "Tom had a big red ball"]))
     out = tmp_path / "tree.json"
-    code = calibrate_main(["--model", str(STORIES), "--heads", str(heads), "--prompts", str(prompts), "--out", str(out),
-                           "--max-new-tokens", "16", "--max-nodes", "8", "--top-k", "4", "--context", "32", "--repeats", "1"])
+    code = calibrate_main(
+        [
+            "--model",
+            str(STORIES),
+            "--heads",
+            str(heads),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "16",
+            "--max-nodes",
+            "8",
+            "--top-k",
+            "4",
+            "--context",
+            "32",
+            "--repeats",
+            "1",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     choices = out.with_suffix(".medusa_choices.json")
@@ -413,13 +461,15 @@ def test_calibrate_writes_the_tree_as_medusa_choices(capsys, tmp_path, stories_f
 
 
 def test_calibrate_refuses_a_folder_where_medusa_choices_would_go(capsys, tmp_path):
-    from medusa_trt.cli.calibrate import main as calibrate_main
     from test_bench_bad_input import assert_one_line
+
+    from medusa_trt.cli.calibrate import main as calibrate_main
 
     (tmp_path / "t.medusa_choices.json").mkdir()
     (tmp_path / "p.jsonl").write_text(json.dumps({"turns": ["hi"]}) + "\n")
-    code = calibrate_main(["--engine", str(tmp_path / "absent.onnx"), "--prompts", str(tmp_path / "p.jsonl"),
-                           "--out", str(tmp_path / "t.json")])
+    code = calibrate_main(
+        ["--engine", str(tmp_path / "absent.onnx"), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "t.json")]
+    )
     assert code == 2
     assert_one_line(capsys.readouterr().err, "medusa-calibrate", f"cannot write {tmp_path}/t.medusa_choices.json beside --out")
 

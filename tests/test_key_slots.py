@@ -69,8 +69,9 @@ def test_tree_slots_meet_the_three_conditions(length):
         for i in range(nodes):
             ancestors = np.flatnonzero(mask[i])  # itself included, in depth order
             assert (np.diff(slots[ancestors]) > 0).all(), "ancestors must sit in increasing order"
-        placed = [slots[i] // BLOCK == (length + depth[i]) // BLOCK and slots[i] % LANES == (length + depth[i]) % LANES
-                  for i in range(nodes)]
+        placed = [
+            slots[i] // BLOCK == (length + depth[i]) // BLOCK and slots[i] % LANES == (length + depth[i]) % LANES for i in range(nodes)
+        ]
         for i in range(nodes):  # exact: placed where plain decoding puts it, and so are its ancestors
             assert exact[i] == all(placed[j] for j in np.flatnonzero(mask[i]))
         assert exact[0] and exact[np.flatnonzero(mask[:, 0]).min()]
@@ -190,17 +191,34 @@ def engines(stories_base, tmp_path_factory):
     from medusa_trt.exporter.wrapper import MedusaModel
 
     torch.manual_seed(0)
-    wide = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=64, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    wide = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
     folder = tmp_path_factory.mktemp("ks-d64-model")
     wide.save_pretrained(folder)
     stories_base.tokenizer.save_pretrained(folder)
     models = {"stories": stories_base, "d64": load_base_model(folder)}
     made = {}
-    for name, (model, extra) in {"fp32": ("stories", {}), "int8-channel": ("stories", {"quantize": "int8-channel"}),
-                                 "int4": ("stories", {"quantize": "int4"}),
-                                 "appended": ("stories", {"key_slots": False}), "d64": ("d64", {})}.items():
+    for name, (model, extra) in {
+        "fp32": ("stories", {}),
+        "int8-channel": ("stories", {"quantize": "int8-channel"}),
+        "int4": ("stories", {"quantize": "int4"}),
+        "appended": ("stories", {"key_slots": False}),
+        "d64": ("d64", {}),
+    }.items():
         out = tmp_path_factory.mktemp(f"ks-{name}") / "model.onnx"
         export_onnx(MedusaModel(models[model], None), ExportConfig(out=out, tree="chain-0", max_batch=4, max_context=512, **extra))
         made[name] = out

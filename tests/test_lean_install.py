@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import STORY_PROMPTS, medusa_model
+
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.runtime import MedusaRuntime
 
@@ -33,8 +33,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 # pip's words when PyPI cannot be reached: the only install failure that skips rather than fails
-OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution", "ConnectTimeout",
-           "Failed to establish a new connection", "ProxyError")
+OFFLINE = (
+    "NewConnectionError",
+    "Network is unreachable",
+    "Temporary failure in name resolution",
+    "ConnectTimeout",
+    "Failed to establish a new connection",
+    "ProxyError",
+)
 
 # Runs in a fresh interpreter: records who first imports a forbidden package, then drives the ONNX
 # path (runtime, medusa-run, medusa-bench --no-hf) and prints what ended up in sys.modules.
@@ -79,7 +85,10 @@ def prompts_file(tmp_path_factory):
 def test_onnx_path_imports_no_export_frameworks(stories_engine, prompts_file, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, ",".join(FORBIDDEN), str(stories_engine), str(prompts_file), str(tmp_path / "bench.json")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -116,8 +125,9 @@ def lean_venv(tmp_path_factory) -> Path:
 
 
 def _lean(bin_dir: Path, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env=lean_report.clean_env())
+    proc = subprocess.run(
+        [str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True, timeout=300, cwd=cwd, env=lean_report.clean_env()
+    )
     assert proc.returncode == 0, f"{args[0]} failed in the lean venv:\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -148,8 +158,9 @@ def test_lean_venv_has_every_package_and_no_export_frameworks(lean_venv, tmp_pat
     missing = sorted(_checkout_packages() - set(packages))
     assert not missing, f"the installed package lacks {missing}: list them under [tool.setuptools] packages in pyproject.toml"
     assert present == [], f"the lean install pulled in {present}: keep them in the export extra"
-    proc = subprocess.run([str(lean_venv / "python"), "-c", "import torch"], capture_output=True, text=True, cwd=tmp_path,
-                          env=lean_report.clean_env())
+    proc = subprocess.run(
+        [str(lean_venv / "python"), "-c", "import torch"], capture_output=True, text=True, cwd=tmp_path, env=lean_report.clean_env()
+    )
     assert proc.returncode != 0 and "No module named 'torch'" in proc.stderr
 
 
@@ -170,17 +181,44 @@ def test_lean_runtime_decodes_the_same_tokens(lean_venv, stories_engine, tmp_pat
 @pytest.mark.parametrize("rule", ["lossless", "typical"])
 def test_lean_sampling_matches_the_full_install(lean_venv, stories_engine, tmp_path, rule):
     """Sampling rules run in numpy with seeded generators: the same seeds give the same tokens in both installs."""
-    args = ["--engine", str(stories_engine), "--prompt", STORY_PROMPTS[0], "--prompt", STORY_PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS),
-            "--temperature", "0.8", "--top-p", "0.9", "--seed", "11", "--acceptance", rule, "--json"]
+    args = [
+        "--engine",
+        str(stories_engine),
+        "--prompt",
+        STORY_PROMPTS[0],
+        "--prompt",
+        STORY_PROMPTS[1],
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "11",
+        "--acceptance",
+        rule,
+        "--json",
+    ]
     lean = [json.loads(line)["token_ids"] for line in _lean(lean_venv, "medusa-run", *args, cwd=tmp_path).splitlines()]
-    full = MedusaRuntime(stories_engine).generate(STORY_PROMPTS[:2], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=11, acceptance=rule)
+    full = MedusaRuntime(stories_engine).generate(
+        STORY_PROMPTS[:2], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=11, acceptance=rule
+    )
     assert lean == [r.token_ids for r in full]
 
 
 @pytest.mark.slow
 def test_lean_medusa_run_prints_what_the_full_install_prints(lean_venv, stories_engine, tmp_path, capsys):
-    args = ["--engine", str(stories_engine), "--prompt", STORY_PROMPTS[0], "--prompt", STORY_PROMPTS[2],
-            "--max-new-tokens", str(NEW_TOKENS)]
+    args = [
+        "--engine",
+        str(stories_engine),
+        "--prompt",
+        STORY_PROMPTS[0],
+        "--prompt",
+        STORY_PROMPTS[2],
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+    ]
     lean = _lean(lean_venv, "medusa-run", *args, cwd=tmp_path)
     assert run_main(args) == 0
     full = capsys.readouterr().out
@@ -217,8 +255,20 @@ def test_lean_chat_template_matches_transformers(lean_venv, stories_engine, stor
 @pytest.mark.slow
 def test_lean_medusa_bench_without_hf(lean_venv, stories_engine, prompts_file, tmp_path):
     out = tmp_path / "bench.json"
-    stdout = _lean(lean_venv, "medusa-bench", "--engine", str(stories_engine), "--prompts", str(prompts_file), "--no-hf",
-                   "--max-new-tokens", "16", "--out", str(out), cwd=tmp_path)
+    stdout = _lean(
+        lean_venv,
+        "medusa-bench",
+        "--engine",
+        str(stories_engine),
+        "--prompts",
+        str(prompts_file),
+        "--no-hf",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and set(report["methods"]) == {"plain[model]", "medusa[model]"}, report["methods"]
     assert all(m["identical_to_reference"] == 1.0 for m in report["methods"].values())
@@ -243,9 +293,9 @@ def test_lean_writes_a_triton_repository_whose_model_imports_no_torch(lean_venv,
 @pytest.fixture(scope="module")
 def stories_folder(stories_base, stories_fitted, tmp_path_factory):
     """An engine folder (medusa-export --out DIR) with the 63-node preset's top-10 proposals."""
-    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
-
     from conftest import TREES
+
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
 
     if not TREES.is_file():
         pytest.skip(f"{TREES} missing: the presets' source is laid beside the checkout")
@@ -263,7 +313,8 @@ def test_wheel_resolves_tree_presets_without_an_environment_variable(lean_venv, 
     assert PRESETS_ENV not in lean_report.clean_env()
     code = (
         "import json; from medusa_trt.runtime import MedusaRuntime; from medusa_trt.runtime.tree import default_presets_file; "
-        f"rt = MedusaRuntime({str(stories_folder)!r}, tree='mc_sim_7b_63'); r = rt.generate({STORY_PROMPTS!r}, max_new_tokens={NEW_TOKENS}); "
+        f"rt = MedusaRuntime({str(stories_folder)!r}, tree='mc_sim_7b_63'); "
+        f"r = rt.generate({STORY_PROMPTS!r}, max_new_tokens={NEW_TOKENS}); "
         "print(json.dumps([str(default_presets_file()), rt.tree.name, rt.tree.num_nodes, [x.token_ids for x in r]]))"
     )
     presets, name, nodes, tokens = json.loads(_lean(lean_venv, "python", "-c", code, cwd=tmp_path))

@@ -39,6 +39,7 @@ def fake_hub_cache(cache: Path, repo_id: str, source: Path, commit: str = COMMIT
 @pytest.fixture
 def no_network(monkeypatch):
     """Any connection attempt fails the test: loading must stay offline."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("tried to reach the network")
 
@@ -116,11 +117,24 @@ def test_a_cached_repo_without_a_model_config_is_named(hub, tmp_path):
         load_base_model("org/readme-only")
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("org/name", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("a.b/c_d-1.5", True),
-    ("name", False), ("a/b/c", False), ("/abs/path", False), ("./x", False), ("../x", False), ("org/model.gguf", False),
-    ("org--x/y", False), ("org/x..y", False), ("org/", False), ("smollm2-135m", False),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("org/name", True),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+        ("a.b/c_d-1.5", True),
+        ("name", False),
+        ("a/b/c", False),
+        ("/abs/path", False),
+        ("./x", False),
+        ("../x", False),
+        ("org/model.gguf", False),
+        ("org--x/y", False),
+        ("org/x..y", False),
+        ("org/", False),
+        ("smollm2-135m", False),
+    ],
+)
 def test_what_reads_as_a_hub_id(name, expected):
     assert is_hub_id(name) is expected
 
@@ -131,14 +145,18 @@ def test_other_missing_names_keep_the_general_message():
 
 
 def test_cli_export_of_an_uncached_hub_id_is_one_line(tmp_path, monkeypatch, capsys):
-    from medusa_trt.cli.export import main as export_main
     from test_bench_bad_input import assert_one_line
+
+    from medusa_trt.cli.export import main as export_main
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     out = tmp_path / "out"
     out.mkdir()
     code = export_main(["--model", "org/missing", "--untrained-heads", "1", "--out", str(out / "e.onnx")])
     assert code == 2
-    assert_one_line(capsys.readouterr().err, "medusa-export", f"'org/missing' is not a local folder, and not in the local Hugging "
-                                                              f"Face cache at {tmp_path / 'hub'}")
+    assert_one_line(
+        capsys.readouterr().err,
+        "medusa-export",
+        f"'org/missing' is not a local folder, and not in the local Hugging Face cache at {tmp_path / 'hub'}",
+    )
     assert list(out.iterdir()) == [] and not (tmp_path / "hub").exists()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import CUSTOM_TREE, STORIES, medusa_model
+
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter import HeadsConfig, init_heads, save_heads
 from medusa_trt.runtime import EngineError, MedusaRuntime
@@ -59,7 +59,9 @@ def test_round_trip_in_a_fresh_process(stories_engine, stories_base, stories_fit
 
 def test_text_prompts_use_saved_tokenizer(stories_engine, stories_base, stories_fitted):
     onnx_result = MedusaRuntime(stories_engine).generate("Once upon a time", max_new_tokens=20)
-    torch_result = MedusaRuntime(medusa_model(stories_base, stories_fitted), tree="mc_sim_7b_63").generate("Once upon a time", max_new_tokens=20)
+    torch_result = MedusaRuntime(medusa_model(stories_base, stories_fitted), tree="mc_sim_7b_63").generate(
+        "Once upon a time", max_new_tokens=20
+    )
     assert onnx_result.token_ids == torch_result.token_ids and onnx_result.text == torch_result.text
 
 
@@ -74,8 +76,21 @@ def test_runtime_limits_come_from_the_engine(stories_engine):
 
 def test_int8_engine_runs_and_reports_agreement(tmp_path, capsys, stories_base):
     out = tmp_path / "int8.onnx"
-    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--tree", "chain-2", "--out", str(out),
-                             "--quantize", "int8", "--max-context", "128")
+    code, stdout, err = _cli(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--untrained-heads",
+        "2",
+        "--tree",
+        "chain-2",
+        "--out",
+        str(out),
+        "--quantize",
+        "int8",
+        "--max-context",
+        "128",
+    )
     assert code == 0, err
     assert "max abs difference" in stdout
     meta = read_meta(out)
@@ -104,7 +119,9 @@ def test_heads_int8_engine_keeps_fp32_tokens(export_engine, stories_engine, stor
 
 def test_cli_export_and_run(tmp_path, capsys):
     out = tmp_path / "e.onnx"
-    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3", "--out", str(out), "--max-context", "128")
+    code, stdout, err = _cli(
+        capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3", "--out", str(out), "--max-context", "128"
+    )
     assert code == 0, err
     assert stdout.startswith(f"wrote {out}") and "verified against torch: max abs difference" in stdout
     from medusa_trt.cli.run import main as run_main
@@ -127,8 +144,12 @@ def test_missing_truncated_and_foreign_engines(tmp_path, stories_engine):
     import onnx
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     foreign = tmp_path / "foreign.onnx"
     onnx.save(helper.make_model(graph), str(foreign))
     with pytest.raises(EngineError, match="not a medusa-trt engine"):
@@ -200,8 +221,21 @@ def test_failed_verification_leaves_nothing(tmp_path, capsys, monkeypatch):
 
 def test_fp16_engine(tmp_path, capsys, stories_base):
     out = tmp_path / "f16.onnx"
-    code, stdout, err = _cli(capsys, "--model", str(STORIES), "--untrained-heads", "2", "--tree", "chain-2", "--out", str(out),
-                             "--dtype", "fp16", "--max-context", "128")
+    code, stdout, err = _cli(
+        capsys,
+        "--model",
+        str(STORIES),
+        "--untrained-heads",
+        "2",
+        "--tree",
+        "chain-2",
+        "--out",
+        str(out),
+        "--dtype",
+        "fp16",
+        "--max-context",
+        "128",
+    )
     assert code == 0, err
     assert "tolerance 0.05" in stdout and read_meta(out).dtype == "fp16"
     runtime = MedusaRuntime(out)
@@ -253,7 +287,9 @@ def test_int8_head_logits_of_a_row_do_not_depend_on_its_batch(heads_int8_random)
         _, together = session.run(None, {"hidden": hidden[:batch]})
         for row in range(batch):
             _, solo = session.run(None, {"hidden": hidden[row : row + 1]})
-            assert np.array_equal(solo[0], together[row]), f"row {row} of {batch}: max difference {np.abs(solo[0] - together[row]).max():.3g}"
+            assert np.array_equal(solo[0], together[row]), (
+                f"row {row} of {batch}: max difference {np.abs(solo[0] - together[row]).max():.3g}"
+            )
 
 
 def test_int8_heads_sample_the_same_tokens_solo_and_batched(heads_int8_random):
@@ -361,9 +397,26 @@ def test_metadata_of_older_engines_loads_with_the_defaults_of_later_fields():
 
     from medusa_trt.runtime.engine import FORMAT_VERSION, EngineError, EngineMeta
 
-    meta = EngineMeta(format_version=FORMAT_VERSION, model="m", architecture="llama", dtype="fp32", vocab_size=8, hidden_size=4,
-                      num_layers=1, num_kv_heads=1, head_dim=4, num_heads=2, top_k=1, tree=[[0]], tree_name="chain-1", max_batch=1,
-                      max_context=8, max_tokens=4, eos_token_ids=[], is_chat=False)
+    meta = EngineMeta(
+        format_version=FORMAT_VERSION,
+        model="m",
+        architecture="llama",
+        dtype="fp32",
+        vocab_size=8,
+        hidden_size=4,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        num_heads=2,
+        top_k=1,
+        tree=[[0]],
+        tree_name="chain-1",
+        max_batch=1,
+        max_context=8,
+        max_tokens=4,
+        eos_token_ids=[],
+        is_chat=False,
+    )
     raw = dataclasses.asdict(meta)
     for later in ("quantization", "attention", "successors", "head_input", "draft_vocab"):
         raw.pop(later)

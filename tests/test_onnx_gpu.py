@@ -24,9 +24,12 @@ from medusa_trt.runtime.tree import compile_tree
 
 ort = pytest.importorskip("onnxruntime")
 
-CUDA_MISSING = (None if "CUDAExecutionProvider" in ort.get_available_providers() else
-                f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers {ort.get_available_providers()}): "
-                "install medusa-trt[gpu] (onnxruntime-gpu) on a machine with an NVIDIA GPU")
+CUDA_MISSING = (
+    None
+    if "CUDAExecutionProvider" in ort.get_available_providers()
+    else f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers {ort.get_available_providers()}): "
+    "install medusa-trt[gpu] (onnxruntime-gpu) on a machine with an NVIDIA GPU"
+)
 needs_cuda = pytest.mark.skipif(CUDA_MISSING is not None, reason=CUDA_MISSING or "")
 
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import SERVING_CHAT_TEMPLATE, STORY_PROMPTS
 
 pytest.importorskip("fastapi", reason="the OpenAI server needs the serve extra (pip install 'medusa-trt[serve]')")
@@ -41,9 +40,20 @@ from medusa_trt.runtime.text import PromptError  # noqa: E402
 
 MODEL = "stories-chat"  # the served name: the engine folder's
 API_KEY = "sk-test-medusa"
-PROMPTS = STORY_PROMPTS + ["Sam saw a frog", "The sky was blue and", "Mia had a kite. It was red and", "Bob",
-                           "Anna wanted a puppy", "The rain fell on the", "A big bear", "Tom and his mom baked",
-                           "The moon was bright", "Kim found a shiny", "There was a little car", "The fish swam"]
+PROMPTS = STORY_PROMPTS + [
+    "Sam saw a frog",
+    "The sky was blue and",
+    "Mia had a kite. It was red and",
+    "Bob",
+    "Anna wanted a puppy",
+    "The rain fell on the",
+    "A big bear",
+    "Tom and his mom baked",
+    "The moon was bright",
+    "Kim found a shiny",
+    "There was a little car",
+    "The fish swam",
+]
 LENGTHS = [40, 7, 25, 33, 12, 48, 3, 20, 30, 16, 44, 9, 27, 5, 38, 21]
 CONVERSATION = [
     {"role": "system", "content": "You tell short stories."},
@@ -62,8 +72,14 @@ class Server:
     def __init__(self, engine: Path, *args: str, log: Path, env: dict | None = None):
         self.log = log
         cmd = [sys.executable, "-m", "medusa_trt.cli.serve", str(engine), "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True,  # noqa: SIM115
-                                     env=env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),
+            text=True,
+            start_new_session=True,  # noqa: SIM115
+            env=env,
+        )
         lines: queue.Queue = queue.Queue()
         self.banner: list[str] = []
         threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout] + [lines.put(None)], daemon=True).start()
@@ -150,8 +166,11 @@ def one_row_server(engine, tmp_path_factory):
 
 def solo(runtime, prompt, n):
     """The runtime's own greedy output: what every server answer must equal."""
-    return runtime.generate(prompt, max_new_tokens=n, chat_template=False) if isinstance(prompt, str) else \
-        runtime.generate(prompt, max_new_tokens=n)
+    return (
+        runtime.generate(prompt, max_new_tokens=n, chat_template=False)
+        if isinstance(prompt, str)
+        else runtime.generate(prompt, max_new_tokens=n)
+    )
 
 
 def sse_events(response) -> list[str]:
@@ -160,7 +179,7 @@ def sse_events(response) -> list[str]:
     assert raw.endswith("\n\n"), raw[-200:]
     events = raw[:-2].split("\n\n")
     assert all(e.startswith("data: ") and "\n" not in e for e in events), events[:3]
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 # ---------------------------------------------------------------------------------- outputs
@@ -175,7 +194,9 @@ def test_openai_client_completions_equal_the_runtime(server, runtime):
         assert answer.choices[0].text == want.text and answer.choices[0].finish_reason == want.finish_reason
         assert answer.usage.completion_tokens == len(want.token_ids)
         assert answer.usage.prompt_tokens == len(runtime.codec.encode(prompt, chat=False))
-        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True, stream_options={"include_usage": True})
+        )
         texts = [c.choices[0].text for c in chunks if c.choices]
         assert "".join(texts) == want.text
         assert 2 < len(texts) < n, "one event per engine step, several tokens per step"
@@ -198,7 +219,9 @@ def test_openai_client_chat_equals_the_runtime(server, runtime):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
     parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "about a cat."}]}]
     answer = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=12)
-    assert answer.choices[0].message.content == runtime.generate([{"role": "user", "content": "Tell me about a cat."}], max_new_tokens=12).text
+    assert (
+        answer.choices[0].message.content == runtime.generate([{"role": "user", "content": "Tell me about a cat."}], max_new_tokens=12).text
+    )
 
 
 def test_raw_server_sent_events(server, runtime):
@@ -238,7 +261,9 @@ def test_sixteen_concurrent_streams_each_get_their_solo_output(server, runtime):
         t.join(timeout=300)
     assert not errors, errors
     for i, prompt in enumerate(PROMPTS):  # 16 streams over the engine's 4 rows: most waited for a free one
-        assert results[i] == solo(runtime, prompt, LENGTHS[i]).text, f"stream {i} ({prompt!r}, {LENGTHS[i]} tokens) differs from its solo run"
+        assert results[i] == solo(runtime, prompt, LENGTHS[i]).text, (
+            f"stream {i} ({prompt!r}, {LENGTHS[i]} tokens) differs from its solo run"
+        )
 
 
 # ---------------------------------------------------------------------------------- cancellation, bad requests
@@ -257,8 +282,11 @@ def test_a_cancelled_stream_frees_its_row(one_row_server, runtime):
     answer = server.client(api_key=API_KEY).completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=20)
     assert answer.choices[0].text == solo(runtime, PROMPTS[4], 20).text
     after = server.metrics()
-    assert total(after, "medusa:requests_finished_total", finish_reason="cancelled") - \
-        total(before, "medusa:requests_finished_total", finish_reason="cancelled") == 1
+    assert (
+        total(after, "medusa:requests_finished_total", finish_reason="cancelled")
+        - total(before, "medusa:requests_finished_total", finish_reason="cancelled")
+        == 1
+    )
     generated = total(after, "medusa:generation_tokens_total") - total(before, "medusa:generation_tokens_total")
     assert generated < 240, f"the cancelled request ran on ({generated - 20} of its 240 tokens) before the next one got the row"
 
@@ -317,7 +345,10 @@ def test_bad_requests_get_400s_while_a_long_request_completes(server, runtime):
     too_big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
     answer = httpx.post(f"{server.url}/v1/completions", content=too_big, timeout=60)
     assert answer.status_code == 400 and "larger than" in answer.json()["error"]["message"]
-    assert server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12).choices[0].text == solo(runtime, PROMPTS[0], 12).text
+    assert (
+        server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12).choices[0].text
+        == solo(runtime, PROMPTS[0], 12).text
+    )
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -368,7 +399,9 @@ def test_api_key_and_loopback(one_row_server, engine, tmp_path):
     server = one_row_server
     assert server.url.startswith("http://127.0.0.1:")  # --host defaults to loopback
     listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    assert [row[1] for row in listening if row[3] == "0A" and int(row[1].split(":")[1], 16) == server.port] == [f"0100007F:{server.port:04X}"]
+    assert [row[1] for row in listening if row[3] == "0A" and int(row[1].split(":")[1], 16) == server.port] == [
+        f"0100007F:{server.port:04X}"
+    ]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=headers, timeout=30)
         assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error", headers
@@ -378,9 +411,19 @@ def test_api_key_and_loopback(one_row_server, engine, tmp_path):
     assert server.client(api_key=API_KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}  # health and metrics need no key
     assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 200
-    done = subprocess.run([sys.executable, "-m", "medusa_trt.cli.serve", str(engine), "--host", "0.0.0.0"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not a loopback address" in done.stderr and "--allow-remote" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "medusa_trt.cli.serve", str(engine), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert (
+        done.returncode == 2
+        and done.stderr.count("\n") == 1
+        and "not a loopback address" in done.stderr
+        and "--allow-remote" in done.stderr
+    )
 
 
 def _group(pgid: int) -> list[int]:
@@ -453,7 +496,9 @@ def test_stopping_mid_stream_leaves_nothing_behind(engine, tmp_path, how):
 
 def test_serve_bad_input_is_one_line(engine, tmp_path):
     def serve(*args):
-        done = subprocess.run([sys.executable, "-m", "medusa_trt.cli.serve", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        done = subprocess.run(
+            [sys.executable, "-m", "medusa_trt.cli.serve", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
         assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
         assert done.stderr.startswith("medusa-serve: error: ") and "Traceback" not in done.stderr
         return done.stderr
@@ -481,8 +526,9 @@ def test_a_conversation_prompt_goes_through_the_chat_template(runtime, stories_b
     other = CONVERSATION[:2]
     batch = runtime.generate([CONVERSATION, other], max_new_tokens=24)  # a batch of conversations
     assert [r.token_ids for r in batch] == [reply.token_ids, runtime.generate(other, max_new_tokens=24).token_ids]
-    assert [e.text for e in runtime.stream(CONVERSATION, max_new_tokens=24)] and \
-        "".join(e.text for e in runtime.stream(CONVERSATION, max_new_tokens=24)) == reply.text
+    assert [e.text for e in runtime.stream(CONVERSATION, max_new_tokens=24)] and "".join(
+        e.text for e in runtime.stream(CONVERSATION, max_new_tokens=24)
+    ) == reply.text
     with pytest.raises(PromptError, match="message 1 has role 'robot'"):
         runtime.generate([CONVERSATION[0], {"role": "robot", "content": "Hi"}], max_new_tokens=4)
     with pytest.raises(PromptError, match="drop chat_template=False"):

@@ -11,18 +11,21 @@ import json
 import re
 
 import pytest
-
 from conftest import STORIES, medusa_model
+
 from medusa_trt.bench.peers import PeerError, binding_missing, parse_peer
 from medusa_trt.cli.bench import main
 
 
-@pytest.mark.parametrize("text, message", [
-    ("llama.cpp", "write KIND:FILE.gguf with KIND one of llama.cpp, llama.cpp+lookup"),
-    ("vllm:model.gguf", "write KIND:FILE.gguf"),
-    ("llama.cpp:", "write KIND:FILE.gguf"),
-    ("llama.cpp:/nonexistent/model.gguf", "does not exist: pass a GGUF file of the engine's model"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("llama.cpp", "write KIND:FILE.gguf with KIND one of llama.cpp, llama.cpp+lookup"),
+        ("vllm:model.gguf", "write KIND:FILE.gguf"),
+        ("llama.cpp:", "write KIND:FILE.gguf"),
+        ("llama.cpp:/nonexistent/model.gguf", "does not exist: pass a GGUF file of the engine's model"),
+    ],
+)
 def test_bad_peer_specs_are_named(text, message):
     with pytest.raises(PeerError, match=re.escape(message)):
         parse_peer(text)
@@ -57,8 +60,25 @@ def test_llama_cpp_rows_beside_the_engine(binding, tmp_path, capsys, export_engi
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "The dog was", "Lily saw a bird. The bird"]))
     out = tmp_path / "bench.json"
-    code = main(["--engine", str(engine), "--prompts", str(prompts), "--max-new-tokens", "24", "--no-hf", "--threads", "2",
-                 "--peer", f"llama.cpp:{STORIES}", "--peer", f"llama.cpp+lookup:{STORIES}", "--out", str(out)])
+    code = main(
+        [
+            "--engine",
+            str(engine),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--no-hf",
+            "--threads",
+            "2",
+            "--peer",
+            f"llama.cpp:{STORIES}",
+            "--peer",
+            f"llama.cpp+lookup:{STORIES}",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     methods = json.loads(out.read_text())["methods"]
     plain, peer, lookup = methods["plain[model]"], methods["llama.cpp[stories260K]"], methods["llama.cpp+lookup[stories260K]"]

@@ -13,6 +13,7 @@ from conftest import CUSTOM_TREE, STORIES, STORY_PROMPTS, TREES, medusa_model
 onnx = pytest.importorskip("onnx")
 import onnxruntime as ort
 import torch
+
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter import save_heads
 from medusa_trt.plugins.tree_attention.onnx_fallback import count_nodes, fallback_function
@@ -33,8 +34,22 @@ def plugin_export(tmp_path_factory, stories_fitted):
     folder = tmp_path_factory.mktemp("plugin-engine")
     heads = save_heads(stories_fitted, folder / "heads")
     out = folder / "model.onnx"
-    args = ["--model", str(STORIES), "--heads", str(heads), "--out", str(out), "--attention", "plugin", "--max-context", "256",
-            "--max-batch", "4", "--tree", "mc_sim_7b_63" if TREES.is_file() else "chain-4"]
+    args = [
+        "--model",
+        str(STORIES),
+        "--heads",
+        str(heads),
+        "--out",
+        str(out),
+        "--attention",
+        "plugin",
+        "--max-context",
+        "256",
+        "--max-batch",
+        "4",
+        "--tree",
+        "mc_sim_7b_63" if TREES.is_file() else "chain-4",
+    ]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         code = export_main(args)
@@ -120,13 +135,26 @@ def _single_node_session(opset: int = 23) -> ort.InferenceSession:
     helper, tp = onnx.helper, onnx.TensorProto
     node = helper.make_node(SPEC.op_type, list(SPEC.inputs), list(SPEC.outputs), domain=SPEC.domain, layer=1, scale=0.3)
     kinds = [tp.FLOAT] * 5 + [tp.BOOL, tp.INT64]
-    dims = [["B", "Hq", "T", "D"], ["B", "H", "T", "D"], ["B", "H", "T", "D"], ["S", "L", "B", "H", "D"], ["S", "L", "B", "H", "D"], ["B", "T", "T"], ["B"]]
+    dims = [
+        ["B", "Hq", "T", "D"],
+        ["B", "H", "T", "D"],
+        ["B", "H", "T", "D"],
+        ["S", "L", "B", "H", "D"],
+        ["S", "L", "B", "H", "D"],
+        ["B", "T", "T"],
+        ["B"],
+    ]
     graph = helper.make_graph(
-        [node], "one_node", [helper.make_tensor_value_info(n, k, d) for n, k, d in zip(SPEC.inputs, kinds, dims)],
+        [node],
+        "one_node",
+        [helper.make_tensor_value_info(n, k, d) for n, k, d in zip(SPEC.inputs, kinds, dims)],
         [helper.make_tensor_value_info(SPEC.outputs[0], tp.FLOAT, ["B", "Hq", "T", "D"])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(SPEC.domain, SPEC.version)],
-                              functions=[fallback_function(opset)])
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(SPEC.domain, SPEC.version)],
+        functions=[fallback_function(opset)],
+    )
     onnx.checker.check_model(model, full_check=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import STORIES, STORY_PROMPTS, medusa_model
+
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter.onnx_export import ExportConfig, ExportError
 from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeConfig
@@ -30,10 +30,12 @@ NEAR_TIE = 0.1  # logit gap within which int8 activation rounding may swap the t
 def engines(export_engine, stories_base, stories_fitted):
     """fp32 and quantized stories260K engines with the same fitted heads and tree."""
     model = medusa_model(stories_base, stories_fitted)
-    return {"fp32": export_engine("stories-fitted", model),
-            "int4": export_engine("stories-fitted-int4", model, quantize="int4"),
-            "int4-fp32-compute": export_engine("stories-fitted-int4-l1", model, quantize=QuantizeConfig("int4", accuracy_level=1)),
-            "int8-channel": export_engine("stories-fitted-int8-channel", model, quantize="int8-channel")}
+    return {
+        "fp32": export_engine("stories-fitted", model),
+        "int4": export_engine("stories-fitted-int4", model, quantize="int4"),
+        "int4-fp32-compute": export_engine("stories-fitted-int4-l1", model, quantize=QuantizeConfig("int4", accuracy_level=1)),
+        "int8-channel": export_engine("stories-fitted-int8-channel", model, quantize="int8-channel"),
+    }
 
 
 def _graph(path):
@@ -123,7 +125,8 @@ def test_int8_activations_make_drafted_output_differ_only_at_near_ties(engines, 
         i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
         logits = _prefill_logits(engine, np.array([prompt + want[:i]], dtype=np.int64))[0, -1]  # (V,) before token i
         assert abs(logits[got[i]] - logits[want[i]]) < NEAR_TIE and logits.max() - logits[want[i]] < NEAR_TIE, (
-            f"token {i}: drafted {got[i]} vs plain {want[i]} is no near tie (logits {logits[got[i]]:.4f} / {logits[want[i]]:.4f})")
+            f"token {i}: drafted {got[i]} vs plain {want[i]} is no near tie (logits {logits[got[i]]:.4f} / {logits[want[i]]:.4f})"
+        )
     assert differ <= len(prompts) // 2, f"{differ} of {len(prompts)} prompts differ"
     assert max(r.stats.mean_accepted for r in drafted) > 1.2
 
@@ -138,9 +141,14 @@ def _prefill_logits(path, ids: np.ndarray) -> np.ndarray:
     slots = tokens if meta.key_slots else 0  # a key-slots graph scatters the new keys into the view: give it room
     empty = np.zeros((slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim), dtype=np.float32)
     positions = np.broadcast_to(np.arange(tokens), ids.shape).astype(np.int64)
-    feeds = dict(input_ids=ids, position_ids=positions,
-                 tree_mask=np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy(),
-                 cache_lengths=np.zeros(batch, dtype=np.int64), past_key=empty, past_value=empty)
+    feeds = dict(
+        input_ids=ids,
+        position_ids=positions,
+        tree_mask=np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy(),
+        cache_lengths=np.zeros(batch, dtype=np.int64),
+        past_key=empty,
+        past_value=empty,
+    )
     if meta.key_slots:
         feeds["key_slots"] = positions
     return session.run(["logits"], feeds)[0]
@@ -169,9 +177,20 @@ def test_tied_embedding_keeps_its_gather_and_quantizes_lm_head(tmp_path, stories
     from medusa_trt.exporter.onnx_export import export_onnx
 
     torch.manual_seed(4)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     folder = tmp_path / "tied"
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     stories_base.tokenizer.save_pretrained(folder)
@@ -215,8 +234,14 @@ BAD_OPTIONS = {
     "block size too small": (["--quantize", "int4", "--block-size", "8"], "--block-size 8 is not a power of two >= 16"),
     "accuracy level above 4": (["--quantize", "int4", "--accuracy-level", "5"], "--accuracy-level 5 is out of range: pass 0..4"),
     "accuracy level negative": (["--quantize", "int4", "--accuracy-level", "-1"], "--accuracy-level -1 is out of range"),
-    "block size without --quantize": (["--block-size", "64"], "--block-size applies to --quantize int4 / int8-block only: add --quantize int4"),
-    "accuracy level with int8": (["--quantize", "int8-channel", "--accuracy-level", "1"], "--accuracy-level applies to --quantize int4 / int8-block only"),
+    "block size without --quantize": (
+        ["--block-size", "64"],
+        "--block-size applies to --quantize int4 / int8-block only: add --quantize int4",
+    ),
+    "accuracy level with int8": (
+        ["--quantize", "int8-channel", "--accuracy-level", "1"],
+        "--accuracy-level applies to --quantize int4 / int8-block only",
+    ),
     "int4 with the plugin": (["--quantize", "int4", "--attention", "plugin"], "--quantize int4 quantizes the standard graph"),
 }
 

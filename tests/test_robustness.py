@@ -12,13 +12,13 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import CUSTOM_TREE, STORY_PROMPTS, medusa_model, random_heads
 
-from conftest import CUSTOM_TREE, STORIES, STORY_PROMPTS, medusa_model, random_heads
 from medusa_trt.runtime import EngineError, MedusaRuntime, PromptError, RuntimeConfig
 from medusa_trt.runtime.batching import ContinuousBatcher, Request
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.loop import _safe_end
-from medusa_trt.runtime.sampling import SamplingError, SamplingParams
+from medusa_trt.runtime.sampling import SamplingError
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +82,21 @@ def test_batcher_stream_holds_back_stop_strings(runtime):
 # ---------------------------------------------------------------- token ids and types at the door
 
 
-@pytest.mark.parametrize("prompt,message", [
-    ([1, 2, 10**6], "token id 1000000"),
-    ([1, -3, 4], "token id -3"),
-    ([1, 2.0, 4], "token id 2.0"),
-    ([1, True, 4], "token id True"),
-    ([[1, 2], [3, None]], "token id None"),
-    (b"abc", "not bytes"),
-    ([b"abc"], "is a bytes"),
-    (42, "no prompts given"),
-    ("", "empty prompt"),
-    ("bad \udcff text", "not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ([1, 2, 10**6], "token id 1000000"),
+        ([1, -3, 4], "token id -3"),
+        ([1, 2.0, 4], "token id 2.0"),
+        ([1, True, 4], "token id True"),
+        ([[1, 2], [3, None]], "token id None"),
+        (b"abc", "not bytes"),
+        ([b"abc"], "is a bytes"),
+        (42, "no prompts given"),
+        ("", "empty prompt"),
+        ("bad \udcff text", "not valid UTF-8"),
+    ],
+)
 def test_bad_prompts_are_refused_before_the_engine(runtime, prompt, message):
     with pytest.raises(PromptError, match=message):
         runtime.generate(prompt, max_new_tokens=2)
@@ -104,22 +107,26 @@ def test_numpy_token_ids_are_accepted(runtime, stories_prompts):
     assert runtime.generate(np.array(ids), max_new_tokens=4).token_ids == runtime.generate(ids, max_new_tokens=4).token_ids
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(top_k=2.0), SamplingError, "top_k must be an integer"),
-    (dict(seed=1.0, temperature=0.7), SamplingError, "seed must be an integer"),
-    (dict(temperature="hot"), SamplingError, "temperature must be a number"),
-    (dict(max_new_tokens=2.5), PromptError, "max_new_tokens must be an integer"),
-    (dict(chat_template="no"), PromptError, "chat_template must be True, False or None"),
-    (dict(stop="\udcff"), PromptError, "not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(top_k=2.0), SamplingError, "top_k must be an integer"),
+        (dict(seed=1.0, temperature=0.7), SamplingError, "seed must be an integer"),
+        (dict(temperature="hot"), SamplingError, "temperature must be a number"),
+        (dict(max_new_tokens=2.5), PromptError, "max_new_tokens must be an integer"),
+        (dict(chat_template="no"), PromptError, "chat_template must be True, False or None"),
+        (dict(stop="\udcff"), PromptError, "not valid UTF-8"),
+    ],
+)
 def test_options_of_the_wrong_type_are_refused(runtime, kwargs, error, message):
     kwargs = {"max_new_tokens": 3} | kwargs
     with pytest.raises(error, match=message):
         runtime.generate("Once upon a time", **kwargs)
 
 
-@pytest.mark.parametrize("field,value", [("threads", -3), ("threads", 0), ("max_batch", 2.5), ("prefill_chunk", 0),
-                                         ("verify_checksums", "yes")])
+@pytest.mark.parametrize(
+    "field,value", [("threads", -3), ("threads", 0), ("max_batch", 2.5), ("prefill_chunk", 0), ("verify_checksums", "yes")]
+)
 def test_runtime_config_types(field, value):
     with pytest.raises(MedusaError, match=field):
         RuntimeConfig(**{field: value})
@@ -229,12 +236,17 @@ def test_the_manifest_names_a_replaced_file_first(engine, tmp_path):
         MedusaRuntime(path)
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda t: (t / "tokenizer.json").write_text("{not json"), "tokenizer.json cannot be read"),
-    (lambda t: (t / "tokenizer_config.json").write_bytes(b"\xff\xfe{"), "are corrupt"),
-    (lambda t: (t / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m"})),
-     "not valid Jinja"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda t: (t / "tokenizer.json").write_text("{not json"), "tokenizer.json cannot be read"),
+        (lambda t: (t / "tokenizer_config.json").write_bytes(b"\xff\xfe{"), "are corrupt"),
+        (
+            lambda t: (t / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m"})),
+            "not valid Jinja",
+        ),
+    ],
+)
 def test_corrupt_tokenizer_beside_an_engine_is_named_at_load(engine, tmp_path, damage, message):
     path = _copy_engine(engine, tmp_path / "engine")
     damage(path.with_suffix(".tokenizer"))
@@ -254,8 +266,7 @@ def test_heads_graph_of_another_engine_is_refused_at_load(engine, export_engine,
 
 
 def _cli(*args, stdin=None, env=None):
-    return subprocess.run([sys.executable, "-m", "medusa_trt.cli.run", *args], capture_output=True, timeout=600,
-                          env=env, stdin=stdin)
+    return subprocess.run([sys.executable, "-m", "medusa_trt.cli.run", *args], capture_output=True, timeout=600, env=env, stdin=stdin)
 
 
 def _assert_one_line(proc, fragment: str):
@@ -265,19 +276,22 @@ def _assert_one_line(proc, fragment: str):
     assert len(lines) == 1 and lines[0].startswith("medusa-run: ") and fragment in lines[0], err
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--prompt", os.fsdecode(b"caf\xe9 au lait")], "not valid UTF-8"),
-    (["--prompt", "a", "--prompt", "b", "--stream"], "--stream prints one prompt"),
-    (["--prompt", "a", "--json", "--stream"], "--json prints each whole result"),
-    (["--prompt", "a", "--json", "--compare-plain"], "--json prints each whole result"),
-    (["--prompt", "a", "--device", "cuda"], "--device goes with --model"),
-    (["--prompt", "a", "--max-new-tokens", "0"], "must be >= 1"),
-    (["--prompt", "a", "--max-new-tokens", "2.5"], "expected a whole number"),
-    (["--prompt", "a", "--top-k", "2.5"], "expected a whole number"),
-    (["--prompt", "a", "--seed", "-1"], "must be >= 0"),
-    (["--prompt", "a", "--max-batch", "99"], "export again with larger --max-batch"),
-    (["--prompt", "a", "--stop", ""], "stop strings must be non-empty"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--prompt", os.fsdecode(b"caf\xe9 au lait")], "not valid UTF-8"),
+        (["--prompt", "a", "--prompt", "b", "--stream"], "--stream prints one prompt"),
+        (["--prompt", "a", "--json", "--stream"], "--json prints each whole result"),
+        (["--prompt", "a", "--json", "--compare-plain"], "--json prints each whole result"),
+        (["--prompt", "a", "--device", "cuda"], "--device goes with --model"),
+        (["--prompt", "a", "--max-new-tokens", "0"], "must be >= 1"),
+        (["--prompt", "a", "--max-new-tokens", "2.5"], "expected a whole number"),
+        (["--prompt", "a", "--top-k", "2.5"], "expected a whole number"),
+        (["--prompt", "a", "--seed", "-1"], "must be >= 0"),
+        (["--prompt", "a", "--max-batch", "99"], "export again with larger --max-batch"),
+        (["--prompt", "a", "--stop", ""], "stop strings must be non-empty"),
+    ],
+)
 def test_run_bad_input_is_one_line(engine, args, fragment):
     _assert_one_line(_cli("--engine", str(engine), *args), fragment)
 
@@ -291,8 +305,10 @@ def test_run_corrupt_data_file_is_one_line(engine, tmp_path):
 
 def test_run_json_into_a_closed_pipe_is_quiet(engine):
     """medusa-run --json | head -1: the reader leaves early; no BrokenPipe traceback."""
-    cmd = (f"{sys.executable} -m medusa_trt.cli.run --engine {engine} --prompt 'One day' --prompt 'The cat' --prompt 'A dog' "
-           "--max-new-tokens 4 --json | head -c 1")
+    cmd = (
+        f"{sys.executable} -m medusa_trt.cli.run --engine {engine} --prompt 'One day' --prompt 'The cat' --prompt 'A dog' "
+        "--max-new-tokens 4 --json | head -c 1"
+    )
     proc = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=300)
     assert len(proc.stdout) == 1 and b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr
 
@@ -300,8 +316,19 @@ def test_run_json_into_a_closed_pipe_is_quiet(engine):
 def test_run_stream_and_plain_agree_on_a_spanning_stop(engine, runtime):
     prompt = STORY_PROMPTS[0]
     full, stops = _spanning_stops(runtime, prompt, 40)
-    common = ["--engine", str(engine), "--prompt", prompt, "--max-new-tokens", "40", "--stop", stops[0], "--no-chat-template",
-              "--tree", "chain-2"]
+    common = [
+        "--engine",
+        str(engine),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "40",
+        "--stop",
+        stops[0],
+        "--no-chat-template",
+        "--tree",
+        "chain-2",
+    ]
     streamed = _cli(*common, "--stream")
     plain = _cli(*common, "--json")
     assert streamed.returncode == 0 and plain.returncode == 0, (streamed.stderr, plain.stderr)

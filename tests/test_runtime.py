@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TREES, assert_greedy_identical, medusa_model, random_heads
+
 from medusa_trt.exporter import BaseModel, HeadsConfig, MedusaHeads, MedusaModel
 from medusa_trt.runtime import EngineError, InvalidTreeError, MedusaRuntime, PromptError, RuntimeConfig
 
@@ -23,8 +23,17 @@ def toy_model(tokenizer) -> MedusaModel:
     head k maps x to successor^(k+2)(x)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=256, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=VOCAB,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).eval()
     model.model.embed_tokens.weight.copy_(torch.eye(VOCAB))
     model.model.layers[0].self_attn.o_proj.weight.zero_()
@@ -350,8 +359,9 @@ def test_host_cost_per_step_stays_flat_over_a_long_generation(stories_base, monk
     whole text each step makes the late steps call ~11x (no drafters) and ~2x (retrieval) more."""
     import numpy as np
 
-    runtime = MedusaRuntime(medusa_model(stories_base, random_heads(stories_base, 2)), tree="chain-2", max_context=256,
-                            max_batch=1, drafters=drafters)
+    runtime = MedusaRuntime(
+        medusa_model(stories_base, random_heads(stories_base, 2)), tree="chain-2", max_context=256, max_batch=1, drafters=drafters
+    )
     runtime.backend = _PermutationEngine(stories_base.model.config.vocab_size, 1, 4200)
     runtime.max_context = 4200
     runtime.eos = frozenset()  # the permutation would reach EOS: 4,000 tokens are wanted

@@ -17,14 +17,13 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import STORIES, random_heads
+
 import medusa_trt.runtime.acceptance as acceptance
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.acceptance import Draws, TypicalRule, lossless, rule_for
 from medusa_trt.runtime.drafting import StepTree
 from medusa_trt.runtime.sampling import SamplingError, SamplingParams, broadcast_params, draw_without_replacement, sample, warp
-from medusa_trt.runtime.tree import compile_tree
 
 SAMPLES = 20_000
 ALPHA = 1e-4
@@ -102,12 +101,21 @@ def test_draws_over_the_support_equal_draws_over_the_whole_vocabulary():
         if trial % 2:
             probs = gen.dirichlet(np.ones(300))  # dense
         count = int(gen.integers(1, 12))
-        assert list(draw_without_replacement(np.random.default_rng(trial), probs, count)) == list(over_all_ids(np.random.default_rng(trial), probs, count))
+        assert list(draw_without_replacement(np.random.default_rng(trial), probs, count)) == list(
+            over_all_ids(np.random.default_rng(trial), probs, count)
+        )
 
 
 def test_params_validation_and_broadcast():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(seed=-1),
-                dict(acceptance="maybe"), dict(temperature=0.7, acceptance="greedy")):
+    for bad in (
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(seed=-1),
+        dict(acceptance="maybe"),
+        dict(temperature=0.7, acceptance="greedy"),
+    ):
         with pytest.raises(SamplingError):
             SamplingParams(**bad)
     assert SamplingParams().rule == "greedy" and SamplingParams(temperature=0.5).rule == "lossless"
@@ -211,8 +219,17 @@ def tiny8():
         pytest.skip(f"{STORIES} missing")
     tokenizer = load_base_model(STORIES).tokenizer  # decodes ids 0..7; the text is not looked at
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.35, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.35,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     base = BaseModel(model, tokenizer, "tiny8", (), False)
     return base, MedusaModel(base, random_heads(base, 2, seed=1))
@@ -232,8 +249,11 @@ def exact_joint(base, params: SamplingParams) -> np.ndarray:
 
 def sampled_counts(model, tree, params: SamplingParams, drafters=None) -> tuple[np.ndarray, float]:
     runtime = MedusaRuntime(model, tree=tree, max_batch=2000, max_context=16, drafters=drafters)
-    results = runtime.generate([PROMPT] * SAMPLES, max_new_tokens=3, sampling=[
-        SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(SAMPLES)])
+    results = runtime.generate(
+        [PROMPT] * SAMPLES,
+        max_new_tokens=3,
+        sampling=[SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(SAMPLES)],
+    )
     counts = np.zeros((VOCAB,) * 3)
     for r in results:
         assert len(r.token_ids) == 3
@@ -254,7 +274,11 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, str
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     df = int(keep.sum()) - 1
     quantile = df * (1 - 2 / (9 * df) + Z_ALPHA * math.sqrt(2 / (9 * df))) ** 3
-    note = f"{len(impossible)} impossible outcomes seen {[np.unravel_index(i, (VOCAB,) * 3) for i in impossible[:3]]}" if len(impossible) else ""
+    note = (
+        f"{len(impossible)} impossible outcomes seen {[np.unravel_index(i, (VOCAB,) * 3) for i in impossible[:3]]}"
+        if len(impossible)
+        else ""
+    )
     return stat, quantile, note
 
 
@@ -279,11 +303,14 @@ def test_lossless_sampling_has_the_base_distribution(tiny8, tree, params):
     assert mean_accepted > 1.1, f"the heads never got a draft accepted ({mean_accepted:.2f} tokens/step): the test would not test drafting"
 
 
-@pytest.mark.parametrize("drafters, params", [
-    pytest.param(("lookup",), SamplingParams(temperature=0.7, top_p=0.9), id="lookup-t0.7-top_p0.9"),
-    pytest.param(("recycle",), SamplingParams(temperature=1.0, top_p=0.95), id="recycle-t1.0-top_p0.95"),
-    pytest.param(("heads", "lookup"), SamplingParams(temperature=1.0, top_p=0.95), id="heads+lookup-t1.0-top_p0.95"),
-])
+@pytest.mark.parametrize(
+    "drafters, params",
+    [
+        pytest.param(("lookup",), SamplingParams(temperature=0.7, top_p=0.9), id="lookup-t0.7-top_p0.9"),
+        pytest.param(("recycle",), SamplingParams(temperature=1.0, top_p=0.95), id="recycle-t1.0-top_p0.95"),
+        pytest.param(("heads", "lookup"), SamplingParams(temperature=1.0, top_p=0.95), id="heads+lookup-t1.0-top_p0.95"),
+    ],
+)
 def test_lossless_sampling_with_deterministic_drafts_has_the_base_distribution(tiny8, drafters, params):
     """Retrieved and recycled drafts are point masses: exact alone and mixed with sampled head draws.
     An 8-token vocabulary makes the prompt's n-grams recur, so lookup fires on most steps."""
@@ -346,10 +373,13 @@ def stories_runtime(stories_base, stories_fitted):
 @pytest.mark.parametrize("rule", ["lossless", "typical"])
 def test_same_seed_same_output_whatever_the_batch(stories_runtime, stories_prompts, rule):
     runtime, prompts = stories_runtime, stories_prompts
-    mixed = runtime.generate(prompts[:3], max_new_tokens=40, temperature=[0.8, 0.0, 1.0], top_p=[0.9, 1.0, 1.0], seed=[5, 6, 7],
-                             acceptance=[rule, None, rule])
+    mixed = runtime.generate(
+        prompts[:3], max_new_tokens=40, temperature=[0.8, 0.0, 1.0], top_p=[0.9, 1.0, 1.0], seed=[5, 6, 7], acceptance=[rule, None, rule]
+    )
     alone = runtime.generate(prompts[0], max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5, acceptance=rule)
-    other = runtime.generate([prompts[2], prompts[0]], max_new_tokens=40, temperature=[1.0, 0.8], top_p=[1.0, 0.9], seed=[7, 5], acceptance=rule)
+    other = runtime.generate(
+        [prompts[2], prompts[0]], max_new_tokens=40, temperature=[1.0, 0.8], top_p=[1.0, 0.9], seed=[7, 5], acceptance=rule
+    )
     greedy = runtime.generate(prompts[1], max_new_tokens=40)
     assert mixed[0].token_ids == alone.token_ids == other[1].token_ids
     assert mixed[2].token_ids == other[0].token_ids
@@ -374,18 +404,35 @@ def test_onnx_backend_samples_reproducibly(export_engine, stories_base, stories_
 
 def test_cli_sampling_is_reproducible_and_checks_its_options(export_engine, stories_base, stories_fitted, capsys):
     from conftest import medusa_model
+
     from medusa_trt.cli.run import main
 
     engine = str(export_engine("stories-fitted", medusa_model(stories_base, stories_fitted)))
-    args = ["--engine", engine, "--prompt", "Once upon a time", "--max-new-tokens", "24", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]
+    args = [
+        "--engine",
+        engine,
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[0] == first
     assert main(args + ["--acceptance", "typical"]) == 0
     capsys.readouterr()
-    for bad, message in ((["--temperature", "-1"], "temperature must be >= 0"), (["--top-p", "0"], "top_p must be in (0, 1]"),
-                         (["--temperature", "0.5", "--acceptance", "greedy"], "acceptance='greedy'")):
+    for bad, message in (
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--temperature", "0.5", "--acceptance", "greedy"], "acceptance='greedy'"),
+    ):
         assert main(["--engine", engine, "--prompt", "Hi"] + bad) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("medusa-run: error:") and message in err and "\n" not in err

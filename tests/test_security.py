@@ -26,12 +26,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import STORY_PROMPTS, medusa_model
+
 from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, stream_generate
+from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.serving.schema import ServeDefaults
 from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
-from medusa_trt.runtime.engine import EngineFiles
 
 LIMIT = 200  # the security server's max_tokens_limit
 CAP_TIMEOUT = 30.0  # its request_timeout: the longest deadline a request may ask for
@@ -55,9 +55,14 @@ def runtime(engine):
 @pytest.fixture(scope="module")
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("security-repo")
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, defaults=ServeDefaults(max_tokens=16, max_tokens_limit=LIMIT,
-                                                                                        request_timeout=CAP_TIMEOUT),
-                                       test_seconds_per_step=STEP_S))
+    write_triton_repo(
+        TritonRepoConfig(
+            engine=engine,
+            repo=repo,
+            defaults=ServeDefaults(max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT),
+            test_seconds_per_step=STEP_S,
+        )
+    )
     log_file = tmp_path_factory.mktemp("security-log") / "tritonserver.log"  # not test_serving's log
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=log_file)).start()
     yield server
@@ -157,10 +162,17 @@ def test_model_repository_api_is_refused(server, runtime):
     cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
     assert b"--model-control-mode=none" in cmdline and not any(a.startswith(b"--load-model") for a in cmdline)
 
-    evil = {"parameters": {"config": json.dumps({"name": "evil", "backend": "python"}),
-                           "file:1/model.py": "aW1wb3J0IG9zOyBvcy5zeXN0ZW0oJ3RvdWNoIC90bXAvcHduZWQnKQ=="}}  # base64 of os.system(...)
-    for path, body in [("/v2/repository/models/evil/load", evil), ("/v2/repository/models/medusa/unload", {}),
-                       ("/v2/repository/models/medusa/load", {})]:
+    evil = {
+        "parameters": {
+            "config": json.dumps({"name": "evil", "backend": "python"}),
+            "file:1/model.py": "aW1wb3J0IG9zOyBvcy5zeXN0ZW0oJ3RvdWNoIC90bXAvcHduZWQnKQ==",
+        }
+    }  # base64 of os.system(...)
+    for path, body in [
+        ("/v2/repository/models/evil/load", evil),
+        ("/v2/repository/models/medusa/unload", {}),
+        ("/v2/repository/models/medusa/load", {}),
+    ]:
         status, answer = _post(server.http_url + path, body)
         assert status >= 400 and "error" in answer, (path, status, answer)
     client = grpcclient.InferenceServerClient(server.grpc_address)
@@ -193,7 +205,9 @@ def test_non_loopback_host_needs_allow_remote(tmp_path, capsys):
     (tmp_path / "repo").mkdir()
     assert serve_main([str(tmp_path / "repo"), "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("medusa-serve: error: --host 0.0.0.0 is not a loopback address") and "--allow-remote" in err
+    assert (
+        err.count("\n") == 1 and err.startswith("medusa-serve: error: --host 0.0.0.0 is not a loopback address") and "--allow-remote" in err
+    )
     with pytest.raises(ServeError, match="not a loopback address"):
         ServeConfig(repo=tmp_path, host="myhost.example")
     assert ServeConfig(repo=tmp_path, host="0.0.0.0", allow_remote=True).host == "0.0.0.0"  # on purpose
@@ -208,8 +222,20 @@ def test_kill_9_of_medusa_serve_leaves_nothing(serving, engine, tmp_path):
     (server and busy stub) and removes the shared memory and the run folder."""
     repo = tmp_path / "repo"
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo))
-    cmd = [sys.executable, "-m", "medusa_trt.cli.serve", str(repo), "--port-grpc", "0", "--port-http", "0", "--port-metrics", "0",
-           "--log-file", str(tmp_path / "tritonserver.log")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "medusa_trt.cli.serve",
+        str(repo),
+        "--port-grpc",
+        "0",
+        "--port-http",
+        "0",
+        "--port-metrics",
+        "0",
+        "--log-file",
+        str(tmp_path / "tritonserver.log"),
+    ]
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = [serve.stdout.readline() for _ in range(3)]
@@ -217,8 +243,11 @@ def test_kill_9_of_medusa_serve_leaves_nothing(serving, engine, tmp_path):
         triton = int(re.search(r"tritonserver pid (\d+)", banner[0]).group(1))
         grpc_address = banner[1].split()[-1]
         prefix = f"medusa_trt_{serve.pid}_"
-        run_dir = Path(re.search(rb"--backend-directory=(\S+?)/backends", Path(f"/proc/{triton}/cmdline").read_bytes()
-                                 .replace(b"\0", b" ")).group(1).decode())
+        run_dir = Path(
+            re.search(rb"--backend-directory=(\S+?)/backends", Path(f"/proc/{triton}/cmdline").read_bytes().replace(b"\0", b" "))
+            .group(1)
+            .decode()
+        )
         ports = {port for inode, (_, port) in _listening().items() if inode in _socket_inodes(triton)}
         assert len(ports) == 3 and run_dir.is_dir() and _mentioning(prefix), (ports, run_dir)
         chunks = stream_generate(grpc_address, STORY_PROMPTS[0], max_tokens=240)
@@ -302,8 +331,14 @@ def test_request_deadline_ends_with_timeout(server, runtime, stream):
 
 
 def test_server_default_deadline(serving, engine, runtime, tmp_path):
-    write_triton_repo(TritonRepoConfig(engine=engine, repo=tmp_path / "repo", defaults=ServeDefaults(max_tokens=240, request_timeout=0.05),
-                                       test_seconds_per_step=STEP_S))
+    write_triton_repo(
+        TritonRepoConfig(
+            engine=engine,
+            repo=tmp_path / "repo",
+            defaults=ServeDefaults(max_tokens=240, request_timeout=0.05),
+            test_seconds_per_step=STEP_S,
+        )
+    )
     full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=240, chat_template=False)
     with TritonServer(ServeConfig(repo=tmp_path / "repo", log_file=tmp_path / "tritonserver.log")) as server:
         chunks, text = _text(server, STORY_PROMPTS[0])  # no timeout_s: the server's deadline
@@ -320,7 +355,8 @@ def test_deadline_clocks(tmp_path, monkeypatch):
 
     assert TEST_STEP_CLOCK not in config_pbtxt(TritonRepoConfig(engine="e.onnx", repo=tmp_path), "e.onnx", 16)
     assert f'"{TEST_STEP_CLOCK}" value: {{ string_value: "0.003" }}' in config_pbtxt(
-        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=STEP_S), "e.onnx", 16)
+        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=STEP_S), "e.onnx", 16
+    )
     assert (step_clock({}), step_clock({TEST_STEP_CLOCK: ""}), step_clock({TEST_STEP_CLOCK: "0.003"})) == (0.0, 0.0, 0.003)
     for bad in ("-1", "inf", "nan", "soon"):
         with pytest.raises(MedusaError, match=f"config.pbtxt parameter {TEST_STEP_CLOCK} is '{bad}': use seconds >= 0"):
@@ -348,8 +384,10 @@ def test_bad_parameters_get_errors_while_a_good_request_finishes(server, runtime
     running, odd = {}, {}
     worker = threading.Thread(target=lambda: running.update(out=_text(server, STORY_PROMPTS[2], max_tokens=60)))
     worker.start()
-    odd_workers = [threading.Thread(target=lambda i=i, kw=kw: odd.update({i: _text(server, "Hi", max_tokens=12, **kw)[0]}))
-                   for i, kw in enumerate(extreme)]  # valid but extreme: served beside the good request
+    odd_workers = [
+        threading.Thread(target=lambda i=i, kw=kw: odd.update({i: _text(server, "Hi", max_tokens=12, **kw)[0]}))
+        for i, kw in enumerate(extreme)
+    ]  # valid but extreme: served beside the good request
     for t in odd_workers:
         t.start()
     for inputs, message in bad:
@@ -427,8 +465,13 @@ REPO_CASES = {
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from medusa_trt.cli import serve; sys.exit(getattr(serve, sys.argv.pop(1))())", *args],
-                          capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from medusa_trt.cli import serve; sys.exit(getattr(serve, sys.argv.pop(1))())", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 def _snapshot(folder: Path) -> list[str]:

@@ -27,24 +27,41 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import STORY_PROMPTS, medusa_model
+
 from medusa_trt.cli.serve import main as serve_main
 from medusa_trt.cli.serve import repo_main
+from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.sampling import SamplingError
 from medusa_trt.serving.client import RequestFailed, stream_generate
 from medusa_trt.serving.schema import EngineOptions, RequestError, ServeDefaults, ServeOptionsError
 from medusa_trt.serving.triton import ServeConfig, ServeError, TritonServer
 from medusa_trt.serving.triton_model import parse_request
 from medusa_trt.serving.triton_repo import MODEL_FILE, TritonRepoConfig, TritonRepoError, write_triton_repo
-from medusa_trt.runtime.engine import FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
-from medusa_trt.runtime.sampling import SamplingError
 
 # ---------------------------------------------------------------------------------- repository writer
 
 
-FAKE_META = EngineMeta(format_version=FORMAT_VERSION, model="fake", architecture="llama", dtype="fp32", vocab_size=512,
-                       hidden_size=64, num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, top_k=10, tree=[[0], [1], [0, 0]],
-                       tree_name="fake", max_batch=4, max_context=256, max_tokens=64, eos_token_ids=[2], is_chat=False)
+FAKE_META = EngineMeta(
+    format_version=FORMAT_VERSION,
+    model="fake",
+    architecture="llama",
+    dtype="fp32",
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    num_heads=4,
+    top_k=10,
+    tree=[[0], [1], [0, 0]],
+    tree_name="fake",
+    max_batch=4,
+    max_context=256,
+    max_tokens=64,
+    eos_token_ids=[2],
+    is_chat=False,
+)
 
 
 def _pb(field: int, data: bytes) -> bytes:
@@ -87,8 +104,13 @@ def _parse_config(text: str):
 
 
 def test_repo_layout_and_config(fake_engine, tmp_path):
-    folder = write_triton_repo(TritonRepoConfig(engine=EngineOptions(fake_engine, tree="chain-2", max_batch=2), repo=tmp_path / "repo",
-                                                defaults=ServeDefaults(max_tokens=64, temperature=0.5, top_p=0.9)))
+    folder = write_triton_repo(
+        TritonRepoConfig(
+            engine=EngineOptions(fake_engine, tree="chain-2", max_batch=2),
+            repo=tmp_path / "repo",
+            defaults=ServeDefaults(max_tokens=64, temperature=0.5, top_p=0.9),
+        )
+    )
     assert folder == (tmp_path / "repo" / "medusa").resolve()
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["1", "1/model.py", "config.pbtxt"]
     assert (folder / "1" / "model.py").read_text() == MODEL_FILE.read_text()
@@ -96,22 +118,44 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
     assert (config.name, config.backend, config.max_batch_size) == ("medusa", "python", 0)
     assert config.model_transaction_policy.decoupled
     assert [(i.name, i.optional) for i in config.input] == [
-        ("text_input", False), ("max_tokens", True), ("temperature", True), ("top_p", True), ("top_k", True),
-        ("stop", True), ("seed", True), ("stream", True), ("timeout_s", True)]
+        ("text_input", False),
+        ("max_tokens", True),
+        ("temperature", True),
+        ("top_p", True),
+        ("top_k", True),
+        ("stop", True),
+        ("seed", True),
+        ("stream", True),
+        ("timeout_s", True),
+    ]
     types = {i.name: (i.data_type, list(i.dims)) for i in [*config.input, *config.output]}
     pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
     assert types["text_input"] == (pb.TYPE_STRING, [1]) and types["stop"] == (pb.TYPE_STRING, [-1])
     assert types["seed"] == (pb.TYPE_UINT64, [1]) and types["stream"] == (pb.TYPE_BOOL, [1])
     assert types["text_output"] == (pb.TYPE_STRING, [-1]) and types["token_ids"] == (pb.TYPE_INT64, [-1])
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["engine"] == os.path.relpath(fake_engine.resolve(), folder) == "../../eng/model.onnx"  # the repository and engine move together
-    assert params | {"engine": ""} == {"engine": "", "tree": "chain-2", "drafters": "", "max_batch": "2", "max_context": "", "threads": "",
-                                       "default_max_tokens": "64", "max_tokens_limit": "256", "request_timeout": "0.0",
-                                       "default_temperature": "0.5", "default_top_p": "0.9", "chat_template": "auto"}
+    assert (
+        params["engine"] == os.path.relpath(fake_engine.resolve(), folder) == "../../eng/model.onnx"
+    )  # the repository and engine move together
+    assert params | {"engine": ""} == {
+        "engine": "",
+        "tree": "chain-2",
+        "drafters": "",
+        "max_batch": "2",
+        "max_context": "",
+        "threads": "",
+        "default_max_tokens": "64",
+        "max_tokens_limit": "256",
+        "request_timeout": "0.0",
+        "default_temperature": "0.5",
+        "default_top_p": "0.9",
+        "chat_template": "auto",
+    }
 
 
 def test_repo_drafters(fake_engine, tmp_path, capsys):
     """--draft names the drafters the served model merges (none: plain decoding); unknown ones are refused."""
+
     def drafters(folder):
         return {k: v.string_value for k, v in _parse_config((folder / "config.pbtxt").read_text()).parameters.items()}["drafters"]
 
@@ -121,7 +165,7 @@ def test_repo_drafters(fake_engine, tmp_path, capsys):
     with pytest.raises(TritonRepoError, match="unknown drafter 'ngram'"):
         write_triton_repo(TritonRepoConfig(engine=EngineOptions(fake_engine, drafters=("ngram",)), repo=tmp_path / "c"))
     assert repo_main(["--engine", str(fake_engine), "--out", str(tmp_path / "d"), "--draft", "none"]) == 0
-    assert drafters((tmp_path / "d" / "medusa")) == "none"
+    assert drafters(tmp_path / "d" / "medusa") == "none"
     capsys.readouterr()
     with pytest.raises(SystemExit) as usage:  # a usage error: one line, exit 2
         repo_main(["--engine", str(fake_engine), "--out", str(tmp_path / "e"), "--draft", "heads,ngram"])
@@ -136,7 +180,7 @@ def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
     with pytest.raises(TritonRepoError, match="exists"):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo))
     write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, defaults=ServeDefaults(max_tokens=7), overwrite=True))
-    assert "default_max_tokens\" value: { string_value: \"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
+    assert 'default_max_tokens" value: { string_value: "7"' in (repo / "medusa" / "config.pbtxt").read_text()
 
     def broken(*_):
         raise OSError("disk full")
@@ -145,7 +189,7 @@ def test_repo_write_is_atomic(fake_engine, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=repo, defaults=ServeDefaults(max_tokens=9), overwrite=True))
     assert sorted(p.name for p in repo.iterdir()) == ["medusa", "other"]
-    assert "\"7\"" in (repo / "medusa" / "config.pbtxt").read_text()
+    assert '"7"' in (repo / "medusa" / "config.pbtxt").read_text()
     with pytest.raises(OSError):
         write_triton_repo(TritonRepoConfig(engine=fake_engine, repo=tmp_path / "fresh"))
     assert not (tmp_path / "fresh").exists()  # a new repository is built beside its place, then renamed
@@ -180,12 +224,29 @@ def test_parse_request_defaults_and_fields():
     defaults = ServeDefaults(max_tokens=33, temperature=0.0, top_p=1.0)
     parsed = parse_request(_inputs(), {}, defaults)
     request = parsed.request
-    assert (request.prompt, request.max_new_tokens, request.sampling.temperature, request.stop, parsed.stream) == ("Hello", 33, 0.0, None, False)
+    assert (request.prompt, request.max_new_tokens, request.sampling.temperature, request.stop, parsed.stream) == (
+        "Hello",
+        33,
+        0.0,
+        None,
+        False,
+    )
     assert parsed.timeout is None
-    parsed = parse_request(_inputs("Hi", max_tokens=np.array([5], dtype=np.int32), temperature=np.array([0.7], dtype=np.float32),
-                                   top_p=np.array([0.9], dtype=np.float32), top_k=np.array([4], dtype=np.int32),
-                                   seed=np.array([7], dtype=np.uint64), stream=np.array([True]), timeout_s=np.array([2.5], dtype=np.float32),
-                                   stop=np.array([b"\n\n", b"The end"], dtype=object)), {}, defaults)
+    parsed = parse_request(
+        _inputs(
+            "Hi",
+            max_tokens=np.array([5], dtype=np.int32),
+            temperature=np.array([0.7], dtype=np.float32),
+            top_p=np.array([0.9], dtype=np.float32),
+            top_k=np.array([4], dtype=np.int32),
+            seed=np.array([7], dtype=np.uint64),
+            stream=np.array([True]),
+            timeout_s=np.array([2.5], dtype=np.float32),
+            stop=np.array([b"\n\n", b"The end"], dtype=object),
+        ),
+        {},
+        defaults,
+    )
     request = parsed.request
     assert request.max_new_tokens == 5 and request.stop == ("\n\n", "The end") and parsed.stream and parsed.timeout == 2.5
     limited = ServeDefaults(max_tokens=16, max_tokens_limit=64, request_timeout=10.0)
@@ -196,19 +257,27 @@ def test_parse_request_defaults_and_fields():
     assert (request.sampling.top_k, request.sampling.seed) == (4, 7) and abs(request.sampling.temperature - 0.7) < 1e-6
 
 
-@pytest.mark.parametrize("inputs,params,error,message", [
-    (_inputs(""), {}, RequestError, "text_input is empty"),
-    (_inputs(max_tokens=np.array([-3], dtype=np.int32)), {}, RequestError, "max_tokens must be >= 1, got -3"),
-    (_inputs(temperature=np.array([-1.0], dtype=np.float32)), {}, SamplingError, "temperature must be >= 0"),
-    (_inputs(top_p=np.array([1.5], dtype=np.float32)), {}, SamplingError, "top_p must be in"),
-    (_inputs(stop=np.array([b""], dtype=object)), {}, RequestError, "empty string"),
-    (_inputs(), {"frequency_penalty": 1}, RequestError, "unknown request parameter(s) ['frequency_penalty']"),
-    (_inputs(max_tokens=np.array([2**31 - 1], dtype=np.int32)), {}, RequestError, "max_tokens 2147483647 exceeds this server's limit of 1024"),
-    (_inputs(timeout_s=np.array([-1.0], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0, got -1.0"),
-    (_inputs(timeout_s=np.array([np.nan], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0"),
-    ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, RequestError, "not valid UTF-8"),
-    ({}, {}, RequestError, "text_input is required"),
-])
+@pytest.mark.parametrize(
+    "inputs,params,error,message",
+    [
+        (_inputs(""), {}, RequestError, "text_input is empty"),
+        (_inputs(max_tokens=np.array([-3], dtype=np.int32)), {}, RequestError, "max_tokens must be >= 1, got -3"),
+        (_inputs(temperature=np.array([-1.0], dtype=np.float32)), {}, SamplingError, "temperature must be >= 0"),
+        (_inputs(top_p=np.array([1.5], dtype=np.float32)), {}, SamplingError, "top_p must be in"),
+        (_inputs(stop=np.array([b""], dtype=object)), {}, RequestError, "empty string"),
+        (_inputs(), {"frequency_penalty": 1}, RequestError, "unknown request parameter(s) ['frequency_penalty']"),
+        (
+            _inputs(max_tokens=np.array([2**31 - 1], dtype=np.int32)),
+            {},
+            RequestError,
+            "max_tokens 2147483647 exceeds this server's limit of 1024",
+        ),
+        (_inputs(timeout_s=np.array([-1.0], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0, got -1.0"),
+        (_inputs(timeout_s=np.array([np.nan], dtype=np.float32)), {}, RequestError, "timeout_s must be a number of seconds > 0"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, RequestError, "not valid UTF-8"),
+        ({}, {}, RequestError, "text_input is required"),
+    ],
+)
 def test_parse_request_rejects(inputs, params, error, message):
     with pytest.raises(error) as info:
         parse_request(inputs, params, ServeDefaults())
@@ -238,9 +307,20 @@ def test_export_writes_the_repository_too(engine, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------- the real server
 
-PROMPTS = STORY_PROMPTS + ["Sam saw a frog", "The sky was blue and", "Mia had a kite. It was red and", "Bob",
-                           "Anna wanted a puppy", "The rain fell on the", "A big bear", "Tom and his mom baked",
-                           "The moon was bright", "Kim found a shiny", "There was a little car", "The fish swam"]
+PROMPTS = STORY_PROMPTS + [
+    "Sam saw a frog",
+    "The sky was blue and",
+    "Mia had a kite. It was red and",
+    "Bob",
+    "Anna wanted a puppy",
+    "The rain fell on the",
+    "A big bear",
+    "Tom and his mom baked",
+    "The moon was bright",
+    "Kim found a shiny",
+    "There was a little car",
+    "The fish swam",
+]
 LENGTHS = [40, 7, 25, 33, 12, 48, 3, 20, 30, 16, 44, 9, 27, 5, 38, 21]
 
 
@@ -280,11 +360,15 @@ def solo(runtime, prompt, n):
 def server(serving, engine, stories_chat_engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     write_triton_repo(TritonRepoConfig(engine=engine, repo=repo, defaults=ServeDefaults(max_tokens=16)))
-    write_triton_repo(TritonRepoConfig(engine=EngineOptions(engine, drafters=()), repo=repo, model_name="medusa-plain",
-                                       defaults=ServeDefaults(max_tokens=16)))
+    write_triton_repo(
+        TritonRepoConfig(
+            engine=EngineOptions(engine, drafters=()), repo=repo, model_name="medusa-plain", defaults=ServeDefaults(max_tokens=16)
+        )
+    )
     # an engine folder with a fixed drafting budget: its trees, and so its drafted-token counts, are the runtime's
-    write_triton_repo(TritonRepoConfig(engine=stories_chat_engine, repo=repo, model_name="medusa-folder",
-                                       defaults=ServeDefaults(max_tokens=16)))
+    write_triton_repo(
+        TritonRepoConfig(engine=stories_chat_engine, repo=repo, model_name="medusa-folder", defaults=ServeDefaults(max_tokens=16))
+    )
     before = _shm()
     server = TritonServer(ServeConfig(repo=repo, exit_timeout=10, log_file=repo.parent / "tritonserver.log"))
     server.start()
@@ -480,7 +564,7 @@ def test_custom_metrics_move_by_exactly_the_drafted_and_accepted_tokens(server, 
     assert delta("medusa:spec_decode_num_accepted_tokens_total", drafter="heads") == sum(a for _, a in heads)
     assert delta("medusa:generation_tokens_total") == len(want.token_ids)
     assert _total(after, "medusa:spec_decode_num_drafts_total", model="medusa-plain") == 0  # plain decoding drafts nothing
-    assert f'medusa:num_requests_running{{model="medusa-folder"}}' in after and "metrics update failed" not in server.log_text()
+    assert 'medusa:num_requests_running{model="medusa-folder"}' in after and "metrics update failed" not in server.log_text()
 
 
 def test_medusa_serve_an_engine_with_triton(serving, stories_chat_engine, tmp_path):
@@ -488,16 +572,38 @@ def test_medusa_serve_an_engine_with_triton(serving, stories_chat_engine, tmp_pa
     (gone after SIGTERM), the model is served under --model-name with the engine options given."""
     from medusa_trt.runtime import MedusaRuntime
 
-    cmd = [sys.executable, "-m", "medusa_trt.cli.serve", str(stories_chat_engine), "--api", "triton", "--model-name", "plain",
-           "--draft", "none", "--max-tokens", "12", "--port-grpc", "0", "--port-http", "0", "--port-metrics", "0",
-           "--log-file", str(tmp_path / "tritonserver.log")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "medusa_trt.cli.serve",
+        str(stories_chat_engine),
+        "--api",
+        "triton",
+        "--model-name",
+        "plain",
+        "--draft",
+        "none",
+        "--max-tokens",
+        "12",
+        "--port-grpc",
+        "0",
+        "--port-http",
+        "0",
+        "--port-metrics",
+        "0",
+        "--log-file",
+        str(tmp_path / "tritonserver.log"),
+    ]
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = [serve.stdout.readline() for _ in range(4)]
         assert "serving" in banner[0], (banner, serve.stderr.read() if serve.poll() is not None else "")
         triton = int(re.search(r"tritonserver pid (\d+)", banner[0]).group(1))
-        run_dir = Path(re.search(rb"--backend-directory=(\S+?)/backends", Path(f"/proc/{triton}/cmdline").read_bytes()
-                                 .replace(b"\0", b" ")).group(1).decode())
+        run_dir = Path(
+            re.search(rb"--backend-directory=(\S+?)/backends", Path(f"/proc/{triton}/cmdline").read_bytes().replace(b"\0", b" "))
+            .group(1)
+            .decode()
+        )
         assert (run_dir / "repository" / "plain" / "config.pbtxt").is_file()
         chunks = list(stream_generate(banner[1].split()[-1], PROMPTS[1], model="plain"))  # max_tokens 12: the --max-tokens default
         want = MedusaRuntime(str(stories_chat_engine), drafters=()).generate(PROMPTS[1], max_new_tokens=12, chat_template=False)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import CUSTOM_TREE, STORIES, medusa_model
 
@@ -22,8 +23,15 @@ onnx = pytest.importorskip("onnx")
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter.onnx_export import ExportError
 from medusa_trt.exporter.tensorrt_build import (
-    TensorRTBuildError, TensorRTConfig, TensorRTUnavailableError, check_precision, graph_precisions, heads_profile, onnx_beside,
-    prepare_for_tensorrt, step_profile,
+    TensorRTBuildError,
+    TensorRTConfig,
+    TensorRTUnavailableError,
+    check_precision,
+    graph_precisions,
+    heads_profile,
+    onnx_beside,
+    prepare_for_tensorrt,
+    step_profile,
 )
 from medusa_trt.plugins.tree_attention.onnx_fallback import fallback_function
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION as SPEC
@@ -49,10 +57,24 @@ needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORR
 
 def _meta(**overrides) -> EngineMeta:
     fields = {
-        "format_version": FORMAT_VERSION, "model": "stories260K", "architecture": "llama", "dtype": "fp16", "vocab_size": 512,
-        "hidden_size": 64, "num_layers": 5, "num_kv_heads": 4, "head_dim": 8, "num_heads": 3, "top_k": 2,
-        "tree": [list(p) for p in CUSTOM_TREE], "tree_name": "custom", "max_batch": 4, "max_context": 256, "max_tokens": 64,
-        "eos_token_ids": [2], "is_chat": False,
+        "format_version": FORMAT_VERSION,
+        "model": "stories260K",
+        "architecture": "llama",
+        "dtype": "fp16",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_layers": 5,
+        "num_kv_heads": 4,
+        "head_dim": 8,
+        "num_heads": 3,
+        "top_k": 2,
+        "tree": [list(p) for p in CUSTOM_TREE],
+        "tree_name": "custom",
+        "max_batch": 4,
+        "max_context": 256,
+        "max_tokens": 64,
+        "eos_token_ids": [2],
+        "is_chat": False,
     }
     return EngineMeta(**(fields | overrides))
 
@@ -96,9 +118,17 @@ def test_graph_precisions_follow_qdq_nodes():
     def graph(zero_type):
         zero = helper.make_tensor("zero", zero_type, [], [0])
         scale = helper.make_tensor("scale", tp.FLOAT, [], [0.1])
-        nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"]), helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"])]
-        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", tp.FLOAT, [2])], [helper.make_tensor_value_info("y", tp.FLOAT, [2])],
-                              initializer=[zero, scale])
+        nodes = [
+            helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"]),
+        ]
+        g = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", tp.FLOAT, [2])],
+            [helper.make_tensor_value_info("y", tp.FLOAT, [2])],
+            initializer=[zero, scale],
+        )
         return helper.make_model(g)
 
     assert graph_precisions(graph(tp.INT8), "fp16") == ["fp16", "int8"]
@@ -112,8 +142,11 @@ def test_prepare_for_tensorrt_strips_fallback_and_tags_nodes():
     nodes = [helper.make_node(SPEC.op_type, list(SPEC.inputs), [f"out{i}"], domain=SPEC.domain, layer=i, scale=0.5) for i in range(2)]
     graph = helper.make_graph(nodes, "g", [], [])
     other = helper.make_function("other", "Keep", ["x"], ["y"], [helper.make_node("Identity", ["x"], ["y"])], [helper.make_opsetid("", 23)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(SPEC.domain, SPEC.version)],
-                              functions=[fallback_function(23), other])
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(SPEC.domain, SPEC.version)],
+        functions=[fallback_function(23), other],
+    )
     assert prepare_for_tensorrt(model) == 2
     assert [(f.domain, f.name) for f in model.functions] == [("other", "Keep")]  # only the fallback goes
     for i, node in enumerate(model.graph.node):
@@ -192,14 +225,29 @@ def test_plan_only_options(tmp_path, extra, message):
 @pytest.mark.skipif(TENSORRT_MISSING is None, reason="tensorrt is installed: the missing-TensorRT path cannot be shown")
 def test_plan_export_without_tensorrt_keeps_the_onnx_and_writes_no_plan(tmp_path):
     plan = tmp_path / "engine.plan"
-    code, stdout, err = _cli("--model", STORIES, "--untrained-heads", "2", "--tree", "chain-2", "--out", plan, "--attention", "plugin",
-                             "--max-context", "64", "--no-verify")
+    code, stdout, err = _cli(
+        "--model",
+        STORIES,
+        "--untrained-heads",
+        "2",
+        "--tree",
+        "chain-2",
+        "--out",
+        plan,
+        "--attention",
+        "plugin",
+        "--max-context",
+        "64",
+        "--no-verify",
+    )
     assert code == 2, err
     assert err.startswith("medusa-export: error: TensorRT is not installed") and "\n" not in err
     assert "pip install tensorrt" in err and f"the ONNX graph is written to {tmp_path / 'engine.onnx'}" in err
     assert stdout.startswith(f"wrote {tmp_path / 'engine.onnx'}")
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["engine.heads.onnx", "engine.onnx", "engine.onnx.files.json", "engine.tokenizer"], names  # no .plan, no sidecar, no temp folder
+    assert names == ["engine.heads.onnx", "engine.onnx", "engine.onnx.files.json", "engine.tokenizer"], (
+        names
+    )  # no .plan, no sidecar, no temp folder
 
 
 # ----------------------------------------------------------------------------- with TensorRT and a GPU
@@ -215,8 +263,10 @@ def built_plans(tmp_path_factory, stories_base, stories_fitted):
     folder = tmp_path_factory.mktemp("plans")
     for attention in ("onnx", "plugin"):
         onnx_path = folder / f"{attention}.onnx"
-        export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention,
-                                                                                      key_slots=False))
+        export_onnx(
+            medusa_model(stories_base, stories_fitted),
+            ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention, key_slots=False),
+        )
         plans[attention] = build_engines(onnx_path, TensorRTConfig(plan=folder / f"{attention}.plan")).step
     return plans
 

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import CUSTOM_TREE, assert_greedy_identical, medusa_model, random_heads
+
 from medusa_trt.exporter import load_base_model
 from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
 from medusa_trt.exporter.tokenizer_files import TokenizerExportError
@@ -34,15 +34,23 @@ from medusa_trt.runtime.tokenizer_probe import PROBE_CONVERSATION, PROBE_FILE, P
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SP_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
-               "{% if add_generation_prompt %}[assistant]{% endif %}")
-CORPUS = [*PROBE_TEXTS, *(m["content"] for m in PROBE_CONVERSATION),
-          "Once upon a time there was a little dog who liked to run in the park with his friends.",
-          "The weather today is sunny, with a light breeze from the west and a high of 21 degrees.",
-          "import numpy as np\nfor i in range(10):\n    print(i * 2)\n",
-          "Les élèves étudient la géographie et l'histoire à l'école.", "東京は日本の首都です。北京是中国的首都。"] * 4
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SP_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+CORPUS = [
+    *PROBE_TEXTS,
+    *(m["content"] for m in PROBE_CONVERSATION),
+    "Once upon a time there was a little dog who liked to run in the park with his friends.",
+    "The weather today is sunny, with a light breeze from the west and a high of 21 degrees.",
+    "import numpy as np\nfor i in range(10):\n    print(i * 2)\n",
+    "Les élèves étudient la géographie et l'histoire à l'école.",
+    "東京は日本の首都です。北京是中国的首都。",
+] * 4
 WORDS = 124  # w1 .. w124 after four special tokens: 128 ids
 KINDS = ("wordlevel-qwen2", "bpe-llama", "sentencepiece-mistral")
 PROMPT = {"wordlevel-qwen2": "w1 w2 w3", "bpe-llama": "Once upon a time there was", "sentencepiece-mistral": "The weather today is"}
@@ -52,10 +60,25 @@ def _tiny_model(kind: str, vocab: int, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = {"qwen2": lambda: Qwen2Config(**common, use_sliding_window=False), "llama": lambda: LlamaConfig(**common),
-              "mistral": lambda: MistralConfig(**common, sliding_window=None)}[kind]()
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config = {
+        "qwen2": lambda: Qwen2Config(**common, use_sliding_window=False),
+        "llama": lambda: LlamaConfig(**common),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+    }[kind]()
     torch.manual_seed(len(kind))
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
@@ -81,20 +104,50 @@ def _bpe(folder: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(folder / "tokenizer.json"))
-    _config(folder, tokenizer_class="GPT2Tokenizer", bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML)
+    _config(
+        folder,
+        tokenizer_class="GPT2Tokenizer",
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
     return tok.get_vocab_size()
 
 
 def _sentencepiece(folder: Path) -> int:
     spm = pytest.importorskip("sentencepiece")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=str(folder / "tokenizer"), vocab_size=400, model_type="bpe",
-                                   byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     (folder / "tokenizer.vocab").unlink()
-    _config(folder, tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=True,
-            add_eos_token=False, chat_template=SP_TEMPLATE)
+    _config(
+        folder,
+        tokenizer_class="LlamaTokenizer",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        add_bos_token=True,
+        add_eos_token=False,
+        chat_template=SP_TEMPLATE,
+    )
     return 400
 
 
@@ -201,7 +254,9 @@ def test_a_tampered_tokenizer_is_refused_at_export(source, tmp_path, monkeypatch
     assert "\n" not in message and "nothing was written" in message
     assert message.startswith(f"the engine's tokenizer {out / 'tokenizer.json'} encodes \"The quick brown fox")
     assert re.search(r"to \d+ ids instead of \d+, differing from id \d+: \[[\d, .]+\] instead of \[[\d, .]+\], the ids of ", message)
-    assert message.endswith(f"the ids of {source('bpe-llama') / 'tokenizer.json'}: nothing was written; report this with the model's tokenizer files")
+    assert message.endswith(
+        f"the ids of {source('bpe-llama') / 'tokenizer.json'}: nothing was written; report this with the model's tokenizer files"
+    )
     assert list(tmp_path.iterdir()) == []  # no engine, no staging folder
 
 
@@ -249,8 +304,12 @@ def test_text_that_encodes_to_no_tokens_has_its_own_message(exported, tmp_path):
             batcher.submit(Request(prompt="  ", max_new_tokens=4, chat_template=False))
     finally:
         batcher.close()
-    run = subprocess.run([sys.executable, "-m", "medusa_trt.cli.run", "--engine", str(engine), "--prompt", "   ", "--max-new-tokens", "4"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "medusa_trt.cli.run", "--engine", str(engine), "--prompt", "   ", "--max-new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2 and "encodes to no tokens" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
@@ -267,8 +326,9 @@ def test_wordlevel_engine_through_the_openai_server(exported, tmp_path):
     want = MedusaRuntime(str(engine)).generate("w1 w2 w3", max_new_tokens=12, chat_template=False)
     server = Server(engine, log=tmp_path / "serve.log")
     try:
-        answer = httpx.post(f"{server.url}/v1/completions", json={"model": "engine", "prompt": "w1 w2 w3", "max_tokens": 12,
-                                                                   "temperature": 0}, timeout=120)
+        answer = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "engine", "prompt": "w1 w2 w3", "max_tokens": 12, "temperature": 0}, timeout=120
+        )
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["choices"][0]["text"] == want.text and body["usage"]["completion_tokens"] == len(want.token_ids)

@@ -17,8 +17,7 @@ from medusa_trt.training.train import head_accuracy, medusa_loss, run, train_hea
 
 def test_loss_with_decay_on_hand_computed_logits():
     # two positions, two heads, vocabulary of three
-    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]],
-                           [[0.0, 0.0, 0.0], [1.0, 1.0, 3.0]]])  # (P=2, n=2, V=3)
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[0.0, 0.0, 0.0], [1.0, 1.0, 3.0]]])  # (P=2, n=2, V=3)
     targets = torch.tensor([[0, 1], [2, IGNORE]])  # second position has no target for head 2
     ce = lambda row, t: -(row[t] - math.log(sum(math.exp(x) for x in row)))  # noqa: E731
     head1 = (ce([2.0, 0.0, 0.0], 0) + ce([0.0, 0.0, 0.0], 2)) / 2
@@ -31,17 +30,44 @@ def test_loss_with_decay_on_hand_computed_logits():
     assert loss.item() == pytest.approx(head1, abs=1e-6)
 
 
-STORY_STARTS = ["Once upon a time", "One day, a little girl", "Tom and his dog", "The sun was shining and", "Lily found a",
-                 "There was a big", "Max wanted to", "In the park, the kids", "Sue had a red", "The cat saw a",
-                 "Mom said to Ben", "A bird sat on", "The little boat", "Anna liked to", "The old man had", "Tim was sad because"]
+STORY_STARTS = [
+    "Once upon a time",
+    "One day, a little girl",
+    "Tom and his dog",
+    "The sun was shining and",
+    "Lily found a",
+    "There was a big",
+    "Max wanted to",
+    "In the park, the kids",
+    "Sue had a red",
+    "The cat saw a",
+    "Mom said to Ben",
+    "A bird sat on",
+    "The little boat",
+    "Anna liked to",
+    "The old man had",
+    "Tim was sad because",
+]
 
 
 def _config(tmp_path, name="heads", **overrides) -> TrainConfig:
     """Story openings for the TinyStories model: its continuations are what its heads can learn."""
     prompts = tmp_path / "stories.txt"
     prompts.write_text("\n".join(STORY_STARTS))
-    base = dict(out=str(tmp_path / name), data=str(prompts), num_prompts=16, new_tokens=48, epochs=3, batch_size=64, lr=1e-2,
-                warmup_steps=2, checkpoint_every=4, holdout=0.0, seed=1, generate_batch=4)
+    base = dict(
+        out=str(tmp_path / name),
+        data=str(prompts),
+        num_prompts=16,
+        new_tokens=48,
+        epochs=3,
+        batch_size=64,
+        lr=1e-2,
+        warmup_steps=2,
+        checkpoint_every=4,
+        holdout=0.0,
+        seed=1,
+        generate_batch=4,
+    )
     return TrainConfig(**(base | overrides))
 
 
@@ -230,7 +256,9 @@ def test_interrupted_run_resumes_where_it_stopped(stories_base, tmp_path, monkey
     monkeypatch.setattr(train_module, "train_heads", stopped)
     with pytest.raises(KeyboardInterrupt):
         run(stories_base, config)
-    assert {"fingerprint.json", "sequences.jsonl", "hidden", "checkpoint.pt"} <= {p.name for p in config.workdir.iterdir()}  # states recorded while generating: no cache file
+    assert {"fingerprint.json", "sequences.jsonl", "hidden", "checkpoint.pt"} <= {
+        p.name for p in config.workdir.iterdir()
+    }  # states recorded while generating: no cache file
     monkeypatch.setattr(train_module, "train_heads", original)
     monkeypatch.setattr(MedusaRuntime, "completed", lambda *a, **k: pytest.fail("the sequences were generated again"))
     resumed = run(stories_base, config)
@@ -282,8 +310,20 @@ def test_cli_refuses_a_stale_work_folder_then_restarts(capsys, tmp_path):
 
     prompts = tmp_path / "stories.txt"
     prompts.write_text("\n".join(STORY_STARTS[:4]))
-    argv = ["--model", str(STORIES), "--out", str(tmp_path / "h"), "--data", str(prompts), "--num-prompts", "4",
-            "--epochs", "1", "--batch-size", "64"]
+    argv = [
+        "--model",
+        str(STORIES),
+        "--out",
+        str(tmp_path / "h"),
+        "--data",
+        str(prompts),
+        "--num-prompts",
+        "4",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+    ]
     assert main(argv + ["--new-tokens", "12"]) == 0
     capsys.readouterr()
     assert main(argv + ["--new-tokens", "6"]) == 2
@@ -298,6 +338,7 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
     import json
 
     from conftest import SHARED
+
     from medusa_trt.training.prompts import original_pool, training_prompts
 
     pool = training_prompts(6954)

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import STORIES
 
 # (case id, arguments replacing or adding to the good ones, a fragment of the expected message)
@@ -71,8 +70,15 @@ def _files(tmp_path: Path) -> None:
 
 
 def _argv(tmp_path: Path, extra: list[str | None]) -> list[str]:
-    good = {"--model": str(STORIES), "--out": str(tmp_path / "heads"), "--data": str(tmp_path / "stories.txt"),
-            "--num-prompts": "4", "--new-tokens": "8", "--epochs": "1", "--batch-size": "64"}
+    good = {
+        "--model": str(STORIES),
+        "--out": str(tmp_path / "heads"),
+        "--data": str(tmp_path / "stories.txt"),
+        "--num-prompts": "4",
+        "--new-tokens": "8",
+        "--epochs": "1",
+        "--batch-size": "64",
+    }
     flags: list[str] = []
     i = 0
     while i < len(extra):

@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medusa_trt.runtime.tree import (
-    DEFAULT_MAX_NODES, InvalidTreeError, chain_paths, compile_tree, load_tree, resolve_tree)
+from medusa_trt.runtime.tree import DEFAULT_MAX_NODES, InvalidTreeError, chain_paths, compile_tree, load_tree, resolve_tree
 
 PRESETS = Path("/work/shared/trees/medusa_choices.json")
 needs_presets = pytest.mark.skipif(not PRESETS.is_file(), reason=f"{PRESETS} not present")
@@ -27,15 +26,18 @@ def test_hand_tree():
     np.testing.assert_array_equal(t.parent, [-1, 0, 0, 1, 1, 2, 3])
     # layout [root, h1 top0, h1 top1, h2 top0, h2 top1, h3 top0, h3 top1]; node -> 1 + (d-1)*2 + p[-1]
     np.testing.assert_array_equal(t.gather_index, [0, 1, 2, 3, 4, 3, 5])
-    expected_mask = np.array([
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0],
-        [1, 0, 1, 0, 0, 1, 0],
-        [1, 1, 0, 1, 0, 0, 1],
-    ], dtype=bool)
+    expected_mask = np.array(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0],
+            [1, 0, 1, 0, 0, 1, 0],
+            [1, 1, 0, 1, 0, 0, 1],
+        ],
+        dtype=bool,
+    )
     np.testing.assert_array_equal(t.mask, expected_mask)
     np.testing.assert_array_equal(t.retrieve, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
     np.testing.assert_array_equal(t.path_lengths, [3, 3, 4])
@@ -104,22 +106,32 @@ def test_preset_mc_sim_7b_63():
             assert t.parent[row[d]] == row[d - 1] and t.depth[row[d]] == d
 
 
-@pytest.mark.parametrize("paths, kwargs, match", [
-    ("0,1", {}, r"list of paths"),
-    ([[0], 1], {}, r"tree path 1 is not a list of ints"),
-    ([[0], [0, "a"]], {}, r"tree path \[0, 'a'\] is not a list of ints"),
-    ([[0], [True]], {}, r"tree path \[True\] is not a list of ints"),
-    ([[0], []], {}, r"tree path \[\] is empty"),
-    ([[0], [-1]], {}, r"tree path \[-1\] has a negative index"),
-    ([[0], [1], [0]], {}, r"tree path \[0\] appears twice"),
-    ([[0], [0, 3]], {"top_k": 3}, r"tree path \[0, 3\] uses index 3 .* top_k=3"),
-    ([[0], [0, 0], [0, 0, 0]], {"max_depth": 2},
-     r"tree path \[0, 0, 0\] .* needs 3 heads but only 2 are available; use a shallower tree"),
-    ([[0], [0, 0, 1]], {}, r"tree path \[0, 0, 1\] has no parent \[0, 0\]"),
-    ([[1], [0, 3]], {}, r"tree path \[0, 3\] has no parent \[0\]: a tree must be prefix-closed; "
-                        r"add \[0\] or remove \[0, 3\]"),
-    (chain_paths(5), {"max_nodes": 4}, r"6 nodes .* at most 4 .* path \[0, 0, 0, 0\]"),
-])
+@pytest.mark.parametrize(
+    "paths, kwargs, match",
+    [
+        ("0,1", {}, r"list of paths"),
+        ([[0], 1], {}, r"tree path 1 is not a list of ints"),
+        ([[0], [0, "a"]], {}, r"tree path \[0, 'a'\] is not a list of ints"),
+        ([[0], [True]], {}, r"tree path \[True\] is not a list of ints"),
+        ([[0], []], {}, r"tree path \[\] is empty"),
+        ([[0], [-1]], {}, r"tree path \[-1\] has a negative index"),
+        ([[0], [1], [0]], {}, r"tree path \[0\] appears twice"),
+        ([[0], [0, 3]], {"top_k": 3}, r"tree path \[0, 3\] uses index 3 .* top_k=3"),
+        (
+            [[0], [0, 0], [0, 0, 0]],
+            {"max_depth": 2},
+            r"tree path \[0, 0, 0\] .* needs 3 heads but only 2 are available; use a shallower tree",
+        ),
+        ([[0], [0, 0, 1]], {}, r"tree path \[0, 0, 1\] has no parent \[0, 0\]"),
+        (
+            [[1], [0, 3]],
+            {},
+            r"tree path \[0, 3\] has no parent \[0\]: a tree must be prefix-closed; "
+            r"add \[0\] or remove \[0, 3\]",
+        ),
+        (chain_paths(5), {"max_nodes": 4}, r"6 nodes .* at most 4 .* path \[0, 0, 0, 0\]"),
+    ],
+)
 def test_rejections(paths, kwargs, match):
     with pytest.raises(InvalidTreeError, match=match):
         compile_tree(paths, **kwargs)
@@ -210,6 +222,5 @@ def test_default_presets_path_finds_shared(monkeypatch):
 
 
 def test_numpy_only():
-    code = ("import sys, medusa_trt.runtime.tree; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    code = "import sys, medusa_trt.runtime.tree; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -80,8 +80,15 @@ def assert_matches(case, *, num_splits=None, tol=None):
 def test_kernel_matches_reference_fp32(interpreted, num_new, context, ratio):
     masks = ["causal"] if num_new == 1 else ["tree", "causal"]  # one node: both masks are [[True]]
     for i, mask in enumerate(masks):
-        case = make_case(cache_lengths=lengths_for(context), num_new=num_new, num_q_heads=2 * ratio, num_kv_heads=2,
-                         head_dim=16, mask=mask, seed=num_new * 1000 + context * 10 + ratio + i)
+        case = make_case(
+            cache_lengths=lengths_for(context),
+            num_new=num_new,
+            num_q_heads=2 * ratio,
+            num_kv_heads=2,
+            head_dim=16,
+            mask=mask,
+            seed=num_new * 1000 + context * 10 + ratio + i,
+        )
         assert_matches(case)
 
 
@@ -90,23 +97,43 @@ def test_kernel_matches_reference_fp32(interpreted, num_new, context, ratio):
 @pytest.mark.parametrize("context", [37, 300])
 @pytest.mark.parametrize("num_new", [1, 16])
 def test_kernel_matches_reference_fp16(interpreted, num_new, context, ratio):
-    case = make_case(cache_lengths=lengths_for(context), num_new=num_new, num_q_heads=2 * ratio, num_kv_heads=2,
-                     head_dim=16, dtype=torch.float16, seed=7 + num_new + context + ratio)
+    case = make_case(
+        cache_lengths=lengths_for(context),
+        num_new=num_new,
+        num_q_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float16,
+        seed=7 + num_new + context + ratio,
+    )
     assert_matches(case)
 
 
 @needs_triton
 @pytest.mark.parametrize(
     "num_new, context, ratio, num_splits, dtype",
-    [(1, 300, 4, 2, torch.float32), (4, 300, 3, 5, torch.float32), (16, 300, 1, 3, torch.float32),
-     (4, 37, 4, 3, torch.float32), (1, 1, 1, 4, torch.float32), (64, 300, 1, 2, torch.float32),
-     (16, 300, 3, 4, torch.float16)],
+    [
+        (1, 300, 4, 2, torch.float32),
+        (4, 300, 3, 5, torch.float32),
+        (16, 300, 1, 3, torch.float32),
+        (4, 37, 4, 3, torch.float32),
+        (1, 1, 1, 4, torch.float32),
+        (64, 300, 1, 2, torch.float32),
+        (16, 300, 3, 4, torch.float16),
+    ],
 )
 def test_split_context_matches_reference(interpreted, num_new, context, ratio, num_splits, dtype):
     """Forced splits: several splits sharing a context, splits left empty (short or empty
     sequences), and the log-sum-exp combine."""
-    case = make_case(cache_lengths=lengths_for(context), num_new=num_new, num_q_heads=2 * ratio, num_kv_heads=2,
-                     head_dim=16, dtype=dtype, seed=11 + num_splits)
+    case = make_case(
+        cache_lengths=lengths_for(context),
+        num_new=num_new,
+        num_q_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        seed=11 + num_splits,
+    )
     assert_matches(case, num_splits=num_splits)
 
 
@@ -160,11 +187,14 @@ def test_strided_inputs_int_mask_and_lengths(interpreted):
     """Query/key/value as the [B, T, H, D] -> [B, H, T, D] transposed views the model produces,
     an int32 mask and int32 lengths, and a length past the cache's capacity (clamped to S)."""
     case = make_case(cache_lengths=[37, 3], num_new=4, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=2)
-    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (case.query, case.key, case.value))  # (B, H, T, D) views of (B, T, H, D)
+    q, k, v = (
+        t.transpose(1, 2).contiguous().transpose(1, 2) for t in (case.query, case.key, case.value)
+    )  # (B, H, T, D) views of (B, T, H, D)
     assert not q.is_contiguous()
     lengths = torch.tensor([case.past_key.shape[0] + 10, 3], dtype=torch.int32)
-    got = tree_attention_triton(q, k, v, case.past_key, case.past_value, case.tree_mask.to(torch.int32), lengths,
-                                layer=case.layer, scale=case.scale)
+    got = tree_attention_triton(
+        q, k, v, case.past_key, case.past_value, case.tree_mask.to(torch.int32), lengths, layer=case.layer, scale=case.scale
+    )
     want = reference_from_spec(q, k, v, case.past_key, case.past_value, case.tree_mask, lengths.long(), layer=case.layer, scale=case.scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -279,8 +309,16 @@ def test_aot_scalar_arguments_match_the_launcher():
     case = make_case(cache_lengths=[5, 2], num_new=4, num_q_heads=6, num_kv_heads=2, head_dim=16)
     q, k, v, pk, pv, mask, _ = case.inputs
     from_tensors = [
-        4, pk.shape[0], case.layer,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *pk.stride()[:4], *pv.stride()[:4], *mask.stride(), *q.stride()[:3],
+        4,
+        pk.shape[0],
+        case.layer,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *pk.stride()[:4],
+        *pv.stride()[:4],
+        *mask.stride(),
+        *q.stride()[:3],
     ]
     assert aot.scalar_arguments(q.shape, k.shape, pk.shape, layer=case.layer) == from_tensors
     dims = sympy.symbols("B T S", positive=True, integer=True)
@@ -291,8 +329,10 @@ def test_aot_scalar_arguments_match_the_launcher():
 
 
 def test_trim_entry_params():
-    ptx = (".entry k_1(\n\t.param .u64 k_1_param_0,\n\t.param .u32 k_1_param_1,\n\t.param .u64 k_1_param_2,\n\t.param .u64 k_1_param_3\n)\n"
-           "{\n\tld.param.b64 %rd1, [k_1_param_0];\n\tld.param.b32 %r1, [k_1_param_1];\n}\n")
+    ptx = (
+        ".entry k_1(\n\t.param .u64 k_1_param_0,\n\t.param .u32 k_1_param_1,\n\t.param .u64 k_1_param_2,\n\t.param .u64 k_1_param_3\n)\n"
+        "{\n\tld.param.b64 %rd1, [k_1_param_0];\n\tld.param.b32 %r1, [k_1_param_1];\n}\n"
+    )
     trimmed = aot.trim_entry_params(ptx, "k_1", 2)
     assert "k_1_param_2" not in trimmed and "k_1_param_3" not in trimmed and "[k_1_param_1]" in trimmed
     with pytest.raises(aot.AotCompileError, match="uses its trailing parameter"):
@@ -322,7 +362,9 @@ def test_aot_compiles_ptx_for_tensorrt(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ptx_file = tmp_path / "tree_attention.ptx"
-    run = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, "bf16", str(ptx_file)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, "bf16", str(ptx_file)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     info = json.loads(run.stdout.strip().splitlines()[-1])
     num_scalars = len(aot.scalar_arguments((1, 9, 4, 64), (1, 3, 4, 64), (8, 2, 1, 3, 64), layer=0))
@@ -332,8 +374,13 @@ def test_aot_compiles_ptx_for_tensorrt(tmp_path):
     assert ptx.count(f"{info['name']}_param_") >= info["num_params"]
     assert f"{info['name']}_param_{info['num_params']}" not in ptx  # Triton's scratch pointers are gone
     assert ".version 8.4" in ptx and info["num_warps"] == 4
-    assembled = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", str(ptx_file), "-o", str(tmp_path / "k.cubin")],
-                               capture_output=True, text=True, timeout=120, check=False)
+    assembled = subprocess.run(
+        [knobs.nvidia.ptxas.path, "-arch=sm_90a", str(ptx_file), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert assembled.returncode == 0, assembled.stderr[-3000:]
 
 
@@ -354,5 +401,7 @@ def test_trt_plugin_registers():
     from medusa_trt.plugins.tree_attention import spec, trt_plugin
 
     assert trt_plugin.PLUGIN_ID == "medusa_trt::TreeAttention"
-    creator = trt.get_plugin_registry().get_creator(spec.TREE_ATTENTION.op_type, str(spec.TREE_ATTENTION.version), spec.TREE_ATTENTION.domain)
+    creator = trt.get_plugin_registry().get_creator(
+        spec.TREE_ATTENTION.op_type, str(spec.TREE_ATTENTION.version), spec.TREE_ATTENTION.domain
+    )
     assert creator is not None, f"{trt_plugin.PLUGIN_ID} is not in TensorRT's plugin registry"

@@ -21,8 +21,17 @@ pytest.importorskip("polygraphy", reason="polygraphy not installed (pip install 
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
 
 from medusa_trt.exporter.trt_compare import (  # noqa: E402
-    HEADS_COMPARED, STEP_COMPARED, TOLERANCES, PlanComparison, PlanMismatchError, Tolerance, compare_plan, compare_runners, heads_feeds,
-    require_match, step_feeds,
+    HEADS_COMPARED,
+    STEP_COMPARED,
+    TOLERANCES,
+    PlanComparison,
+    PlanMismatchError,
+    Tolerance,
+    compare_plan,
+    compare_runners,
+    heads_feeds,
+    require_match,
+    step_feeds,
 )
 from medusa_trt.runtime.engine import EngineFiles, EngineMeta, read_meta  # noqa: E402
 from medusa_trt.runtime.tree import compile_tree  # noqa: E402
@@ -45,8 +54,9 @@ needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORR
 @pytest.fixture(scope="module")
 def engine(export_engine, stories_base):
     """stories260K with 3 random heads, the custom tree (7 nodes), fp32."""
-    return export_engine("trt-compare", medusa_model(stories_base, random_heads(stories_base, 3)), tree=CUSTOM_TREE, max_context=64,
-                         key_slots=False)  # TensorRT builds take the appended layout
+    return export_engine(
+        "trt-compare", medusa_model(stories_base, random_heads(stories_base, 3)), tree=CUSTOM_TREE, max_context=64, key_slots=False
+    )  # TensorRT builds take the appended layout
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +109,9 @@ def test_step_feeds_of_a_key_slots_graph_carry_the_slots(engine):
 
 def test_feeds_fit_small_engines_and_heads_inputs(engine):
     meta = read_meta(engine)
-    small = EngineMeta(**(meta.__dict__ | {"max_batch": 1, "max_tokens": 4, "max_context": 6, "dtype": "fp16", "head_input": "hidden+next"}))
+    small = EngineMeta(
+        **(meta.__dict__ | {"max_batch": 1, "max_tokens": 4, "max_context": 6, "dtype": "fp16", "head_input": "hidden+next"})
+    )
     prefill, step = step_feeds(small)
     assert prefill["input_ids"].shape == (1, 2)  # min(7, max_tokens 4, context 6 - 4 tree nodes)
     assert step["input_ids"].shape == (1, 4) and step["tree_mask"].shape == (1, 4, 4)  # the first 4 tree nodes
@@ -117,7 +129,9 @@ def test_same_graph_matches_exactly(engine):
     assert result.passed and result.failed == ()
     assert set(result.max_abs) == set(STEP_COMPARED) and max(result.max_abs.values()) == 0.0
     assert require_match(result, engine) is result
-    assert result.summary().startswith("step plan verified against ONNX Runtime: max abs difference 0.00e+00 (atol 0.001 rtol 0.001; logits")
+    assert result.summary().startswith(
+        "step plan verified against ONNX Runtime: max abs difference 0.00e+00 (atol 0.001 rtol 0.001; logits"
+    )
 
     heads = EngineFiles.beside(engine).heads
     result = compare_runners(_runners(heads, heads), heads_feeds(meta), _tolerances(HEADS_COMPARED), graph="heads")
@@ -130,7 +144,9 @@ def test_perturbed_weight_fails_and_names_the_outputs(engine, perturbed):
     assert not result.passed and "logits" in result.failed and "hidden" in result.failed
     assert result.max_abs["logits"] > 1e-2
     assert "DIFFERS from ONNX Runtime in logits" in result.summary()
-    with pytest.raises(PlanMismatchError, match=r"engine.plan disagrees with its ONNX graph beyond tolerance in logits [0-9.e-]+ \(atol 0.001"):
+    with pytest.raises(
+        PlanMismatchError, match=r"engine.plan disagrees with its ONNX graph beyond tolerance in logits [0-9.e-]+ \(atol 0.001"
+    ):
         require_match(result, engine.with_name("engine.plan"))
 
 
@@ -152,8 +168,10 @@ def test_bf16_plans_are_skipped_with_a_reason(engine, tmp_path):
 
 
 def test_polygraphy_imports_without_tensorrt():
-    code = ("import sys; from polygraphy.comparator import Comparator; from polygraphy.backend.trt import TrtRunner, EngineFromBytes; "
-            "import medusa_trt.exporter.trt_compare; print('tensorrt' in sys.modules)")
+    code = (
+        "import sys; from polygraphy.comparator import Comparator; from polygraphy.backend.trt import TrtRunner, EngineFromBytes; "
+        "import medusa_trt.exporter.trt_compare; print('tensorrt' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
@@ -170,8 +188,10 @@ def test_built_plan_matches_its_onnx_graph(tmp_path, stories_base, dtype):
     from medusa_trt.exporter.tensorrt_build import TensorRTConfig, build_engines
 
     onnx_path = tmp_path / "engine.onnx"
-    export_onnx(medusa_model(stories_base, random_heads(stories_base, 3)),
-                ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=64, dtype=dtype, verify=False))
+    export_onnx(
+        medusa_model(stories_base, random_heads(stories_base, 3)),
+        ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=64, dtype=dtype, verify=False),
+    )
     compared = []
     files = build_engines(onnx_path, TensorRTConfig(plan=tmp_path / "engine.plan", report=compared.append))
     assert files.step.is_file() and [c.graph for c in compared] == ["step", "heads"]

@@ -22,7 +22,6 @@ number of heads. numpy only at import (the measuring functions take a built ``Me
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +62,13 @@ class Choice:
     curve: tuple[tuple[int, float, float], ...]  # every candidate: (T, tokens_per_step, tokens_per_s), ascending T
 
     def to_dict(self) -> dict:
-        return {"paths": [list(p) for p in self.paths], "num_nodes": self.num_nodes,
-                "expected_tokens_per_step": self.expected_tokens_per_step,
-                "expected_tokens_per_s": self.expected_tokens_per_s, "curve": [list(c) for c in self.curve]}
+        return {
+            "paths": [list(p) for p in self.paths],
+            "num_nodes": self.num_nodes,
+            "expected_tokens_per_step": self.expected_tokens_per_step,
+            "expected_tokens_per_s": self.expected_tokens_per_s,
+            "curve": [list(c) for c in self.curve],
+        }
 
 
 # ----------------------------------------------------------------- the model (pure)
@@ -119,8 +122,10 @@ def expected_accept(paths, acc) -> float:
     total = 0.0
     for path in paths:
         if len(path) > D or max(path) >= K:
-            raise CalibrationError(f"tree path {list(path)} needs {len(path)} heads and rank {max(path)}, but acc "
-                                   f"covers {D} heads and top-{K}: measure more ranks or use a smaller tree")
+            raise CalibrationError(
+                f"tree path {list(path)} needs {len(path)} heads and rank {max(path)}, but acc "
+                f"covers {D} heads and top-{K}: measure more ranks or use a smaller tree"
+            )
         total += node_probability(path, acc)
     return total
 
@@ -175,9 +180,13 @@ def choose(trees, acc, step_ms: dict[int, float], heads_ms: float = 0.0) -> Choi
         curve.append((T, per_step, per_step / (step_cost(step_ms, T) + overhead) * 1e3))
     best = max(range(len(trees)), key=lambda i: (curve[i][2], -curve[i][0]))
     order = sorted(range(len(trees)), key=lambda i: curve[i][0])
-    return Choice(paths=tuple(tuple(p) for p in trees[best]), num_nodes=curve[best][0],
-                  expected_tokens_per_step=curve[best][1], expected_tokens_per_s=curve[best][2],
-                  curve=tuple(curve[i] for i in order))
+    return Choice(
+        paths=tuple(tuple(p) for p in trees[best]),
+        num_nodes=curve[best][0],
+        expected_tokens_per_step=curve[best][1],
+        expected_tokens_per_s=curve[best][2],
+        curve=tuple(curve[i] for i in order),
+    )
 
 
 def pick_tree(acc, step_ms: dict[int, float], max_nodes: int, heads_ms: float = 0.0) -> Choice:
@@ -213,8 +222,10 @@ def measure_step_ms(runtime, sizes, context: int = 256, repeats: int = 5) -> dic
     if limit is not None and sizes[-1] > limit:
         raise CalibrationError(f"cannot time {sizes[-1]} tokens per step: the engine takes at most {limit}; lower --max-nodes")
     if context < 0 or context + sizes[-1] > backend.max_context:
-        raise CalibrationError(f"timing {sizes[-1]} tokens over a {context}-token context needs max_context >= "
-                               f"{context + sizes[-1]}, the engine has {backend.max_context}: lower the context or --max-nodes")
+        raise CalibrationError(
+            f"timing {sizes[-1]} tokens over a {context}-token context needs max_context >= "
+            f"{context + sizes[-1]}, the engine has {backend.max_context}: lower the context or --max-nodes"
+        )
     cost = measure(backend, sizes=sizes, context=context, repeats=repeats)
     out = {T: cost.table[T] * cost.step_ms for T in sizes}
     for T, ms in out.items():
@@ -351,8 +362,13 @@ def plot_calibration(acc, choice: Choice, path, *, chain: Choice | None = None) 
     if chain is not None:
         c_sizes, _, c_rates = zip(*chain.curve)
         right.plot(c_sizes, c_rates, marker="s", markersize=4, linestyle="--", color="#999999", label="chain")
-    right.plot([choice.num_nodes], [choice.expected_tokens_per_s], "r*", markersize=12,
-               label=f"chosen: T={choice.num_nodes}, {choice.expected_tokens_per_step:.2f} tok/step")
+    right.plot(
+        [choice.num_nodes],
+        [choice.expected_tokens_per_s],
+        "r*",
+        markersize=12,
+        label=f"chosen: T={choice.num_nodes}, {choice.expected_tokens_per_step:.2f} tok/step",
+    )
     right.set(xlabel="tree tokens T (root included)", ylabel="expected tokens / s", title="Tree size vs throughput")
     right.legend(fontsize=8)
     fig.tight_layout()

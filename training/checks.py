@@ -29,11 +29,15 @@ def check_model(base, config: TrainConfig) -> None:
     cfg = base.model.config
     layers = getattr(cfg, "num_hidden_layers", None)
     if config.head_layer is not None and layers is not None and not config.head_layer < layers:
-        raise TrainError(f"--head-layer {config.head_layer} is out of range: {base.name} has decoder layers 0..{layers - 1} "
-                         "(leave it out for the final hidden state)")
+        raise TrainError(
+            f"--head-layer {config.head_layer} is out of range: {base.name} has decoder layers 0..{layers - 1} "
+            "(leave it out for the final hidden state)"
+        )
     if config.follow_ups and not (config.chat_template and getattr(base, "is_chat", False)):
         raise TrainError(f"--follow-ups needs a chat model with its chat template: {base.name} has none; drop --follow-ups")
     context = min(GENERATE_CONTEXT, getattr(cfg, "max_position_embeddings", None) or GENERATE_CONTEXT)
     if not config.teacher_forced and config.new_tokens >= context:
-        raise TrainError(f"--new-tokens {config.new_tokens} leaves no room for the prompt: {base.name} generates at most "
-                         f"{context} tokens per sequence; pass fewer")
+        raise TrainError(
+            f"--new-tokens {config.new_tokens} leaves no room for the prompt: {base.name} generates at most "
+            f"{context} tokens per sequence; pass fewer"
+        )

@@ -15,12 +15,30 @@ class TrainError(MedusaError):
 
 
 # least value of each whole-number setting
-_AT_LEAST = {"num_heads": 1, "num_layers": 1, "num_prompts": 1, "follow_ups": 0, "new_tokens": 1, "generate_batch": 1, "epochs": 1,
-             "batch_size": 1, "warmup_steps": 0, "seed": 0, "checkpoint_every": 1}
+_AT_LEAST = {
+    "num_heads": 1,
+    "num_layers": 1,
+    "num_prompts": 1,
+    "follow_ups": 0,
+    "new_tokens": 1,
+    "generate_batch": 1,
+    "epochs": 1,
+    "batch_size": 1,
+    "warmup_steps": 0,
+    "seed": 0,
+    "checkpoint_every": 1,
+}
 _MAX_SEED = 2**32 - 1  # the batch order's generator is seeded with seed * 1000 + epoch
 # the command-line flag of a TrainConfig field, for messages
-_FLAGS = {"num_heads": "--heads", "num_layers": "--layers", "warmup_steps": "warmup steps", "generate_batch": "generate batch",
-          "weight_decay": "weight decay", "holdout": "holdout", "chat_template": "chat template"}
+_FLAGS = {
+    "num_heads": "--heads",
+    "num_layers": "--layers",
+    "warmup_steps": "warmup steps",
+    "generate_batch": "generate batch",
+    "weight_decay": "weight decay",
+    "holdout": "holdout",
+    "chat_template": "chat template",
+}
 
 
 def flag(field: str) -> str:
@@ -81,8 +99,10 @@ class TrainConfig:
         if self.head_input not in HEAD_INPUTS:
             raise TrainError(f"--head-input {self.head_input} is not one of {', '.join(HEAD_INPUTS)}")
         if self.follow_ups > self.num_prompts:
-            raise TrainError(f"--follow-ups {self.follow_ups} exceeds --num-prompts {self.num_prompts}: each follow-up "
-                             "continues one first-turn conversation; pass at most that many")
+            raise TrainError(
+                f"--follow-ups {self.follow_ups} exceeds --num-prompts {self.num_prompts}: each follow-up "
+                "continues one first-turn conversation; pass at most that many"
+            )
         if self.follow_ups and self.teacher_forced:
             raise TrainError("--follow-ups needs generated answers: drop it with --teacher-forced")
 

@@ -27,7 +27,14 @@ from tqdm.auto import tqdm
 
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.workdir import (
-    CACHE, HIDDEN, SEQUENCES, check_data, data_fingerprint, generate_engine_meta, open_workdir, short_sha256,
+    CACHE,
+    HIDDEN,
+    SEQUENCES,
+    check_data,
+    data_fingerprint,
+    generate_engine_meta,
+    open_workdir,
+    short_sha256,
 )
 
 log = logging.getLogger(__name__)
@@ -61,7 +68,7 @@ def read_prompts(config: TrainConfig) -> list[str]:
     except OSError as exc:
         raise TrainError(f"cannot read --data {path}: {exc.strerror}") from exc
     if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8):]
+        raw = raw[len(codecs.BOM_UTF8) :]
     texts: list[str] = []
     for number, data in enumerate(raw.splitlines(), 1):  # bytes split on \n and \r only: JSON strings may hold U+2028
         if len(texts) == config.num_prompts:
@@ -69,8 +76,9 @@ def read_prompts(config: TrainConfig) -> list[str]:
         try:
             line = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise TrainError(f"--data {path} line {number} is not UTF-8 text (byte {exc.start + 1} of the line): "
-                             "save the file as UTF-8") from exc
+            raise TrainError(
+                f"--data {path} line {number} is not UTF-8 text (byte {exc.start + 1} of the line): save the file as UTF-8"
+            ) from exc
         if not line.strip():
             continue
         texts.append(_prompt_of(line, path, number) if path.suffix == ".jsonl" else line)
@@ -139,8 +147,9 @@ def read_sequences(work: Path) -> dict[tuple[str, int], dict]:
         except ValueError:  # not JSON, or not UTF-8
             record = None
         if not (isinstance(record, dict) and isinstance(record.get("ids"), list) and isinstance(record.get("start"), int)):
-            raise TrainError(f"{file} line {number} is not a sequence record (the file is damaged): pass --restart to "
-                             "generate the sequences again")
+            raise TrainError(
+                f"{file} line {number} is not a sequence record (the file is damaged): pass --restart to generate the sequences again"
+            )
         done[_record_key(record, number)] = record
     if tail:
         log.warning("%s: dropping its unfinished last record (the run was stopped while writing it)", file)
@@ -175,7 +184,7 @@ def _follow_up(base, first: dict, prompt: str, index: int) -> list[dict]:
     from medusa_trt.training.prompts import follow_up_conversation
 
     eos = set(base.eos_token_ids)
-    answer = [t for t in first["ids"][first["start"]:] if t not in eos]
+    answer = [t for t in first["ids"][first["start"] :] if t not in eos]
     return follow_up_conversation(prompt, base.tokenizer.decode(answer, skip_special_tokens=True), index)
 
 
@@ -205,8 +214,12 @@ def _generate(base, config: TrainConfig, todo: list[tuple[tuple[str, int], objec
     room = runtime.max_context - config.new_tokens
     kept = [(k, ids) for (k, _), ids in zip(todo, batch) if len(ids) <= room]
     if len(kept) < len(todo):
-        log.warning("%d prompts leave no room for %d new tokens in %d positions: skipped", len(todo) - len(kept), config.new_tokens,
-                    runtime.max_context)
+        log.warning(
+            "%d prompts leave no room for %d new tokens in %d positions: skipped",
+            len(todo) - len(kept),
+            config.new_tokens,
+            runtime.max_context,
+        )
     work, new_tokens, finished, started = None, 0, 0, time.perf_counter()
     pending: list[tuple[dict, np.ndarray]] = []
     with tqdm(total=len(kept), desc="self-distillation", unit="seq", disable=None) as bar:
@@ -288,8 +301,10 @@ def _recorded_hidden(base, sequences: list[Sample], config: TrainConfig) -> list
     want = _forward_hidden(base, probe.ids, config.head_layer)[max(probe.start - 1, 0) : len(probe.ids) - 1]
     err = float((parts[0].float() - want).norm() / want.norm().clamp(min=1e-12))
     if parts[0].shape != want.shape or err > 1e-2:
-        log.warning("the recorded hidden states are not the heads' input of this configuration (relative difference %.3g): "
-                    "computing them again", err)
+        log.warning(
+            "the recorded hidden states are not the heads' input of this configuration (relative difference %.3g): computing them again",
+            err,
+        )
         return None
     return parts
 

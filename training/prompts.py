@@ -36,14 +36,62 @@ TEMPLATES = [
 ]
 
 TOPICS = [
-    "the ocean", "volcanoes", "honey bees", "the moon landing", "electric cars", "photosynthesis", "the Roman Empire",
-    "chess", "climate change", "machine learning", "the human heart", "black holes", "coffee", "the printing press",
-    "renewable energy", "origami", "the immune system", "ancient Egypt", "recycling", "jazz music", "mountain climbing",
-    "the internet", "dinosaurs", "gardening", "the stock market", "rainforests", "vaccines", "the French Revolution",
-    "bicycles", "solar panels", "penguins", "the Olympic Games", "baking bread", "quantum computers", "deserts",
-    "public libraries", "earthquakes", "the Silk Road", "robots", "meditation", "coral reefs", "the theory of evolution",
-    "smartphones", "the water cycle", "Shakespeare", "space telescopes", "trains", "friendship", "board games",
-    "the Great Wall of China", "wolves", "nutrition", "3D printing", "hurricanes", "the piano", "cryptography",
+    "the ocean",
+    "volcanoes",
+    "honey bees",
+    "the moon landing",
+    "electric cars",
+    "photosynthesis",
+    "the Roman Empire",
+    "chess",
+    "climate change",
+    "machine learning",
+    "the human heart",
+    "black holes",
+    "coffee",
+    "the printing press",
+    "renewable energy",
+    "origami",
+    "the immune system",
+    "ancient Egypt",
+    "recycling",
+    "jazz music",
+    "mountain climbing",
+    "the internet",
+    "dinosaurs",
+    "gardening",
+    "the stock market",
+    "rainforests",
+    "vaccines",
+    "the French Revolution",
+    "bicycles",
+    "solar panels",
+    "penguins",
+    "the Olympic Games",
+    "baking bread",
+    "quantum computers",
+    "deserts",
+    "public libraries",
+    "earthquakes",
+    "the Silk Road",
+    "robots",
+    "meditation",
+    "coral reefs",
+    "the theory of evolution",
+    "smartphones",
+    "the water cycle",
+    "Shakespeare",
+    "space telescopes",
+    "trains",
+    "friendship",
+    "board games",
+    "the Great Wall of China",
+    "wolves",
+    "nutrition",
+    "3D printing",
+    "hurricanes",
+    "the piano",
+    "cryptography",
 ]
 
 MATH = [
@@ -65,10 +113,18 @@ CODE = [
 ]
 
 CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "counts the words in a sentence", "merges two sorted lists",
-    "finds the largest element of a list", "computes the factorial of n", "removes duplicates from a list",
-    "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number", "checks whether a string is a palindrome",
-    "sorts a list of dictionaries by a key", "reads a CSV file and sums a column",
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a sentence",
+    "merges two sorted lists",
+    "finds the largest element of a list",
+    "computes the factorial of n",
+    "removes duplicates from a list",
+    "converts Celsius to Fahrenheit",
+    "returns the n-th Fibonacci number",
+    "checks whether a string is a palindrome",
+    "sorts a list of dictionaries by a key",
+    "reads a CSV file and sums a column",
 ]
 
 SENTENCES = [
@@ -92,41 +148,99 @@ TRANSLATE = [
 
 
 QUESTIONS = [
-    "Where is {place} located?", "What is {place} famous for?", "What language do people speak in {place}?",
-    "What is the climate like in {place}?", "Name three things a visitor should see in {place}.",
+    "Where is {place} located?",
+    "What is {place} famous for?",
+    "What language do people speak in {place}?",
+    "What is the climate like in {place}?",
+    "Name three things a visitor should see in {place}.",
 ]
 
 PLACES = [
-    "Patagonia", "the Sahara", "Kyoto", "Lake Baikal", "Iceland", "the Amazon basin", "Mount Kilimanjaro", "Tasmania",
-    "the Alps", "Madagascar", "Istanbul", "the Atacama Desert", "Scotland", "Lake Titicaca", "the Himalayas", "Cape Town",
-    "Vancouver", "the Galapagos Islands", "Prague", "Mongolia", "the Dead Sea", "New Zealand", "Bavaria", "Havana",
+    "Patagonia",
+    "the Sahara",
+    "Kyoto",
+    "Lake Baikal",
+    "Iceland",
+    "the Amazon basin",
+    "Mount Kilimanjaro",
+    "Tasmania",
+    "the Alps",
+    "Madagascar",
+    "Istanbul",
+    "the Atacama Desert",
+    "Scotland",
+    "Lake Titicaca",
+    "the Himalayas",
+    "Cape Town",
+    "Vancouver",
+    "the Galapagos Islands",
+    "Prague",
+    "Mongolia",
+    "the Dead Sea",
+    "New Zealand",
+    "Bavaria",
+    "Havana",
 ]
 
 FACTS = [
-    "Who invented {thing}?", "When was {thing} invented, and why did it matter?", "How does {thing} work?",
+    "Who invented {thing}?",
+    "When was {thing} invented, and why did it matter?",
+    "How does {thing} work?",
     "What problem did {thing} solve?",
 ]
 
 THINGS = [
-    "the telephone", "the steam engine", "the light bulb", "the compass", "paper", "the microscope", "the radio",
-    "the airplane", "penicillin", "the transistor", "the World Wide Web", "the mechanical clock", "glass lenses",
-    "the refrigerator", "the bicycle", "concrete", "the battery", "the camera", "the sewing machine", "the vaccine",
+    "the telephone",
+    "the steam engine",
+    "the light bulb",
+    "the compass",
+    "paper",
+    "the microscope",
+    "the radio",
+    "the airplane",
+    "penicillin",
+    "the transistor",
+    "the World Wide Web",
+    "the mechanical clock",
+    "glass lenses",
+    "the refrigerator",
+    "the bicycle",
+    "concrete",
+    "the battery",
+    "the camera",
+    "the sewing machine",
+    "the vaccine",
 ]
 
 PERSONAS = [
-    "a pirate captain", "a medieval knight", "a grumpy librarian", "an astronaut on the space station", "a famous chef",
-    "a detective from the 1920s", "a wise old wizard", "a cheerful kindergarten teacher", "a marine biologist",
-    "a time traveller from the year 3000", "a sports commentator", "a Shakespearean actor",
+    "a pirate captain",
+    "a medieval knight",
+    "a grumpy librarian",
+    "an astronaut on the space station",
+    "a famous chef",
+    "a detective from the 1920s",
+    "a wise old wizard",
+    "a cheerful kindergarten teacher",
+    "a marine biologist",
+    "a time traveller from the year 3000",
+    "a sports commentator",
+    "a Shakespearean actor",
 ]
 
 PERSONA_ASKS = [
-    "What is your opinion on umbrellas?", "Describe your typical morning.", "Give me advice about saving money.",
-    "What do you think of modern music?", "Tell me about the hardest day of your life.", "How should I prepare for a job interview?",
-    "What is the most important lesson you have learned?", "Recommend a good book and explain why.",
+    "What is your opinion on umbrellas?",
+    "Describe your typical morning.",
+    "Give me advice about saving money.",
+    "What do you think of modern music?",
+    "Tell me about the hardest day of your life.",
+    "How should I prepare for a job interview?",
+    "What is the most important lesson you have learned?",
+    "Recommend a good book and explain why.",
 ]
 
 WORD_PROBLEMS = [
-    "{name} buys {a} boxes of apples. Each box holds {b} apples and costs ${c}. How many apples does {name} have, and how much did they cost?",
+    "{name} buys {a} boxes of apples. Each box holds {b} apples and costs ${c}. "
+    "How many apples does {name} have, and how much did they cost?",
     "{name} reads {a} pages every day. The book has {p} pages. How many days does it take to finish the book?",
     "A farmer has {a} cows and {b} chickens. How many legs are there on the farm in total?",
     "{name} saves ${a} each week. How many weeks until {name} can buy a bicycle that costs ${p}?",
@@ -241,27 +355,85 @@ PASSAGE_TASKS = [
 ]
 
 EXTRA_CODE_TASKS = [
-    "counts how often each word appears in a text file", "validates an email address", "flattens a nested list",
-    "computes the greatest common divisor of two numbers", "finds all anagrams of a word in a list",
-    "parses a date string and returns the day of the week", "implements binary search", "transposes a matrix",
-    "generates all permutations of a string", "computes the median of a list of numbers",
+    "counts how often each word appears in a text file",
+    "validates an email address",
+    "flattens a nested list",
+    "computes the greatest common divisor of two numbers",
+    "finds all anagrams of a word in a list",
+    "parses a date string and returns the day of the week",
+    "implements binary search",
+    "transposes a matrix",
+    "generates all permutations of a string",
+    "computes the median of a list of numbers",
 ]
 
 
 # ----------------------------------------------------------------------------- the wider pool (issue: 5x data)
 
 MORE_TOPICS = [
-    "the metric system", "sharks", "public transport", 
-    "the Industrial Revolution", "video games", "comets",
-    "the Byzantine Empire", "urban gardening", "bamboo", 
-    "fermentation", "elephants", "the Mayan civilization", "podcasts", "the periodic table",
-    "classical music", "beekeeping", "the Arctic", "electric guitars", "migration of birds",
-    "wildfires", "marathons", "mushrooms", "skyscrapers", "antibiotics",
-    "the human brain", "satellites", "folk tales", "the printing of money", "volunteering", "camping", "rivers",
-    "the Ottoman Empire", "owls", "wind energy", "spices", "the Great Barrier Reef", "social media", "pottery",
-    "the Aztecs", "hiking boots", "fossils", "museums", "the speed of light", "tornadoes", "chocolate", "the telescope",
-    "the Sahara caravans", "opera", "hedgehogs", "ice hockey", "canals", "paper money", "the Hanseatic League", "puppetry",
-    "the Gobi desert", "kites", "sundials", "the Nile", "astronomy clubs", "tapestries", "yoga", "seahorses", "carpentry",
+    "the metric system",
+    "sharks",
+    "public transport",
+    "the Industrial Revolution",
+    "video games",
+    "comets",
+    "the Byzantine Empire",
+    "urban gardening",
+    "bamboo",
+    "fermentation",
+    "elephants",
+    "the Mayan civilization",
+    "podcasts",
+    "the periodic table",
+    "classical music",
+    "beekeeping",
+    "the Arctic",
+    "electric guitars",
+    "migration of birds",
+    "wildfires",
+    "marathons",
+    "mushrooms",
+    "skyscrapers",
+    "antibiotics",
+    "the human brain",
+    "satellites",
+    "folk tales",
+    "the printing of money",
+    "volunteering",
+    "camping",
+    "rivers",
+    "the Ottoman Empire",
+    "owls",
+    "wind energy",
+    "spices",
+    "the Great Barrier Reef",
+    "social media",
+    "pottery",
+    "the Aztecs",
+    "hiking boots",
+    "fossils",
+    "museums",
+    "the speed of light",
+    "tornadoes",
+    "chocolate",
+    "the telescope",
+    "the Sahara caravans",
+    "opera",
+    "hedgehogs",
+    "ice hockey",
+    "canals",
+    "paper money",
+    "the Hanseatic League",
+    "puppetry",
+    "the Gobi desert",
+    "kites",
+    "sundials",
+    "the Nile",
+    "astronomy clubs",
+    "tapestries",
+    "yoga",
+    "seahorses",
+    "carpentry",
 ]
 
 MORE_TEMPLATES = [
@@ -290,12 +462,38 @@ HOWTO = [
 ]
 
 ACTIVITIES = [
-    "plant tomatoes", "change a bicycle tyre", "write a cover letter", "start running", "learn to juggle", "make pancakes",
-    "organise a birthday party", "save money on groceries", "prepare for an exam", "clean a laptop keyboard", "paint a room",
-    "write a short story", "learn to play the guitar", "set up a fish tank", "plan a road trip", "improve my handwriting",
-    "make a budget", "bake a chocolate cake", "take better photos with a phone", "learn a new language", "fall asleep faster",
-    "give a good presentation", "build a bookshelf", "start a vegetable garden", "train a puppy", "make a paper plane",
-    "brew coffee at home", "write a poem", "negotiate a salary", "keep a journal", "sew a button", "make friends in a new city",
+    "plant tomatoes",
+    "change a bicycle tyre",
+    "write a cover letter",
+    "start running",
+    "learn to juggle",
+    "make pancakes",
+    "organise a birthday party",
+    "save money on groceries",
+    "prepare for an exam",
+    "clean a laptop keyboard",
+    "paint a room",
+    "write a short story",
+    "learn to play the guitar",
+    "set up a fish tank",
+    "plan a road trip",
+    "improve my handwriting",
+    "make a budget",
+    "bake a chocolate cake",
+    "take better photos with a phone",
+    "learn a new language",
+    "fall asleep faster",
+    "give a good presentation",
+    "build a bookshelf",
+    "start a vegetable garden",
+    "train a puppy",
+    "make a paper plane",
+    "brew coffee at home",
+    "write a poem",
+    "negotiate a salary",
+    "keep a journal",
+    "sew a button",
+    "make friends in a new city",
 ]
 
 CLASSIFY = [
@@ -329,12 +527,24 @@ CODE_ASKS = [
     "Show how to write a function in {lang} that {task}, with comments.",
 ]
 MORE_CODE_TASKS = [
-    "checks whether a year is a leap year", "converts a Roman numeral to an integer", "counts the vowels in a string",
-    "returns the smallest positive number in a list", "checks whether two strings are anagrams", "computes the average of a list",
-    "finds the longest word in a sentence", "capitalizes the first letter of every word", "rotates a list by k positions",
-    "checks whether parentheses in a string are balanced", "converts a number to binary", "sums the digits of a number",
-    "finds the intersection of two lists", "removes all vowels from a string", "generates the first n prime numbers",
-    "counts the lines of a text file", "returns the most common element of a list", "splits a list into chunks of size n",
+    "checks whether a year is a leap year",
+    "converts a Roman numeral to an integer",
+    "counts the vowels in a string",
+    "returns the smallest positive number in a list",
+    "checks whether two strings are anagrams",
+    "computes the average of a list",
+    "finds the longest word in a sentence",
+    "capitalizes the first letter of every word",
+    "rotates a list by k positions",
+    "checks whether parentheses in a string are balanced",
+    "converts a number to binary",
+    "sums the digits of a number",
+    "finds the intersection of two lists",
+    "removes all vowels from a string",
+    "generates the first n prime numbers",
+    "counts the lines of a text file",
+    "returns the most common element of a list",
+    "splits a list into chunks of size n",
 ]
 
 SNIPPETS = [
@@ -393,11 +603,21 @@ MORE_PASSAGE_TASKS = [
 
 # second turns, asked after the model's own first answer (training_conversations)
 FOLLOW_UPS = [
-    "Can you make that shorter?", "Please explain that in simpler words.", "Can you give me an example?",
-    "Now summarize your answer in one sentence.", "Can you turn that into a bulleted list?", "What is the most important point?",
-    "Can you expand on the second point?", "Translate your answer into French.", "Rewrite it in a more formal style.",
-    "Thanks! Can you add a conclusion?", "Why is that true?", "What would a critic say about your answer?",
-    "Write three questions a student might ask about this.", "Can you make it funnier?", "Give me a title for that.",
+    "Can you make that shorter?",
+    "Please explain that in simpler words.",
+    "Can you give me an example?",
+    "Now summarize your answer in one sentence.",
+    "Can you turn that into a bulleted list?",
+    "What is the most important point?",
+    "Can you expand on the second point?",
+    "Translate your answer into French.",
+    "Rewrite it in a more formal style.",
+    "Thanks! Can you add a conclusion?",
+    "Why is that true?",
+    "What would a critic say about your answer?",
+    "Write three questions a student might ask about this.",
+    "Can you make it funnier?",
+    "Give me a title for that.",
 ]
 # tasks over the model's own answer as a long input (training_conversations)
 OWN_TEXT_TASKS = [
@@ -432,8 +652,17 @@ def wider_pool() -> list[str]:
     for i, template in enumerate(WORD_PROBLEMS + PUZZLES):
         for j in range(8, 24):
             a, b = 3 + (7 * j + i) % 23, 2 + (5 * j + 3 * i) % 13
-            pool.append(template.format(name=NAMES[(i + j) % len(NAMES)], other=NAMES[(i + j + 5) % len(NAMES)], a=a, b=b,
-                                        c=b + 1, p=a * b + 10 * j + 20, day=DAYS[(i + j) % 7]))
+            pool.append(
+                template.format(
+                    name=NAMES[(i + j) % len(NAMES)],
+                    other=NAMES[(i + j + 5) % len(NAMES)],
+                    a=a,
+                    b=b,
+                    c=b + 1,
+                    p=a * b + 10 * j + 20,
+                    day=DAYS[(i + j) % 7],
+                )
+            )
     for template in PASSAGE_TASKS + MORE_PASSAGE_TASKS:
         pool += [template.format(x=x) for x in PASSAGES + MORE_PASSAGES]
     pool += [f"Pretend you are {p}. {q}" for p in PERSONAS for q in PERSONA_ASKS + [f"Explain {t} to me." for t in MORE_TOPICS[:12]]]
@@ -447,9 +676,11 @@ def follow_up_conversation(prompt: str, answer: str, index: int) -> list[dict]:
     a long input, chosen by ``index``; the messages end with the user's turn."""
     if index % 3 == 2:  # the answer as a document to work on
         return [{"role": "user", "content": OWN_TEXT_TASKS[(index // 3) % len(OWN_TEXT_TASKS)].format(x=answer.strip())}]
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer.strip()},
-            {"role": "user", "content": FOLLOW_UPS[index % len(FOLLOW_UPS)]}]
-
+    return [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": answer.strip()},
+        {"role": "user", "content": FOLLOW_UPS[index % len(FOLLOW_UPS)]},
+    ]
 
 
 def training_prompts(count: int = 400, seed: int = 0) -> list[str]:
@@ -493,8 +724,17 @@ def original_pool() -> list[str]:
     for i, template in enumerate(WORD_PROBLEMS + PUZZLES):
         for j in range(8):
             a, b = 3 + (7 * j + i) % 19, 2 + (5 * j + 3 * i) % 11
-            pool.append(template.format(name=NAMES[(i + j) % len(NAMES)], other=NAMES[(i + j + 5) % len(NAMES)], a=a, b=b,
-                                        c=b + 1, p=a * b + 10 * j + 20, day=DAYS[(i + j) % 7]))
+            pool.append(
+                template.format(
+                    name=NAMES[(i + j) % len(NAMES)],
+                    other=NAMES[(i + j + 5) % len(NAMES)],
+                    a=a,
+                    b=b,
+                    c=b + 1,
+                    p=a * b + 10 * j + 20,
+                    day=DAYS[(i + j) % 7],
+                )
+            )
     for template in PASSAGE_TASKS:
         pool += [template.format(x=x) for x in PASSAGES]
     for template in CODE:

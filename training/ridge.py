@@ -22,8 +22,16 @@ def greedy_continuations(model, prompts: list[list[int]], new_tokens: int) -> li
     """The base model's own greedy continuation of each prompt, prompt included: 1-D int64 tensors."""
     out = []
     for ids in prompts:
-        seq = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, eos_token_id=None, top_k=None, top_p=None, temperature=None)
+        seq = model.generate(
+            torch.tensor([ids], device=model.device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
         out.append(seq[0])
     return out
 

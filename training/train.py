@@ -28,7 +28,13 @@ from medusa_trt.training.checks import check_inputs, check_model
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.data import IGNORE, build_sequences, cache_hidden, split_holdout
 from medusa_trt.training.workdir import (
-    CHECKPOINT, check_workdir, checkpoint_differences, drop_if_empty, open_workdir, save_checkpoint, stale_checkpoint_error,
+    CHECKPOINT,
+    check_workdir,
+    checkpoint_differences,
+    drop_if_empty,
+    open_workdir,
+    save_checkpoint,
+    stale_checkpoint_error,
 )
 
 log = logging.getLogger(__name__)
@@ -42,8 +48,9 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float) 
     P, n, V = head_logits.shape
     # one cross-entropy over the flattened (position, head) rows: indexing the valid rows of each
     # head instead copies the logits and scatters their gradient back (half the step's time)
-    losses = F.cross_entropy(head_logits.reshape(P * n, V).float(), targets.reshape(P * n), ignore_index=IGNORE,
-                             reduction="none").view(P, n)  # (P, n), 0 where the target is absent
+    losses = F.cross_entropy(head_logits.reshape(P * n, V).float(), targets.reshape(P * n), ignore_index=IGNORE, reduction="none").view(
+        P, n
+    )  # (P, n), 0 where the target is absent
     counts = (targets != IGNORE).sum(0).clamp(min=1)  # (n,)
     per_head = losses.sum(0) / counts  # (n,)
     weights = decay ** torch.arange(1, n + 1, dtype=per_head.dtype, device=per_head.device)  # (n,)
@@ -73,8 +80,9 @@ def teacher_path(heads: MedusaHeads, targets: torch.Tensor) -> torch.Tensor | No
 
 
 @torch.no_grad()
-def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 5, chunk: int = 512,
-                  next_ids: torch.Tensor | None = None) -> dict[str, list[float]]:
+def head_accuracy(
+    heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 5, chunk: int = 512, next_ids: torch.Tensor | None = None
+) -> dict[str, list[float]]:
     """Top-1 and top-k accuracy per head on (hidden [N, H], targets [N, n]); ``next_ids`` [N]
     (the next token at each position) for heads that read it."""
     n = targets.shape[1]
@@ -94,9 +102,16 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
 
 def _new_heads(base, config: TrainConfig) -> MedusaHeads:
     cfg = base.model.config
-    heads_config = HeadsConfig(num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=cfg.hidden_size,
-                               vocab_size=cfg.vocab_size, shared_lm_head=config.shared_lm_head, head_layer=config.head_layer,
-                               base_model=getattr(base, "name", ""), head_input=config.head_input)
+    heads_config = HeadsConfig(
+        num_heads=config.num_heads,
+        num_layers=config.num_layers,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        shared_lm_head=config.shared_lm_head,
+        head_layer=config.head_layer,
+        base_model=getattr(base, "name", ""),
+        head_input=config.head_input,
+    )
     return init_heads(heads_config, base.model.lm_head, seed=config.seed, embed=base.model.get_input_embeddings())
 
 
@@ -136,16 +151,31 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
         save_checkpoint(checkpoint, heads, optimizer, step, history, config)
     heads.eval()
 
-    metrics = {"steps": step, "total_steps": total, "loss_first": history[:5], "loss_last": history[-5:],
-               "train_positions": len(train_idx), "holdout_positions": len(held_idx)}
+    metrics = {
+        "steps": step,
+        "total_steps": total,
+        "loss_first": history[:5],
+        "loss_last": history[-5:],
+        "train_positions": len(train_idx),
+        "holdout_positions": len(held_idx),
+    }
     if len(held_idx):
         hidden, targets, next_ids = cached["hidden"], cached["targets"], cached["next"]
         metrics["holdout"] = head_accuracy(heads, hidden[held_idx], targets[held_idx], next_ids=next_ids[held_idx])
     return heads, metrics
 
 
-def train_steps(heads: MedusaHeads, optimizer, config: TrainConfig, cached: dict[str, torch.Tensor], train_idx: torch.Tensor,
-                step: int, history: list[float], bar, stop_after: int | None = None) -> int:
+def train_steps(
+    heads: MedusaHeads,
+    optimizer,
+    config: TrainConfig,
+    cached: dict[str, torch.Tensor],
+    train_idx: torch.Tensor,
+    step: int,
+    history: list[float],
+    bar,
+    stop_after: int | None = None,
+) -> int:
     """Optimizer steps from ``step`` to the end of ``config.epochs`` over positions ``train_idx`` of
     ``cached`` (or to ``stop_after``), appending each loss to ``history`` and checkpointing every
     ``config.checkpoint_every`` steps; returns the step reached. The batch order depends only on (seed, epoch)."""
@@ -159,8 +189,9 @@ def train_steps(heads: MedusaHeads, optimizer, config: TrainConfig, cached: dict
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = heads(hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None,
-                           teacher_path(heads, targets[batch]))  # (P, n, V)
+            logits = heads(
+                hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None, teacher_path(heads, targets[batch])
+            )  # (P, n, V)
         loss, per_head = medusa_loss(logits, targets[batch], config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

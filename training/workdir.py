@@ -62,23 +62,27 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
     fingerprint = {
         "--model": name if builtin else str(Path(name).expanduser().resolve()),
         "model files": f"{type(base.model).__name__} vocab {cfg.vocab_size} hidden {cfg.hidden_size} layers "
-                       f"{getattr(cfg, 'num_hidden_layers', '?')}" + files,
+        f"{getattr(cfg, 'num_hidden_layers', '?')}" + files,
         # a file by content, wherever it lies
-        "--data": f"built-in prompts (--seed {config.seed}, pool {pool_digest()})" if config.data is None
-                  else f"a file with sha256 {short_sha256(Path(config.data).read_bytes())}",
+        "--data": f"built-in prompts (--seed {config.seed}, pool {pool_digest()})"
+        if config.data is None
+        else f"a file with sha256 {short_sha256(Path(config.data).read_bytes())}",
         "--teacher-forced": config.teacher_forced,
     }
     if not config.teacher_forced:
         engine = config.generate_engine
-        fingerprint |= {"--new-tokens": config.new_tokens, "chat template": config.chat_template,
-                        "--generate-engine": engine and _engine_labels(engine)}
+        fingerprint |= {
+            "--new-tokens": config.new_tokens,
+            "chat template": config.chat_template,
+            "--generate-engine": engine and _engine_labels(engine),
+        }
     return fingerprint
 
 
 def generate_engine_meta(engine: str):
     """The ``--generate-engine`` ONNX engine's metadata, read from its graph file alone (no weights, no session)."""
-    from medusa_trt.runtime.engine import engine_meta as read_engine_meta
     from medusa_trt.runtime.engine import EngineError
+    from medusa_trt.runtime.engine import engine_meta as read_engine_meta
 
     try:
         return read_engine_meta(Path(engine))
@@ -131,16 +135,25 @@ def checkpoint_differences(checkpoint: Path, config: TrainConfig) -> str | None:
 
 def stale_checkpoint_error(checkpoint: Path, why: str) -> TrainError:
     """The refusal of a checkpoint written by another training configuration (``why``: what differs)."""
-    return TrainError(f"{checkpoint} was written by another configuration ({why}): pass --restart to train "
-                      "from step 0 on the same data, or another --out")
+    return TrainError(
+        f"{checkpoint} was written by another configuration ({why}): pass --restart to train from step 0 on the same data, or another --out"
+    )
 
 
 def save_checkpoint(path: Path, heads, optimizer, step: int, history: list[float], config: TrainConfig) -> None:
     """Heads, optimizer, step, loss history and the training configuration, written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history,
-                "config": dataclasses.asdict(config)}, tmp)
+    torch.save(
+        {
+            "heads": heads.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "history": history,
+            "config": dataclasses.asdict(config),
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 
@@ -173,8 +186,7 @@ def check_data(base, config: TrainConfig, *, restart: bool = False) -> None:
     if _has_progress(work):
         why = _differences(stored, current) if stored is not None else f"it has no readable {FINGERPRINT}"
         if not restart:
-            raise TrainError(f"{work} holds data from another configuration ({why}): pass --restart to discard it, "
-                             "or another --out")
+            raise TrainError(f"{work} holds data from another configuration ({why}): pass --restart to discard it, or another --out")
         log.warning("--restart: discarding %s (%s)", work, why)
     shutil.rmtree(work)
 

@@ -73,10 +73,14 @@ def scalar_arguments(
     mask_shape = (query_shape[0], num_new, num_new)  # [B, T, T]
     q, k, c, m = dense_strides(query_shape), dense_strides(key_shape), dense_strides(cache_shape), dense_strides(mask_shape)
     return [
-        num_new, cache_shape[0], layer,
+        num_new,
+        cache_shape[0],
+        layer,
         *q[:3],  # query
-        *k[:3], *k[:3],  # key, value
-        *c[:4], *c[:4],  # past_key, past_value
+        *k[:3],
+        *k[:3],  # key, value
+        *c[:4],
+        *c[:4],  # past_key, past_value
         *m,  # tree_mask
         *q[:3],  # out (query's shape)
     ]
@@ -105,17 +109,18 @@ def trim_entry_params(ptx: str, entry: str, keep: int) -> str:
     if head is None:
         raise AotCompileError(f"no .entry {entry}( in the PTX")
     close = ptx.index(")", head.end())
-    params = [p.strip() for p in ptx[head.end():close].split(",") if p.strip()]
+    params = [p.strip() for p in ptx[head.end() : close].split(",") if p.strip()]
     if len(params) < keep:
         raise AotCompileError(f"{entry} declares {len(params)} parameters, fewer than the {keep} TensorRT passes")
     body = ptx[close:]
     for param in params[keep:]:
         name = param.split()[-1]
         if re.search(rf"\b{re.escape(name)}\b", body):
-            raise AotCompileError(f"{entry} uses its trailing parameter {name} (scratch memory), "
-                                  "which a TensorRT AOT launch cannot provide")
+            raise AotCompileError(
+                f"{entry} uses its trailing parameter {name} (scratch memory), which a TensorRT AOT launch cannot provide"
+            )
     kept = ",\n".join(f"\t{p}" for p in params[:keep])
-    return f"{ptx[:head.end()]}\n{kept}\n{ptx[close:]}"
+    return f"{ptx[: head.end()]}\n{kept}\n{ptx[close:]}"
 
 
 @functools.cache
@@ -146,8 +151,13 @@ def compile_aot(
     if plan.num_splits != 1:
         raise ValueError("the AOT kernel is the single-pass one: plan.num_splits must be 1")
     constants = dict(
-        NUM_KV_HEADS=num_kv_heads, GROUPS=groups, HEAD_DIM=head_dim, QK_SCALE=float(scale) * LOG2E,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUPS=groups,
+        HEAD_DIM=head_dim,
+        QK_SCALE=float(scale) * LOG2E,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
         PRECISION=dot_precision(float_type),
     )
     signature = kernel_signature(kernel, float_type=float_type, mask_type=mask_type, lengths_type=lengths_type, constants=constants)

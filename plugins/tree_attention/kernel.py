@@ -142,8 +142,9 @@ def tree_attention_triton(
             "before the kernels are first loaded, or use the torch reference (dispatch.attend(..., impl='reference'))"
         )
     if past_key.stride(-1) != 1 or past_value.stride(-1) != 1:
-        raise TreeAttentionInputError("tree attention: past_key/past_value must be contiguous in head_dim "
-                                      "(the cache is read in place, never copied)")
+        raise TreeAttentionInputError(
+            "tree attention: past_key/past_value must be contiguous in head_dim (the cache is read in place, never copied)"
+        )
     query, key, value = _dense_last(query), _dense_last(key), _dense_last(value)
     cache_lengths = cache_lengths.contiguous()  # [B]: read as lens[b]; a no-op for the runtime's buffer
     batch, num_q_heads, num_new, head_dim = query.shape
@@ -162,23 +163,47 @@ def tree_attention_triton(
     if query.device.type == "cuda":
         num_sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
     plan = plan_launch(
-        batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_new=num_new, head_dim=head_dim,
-        cache_slots=slots, num_sms=num_sms, num_splits=num_splits,
+        batch=batch,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        num_new=num_new,
+        head_dim=head_dim,
+        cache_slots=slots,
+        num_sms=num_sms,
+        num_splits=num_splits,
     )
     groups = num_q_heads // num_kv_heads
     rows = groups * num_new
     grid = launch_grid(plan, batch=batch, num_kv_heads=num_kv_heads, rows=rows)
     common = (
-        query, key, value, past_key, past_value, tree_mask, cache_lengths,
-        num_new, slots, layer,
-        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-        *past_key.stride()[:4], *past_value.stride()[:4],
+        query,
+        key,
+        value,
+        past_key,
+        past_value,
+        tree_mask,
+        cache_lengths,
+        num_new,
+        slots,
+        layer,
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        *past_key.stride()[:4],
+        *past_value.stride()[:4],
         *tree_mask.stride(),
     )
     meta = dict(
-        NUM_KV_HEADS=num_kv_heads, GROUPS=groups, HEAD_DIM=head_dim, QK_SCALE=float(scale) * LOG2E,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, PRECISION=dot_precision(TRITON_FLOAT_TYPES[query.dtype]),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUPS=groups,
+        HEAD_DIM=head_dim,
+        QK_SCALE=float(scale) * LOG2E,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        PRECISION=dot_precision(TRITON_FLOAT_TYPES[query.dtype]),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if plan.num_splits == 1:
         kernels.tree_attention_kernel[grid](*common, *out.stride()[:3], out, **meta)
@@ -187,8 +212,9 @@ def tree_attention_triton(
     return out
 
 
-def _launch_split(kernels: ModuleType, plan: LaunchPlan, common: tuple, meta: dict, out: torch.Tensor, *, batch, num_kv_heads, rows,
-                  head_dim) -> None:
+def _launch_split(
+    kernels: ModuleType, plan: LaunchPlan, common: tuple, meta: dict, out: torch.Tensor, *, batch, num_kv_heads, rows, head_dim
+) -> None:
     """Flash-decoding: partial results per context split, then the log-sum-exp combine."""
     device = out.device
     part_o = torch.empty((batch * num_kv_heads, plan.num_splits, rows, head_dim), dtype=torch.float32, device=device)
@@ -196,8 +222,17 @@ def _launch_split(kernels: ModuleType, plan: LaunchPlan, common: tuple, meta: di
     grid = launch_grid(plan, batch=batch, num_kv_heads=num_kv_heads, rows=rows)
     kernels.tree_attention_split_kernel[grid](*common, part_o, part_lse, **meta)
     kernels.tree_attention_combine_kernel[combine_grid(plan, batch=batch, num_kv_heads=num_kv_heads, rows=rows)](
-        part_o, part_lse, rows // meta["GROUPS"], plan.num_splits, *out.stride()[:3], out,
-        NUM_KV_HEADS=num_kv_heads, GROUPS=meta["GROUPS"], HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_D=plan.block_d,
+        part_o,
+        part_lse,
+        rows // meta["GROUPS"],
+        plan.num_splits,
+        *out.stride()[:3],
+        out,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUPS=meta["GROUPS"],
+        HEAD_DIM=head_dim,
+        BLOCK_M=plan.block_m,
+        BLOCK_D=plan.block_d,
         num_warps=plan.num_warps,
     )
 

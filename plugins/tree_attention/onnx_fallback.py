@@ -51,8 +51,13 @@ def fallback_function(opset: int):
     nodes = [
         ref("layer_index", "layer", AttributeProto.INT),  # int64 scalar
         ref("scale_f32", "scale", AttributeProto.FLOAT),
-        ints("axis0", [0]), ints("axis1", [1]), ints("axis2", [2]), ints("axes12", [1, 2]), ints("minus_one", [-1]),
-        n("Constant", [], ["zero"], value_int=0), n("Constant", [], ["one"], value_int=1),
+        ints("axis0", [0]),
+        ints("axis1", [1]),
+        ints("axis2", [2]),
+        ints("axes12", [1, 2]),
+        ints("minus_one", [-1]),
+        n("Constant", [], ["zero"], value_int=0),
+        n("Constant", [], ["one"], value_int=1),
         n("Constant", [], ["neg_inf_f32"], value_float=float("-inf")),
         # sizes
         n("Shape", [query], ["b"], start=0, end=1),
@@ -95,8 +100,13 @@ def fallback_function(opset: int):
         n("Reshape", ["out5", "query_shape"], [spec.outputs[0]]),  # (B, Hq, T, D)
     ]
     return helper.make_function(
-        spec.domain, spec.op_type, list(spec.inputs), list(spec.outputs), nodes,
-        opset_imports=[helper.make_opsetid("", opset)], attributes=list(spec.attributes),
+        spec.domain,
+        spec.op_type,
+        list(spec.inputs),
+        list(spec.outputs),
+        nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        attributes=list(spec.attributes),
     )
 
 

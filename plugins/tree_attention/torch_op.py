@@ -76,7 +76,9 @@ def register_onnx_schema() -> None:
         return
     assert spec.attributes == ("layer", "scale"), "out of step with spec.TREE_ATTENTION"
     schema = OpSchema(
-        spec.op_type, spec.domain, spec.version,
+        spec.op_type,
+        spec.domain,
+        spec.version,
         doc="Tree attention over the slot-major KV cache (medusa_trt.plugins.tree_attention.spec).",
         inputs=[OpSchema.FormalParameter(name, _INPUT_TYPES[name]) for name in spec.inputs],
         outputs=[OpSchema.FormalParameter(name, "T") for name in spec.outputs],

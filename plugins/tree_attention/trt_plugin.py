@@ -111,15 +111,24 @@ def tree_attention_aot_impl(
     head_dim = _constant(q_shape[3], "head_dim")
     num_new = q_shape[2].constant_value() if q_shape[2].is_constant else None
     plan = plan_launch(
-        batch=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_new=num_new, head_dim=head_dim,
-        cache_slots=0, num_splits=1,
+        batch=1,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        num_new=num_new,
+        head_dim=head_dim,
+        cache_slots=0,
+        num_splits=1,
     )
     groups = num_q_heads // num_kv_heads
     kernel = compile_aot(
         float_type=_triton_type(_FLOAT_TYPES, query.dtype, "query"),
         mask_type=_triton_type(_MASK_TYPES, tree_mask.dtype, "tree_mask"),
         lengths_type=_triton_type(_LENGTH_TYPES, cache_lengths.dtype, "cache_lengths"),
-        num_kv_heads=num_kv_heads, groups=groups, head_dim=head_dim, scale=scale, plan=plan,
+        num_kv_heads=num_kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        scale=scale,
+        plan=plan,
     )
     grid_x, grid_y, grid_z = launch_grid(plan, batch=q_shape[0], num_kv_heads=num_kv_heads, rows=q_shape[2] * groups, cdiv=trtp.cdiv)
     launch = trtp.KernelLaunchParams()
@@ -133,6 +142,13 @@ def tree_attention_aot_impl(
     extra_args = trtp.SymIntExprs(len(scalars))
     for i, value_expr in enumerate(scalars):
         extra_args[i] = trtp.SymInt32(value_expr)
-    log.info("%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d", PLUGIN_ID, kernel.name, kernel.num_params,
-             kernel.num_warps, kernel.shared_mem, layer)
+    log.info(
+        "%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d",
+        PLUGIN_ID,
+        kernel.name,
+        kernel.num_params,
+        kernel.num_warps,
+        kernel.shared_mem,
+        layer,
+    )
     return kernel.name, kernel.ptx, launch, extra_args

@@ -22,7 +22,20 @@ import numpy as np
 from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.backends.common import commit_indices
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
-from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_INPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HEADS_INPUTS,
+    INPUT_IDS,
+    NEXT_INPUT,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    STEP_INPUTS,
+    SUCCESSORS_OUTPUT,
+    TREE_MASK,
+    Proposals,
+    StepOutput,
+)
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -45,8 +58,17 @@ def default_providers() -> list[str]:
 class OnnxBackend:
     name = "onnxruntime"
 
-    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, providers=None, threads: int | None = None,
-                 checksums: bool = False, buffers: str = "auto"):
+    def __init__(
+        self,
+        path,
+        *,
+        max_batch: int | None = None,
+        max_context: int | None = None,
+        providers=None,
+        threads: int | None = None,
+        checksums: bool = False,
+        buffers: str = "auto",
+    ):
         import onnxruntime as ort
 
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
@@ -72,16 +94,21 @@ class OnnxBackend:
         self.heads_session = None
         if meta.num_heads:
             if not files.heads.is_file():
-                raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or export again")
+                raise EngineError(
+                    f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or export again"
+                )
             self.heads_session = open_session(files.heads, options, providers)
             heads_meta = read_meta(files.heads, self.heads_session)
             if heads_meta != meta:
-                raise EngineError(f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
-                                  "keep the files of one export together or export again")
+                raise EngineError(
+                    f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
+                    "keep the files of one export together or export again"
+                )
             inputs = {i.name for i in self.heads_session.get_inputs()}
             if (NEXT_INPUT in inputs) != meta.reads_roots:
-                raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read "
-                                  f"{meta.head_input}: export again")
+                raise EngineError(
+                    f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read {meta.head_input}: export again"
+                )
         self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
         if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
             raise EngineError(
@@ -90,13 +117,16 @@ class OnnxBackend:
             )
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
         if meta.dtype not in DTYPES:
-            raise EngineError(f"{files.step} holds {meta.dtype} weights, which ONNX Runtime on this machine cannot run: "
-                              f"export with --dtype fp32 or fp16 for ONNX Runtime ({meta.dtype} is for TensorRT plans)")
+            raise EngineError(
+                f"{files.step} holds {meta.dtype} weights, which ONNX Runtime on this machine cannot run: "
+                f"export with --dtype fp32 or fp16 for ONNX Runtime ({meta.dtype} is for TensorRT plans)"
+            )
         self.dtype = DTYPES[meta.dtype]
         self.successors = meta.successors if SUCCESSORS_OUTPUT in {o.name for o in self.session.get_outputs()} else 0
         if not self.successors:
-            log.info("%s has no %s output (exported before it): the recycle drafter learns the argmax only", files.step.name,
-                     SUCCESSORS_OUTPUT)
+            log.info(
+                "%s has no %s output (exported before it): the recycle drafter learns the argmax only", files.step.name, SUCCESSORS_OUTPUT
+            )
         # engines with key slots scatter a tree's keys past the cache length: slack slots keep them in the buffer
         self.slots = self.max_context + (key_slots.slack(meta.max_tokens) if meta.key_slots else 0)
         sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=self.slots, dtype=self.dtype, successors=self.successors)
@@ -106,8 +136,13 @@ class OnnxBackend:
         self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
         if meta.key_slots and self.session.get_providers()[0] == "CPUExecutionProvider":  # the probed kernels; no claim elsewhere
             self.key_lanes = self._probe_lanes(files, threads)
-        log.info("onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB", self.session.get_providers()[0],
-                 type(self.buffers).__name__, self.buffers.cache_bytes / 2**20, self.buffers.output_bytes / 2**20)
+        log.info(
+            "onnxruntime backend (%s, %s buffers): KV cache %.1f MiB, outputs %.1f MiB",
+            self.session.get_providers()[0],
+            type(self.buffers).__name__,
+            self.buffers.cache_bytes / 2**20,
+            self.buffers.output_bytes / 2**20,
+        )
 
     def _probe_lanes(self, files: EngineFiles, threads: int | None) -> int | None:
         """The attention's lane count for key slots on this machine, measured once per head size, dtype,
@@ -117,8 +152,12 @@ class OnnxBackend:
         if key not in _LANES:
             _LANES[key] = key_slots.probe_lanes(self.meta.head_dim, groups, self.dtype, self.session.get_providers(), threads)
             if _LANES[key] is None:
-                log.warning("%s: no lane count in %s makes ONNX Runtime's attention lay a tree out as plain steps on this machine; "
-                            "drafted output equals plain output to float rounding only", files.step.name, key_slots.LANES)
+                log.warning(
+                    "%s: no lane count in %s makes ONNX Runtime's attention lay a tree out as plain steps on this machine; "
+                    "drafted output equals plain output to float rounding only",
+                    files.step.name,
+                    key_slots.LANES,
+                )
             else:
                 log.info("key slots at %d lanes: a verify step is a plain step, bit for bit", _LANES[key])
         return _LANES[key]
@@ -207,4 +246,3 @@ class OnnxBackend:
             io.bind_cpu_input(NEXT_INPUT, roots)
         self.heads_session.run_with_iobinding(io)
         return self.buffers.proposals(top_k)
-

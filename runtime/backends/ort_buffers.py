@@ -33,7 +33,20 @@ from typing import Protocol
 
 import numpy as np
 
-from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HIDDEN, LOGITS, NEW_KEY, NEW_VALUE, NEXT_IDS, PAST_KEY, PAST_VALUE, Proposals, SUCCESSORS_OUTPUT, StepOutput
+from medusa_trt.runtime.contract import (
+    HEAD_LOGITS,
+    HEAD_TOPK,
+    HIDDEN,
+    LOGITS,
+    NEW_KEY,
+    NEW_VALUE,
+    NEXT_IDS,
+    PAST_KEY,
+    PAST_VALUE,
+    SUCCESSORS_OUTPUT,
+    Proposals,
+    StepOutput,
+)
 from medusa_trt.runtime.engine import EngineMeta
 
 FLOAT_OUTPUTS = (LOGITS, HIDDEN, NEW_KEY, NEW_VALUE)  # stay on the device in DeviceBuffers
@@ -61,8 +74,21 @@ class BufferSizes:
 
     @classmethod
     def of(cls, meta: EngineMeta, *, max_batch: int, max_context: int, dtype, successors: int) -> BufferSizes:
-        return cls(max_batch, max_context, meta.max_tokens, meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.vocab_size,
-                   meta.hidden_size, meta.heads_vocab, successors, meta.proposal_rows if meta.num_heads else 0, meta.top_k, dtype)
+        return cls(
+            max_batch,
+            max_context,
+            meta.max_tokens,
+            meta.num_layers,
+            meta.num_kv_heads,
+            meta.head_dim,
+            meta.vocab_size,
+            meta.hidden_size,
+            meta.heads_vocab,
+            successors,
+            meta.proposal_rows if meta.num_heads else 0,
+            meta.top_k,
+            dtype,
+        )
 
     @property
     def kv_row(self) -> int:
@@ -74,8 +100,13 @@ class BufferSizes:
 
     def output_shapes(self, batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
         kv = (tokens, self.num_layers, batch, self.num_kv_heads, self.head_dim)
-        shapes = {LOGITS: (batch, tokens, self.vocab_size), HIDDEN: (batch, tokens, self.hidden_size), NEXT_IDS: (batch, tokens),
-                  NEW_KEY: kv, NEW_VALUE: kv}
+        shapes = {
+            LOGITS: (batch, tokens, self.vocab_size),
+            HIDDEN: (batch, tokens, self.hidden_size),
+            NEXT_IDS: (batch, tokens),
+            NEW_KEY: kv,
+            NEW_VALUE: kv,
+        }
         if self.successors:
             shapes[SUCCESSORS_OUTPUT] = (batch, tokens, self.successors)
         return shapes
@@ -151,14 +182,21 @@ class HostBuffers:
     def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
         io.bind_cpu_input(PAST_KEY, self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
         io.bind_cpu_input(PAST_VALUE, self._layout(self.value, batch)[:past])
-        self._views = {name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in self.sizes.output_shapes(batch, tokens).items()}
+        self._views = {
+            name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in self.sizes.output_shapes(batch, tokens).items()
+        }
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def step_output(self) -> StepOutput:
         logits, hidden = self._views[LOGITS], self._views[HIDDEN]
-        return StepOutput(self._views[NEXT_IDS], self._views.get(SUCCESSORS_OUTPUT), lambda: logits, lambda rows, nodes: logits[rows, nodes],
-                          lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
+        return StepOutput(
+            self._views[NEXT_IDS],
+            self._views.get(SUCCESSORS_OUTPUT),
+            lambda: logits,
+            lambda rows, nodes: logits[rows, nodes],
+            lambda rows, nodes: hidden[rows, nodes].astype(np.float32),
+        )
 
     def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
         key, value = self._layout(self.key, batch), self._layout(self.value, batch)
@@ -174,8 +212,11 @@ class HostBuffers:
         batch = nodes.shape[0]
         hidden = np.ascontiguousarray(self._views[HIDDEN][np.arange(batch), nodes])  # (B, H)
         shapes = self.sizes.heads_shapes(batch)
-        self._heads = {HIDDEN: hidden, HEAD_TOPK: self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK]),
-                       HEAD_LOGITS: self.head_logits[: _elements(shapes[HEAD_LOGITS])].reshape(shapes[HEAD_LOGITS])}
+        self._heads = {
+            HIDDEN: hidden,
+            HEAD_TOPK: self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK]),
+            HEAD_LOGITS: self.head_logits[: _elements(shapes[HEAD_LOGITS])].reshape(shapes[HEAD_LOGITS]),
+        }
         io.bind_cpu_input(HIDDEN, hidden)  # kept in self._heads until the run
         for name in (HEAD_TOPK, HEAD_LOGITS):
             array = self._heads[name]
@@ -253,9 +294,13 @@ class DeviceBuffers:
                 fetched.append(self.ops.to_host(logits[1], logits[2], self.sizes.dtype))
             return fetched[0]
 
-        return StepOutput(self._host_views[NEXT_IDS], self._host_views.get(SUCCESSORS_OUTPUT), all_logits,
-                          lambda rows, nodes: self.ops.rows_to_host(*logits[1:], self.sizes.dtype, rows, nodes),
-                          lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32))
+        return StepOutput(
+            self._host_views[NEXT_IDS],
+            self._host_views.get(SUCCESSORS_OUTPUT),
+            all_logits,
+            lambda rows, nodes: self.ops.rows_to_host(*logits[1:], self.sizes.dtype, rows, nodes),
+            lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32),
+        )
 
     def commit(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, batch: int) -> None:
         if len(rows) == 0:
@@ -266,8 +311,17 @@ class DeviceBuffers:
         def index(slot: np.ndarray) -> np.ndarray:  # (N, L, 3): (slot, layer, row) of every entry and layer
             return np.stack(np.broadcast_arrays(slot[:, None], layers, rows[:, None]), axis=-1).astype(np.int64)
 
-        self.ops.commit(self.key, self.value, s.cache_shape(batch), self.out[NEW_KEY], self.out[NEW_VALUE], self._shapes[NEW_KEY],
-                        index(src), index(dst), s.dtype)
+        self.ops.commit(
+            self.key,
+            self.value,
+            s.cache_shape(batch),
+            self.out[NEW_KEY],
+            self.out[NEW_VALUE],
+            self._shapes[NEW_KEY],
+            index(src),
+            index(dst),
+            s.dtype,
+        )
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         # rows past len(rows) of the new layout are unused (their sequences start from slot 0): filled with rows[0]
@@ -333,8 +387,12 @@ class DeviceOps:
         """In place: cache[dst[i, l]] = new[src[i, l]] for key and value (indices (N, L, 3) of (slot, layer, row))."""
 
         def bind(io):
-            for name, buf, shape in (("key", key, cache_shape), ("value", value, cache_shape), (NEW_KEY, new_key, new_shape),
-                                     (NEW_VALUE, new_value, new_shape)):
+            for name, buf, shape in (
+                ("key", key, cache_shape),
+                ("value", value, cache_shape),
+                (NEW_KEY, new_key, new_shape),
+                (NEW_VALUE, new_value, new_shape),
+            ):
                 self._input(io, name, buf, shape, dtype)
             io.bind_cpu_input("src", src)
             io.bind_cpu_input("dst", dst)
@@ -424,6 +482,7 @@ def _tensor(name: str, elem: int, dims: tuple) -> bytes:
 def _node(op: str, inputs: tuple, outputs: tuple, **ints) -> bytes:
     """NodeProto: input=1, output=2, op_type=4, attribute=5 (AttributeProto: name=1, i=3, ints=8, type=20 (INT=2, INTS=7));
     an attribute given as a tuple is INTS."""
+
     def attr(k, v) -> bytes:
         if isinstance(v, tuple):
             return _msg(1, k) + b"".join(_int(8, x) for x in v) + _int(20, 7)
@@ -433,9 +492,13 @@ def _node(op: str, inputs: tuple, outputs: tuple, **ints) -> bytes:
     return b"".join(_msg(1, i) for i in inputs) + b"".join(_msg(2, o) for o in outputs) + _msg(4, op) + attrs
 
 
-def _model(name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes], *, opset: int = OPSET, ir_version: int = IR_VERSION) -> bytes:
+def _model(
+    name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes], *, opset: int = OPSET, ir_version: int = IR_VERSION
+) -> bytes:
     """ModelProto: ir_version=1, producer_name=2, graph=7 (node=1, name=2, input=11, output=12), opset_import=8 (version=2)."""
-    graph = b"".join(_msg(1, n) for n in nodes) + _msg(2, name) + b"".join(_msg(11, i) for i in inputs) + b"".join(_msg(12, o) for o in outputs)
+    graph = (
+        b"".join(_msg(1, n) for n in nodes) + _msg(2, name) + b"".join(_msg(11, i) for i in inputs) + b"".join(_msg(12, o) for o in outputs)
+    )
     return _int(1, ir_version) + _msg(2, "medusa-trt") + _msg(7, graph) + _msg(8, _int(2, opset))
 
 
@@ -447,30 +510,48 @@ def commit_graph(elem: int) -> bytes:
     """key/value (S, L, B, Hkv, D), new_key/new_value (T, L, B, Hkv, D), src/dst (N, L, 3) ->
     key_out/value_out = the caches with [dst] = new[src] (GatherND then ScatterND)."""
     index = ("entries", "layers", 3)
-    nodes = [_node("GatherND", (NEW_KEY, "src"), ("key_rows",)), _node("GatherND", (NEW_VALUE, "src"), ("value_rows",)),
-             _node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)), _node("ScatterND", ("value", "dst", "value_rows"), ("value_out",))]
-    inputs = [_tensor("key", elem, CACHE), _tensor("value", elem, CACHE), _tensor(NEW_KEY, elem, NEW), _tensor(NEW_VALUE, elem, NEW),
-              _tensor("src", INT64, index), _tensor("dst", INT64, index)]
+    nodes = [
+        _node("GatherND", (NEW_KEY, "src"), ("key_rows",)),
+        _node("GatherND", (NEW_VALUE, "src"), ("value_rows",)),
+        _node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)),
+        _node("ScatterND", ("value", "dst", "value_rows"), ("value_out",)),
+    ]
+    inputs = [
+        _tensor("key", elem, CACHE),
+        _tensor("value", elem, CACHE),
+        _tensor(NEW_KEY, elem, NEW),
+        _tensor(NEW_VALUE, elem, NEW),
+        _tensor("src", INT64, index),
+        _tensor("dst", INT64, index),
+    ]
     return _model("medusa_commit", nodes, inputs, [_tensor("key_out", elem, CACHE), _tensor("value_out", elem, CACHE)])
 
 
 def gather_rows_graph(elem: int) -> bytes:
     """x (B, W, F), index (N, 2) -> y (N, F) = x[index[:, 0], index[:, 1]]."""
-    return _model("medusa_gather_rows", [_node("GatherND", ("x", "index"), ("y",))],
-                  [_tensor("x", elem, ("batch", "tokens", "features")), _tensor("index", INT64, ("rows", 2))],
-                  [_tensor("y", elem, ("rows", "features"))])
+    return _model(
+        "medusa_gather_rows",
+        [_node("GatherND", ("x", "index"), ("y",))],
+        [_tensor("x", elem, ("batch", "tokens", "features")), _tensor("index", INT64, ("rows", 2))],
+        [_tensor("y", elem, ("rows", "features"))],
+    )
 
 
 def take_rows_graph(elem: int) -> bytes:
     """x (S, L, B, Hkv, D), rows (R,) -> y (S, L, R, Hkv, D) = x[:, :, rows]."""
-    return _model("medusa_take_rows", [_node("Gather", ("x", "rows"), ("y",), axis=2)],
-                  [_tensor("x", elem, CACHE), _tensor("rows", INT64, ("taken",))],
-                  [_tensor("y", elem, ("slots", "layers", "taken", "kv_heads", "head_dim"))])
+    return _model(
+        "medusa_take_rows",
+        [_node("Gather", ("x", "rows"), ("y",), axis=2)],
+        [_tensor("x", elem, CACHE), _tensor("rows", INT64, ("taken",))],
+        [_tensor("y", elem, ("slots", "layers", "taken", "kv_heads", "head_dim"))],
+    )
 
 
 def copy_graph(elem: int) -> bytes:
     """x (N,) -> y (N,): a device-to-device or device-to-host copy of a flat block."""
-    return _model("medusa_copy", [_node("Identity", ("x",), ("y",))], [_tensor("x", elem, ("elements",))], [_tensor("y", elem, ("elements",))])
+    return _model(
+        "medusa_copy", [_node("Identity", ("x",), ("y",))], [_tensor("x", elem, ("elements",))], [_tensor("y", elem, ("elements",))]
+    )
 
 
 OP_GRAPHS = {"commit": commit_graph, "gather_rows": gather_rows_graph, "take_rows": take_rows_graph, "copy": copy_graph}

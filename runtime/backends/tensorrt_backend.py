@@ -34,8 +34,29 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_OUTPUTS, HEAD_LOGITS, HEAD_TOPK, HIDDEN, INPUT_IDS, LOGITS, NEW_KEY, NEW_VALUE, NEXT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, Proposals, STEP_OUTPUTS, SUCCESSORS_OUTPUT, StepOutput, TREE_MASK
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HEAD_LOGITS,
+    HEAD_TOPK,
+    HEADS_OUTPUTS,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    NEW_KEY,
+    NEW_VALUE,
+    NEXT_IDS,
+    NEXT_INPUT,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    STEP_OUTPUTS,
+    SUCCESSORS_OUTPUT,
+    TREE_MASK,
+    Proposals,
+    StepOutput,
+)
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -67,8 +88,16 @@ def _import_tensorrt():
 def _torch_dtype(trt, dtype):
     import torch
 
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int64: torch.int64,
-             trt.int32: torch.int32, trt.bool: torch.bool, trt.int8: torch.int8, trt.uint8: torch.uint8}
+    table = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.bfloat16: torch.bfloat16,
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+        trt.bool: torch.bool,
+        trt.int8: torch.int8,
+        trt.uint8: torch.uint8,
+    }
     if dtype not in table:
         raise EngineError(f"engine I/O tensor of type {dtype} is not supported: build the engine again with medusa-export")
     return table[dtype]
@@ -97,8 +126,10 @@ class _Engine:
         for name, shape in max_inputs.items():  # the runtime's limits must lie inside the engine's one profile
             high = tuple(engine.get_tensor_profile_shape(name, 0)[2])  # (min, opt, max)
             if any(s > h for s, h in zip(shape, high)) or len(shape) != len(high):
-                raise EngineError(f"{path}: input {name} needs shape up to {shape} but the engine's profile stops at {high}: "
-                                  "build with larger --max-batch / --max-context / --max-tokens or lower the runtime's")
+                raise EngineError(
+                    f"{path}: input {name} needs shape up to {shape} but the engine's profile stops at {high}: "
+                    "build with larger --max-batch / --max-context / --max-tokens or lower the runtime's"
+                )
         self.context = self._new_context()
         for name, shape in max_inputs.items():
             self.context.set_input_shape(name, shape)
@@ -145,8 +176,9 @@ class _Engine:
 class TensorRTBackend:
     name = "tensorrt"
 
-    def __init__(self, path, *, max_batch: int | None = None, max_context: int | None = None, cuda_graph: bool = False,
-                 checksums: bool = False):
+    def __init__(
+        self, path, *, max_batch: int | None = None, max_context: int | None = None, cuda_graph: bool = False, checksums: bool = False
+    ):
         trt = _import_tensorrt()
         import torch
 
@@ -160,8 +192,10 @@ class TensorRTBackend:
                 f"{meta.max_batch} / {meta.max_context}: build again with larger --max-batch / --max-context"
             )
         if meta.key_slots:
-            raise EngineError(f"{files.step.name} was built from a graph with key slots, which this backend does not feed: "
-                              "export with --no-key-slots and build again")
+            raise EngineError(
+                f"{files.step.name} was built from a graph with key slots, which this backend does not feed: "
+                "export with --no-key-slots and build again"
+            )
         self.max_tokens = meta.max_tokens
         self.whole_cache = meta.attention == "plugin"  # the plugin reads committed slots only: bind them all
         if meta.attention == "plugin":
@@ -173,13 +207,21 @@ class TensorRTBackend:
         batch, tokens, slots = self.max_batch, meta.max_tokens, self.max_context
         self.kv_shape = (meta.num_layers, meta.num_kv_heads, meta.head_dim)  # per slot and sequence
         cache = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-        step_max = {INPUT_IDS: (batch, tokens), POSITION_IDS: (batch, tokens), TREE_MASK: (batch, tokens, tokens),
-                    CACHE_LENGTHS: (batch,), PAST_KEY: cache, PAST_VALUE: cache}
+        step_max = {
+            INPUT_IDS: (batch, tokens),
+            POSITION_IDS: (batch, tokens),
+            TREE_MASK: (batch, tokens, tokens),
+            CACHE_LENGTHS: (batch,),
+            PAST_KEY: cache,
+            PAST_VALUE: cache,
+        }
         self.step_engine = _Engine(trt, self._runtime, files.step, step_max, STEP_OUTPUTS, self.stream)
         self.heads_engine = None
         if meta.num_heads:
             if not files.heads.is_file():
-                raise EngineError(f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again")
+                raise EngineError(
+                    f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again"
+                )
             heads_inputs = {HIDDEN: (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.reads_roots else {})
             self.heads_engine = _Engine(trt, self._runtime, files.heads, heads_inputs, HEADS_OUTPUTS, self.stream)
         step = self.step_engine
@@ -200,11 +242,18 @@ class TensorRTBackend:
         self._rows = torch.arange(batch, dtype=torch.int64, device="cuda")
         self._graph = _StepGraph(step, torch) if cuda_graph and self.whole_cache else None
         if cuda_graph and not self.whole_cache:
-            log.info("CUDA graphs need a plugin-form engine (fixed cache binding); %s has standard attention: running without", files.step.name)
+            log.info(
+                "CUDA graphs need a plugin-form engine (fixed cache binding); %s has standard attention: running without", files.step.name
+            )
         total = sum(b.numel() * b.element_size() for e in (step, self.heads_engine) if e for b in e.buffers.values())
-        log.info("tensorrt backend: %s, %d I/O buffers, %.1f MiB (KV cache %.1f MiB), CUDA graph %s", files.step.name,
-                 len(step.buffers) + (len(self.heads_engine.buffers) if self.heads_engine else 0), total / 2**20,
-                 2 * step.buffers[PAST_KEY].numel() * step.buffers[PAST_KEY].element_size() / 2**20, self._graph is not None)
+        log.info(
+            "tensorrt backend: %s, %d I/O buffers, %.1f MiB (KV cache %.1f MiB), CUDA graph %s",
+            files.step.name,
+            len(step.buffers) + (len(self.heads_engine.buffers) if self.heads_engine else 0),
+            total / 2**20,
+            2 * step.buffers[PAST_KEY].numel() * step.buffers[PAST_KEY].element_size() / 2**20,
+            self._graph is not None,
+        )
 
     # ----------------------------------------------------------------- helpers
 
@@ -240,10 +289,21 @@ class TensorRTBackend:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.max_tokens}")
         past = self.max_context if self.whole_cache else int(cache_lengths.max())  # host value: the bound cache length
         cache = (past, self.kv_shape[0], batch, *self.kv_shape[1:])
-        shapes = {INPUT_IDS: (batch, tokens), POSITION_IDS: (batch, tokens), TREE_MASK: (batch, tokens, tokens),
-                  CACHE_LENGTHS: (batch,), PAST_KEY: cache, PAST_VALUE: cache}
+        shapes = {
+            INPUT_IDS: (batch, tokens),
+            POSITION_IDS: (batch, tokens),
+            TREE_MASK: (batch, tokens, tokens),
+            CACHE_LENGTHS: (batch,),
+            PAST_KEY: cache,
+            PAST_VALUE: cache,
+        }
         with torch.cuda.stream(self.stream):
-            for name, array in ((INPUT_IDS, input_ids), (POSITION_IDS, position_ids), (TREE_MASK, tree_mask), (CACHE_LENGTHS, cache_lengths)):
+            for name, array in (
+                (INPUT_IDS, input_ids),
+                (POSITION_IDS, position_ids),
+                (TREE_MASK, tree_mask),
+                (CACHE_LENGTHS, cache_lengths),
+            ):
                 self._upload(name, np.asarray(array))
             if self._graph is not None:
                 self.step_engine.shapes = self._graph.run(shapes)
@@ -253,7 +313,9 @@ class TensorRTBackend:
             argmax = self._download(NEXT_IDS, next_ids)
             topk = None
             if SUCCESSORS_OUTPUT in self.step_engine.outputs:
-                topk = self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()  # host sync: recycle's table
+                topk = (
+                    self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()
+                )  # host sync: recycle's table
         return StepOutput(argmax, topk, self._host_logits, self._logits_rows, self._hidden_rows)
 
     def logits(self):
@@ -348,7 +410,8 @@ class TensorRTBackend:
         return Proposals(ids, self._head_logits)
 
     def _head_logits(self) -> np.ndarray:
-        """The heads' logits [B, n, N] (N: the draft vocabulary, else V) of the last ``propose``, on the host (lossless drafting draws there)."""
+        """The heads' logits [B, n, N] (N: the draft vocabulary, else V) of the last ``propose``, on the host
+        (lossless drafting draws there)."""
         self.stream.synchronize()
         return self.heads_engine.view(HEAD_LOGITS, self.heads_engine.shapes[HEAD_LOGITS]).float().cpu().numpy()
 

@@ -31,8 +31,12 @@ class TorchBackend:
         shape = (max_context, spec.num_layers, max_batch, spec.num_kv_heads, spec.head_dim)
         self.cache_key = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.cache_value = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-        log.info("torch backend on %s: KV cache %s (%.1f MiB)", self.device, tuple(shape),
-                 2 * self.cache_key.numel() * self.cache_key.element_size() / 2**20)
+        log.info(
+            "torch backend on %s: KV cache %s (%.1f MiB)",
+            self.device,
+            tuple(shape),
+            2 * self.cache_key.numel() * self.cache_key.element_size() / 2**20,
+        )
         self._hidden = self._new_key = self._new_value = None
         self.max_tokens = None  # no limit on new tokens per step
         heads = getattr(model, "heads", None)
@@ -58,8 +62,13 @@ class TorchBackend:
         self._hidden, self._new_key, self._new_value = hidden, new_key, new_value
         argmax = next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
         topk = logits.topk(DEFAULT_SUCCESSORS, dim=-1).indices.cpu().numpy()  # host sync: the recycle drafter's table
-        return StepOutput(argmax, topk, lambda: self._host(logits), lambda rows, nodes: self._host(logits, rows, nodes),
-                          lambda rows, nodes: self._host(hidden, rows, nodes))
+        return StepOutput(
+            argmax,
+            topk,
+            lambda: self._host(logits),
+            lambda rows, nodes: self._host(logits, rows, nodes),
+            lambda rows, nodes: self._host(hidden, rows, nodes),
+        )
 
     @torch.inference_mode()
     def _host(self, t: torch.Tensor, rows=None, nodes=None) -> np.ndarray:

@@ -38,8 +38,9 @@ class Drafting:
         if unknown:
             raise MedusaError(f"unknown drafter {unknown[0]!r}: choose from {', '.join(DRAFTERS)} (or none for plain decoding)")
         if "heads" in names and template is None:
-            raise MedusaError("drafter 'heads' needs Medusa heads and a tree deeper than chain-0: this engine or tree has none; "
-                              "draft with lookup,recycle")
+            raise MedusaError(
+                "drafter 'heads' needs Medusa heads and a tree deeper than chain-0: this engine or tree has none; draft with lookup,recycle"
+            )
         self.names = tuple(n for n in DRAFTERS if n in names)
         self.template, self.config = template, config
         self.cost = OnlineCost(config.cost) if config.learn_cost else config.cost  # learns this engine's real step cost
@@ -61,6 +62,27 @@ _FACTORIES = {
 }
 
 
-__all__ = ["DETERMINISTIC", "DRAFTERS", "AcceptanceStats", "CostModel", "Drafter", "Drafting", "DraftingConfig", "Fragment",
-           "HeadsProposer", "HeadsTemplate", "LookupConfig", "OnlineCost", "LookupDrafter", "NgramIndex", "Observed", "PerSequence",
-           "Proposal", "Proposer", "RecycleConfig", "RecycleDrafter", "StepTree", "build_tree"]
+__all__ = [
+    "DETERMINISTIC",
+    "DRAFTERS",
+    "AcceptanceStats",
+    "CostModel",
+    "Drafter",
+    "Drafting",
+    "DraftingConfig",
+    "Fragment",
+    "HeadsProposer",
+    "HeadsTemplate",
+    "LookupConfig",
+    "OnlineCost",
+    "LookupDrafter",
+    "NgramIndex",
+    "Observed",
+    "PerSequence",
+    "Proposal",
+    "Proposer",
+    "RecycleConfig",
+    "RecycleDrafter",
+    "StepTree",
+    "build_tree",
+]

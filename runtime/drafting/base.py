@@ -57,8 +57,13 @@ class Fragment:
                     parent.append(above)
                     node_keys.append(key)
                 above = index[prefix]
-        return cls(source, np.array(tokens, dtype=np.int64), np.array(parent, dtype=np.int64), tuple(node_keys),
-                   np.full(len(tokens), DETERMINISTIC, dtype=np.int64))
+        return cls(
+            source,
+            np.array(tokens, dtype=np.int64),
+            np.array(parent, dtype=np.int64),
+            tuple(node_keys),
+            np.full(len(tokens), DETERMINISTIC, dtype=np.int64),
+        )
 
     @classmethod
     def empty(cls, source: str) -> Fragment:

@@ -117,8 +117,16 @@ class StepTree:
     @classmethod
     def chain(cls, root: int) -> StepTree:
         """The root alone: plain decoding."""
-        return cls(np.array([root], dtype=np.int64), np.array([-1], dtype=np.int64), np.zeros(1, dtype=np.int64),
-                   np.full(1, DETERMINISTIC, dtype=np.int64), ((),), ((),), ((),), np.ones(1))
+        return cls(
+            np.array([root], dtype=np.int64),
+            np.array([-1], dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
+            np.full(1, DETERMINISTIC, dtype=np.int64),
+            ((),),
+            ((),),
+            ((),),
+            np.ones(1),
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,9 +160,14 @@ class Candidates:
         for j in range(1, len(chosen)):
             children[new_parent[j]].append(j)
         return StepTree(
-            tokens=np.array(self.tokens, dtype=np.int64)[chosen], parent=new_parent, depth=depth_arr[chosen],
-            draw=np.array(self.draw, dtype=np.int64)[chosen], keys=tuple(tuple(self.keys[i]) for i in chosen),
-            sources=tuple(tuple(self.sources[i]) for i in chosen), children=tuple(tuple(c) for c in children), score=self.score[chosen],
+            tokens=np.array(self.tokens, dtype=np.int64)[chosen],
+            parent=new_parent,
+            depth=depth_arr[chosen],
+            draw=np.array(self.draw, dtype=np.int64)[chosen],
+            keys=tuple(tuple(self.keys[i]) for i in chosen),
+            sources=tuple(tuple(self.sources[i]) for i in chosen),
+            children=tuple(tuple(c) for c in children),
+            score=self.score[chosen],
         )
 
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from medusa_trt.runtime.acceptance import Draws, TreeWalk
 from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment, Observed, Proposal
-from medusa_trt.runtime.sampling import draw_without_replacement, warp
 from medusa_trt.runtime.drafting.sequential import Expansion
+from medusa_trt.runtime.sampling import draw_without_replacement, warp
 from medusa_trt.runtime.tree import CompiledTree
 
 

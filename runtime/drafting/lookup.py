@@ -79,4 +79,3 @@ class LookupDrafter:
     def _sync(self, history: list[int]) -> None:
         if len(history) > len(self.index.tokens):
             self.index.extend(history[len(self.index.tokens) :])
-
