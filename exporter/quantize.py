@@ -155,6 +155,7 @@ def nbits_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
     model = ONNXModel(onnx.load(str(path)))
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
+    fuse_matmuls_by_input(model.model.graph)
     bits = NBITS[config.mode]
     quantizer = MatMulNBitsQuantizer(
         model.model,
@@ -221,12 +222,14 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     per-channel weights (one scale per call for the activations), closer to fp32 and more often
     the same tokens drafted as plain (docs/benchmarks.md, int4 / int8 engines)."""
     import onnx
+    from onnx import numpy_helper
     from onnxruntime.quantization.onnx_model import ONNXModel
 
     model = ONNXModel(onnx.load(str(path)))
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
     graph = model.model.graph
+    fuse_matmuls_by_input(graph)
     weights = {t.name: t for t in graph.initializer}
     nodes, quantized = [], {}
     for node in graph.node:
@@ -235,7 +238,11 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
             nodes.append(node)
             continue
         if weight.name not in quantized:
-            quantized[weight.name] = _int8_columns(weight)
+            values, scale = _int8_columns(numpy_helper.to_array(weight))
+            quantized[weight.name] = (
+                numpy_helper.from_array(values, weight.name + "_int8"),
+                numpy_helper.from_array(scale, weight.name + "_int8_scale"),
+            )
             graph.initializer.extend(quantized[weight.name])
         nodes += _row_int8_matmul(node, *(t.name for t in quantized[weight.name]))
     graph.initializer.extend(_row_constants())
@@ -245,17 +252,56 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     _replace_graph(path, model.model, meta)
 
 
-def _int8_columns(weight) -> tuple:
+def fuse_matmuls_by_input(graph) -> int:
+    """MatMuls by 2-D constant weights that read the same input as one MatMul over their weights
+    side by side, then a Split back into their outputs; in place. Q / K / V of a layer read the same
+    normed hidden state, gate / up too (the heads' first layers too): a quantized graph then
+    quantizes that input once and runs one matmul instead of three. Each output column depends
+    on its own weight column only, so quantized with per-column (per-block) scales the outputs are
+    those of one matmul per weight. Returns how many MatMuls it merged away."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    weights = {t.name: t for t in graph.initializer}
+    groups: dict[str, list] = {}
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is not None and len(weight.dims) == 2:
+            groups.setdefault(node.input[0], []).append(node)
+    groups = {x: g for x, g in groups.items() if len(g) > 1 and len({m.input[1] for m in g}) == len(g)}
+    first = {g[0].output[0]: g for g in groups.values()}
+    merged = {m.output[0] for g in groups.values() for m in g}
+    nodes = []
+    for node in graph.node:
+        if node.output[0] not in merged:
+            nodes.append(node)
+            continue
+        group = first.get(node.output[0])
+        if group is None:  # merged into its group's first, which stands earlier
+            continue
+        name = f"{node.name or node.output[0]}_fused"
+        parts = [numpy_helper.to_array(weights[m.input[1]]) for m in group]  # (K, N_i) each
+        graph.initializer.append(numpy_helper.from_array(np.concatenate(parts, axis=1), name + "_weight"))  # (K, sum N_i)
+        widths = numpy_helper.from_array(np.array([p.shape[1] for p in parts], dtype=np.int64), name + "_widths")
+        graph.initializer.append(widths)
+        nodes.append(helper.make_node("MatMul", [node.input[0], name + "_weight"], [name], name=name))  # (..., sum N_i)
+        nodes.append(helper.make_node("Split", [name, widths.name], [m.output[0] for m in group], name=name + "_split", axis=-1))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    for weight in [weights[m.input[1]] for g in groups.values() for m in g]:
+        if weight.name not in used:  # now a copy inside the fused weight
+            graph.initializer.remove(weight)
+    return sum(len(g) - 1 for g in groups.values())
+
+
+def _int8_columns(weight):
     """A float weight (K, N) as int8 values (K, N) and one fp32 scale per column (N,)."""
     import numpy as np
-    from onnx import numpy_helper
 
-    w = numpy_helper.to_array(weight).astype(np.float32)
+    w = weight.astype(np.float32)
     scale = np.maximum(np.abs(w).max(axis=0), np.finfo(np.float32).tiny) / 127.0  # (N,)
-    values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(
-        scale.astype(np.float32), weight.name + "_int8_scale"
-    )
+    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
 def _row_constants() -> list:

@@ -60,7 +60,8 @@ def test_int4_graphs_hold_matmulnbits(engines):
         attrs = {a.name: a.i for a in nbits[0].attribute}
         assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, DEFAULT_BLOCK_SIZE, DEFAULT_ACCURACY_LEVEL)
     step = _graph(files.step)
-    assert len([n for n in step.node if n.op_type == "MatMulNBits"]) == 5 * 7 + 1  # 7 weight matmuls per layer, lm_head
+    # 7 weight matmuls per layer, Q / K / V and gate / up fused (fuse_matmuls_by_input): 4 per layer; lm_head
+    assert len([n for n in step.node if n.op_type == "MatMulNBits"]) == 5 * 4 + 1
     level1 = [n for n in _graph(EngineFiles.beside(engines["int4-fp32-compute"]).step).node if n.op_type == "MatMulNBits"]
     assert {a.i for n in level1 for a in n.attribute if a.name == "accuracy_level"} == {1}
 
@@ -204,7 +205,8 @@ def test_tied_embedding_keeps_its_gather_and_quantizes_lm_head(tmp_path, stories
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
     assert len(gathers) == 1 and gathers[0].input[0] in floats  # the embedding lookup: float rows
     assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == gathers[0].input[0]]  # folded away
-    assert len([n for n in graph.node if n.op_type == "MatMulNBits"]) == 2 * 7 + 1 and not _float_weight_matmuls(graph)
+    # 7 weight matmuls a layer, 4 once Q / K / V and gate / up are fused; the lm_head
+    assert len([n for n in graph.node if n.op_type == "MatMulNBits"]) == 2 * 4 + 1 and not _float_weight_matmuls(graph)
     ids = np.array([[5, 17, 42, 99]], dtype=np.int64)
     assert np.abs(_prefill_logits(outs[None], ids) - _prefill_logits(outs["int4"], ids)).mean() < LOOSE["int4"][0]
     # a fixed drafting budget: a learnt one follows wall-clock step times, and int4's drafted output can differ from its plain
@@ -255,3 +257,37 @@ def test_bad_quantize_options_are_one_line(case, tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("medusa-export: error: ") and "Traceback" not in err, err
     assert message in lines[0], err
     assert list(tmp_path.iterdir()) == [], "files left behind"
+
+
+def test_matmuls_reading_one_input_fuse_into_one():
+    """Q / K / V (and gate / up) read the same input: one MatMul over their weights side by side
+    and a Split give the same outputs, and the float weights are not kept twice."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from medusa_trt.exporter.quantize import fuse_matmuls_by_input
+
+    rng = np.random.default_rng(0)
+    w = {name: rng.normal(size=(8, n)).astype(np.float32) for name, n in (("wq", 8), ("wk", 4), ("wv", 4), ("wo", 8))}
+    nodes = [helper.make_node("MatMul", ["x", n], [f"y_{n}"]) for n in ("wq", "wk", "wv")]
+    nodes.append(helper.make_node("MatMul", ["y_wq", "wo"], ["y_wo"]))  # another input: left alone
+    outputs = [helper.make_tensor_value_info(f"y_{n}", TensorProto.FLOAT, [3, w[n].shape[1]]) for n in ("wq", "wk", "wv", "wo")]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        outputs,
+        [numpy_helper.from_array(v, k) for k, v in w.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    x = rng.normal(size=(3, 8)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    assert fuse_matmuls_by_input(model.graph) == 2
+    onnx.checker.check_model(model)
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Split", "MatMul"]
+    assert {t.name for t in model.graph.initializer} >= {"wo"} and not {"wq", "wk", "wv"} & {t.name for t in model.graph.initializer}
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
