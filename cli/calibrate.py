@@ -13,13 +13,11 @@ takes); each file is written whole or not at all. Bad input prints one
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
 
-from medusa_trt.bench.files import check_out, staged
+from medusa_trt.bench.files import check_out
 from medusa_trt.bench.prompts import read_prompts
 from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
@@ -86,93 +84,6 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def calibrate(args):
-    """Measure and choose; returns (report dict, acc, choice, best chain). Writes nothing."""
-    from medusa_trt.runtime.tree import compile_tree
-    from medusa_trt.training import calibrate as cal
-
-    config = cal.CalibrateConfig(
-        max_nodes=args.max_nodes, top_k=args.top_k, max_new_tokens=args.max_new_tokens, context=args.context, repeats=args.repeats
-    )
-    prompts = read_prompts(args.prompts, args.limit)
-    runtime = _runtime(args).with_tree("chain-0")  # plain decoding; the heads still propose every step
-    if not runtime.num_heads:
-        raise cal.CalibrationError("the engine has no Medusa heads, so there is no tree to calibrate: export it with --heads")
-    top_k = min(config.top_k, cal.engine_top_k(runtime))
-    if top_k < config.top_k:
-        log.warning(
-            "the engine's heads return top-%d proposals only: calibrating over %d ranks (export with a wider "
-            "tree such as mc_sim_7b_63 for more)",
-            top_k,
-            top_k,
-        )
-    max_nodes = min(config.max_nodes, runtime.backend.max_tokens or config.max_nodes, runtime.max_context - 1)
-    if max_nodes < config.max_nodes:
-        log.warning("the engine takes at most %d tokens per step: trees up to %d nodes", max_nodes, max_nodes)
-    sizes = cal.step_sizes(max_nodes)
-    context = max(min(config.context, runtime.max_context - sizes[-1]), 0)
-    if context < config.context:
-        log.warning("max_context %d: timing steps over %d context tokens instead of %d", runtime.max_context, context, config.context)
-
-    ids = [runtime.codec.encode(p, chat=runtime.is_chat) for p in prompts]
-    hits = cal.measure_head_hits(runtime, ids, config.max_new_tokens, top_k)
-    acc = cal.head_accuracy(hits, top_k)
-    step_ms = cal.measure_step_ms(runtime, sizes, context=context, repeats=config.repeats)
-    heads_ms = cal.measure_heads_ms(runtime, top_k, config.repeats)
-    choice = cal.pick_tree(acc, step_ms, max_nodes, heads_ms)
-    chain = cal.best_chain(acc, step_ms, max_nodes, heads_ms)
-    tree = compile_tree([list(p) for p in choice.paths], max_depth=runtime.num_heads, name=f"calibrated-{choice.num_nodes}")
-    report = {
-        "engine": args.engine,
-        "model": args.model,
-        "heads": args.heads,
-        "backend": runtime.backend.name,
-        "prompts_file": str(args.prompts),
-        "prompts": len(prompts),
-        "positions": int(hits.shape[0]),
-        "config": dataclasses.asdict(config) | {"top_k_used": top_k, "max_nodes_used": max_nodes, "context_used": context},
-        "acc": acc.tolist(),
-        "step_ms": {str(k): v for k, v in step_ms.items()},
-        "heads_ms": heads_ms,
-        "tree": json.loads(tree.to_json()),
-        "choice": choice.to_dict(),
-        "best_chain": chain.to_dict(),
-    }
-    return report, acc, choice, chain
-
-
-def _plot(acc, choice, chain, path: Path) -> bool:
-    """The calibration plot at ``path``; False (and a warning) without matplotlib."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        log.warning("matplotlib not installed: no plot (pip install matplotlib)")
-        return False
-    from medusa_trt.training.calibrate import plot_calibration
-
-    plot_calibration(acc, choice, path, chain=chain)
-    return True
-
-
-def write_outputs(out: Path, report: dict, acc, choice, chain) -> list[Path]:
-    """The tree at ``out``, its medusa_choices list, report and plot beside it, each whole or not at all; returns what was written."""
-    from medusa_trt.exporter.interop import medusa_choices_json
-
-    report_path, plot_path = out.with_suffix(".report.json"), out.with_suffix(".png")
-    choices_path = out.with_suffix(".medusa_choices.json")  # the same tree as a plain list (TensorRT-LLM's --medusa_choices)
-    try:
-        with staged(out, report_path, plot_path, choices_path) as (tmp_tree, tmp_report, tmp_plot, tmp_choices):
-            tmp_tree.write_text(json.dumps(report["tree"]))
-            tmp_choices.write_text(medusa_choices_json(report["tree"]["paths"]) + "\n")
-            tmp_report.write_text(json.dumps(report, indent=2))
-            plotted = _plot(acc, choice, chain, tmp_plot)
-    except OSError as exc:  # a full disk, a folder that went away: nothing was left behind
-        raise MedusaError(
-            f"cannot write {out}: {exc.strerror or exc}: check the folder (free space, permissions) or pick another --out"
-        ) from exc
-    return [out, choices_path, report_path] + ([plot_path] if plotted else [])
-
-
 def is_engine_folder(engine: str) -> bool:
     from medusa_trt.runtime.engine import EngineFiles
 
@@ -186,8 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = check_out(args.out, ".json", (".png", ".report.json", ".medusa_choices.json"))  # before any measuring
         check_options(args)
-        report, acc, choice, chain = calibrate(args)
-        written = write_outputs(out, report, acc, choice, chain)
+        from medusa_trt.training.calibrate import CalibrateConfig, calibrate, write_calibration
+
+        config = CalibrateConfig(
+            max_nodes=args.max_nodes, top_k=args.top_k, max_new_tokens=args.max_new_tokens, context=args.context, repeats=args.repeats
+        )
+        sources = {"engine": args.engine, "model": args.model, "heads": args.heads, "prompts_file": str(args.prompts)}
+        prompts = read_prompts(args.prompts, args.limit)  # before the engine loads
+        report, acc, choice, chain = calibrate(_runtime(args), prompts, config, sources)
+        written = write_calibration(out, report, acc, choice, chain)
         if args.engine and is_engine_folder(args.engine):  # the folder's drafting budget follows what was just measured
             from medusa_trt.exporter.engine_folder import record_step_cost
 

@@ -1,5 +1,5 @@
 """medusa_trt.exporter: base models and heads, the export wrapper, ONNX / TensorRT export (``build``:
-what medusa-export runs). The Triton model repository is ``medusa_trt.serving``'s.
+what medusa-export runs). The Triton model repository lives in serving/, beside the servers.
 
 Names are imported on first use (PEP 562), so a module that needs no torch (``engine_folder``)
 can be imported from the lean install; everything else here needs the ``export`` extra.

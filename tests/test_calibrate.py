@@ -384,13 +384,13 @@ def test_cli_write_failure_leaves_nothing(capsys, tmp_path, fitted_engine, monke
     """The plot fails half-written after the tree and report are staged: one line, no file, no temp."""
     import errno
 
-    from medusa_trt.cli import calibrate as cli
+    from medusa_trt.training import calibrate as library
 
     def full_disk(acc, choice, chain, path):
         path.write_bytes(b"\x89PNG half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cli, "_plot", full_disk)
+    monkeypatch.setattr(library, "_plot", full_disk)
     prompts = _prompts_file(tmp_path)
     out = tmp_path / "out" / "tree.json"
     out.parent.mkdir()
