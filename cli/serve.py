@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 
 from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
-from medusa_trt.serving.client import RequestFailed, stream_generate  # noqa: F401 - tests/test_security.py imports them from here
 from medusa_trt.serving.openai_server import API_KEY_VAR, OpenAIServerConfig, looks_like_engine
 from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, TRITON_MODEL_NAME, EngineOptions, ServeDefaults
-from medusa_trt.serving.triton import (  # noqa: F401 - find_triton, stub_env: tests/conftest.py imports them from here
+from medusa_trt.serving.triton import (
     GRPC_PORT,
     HTTP_PORT,
     METRICS_PORT,
@@ -33,9 +32,7 @@ from medusa_trt.serving.triton import (  # noqa: F401 - find_triton, stub_env: t
     ServeConfig,
     ServeError,
     TritonServer,
-    find_triton,
     make_stub_env,
-    stub_env,
 )
 
 # options of one path only: given on the other, they would be ignored, so they are refused

@@ -251,7 +251,7 @@ def export_engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def serving():
     """Skip (saying why) where the real Triton server cannot run here."""
-    from medusa_trt.cli.serve import ServeError, find_triton, stub_env
+    from medusa_trt.serving.triton import ServeError, find_triton, stub_env
 
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install 'medusa-trt[serve]')")
     try:

@@ -28,9 +28,10 @@ from types import SimpleNamespace
 import pytest
 from conftest import STORY_PROMPTS, medusa_model
 
-from medusa_trt.cli.serve import RequestFailed, ServeConfig, ServeError, TritonServer, stream_generate
 from medusa_trt.runtime.engine import EngineFiles
+from medusa_trt.serving.client import RequestFailed, stream_generate
 from medusa_trt.serving.schema import ServeDefaults
+from medusa_trt.serving.triton import ServeConfig, ServeError, TritonServer
 from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
 LIMIT = 200  # the security server's max_tokens_limit
