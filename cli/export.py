@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, entry, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
 from medusa_trt.exporter.builder import BACKENDS, BuildConfig, Built, build
 from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from medusa_trt.exporter.quantize import MODES as QUANTIZE_MODES
@@ -30,7 +30,7 @@ from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medusa-export", description="Export a Medusa model to an ONNX or TensorRT engine.")
+    p = Parser(prog="medusa-export", description="Export a Medusa model to an ONNX or TensorRT engine.")
     p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--heads", help="Medusa heads folder (ours or FasterDecoding/Medusa); none: plain decoding only")
