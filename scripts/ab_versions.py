@@ -82,8 +82,9 @@ def _summary(answers: list[dict], row: str) -> dict:
 
 
 def compare(args) -> dict:
-    rows = [json.loads(x) for x in Path(args.prompts).read_text(encoding="utf-8").splitlines() if x.strip()]
-    prompts = [r["turns"][0] for r in rows][:: args.every][: args.limit]
+    from medusa_trt.bench.prompts import read_prompts  # medusa-bench's reader: the same prompts, the same errors
+
+    prompts = read_prompts(args.prompts)[:: args.every][: args.limit]
     versions = {"before": Path(args.before), "after": ROOT}
     procs = {name: _start(root, args) for name, root in versions.items()}
     answers: dict[str, list[dict]] = {name: [] for name in versions}
