@@ -398,3 +398,18 @@ def test_hidden_states_recorded_as_generation_runs(stories_base, stories_fitted,
         assert r.hidden.shape == want.shape == (len(r.token_ids), stories_base.model.config.hidden_size)
         assert abs(r.hidden - want).max() < 1e-4
     assert max(r.stats.mean_accepted for r in done.values()) > 1  # drafts were accepted on the way
+
+
+def test_step_threads_spin_and_heads_threads_sleep(stories_base, stories_fitted, export_engine):
+    """The step session keeps ONNX Runtime's spinning pool (a step is thousands of small kernels:
+    waking sleeping threads for each costs more than the model's matmuls); the heads session, run
+    between two steps, lets its threads sleep so they never spin on the step session's cores."""
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+
+    backend = OnnxBackend(export_engine("stories-fitted", medusa_model(stories_base, stories_fitted)), threads=2)
+    spin = "session.intra_op.allow_spinning"
+    step, heads = backend.session.get_session_options(), backend.heads_session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # unset: ONNX Runtime's default, spinning
+        step.get_session_config_entry(spin)
+    assert heads.get_session_config_entry(spin) == "0"
+    assert step.intra_op_num_threads == heads.intra_op_num_threads == 2
