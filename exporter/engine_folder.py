@@ -53,8 +53,10 @@ def write_folder_files(
     step_cost: dict | None = None,
     backend: str = "onnxruntime",
     heads_cost: float | None = None,
+    exactness=None,
 ) -> None:
-    """config.json, generation_config.json and drafting.json of a staged engine folder."""
+    """config.json, generation_config.json and drafting.json of a staged engine folder (``exactness``:
+    a ``runtime.exactness.Exactness`` measured on it, recorded as drafting.json's ``exactness``)."""
     folder = staged.folder
     _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
     from medusa_trt.runtime.drafting import DRAFTERS
@@ -67,6 +69,8 @@ def write_folder_files(
     }
     if heads_cost is not None:  # the heads call after a step, relative to a one-token step (runtime/step_cost.py)
         drafting["heads_cost"] = float(heads_cost)
+    if exactness is not None:
+        drafting["exactness"] = exactness.to_json()
     _write_json(folder / DRAFTING_FILE, drafting)
     write_folder_config(folder, folder_config(folder, meta, backend))
 

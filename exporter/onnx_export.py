@@ -380,8 +380,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
 
             write_folder_files(model, staged, meta, tree, step_cost=config.step_cost)
             if config.step_cost is None and config.measure_cost and config.dtype in ("fp32", "fp16"):
-                cost = _measure_cost(staged)
-                write_folder_files(model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads)
+                cost, exactness = _measure_cost(staged)
+                write_folder_files(model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads, exactness=exactness)
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         if folder:
@@ -397,13 +397,26 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
 
 
 def _measure_cost(staged: EngineFiles):
-    """The staged engine's own step-cost curve on this machine (ONNX Runtime, batch 1)."""
+    """The staged engine's own step-cost curve on this machine (ONNX Runtime, batch 1), and whether
+    its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.py``)."""
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.exactness import probe
     from medusa_trt.runtime.step_cost import measure
 
     log.info("timing the engine's verify steps for the drafting budget (drafting.json step_cost)")
     backend = OnnxBackend(staged.folder, max_batch=1)
-    return measure(backend, top_k=backend.meta.top_k)
+    cost = measure(backend, top_k=backend.meta.top_k)
+    exactness = probe(backend)
+    if exactness.exact:
+        log.info("verify steps equal plain steps bit for bit (%d tokens probed): drafted output is plain output", exactness.tokens)
+    else:
+        log.warning(
+            "this engine's verify steps do not give a token its plain-step logits (max difference %.3g): drafted output "
+            "can differ from this engine's plain output. Its kernels depend on the step's width; export it with the "
+            "defaults (--quantize int8-channel, or int4 / int8-block at --block-size 32) for an exact engine",
+            exactness.max_diff,
+        )
+    return cost, exactness
 
 
 def _fit_to_model(model: MedusaModel, config: ExportConfig) -> ExportConfig:

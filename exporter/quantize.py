@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 MODES = ("int8", "heads-int8", "int4", "int8-channel", "int8-block")
 BLOCKWISE = ("int4", "int8-block")  # modes that take block_size / accuracy_level (MatMulNBits)
 NBITS = {"int4": 4, "int8-block": 8}  # MatMulNBits' weight bits per mode
-DEFAULT_BLOCK_SIZE = 32  # weights per int4 block (MatMulNBits' block_size); 128 is coarser and about 1.3x as fast at 8 tokens a step
+DEFAULT_BLOCK_SIZE = 32  # weights per int4 block (MatMulNBits' block_size); 128 is faster but not exact (docs/exactness.md)
 MIN_BLOCK_SIZE = 16  # MatMulNBits' smallest block; block sizes are powers of two
 ACCURACY_LEVELS = range(0, 5)  # MatMulNBits' accuracy_level: 0 unset (fp32), 1 fp32, 2 fp16, 3 bf16, 4 int8
 # int8 activations: 1.5x level 1's speed at 1 token a step, 1.7x at 8 (SmolLM2 step graph); the price is

@@ -56,7 +56,8 @@ class _EngineInfo:
 
 def _folder_step_cost(files: EngineFiles | None) -> tuple[dict | None, float]:
     """The step-cost table an engine folder's drafting.json records and its heads call's cost,
-    both relative to a one-token step ((None, 0): none, or not a folder)."""
+    both relative to a one-token step ((None, 0): none, or not a folder); warns when the folder
+    records that its verify steps are not its plain steps (``runtime/exactness.py``)."""
     if files is None or files.folder is None:
         return None, 0.0
     from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
@@ -66,6 +67,15 @@ def _folder_step_cost(files: EngineFiles | None) -> tuple[dict | None, float]:
         heads = float(raw.get("heads_cost") or 0.0)
     except (TypeError, ValueError) as exc:
         raise EngineError(f"drafting.json heads_cost {raw.get('heads_cost')!r} is not a number: export the engine folder again") from exc
+    exactness = raw.get("exactness")
+    if isinstance(exactness, dict) and exactness.get("verify_equals_plain") is False:
+        log.warning(
+            "%s: drafting.json records that this engine's verify steps differ from its plain steps (max logit difference "
+            "%s, measured at export): drafted output can differ from plain output. Export with the default block size "
+            "or --quantize int8-channel for an exact engine",
+            files.folder,
+            exactness.get("max_logit_diff"),
+        )
     return step_cost_table(raw.get("step_cost")), heads
 
 

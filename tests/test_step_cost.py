@@ -110,3 +110,55 @@ def test_heads_the_budget_never_keeps_rest(folder, tmp_path):
     period = HEADS_IDLE + HEADS_REST  # HEADS_IDLE steps with the heads, then HEADS_REST without
     assert len(calls) <= 1 + (steps // period + 1) * (HEADS_IDLE + 1) and len(calls) < steps * 0.6
     assert got.token_ids == rt.plain().generate("Once upon a time", max_new_tokens=40).token_ids
+
+
+class WidthDependentBackend:
+    """A real backend whose logits drift by 1e-3 per token of the step: a kernel whose rounding
+    depends on how many rows share a call (as MatMulNBits at 128-weight blocks does)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.meta, self.max_tokens, self.max_context = inner.meta, inner.max_tokens, inner.max_context
+
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+        out = self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
+        logits = out.logits() + 1e-3 * (input_ids.shape[1] - 1)
+        return type(out)(out.argmax, out.topk, lambda: logits, out._rows)
+
+    def commit(self, nodes, counts, cache_lengths):
+        self.inner.commit(nodes, counts, cache_lengths)
+
+
+def test_export_probes_that_verify_steps_are_plain_steps(folder):
+    """The exporter checks on the engine it wrote that a verify step (a chain and a tree) gives each
+    token its plain-step logits bit for bit, and records it; a backend whose arithmetic depends on
+    the step's width fails the same probe with the size of the drift."""
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.exactness import probe
+
+    recorded = json.loads((folder / "drafting.json").read_text())["exactness"]
+    assert recorded == {"verify_equals_plain": True, "max_logit_diff": 0.0, "tokens": 8}
+    backend = OnnxBackend(folder, max_batch=1)
+    assert probe(backend).exact
+    drift = probe(WidthDependentBackend(backend))
+    assert not drift.exact and drift.tokens == 8 and drift.max_diff == pytest.approx(4e-3, rel=1e-3)  # the 5-node tree
+
+
+def test_a_folder_recorded_inexact_warns_at_load(folder, tmp_path, caplog):
+    from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.engine import EngineFiles
+    from medusa_trt.runtime.manifest import write_manifest
+
+    work = tmp_path / "inexact"
+    shutil.copytree(folder, work)
+    drafting = json.loads((work / "drafting.json").read_text())
+    drafting["exactness"] = {"verify_equals_plain": False, "max_logit_diff": 1.78, "tokens": 8}
+    (work / "drafting.json").write_text(json.dumps(drafting))
+    write_manifest(EngineFiles.locate(work))
+    with caplog.at_level("WARNING", logger="medusa_trt.runtime.medusa"):
+        MedusaRuntime(work)
+    assert "verify steps differ from its plain steps (max logit difference 1.78" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medusa_trt.runtime.medusa"):
+        MedusaRuntime(folder)
+    assert "differ from its plain steps" not in caplog.text
