@@ -39,6 +39,7 @@ def probe(backend, *, context: int = CONTEXT, tokens: int = TOKENS, seed: int = 
     undefined: run it on a backend no sequence is using."""
     vocab = backend.meta.vocab_size
     limit = backend.max_tokens or context + tokens + 1
+    tokens = max(1, min(tokens, limit - 1))  # the tree step holds the path and one sibling
     context = max(1, min(context, limit, backend.max_context - tokens - 2))
     ids = np.random.default_rng(seed).integers(0, vocab, context, dtype=np.int64)  # (C,)
 

@@ -9,6 +9,7 @@ a step, as an int4 engine's cost grows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -123,7 +124,7 @@ class WidthDependentBackend:
     def step(self, input_ids, position_ids, tree_mask, cache_lengths):
         out = self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
         logits = out.logits() + 1e-3 * (input_ids.shape[1] - 1)
-        return type(out)(out.argmax, out.topk, lambda: logits, out._rows)
+        return dataclasses.replace(out, _logits=lambda: logits)
 
     def commit(self, nodes, counts, cache_lengths):
         self.inner.commit(nodes, counts, cache_lengths)
