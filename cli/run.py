@@ -33,6 +33,7 @@ from medusa_trt.cli.common import (
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
+WARM_UP_TOKENS = 4  # --compare-plain: tokens each runtime generates untimed first (medusa-bench warms up alike)
 
 
 def build_parser() -> Parser:
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=False if args.no_chat_template else None,
             **sampling_kwargs(args),
         )
+        if args.compare_plain:  # as medusa-bench: neither timed run pays the first calls' one-time costs
+            for warm in (runtime, runtime.plain()):
+                warm.generate(prompts[0], **(gen | {"max_new_tokens": WARM_UP_TOKENS}))
         if args.stream:
             line, rate = _stream(runtime, prompts[0], gen)
         else:

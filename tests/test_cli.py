@@ -19,7 +19,14 @@ def _run(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_generates_and_summarises(capsys, stories_base):
+def test_generates_and_summarises(capsys, stories_base, monkeypatch):
+    from medusa_trt.runtime import MedusaRuntime
+
+    calls = []  # (drafters, max_new_tokens) of every generate call
+    generate = MedusaRuntime.generate
+    monkeypatch.setattr(
+        MedusaRuntime, "generate", lambda self, *a, **k: calls.append((self.drafting.names, k["max_new_tokens"])) or generate(self, *a, **k)
+    )
     code, out, err = _run(
         capsys,
         "--model",
@@ -44,6 +51,8 @@ def test_generates_and_summarises(capsys, stories_base):
     )
     assert lines[2].startswith("plain decoding (same engine): 20 tokens, 19 steps, 1.00 accepted/step")
     assert lines[3].startswith("speedup over plain decoding: ")
+    drafters = ("heads", "lookup", "recycle")
+    assert calls == [(drafters, 4), ((), 4), (drafters, 20), ((), 20)]  # both warmed up untimed, as medusa-bench does
 
 
 def test_saved_heads_batch_and_stream(capsys, stories_base, tmp_path):
