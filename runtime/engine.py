@@ -216,11 +216,11 @@ def engine_meta(path: str | os.PathLike) -> EngineMeta:
     return EngineMeta.from_json(props[META_KEY], source=str(files.step))
 
 
-def open_session(path: Path, options=None, providers=None):
+def open_session(path: Path, options=None, providers=None, disabled_optimizers=None):
     import onnxruntime as ort
 
     try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers, disabled_optimizers=disabled_optimizers)
     except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types for unreadable files
         reason = " ".join(str(exc).split())[:300]
         raise EngineError(f"cannot load engine {path} (truncated, or not an ONNX file?): {reason}") from exc

@@ -413,3 +413,30 @@ def test_step_threads_spin_and_heads_threads_sleep(stories_base, stories_fitted,
         step.get_session_config_entry(spin)
     assert heads.get_session_config_entry(spin) == "0"
     assert step.intra_op_num_threads == heads.intra_op_num_threads == 2
+
+
+def test_step_session_keeps_each_layers_cache_copy_beside_its_layer(stories_base, stories_fitted, export_engine, tmp_path, monkeypatch):
+    """ONNX Runtime would fuse the per-layer Gathers of the cache into one Split of the whole cache
+    ahead of layer 0; the step session disables that fusion (by a name this ONNX Runtime knows: with
+    it, no Split reads the cache), and the backend opens its step session so."""
+    import onnx
+    import onnxruntime as ort
+
+    from medusa_trt.runtime.backends import onnx_backend
+    from medusa_trt.runtime.contract import PAST_KEY
+    from medusa_trt.runtime.engine import open_session
+
+    step = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
+
+    def splits_of_the_cache(disabled) -> int:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"optimized-{bool(disabled)}.onnx")
+        open_session(step, options, ["CPUExecutionProvider"], disabled_optimizers=disabled)
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+        return sum(n.op_type == "Split" and n.input[0] == PAST_KEY for n in graph.node)
+
+    assert splits_of_the_cache(None) == 1 and splits_of_the_cache(onnx_backend.STEP_DISABLED_OPTIMIZERS) == 0
+    seen = []
+    monkeypatch.setattr(onnx_backend, "open_session", lambda *a, **k: seen.append(k.get("disabled_optimizers")) or open_session(*a, **k))
+    onnx_backend.OnnxBackend(step, threads=2)
+    assert seen == [onnx_backend.STEP_DISABLED_OPTIMIZERS, None]  # the step session, then the heads session
