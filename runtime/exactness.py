@@ -3,7 +3,7 @@
 Key slots (``key_slots.py``) lay a tree's keys out as plain decoding does, which makes a verify step
 exact only where every other kernel treats a row on its own whatever the step's width: the weight
 matmuls and their activation quantization included. Most do (fp32, int8-channel, int8-block and int4
-at the default block size); some kernel paths do not (``MatMulNBits`` with 128-weight blocks sums a
+at the default block size); some kernel paths do not (``MatMulNBits`` with 64- or 128-weight blocks sums a
 one-row step in another order than a wider one), and such an engine's drafted output drifts from
 its own plain output. ``probe`` runs the check on a real backend: a short context, ``tokens`` plain
 one-token steps, then the same tokens again in one verify step as a chain and as a tree with a
