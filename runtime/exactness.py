@@ -31,6 +31,41 @@ class Exactness:
         return {"verify_equals_plain": self.exact, "max_logit_diff": self.max_diff, "tokens": self.tokens}
 
 
+def prefill(backend, ids: np.ndarray) -> int:
+    """Score ``ids`` (int64 [C]) as a chain from an empty cache, commit them; the engine's next token."""
+    n = len(ids)
+    out = backend.step(ids[None], np.arange(n)[None], np.tri(n, dtype=bool)[None], np.array([0]))
+    backend.commit(np.arange(n)[None], np.array([n]), np.array([0]))
+    return int(out.argmax[0, -1])
+
+
+def plain_steps(backend, ids: np.ndarray, count: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill ``ids``, then ``count`` plain one-token steps: the tokens scored (the first is the
+    prefill's choice) and each one's logits (V,), a copy."""
+    n = len(ids)
+    path, logits = [prefill(backend, ids)], []  # path[j] is scored at position n + j
+    for j in range(count):
+        out = backend.step(np.array([[path[-1]]]), np.array([[n + j]]), np.ones((1, 1, 1), bool), np.array([n + j]))
+        logits.append(out.logits()[0, 0].copy())  # (V,)
+        path.append(int(out.argmax[0, 0]))
+        backend.commit(np.array([[0]]), np.array([1]), np.array([n + j]))
+    return path[:count], logits
+
+
+def tree_step(backend, tokens: list[int], parents: list[int], cache: int) -> np.ndarray:
+    """One verify step of ``tokens`` at cache length ``cache``: ``parents[i]`` is node i's parent,
+    -1 for the root, -2 for a filler at depth 1 that sees only itself. Returns its logits (W, V)."""
+    n = len(tokens)
+    mask, depth = np.eye(n, dtype=bool), np.zeros(n, dtype=np.int64)  # (W, W), (W,)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+            depth[i] = depth[p] + 1
+        elif p == -2:
+            depth[i] = 1
+    return backend.step(np.array([tokens]), (cache + depth)[None], mask[None], np.array([cache])).logits()[0]
+
+
 def probe(backend, *, context: int = CONTEXT, tokens: int = TOKENS, seed: int = 0) -> Exactness:
     """Compare verify-step and plain-step logits on ``backend`` (the step contract, batch 1).
 
@@ -42,34 +77,16 @@ def probe(backend, *, context: int = CONTEXT, tokens: int = TOKENS, seed: int = 
     tokens = max(1, min(tokens, limit - 1))  # the tree step holds the path and one sibling
     context = max(1, min(context, limit, backend.max_context - tokens - 2))
     ids = np.random.default_rng(seed).integers(0, vocab, context, dtype=np.int64)  # (C,)
-
-    def prefill() -> int:
-        out = backend.step(ids[None], np.arange(context)[None], np.tri(context, dtype=bool)[None], np.array([0]))
-        backend.commit(np.arange(context)[None], np.array([context]), np.array([0]))
-        return int(out.argmax[0, -1])
-
-    path, plain = [prefill()], []  # path[j] is scored at position context + j
-    for j in range(tokens):
-        out = backend.step(np.array([[path[-1]]]), np.array([[context + j]]), np.ones((1, 1, 1), bool), np.array([context + j]))
-        plain.append(out.logits()[0, 0].copy())  # (V,)
-        path.append(int(out.argmax[0, 0]))
-        backend.commit(np.array([[0]]), np.array([1]), np.array([context + j]))
-    path = path[:tokens]
-    sibling = (path[1] + 1) % vocab if tokens > 1 else (path[0] + 1) % vocab
+    path, plain = plain_steps(backend, ids, tokens)
     # (tokens, parents, where each path token sits): a chain, and a tree with a sibling of the first draft
     layouts = [(path, [-1, *range(tokens - 1)], list(range(tokens)))]
     if tokens > 1:
+        sibling = (path[1] + 1) % vocab
         layouts.append(([path[0], sibling, *path[1:]], [-1, 0, 0, *range(2, tokens)], [0, *range(2, tokens + 1)]))
     diffs = []
     for toks, parents, where in layouts:
-        prefill()
-        n = len(toks)
-        mask, depth = np.eye(n, dtype=bool), np.zeros(n, dtype=np.int64)  # (W, W), (W,)
-        for i, p in enumerate(parents):
-            if p >= 0:
-                mask[i] |= mask[p]
-                depth[i] = depth[p] + 1
-        logits = backend.step(np.array([toks]), (context + depth)[None], mask[None], np.array([context])).logits()[0]  # (W, V)
+        prefill(backend, ids)
+        logits = tree_step(backend, toks, parents, context)  # (W, V)
         diffs += [float(np.abs(logits[i] - plain[j]).max()) for j, i in enumerate(where)]
     worst = max(diffs)
     return Exactness(worst == 0.0, worst, len(diffs))

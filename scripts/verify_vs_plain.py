@@ -34,41 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout witho
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
-def _step(backend, tokens, parents, cache: int):
-    """One verify step of ``tokens`` (parents: -1 root, -2 a filler visible to itself only) at cache length ``cache``."""
-    n = len(tokens)
-    mask = np.eye(n, dtype=bool)  # (W, W)
-    depth = np.zeros(n, dtype=np.int64)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] |= mask[p]
-            depth[i] = depth[p] + 1
-        elif p == -2:
-            depth[i] = 1
-    return backend.step(np.array([tokens]), (cache + depth)[None], mask[None], np.array([cache])).logits()[0]  # (W, V)
-
-
 def compare(engine: str, prompt: str, count: int, align: int, threads: int) -> dict[str, tuple[int, int, float]]:
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.exactness import plain_steps, prefill, tree_step
     from medusa_trt.runtime.text import FileTextCodec
 
     backend = OnnxBackend(engine, max_batch=1, max_context=256, threads=threads)
-    ids = FileTextCodec(backend.files.tokenizer).encode(prompt, chat=False)
+    ids = np.array(FileTextCodec(backend.files.tokenizer).encode(prompt, chat=False), dtype=np.int64)
     n = len(ids)
-
-    def prefill() -> int:
-        out = backend.step(np.array([ids]), np.arange(n)[None], np.tril(np.ones((n, n), bool))[None], np.array([0]))
-        backend.commit(np.arange(n)[None], np.array([n]), np.array([0]))
-        return int(out.argmax[0, -1])
-
-    tokens, plain = [prefill()], []
-    for j in range(count):  # plain decoding: one token a step
-        out = backend.step(np.array([[tokens[-1]]]), np.array([[n + j]]), np.ones((1, 1, 1), bool), np.array([n + j]))
-        plain.append(out.logits()[0, 0].copy())
-        tokens.append(int(out.argmax[0, 0]))
-        backend.commit(np.array([[0]]), np.array([1]), np.array([n + j]))
-    sibling = (tokens[1] + 1) % backend.meta.vocab_size
-    path = tokens[:count]
+    path, plain = plain_steps(backend, ids, count)  # plain decoding: one token a step
+    sibling = (path[1] + 1) % backend.meta.vocab_size
     layouts = {
         "chain": (path, [-1, *range(count - 1)], list(range(count))),
         # root, a sibling of the first path node, then the rest of the path
@@ -82,8 +57,8 @@ def compare(engine: str, prompt: str, count: int, align: int, threads: int) -> d
     )
     found = {}
     for name, (toks, parents, where) in layouts.items():
-        prefill()
-        logits = _step(backend, toks, parents, n)
+        prefill(backend, ids)
+        logits = tree_step(backend, toks, parents, n)
         diffs = [float(np.abs(logits[i] - plain[j]).max()) for j, i in enumerate(where)]
         found[name] = (sum(d == 0.0 for d in diffs), len(diffs), max(diffs))
     return found
