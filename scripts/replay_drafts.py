@@ -12,11 +12,17 @@ bound). Use it to calibrate priors, budgets and drafter sets before running the 
     .venv/bin/python scripts/replay_drafts.py --model smollm2-135m --heads assets/smollm2-135m-medusa \\
         --tree mc_sim_7b_63 --prompts ../shared/data/spec_bench_dev.jsonl --every 3 --max-new-tokens 128 \\
         --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --out docs/replay.json
+
+``--engine DIR`` budgets and models the speed-up with that engine folder's own step cost and heads call
+(drafting.json) instead of the default table; ``--variant NAME:FIELD=VALUE,...`` (repeatable) replays
+each drafter set again under a changed ``DraftingConfig`` (``lookup.max_ngram=4``, ``max_depth=12``,
+``recycle.widths=4-2-1-1``), in the same pass over the cached continuations.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -31,6 +37,7 @@ from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.acceptance import greedy
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsProposer, Observed, build_tree
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
+from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
 from medusa_trt.runtime.sampling import SamplingParams
 
 log = logging.getLogger("replay_drafts")
@@ -67,6 +74,49 @@ def head_topk(model, ids: list[int], top_k: int, expansion=None, start: int = 0)
     probs = np.zeros(ids_out.shape, dtype=np.float32)
     ids_out[first:], probs[first:] = top.indices.numpy(), top.values.exp().numpy()
     return ids_out, probs
+
+
+def engine_cost(folder: Path) -> tuple[CostModel, float]:
+    """An engine folder's measured step cost (drafting.json ``step_cost``) and its heads call, both
+    relative to a one-token step."""
+    raw = read_drafting(folder)
+    table = step_cost_table(raw.get("step_cost"))
+    if table is None:
+        raise SystemExit(f"replay_drafts: {folder} has no step_cost in drafting.json: time it with medusa-calibrate --engine {folder}")
+    return CostModel(table), float(raw.get("heads_cost", 0.0))
+
+
+def parse_variant(spec: str, base: DraftingConfig) -> tuple[str, DraftingConfig]:
+    """``NAME:FIELD=VALUE,...`` as (NAME, ``base`` with those fields changed): FIELD is a field of
+    ``DraftingConfig`` or ``lookup.`` / ``recycle.`` and one of theirs; VALUE an int, or ints joined by
+    '-' for a tuple (``recycle.widths=4-2-1-1``)."""
+    name, sep, body = spec.partition(":")
+    if not name or not sep or not body:
+        raise SystemExit(f"replay_drafts: --variant {spec!r} is not NAME:FIELD=VALUE[,FIELD=VALUE]")
+    config = base
+    for item in body.split(","):
+        field, eq, text = item.partition("=")
+        try:
+            value = tuple(int(v) for v in text.split("-")) if "-" in text else int(text)
+        except ValueError:
+            value = None
+        if not eq or value is None:
+            raise SystemExit(f"replay_drafts: --variant {spec!r}: {item!r} is not FIELD=INT or FIELD=INT-INT-...")
+        outer, _, inner = field.rpartition(".")
+        try:
+            if outer:  # a field of the lookup / recycle config
+                config = dataclasses.replace(config, **{outer: dataclasses.replace(getattr(config, outer), **{inner: value})})
+            else:
+                config = dataclasses.replace(config, **{inner: value})
+        except (AttributeError, TypeError) as exc:
+            raise SystemExit(f"replay_drafts: --variant {spec!r}: no field {field!r} in DraftingConfig ({exc})") from exc
+    return name, config
+
+
+def modelled_speedup(steps: np.ndarray, nodes: np.ndarray, cost: CostModel, heads: float) -> float:
+    """Tokens per unit of plain-step cost: each step of ``nodes`` tokens costs ``cost(nodes)`` one-token
+    steps plus the heads call ``heads`` (0 for sets without the heads), plain decoding 1 per token."""
+    return float(steps.sum() / (cost.cost(nodes) + heads).sum())
 
 
 class _Tallied(AcceptanceStats):
@@ -155,6 +205,13 @@ def main(argv=None) -> int:
         type=int,
         help="the heads draft from token ids 0..N-1 only, as an engine exported with --draft-vocab N (give it its own --cache)",
     )
+    p.add_argument("--engine", type=Path, help="an engine folder whose drafting.json step cost and heads call the budget uses")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:FIELD=VALUE,... a DraftingConfig change replayed beside the defaults (lookup.max_ngram=4, max_depth=12); repeatable",
+    )
     p.add_argument(
         "--tally", type=Path, help="write [accepted, tested] per statistics key over the whole replay (JSON): what priors are fitted to"
     )
@@ -168,10 +225,13 @@ def main(argv=None) -> int:
     model.draft_vocab = args.draft_vocab
     runtime = MedusaRuntime(model, tree=args.tree, max_context=1024, max_batch=1)
     plain = runtime.plain()
-    cost = runtime.drafting.cost
+    cost, heads_cost = engine_cost(args.engine) if args.engine else (runtime.drafting.cost, 0.0)
+    base = dataclasses.replace(runtime.drafting.config, cost=cost)
+    configs = {"": base} | dict(parse_variant(v, base) for v in args.variant)
     modes = {"confidence": ("",), "rank": (":rank",), "both": ("", ":rank")}[args.heads_keys]
-    rows = [(names, mode) for names in sets for mode in (modes if "heads" in names else ("",))]
-    results = {(",".join(n) or "none") + m: [] for n, m in rows}
+    rows = [(names, mode, v) for names in sets for mode in (modes if "heads" in names else ("",)) for v in configs]
+    results = {(",".join(n) or "none") + m + (f"@{v}" if v else ""): [] for n, m, v in rows}
+    calls_heads = {(",".join(n) or "none") + m + (f"@{v}" if v else ""): "heads" in n for n, m, v in rows}  # pays the heads call
     tally: dict = {}
     cached = dict(np.load(args.cache, allow_pickle=True)) if args.cache and args.cache.is_file() else {}
     saved = {}
@@ -189,8 +249,8 @@ def main(argv=None) -> int:
             heads_rows = runtime.drafting.template.rows
             topk, conf = topk[:, :heads_rows], conf[:, :heads_rows]
         saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
-        for names, mode in rows:
-            row = (",".join(names) or "none") + mode
+        for names, mode, variant in rows:
+            row = (",".join(names) or "none") + mode + (f"@{variant}" if variant else "")
             results[row].append(
                 replay(
                     runtime,
@@ -199,6 +259,7 @@ def main(argv=None) -> int:
                     topk,
                     names,
                     cost,
+                    configs[variant] if variant else None,
                     confidence=None if mode else conf,
                     tally=tally if row == "heads,lookup,recycle" else None,
                 )
@@ -209,7 +270,7 @@ def main(argv=None) -> int:
     for name, per_prompt in results.items():
         steps = np.array([x for s, _ in per_prompt for x in s])
         nodes = np.array([x for _, n in per_prompt for x in n])
-        modelled = steps.sum() / cost.cost(nodes).sum()  # tokens per plain-step cost: the modelled speedup
+        modelled = modelled_speedup(steps, nodes, cost, heads_cost if calls_heads[name] else 0.0)
         table[name] = {
             "tokens_per_step": float(steps.mean()),
             "mean_nodes": float(nodes.mean()),
