@@ -229,9 +229,14 @@ def main(argv=None) -> int:
     base = dataclasses.replace(runtime.drafting.config, cost=cost)
     configs = {"": base} | dict(parse_variant(v, base) for v in args.variant)
     modes = {"confidence": ("",), "rank": (":rank",), "both": ("", ":rank")}[args.heads_keys]
-    rows = [(names, mode, v) for names in sets for mode in (modes if "heads" in names else ("",)) for v in configs]
-    results = {(",".join(n) or "none") + m + (f"@{v}" if v else ""): [] for n, m, v in rows}
-    calls_heads = {(",".join(n) or "none") + m + (f"@{v}" if v else ""): "heads" in n for n, m, v in rows}  # pays the heads call
+    rows = [  # (label, drafter set, heads keys, variant)
+        ((",".join(names) or "none") + mode + (f"@{v}" if v else ""), names, mode, v)
+        for names in sets
+        for mode in (modes if "heads" in names else ("",))
+        for v in configs
+    ]
+    results = {label: [] for label, *_ in rows}
+    calls_heads = {label: "heads" in names for label, names, *_ in rows}  # steps that pay the heads call
     tally: dict = {}
     cached = dict(np.load(args.cache, allow_pickle=True)) if args.cache and args.cache.is_file() else {}
     saved = {}
@@ -249,9 +254,8 @@ def main(argv=None) -> int:
             heads_rows = runtime.drafting.template.rows
             topk, conf = topk[:, :heads_rows], conf[:, :heads_rows]
         saved |= {f"ids{i}": np.array(ids), f"cont{i}": np.array(continuation), f"topk{i}": topk, f"conf{i}": conf}
-        for names, mode, variant in rows:
-            row = (",".join(names) or "none") + mode + (f"@{variant}" if variant else "")
-            results[row].append(
+        for label, names, mode, variant in rows:
+            results[label].append(
                 replay(
                     runtime,
                     ids,
@@ -259,9 +263,9 @@ def main(argv=None) -> int:
                     topk,
                     names,
                     cost,
-                    configs[variant] if variant else None,
+                    configs[variant],
                     confidence=None if mode else conf,
-                    tally=tally if row == "heads,lookup,recycle" else None,
+                    tally=tally if label == "heads,lookup,recycle" else None,
                 )
             )
     if args.cache and not cached:
