@@ -66,6 +66,27 @@ def tree_step(backend, tokens: list[int], parents: list[int], cache: int) -> np.
     return backend.step(np.array([tokens]), (cache + depth)[None], mask[None], np.array([cache])).logits()[0]
 
 
+def layouts(path: list[int], vocab: int) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """The verify steps that re-score ``path`` (the plain steps' tokens), as {name: (tokens, parents,
+    where each path token sits)}: a chain, and (two tokens or more) a tree with a sibling of the
+    first draft beside the path."""
+    n = len(path)
+    found = {"chain": (path, [-1, *range(n - 1)], list(range(n)))}
+    if n > 1:
+        sibling = (path[1] + 1) % vocab
+        found["tree"] = ([path[0], sibling, *path[1:]], [-1, 0, 0, *range(2, n)], [0, *range(2, n + 1)])
+    return found
+
+
+def verify_diffs(backend, ids: np.ndarray, layout: tuple, plain: list[np.ndarray]) -> list[float]:
+    """Prefill ``ids`` again, run one verify step of ``layout`` (tokens, parents, where) after it and
+    return each path token's max absolute logit difference from its plain-step logits ``plain``."""
+    tokens, parents, where = layout
+    prefill(backend, ids)
+    logits = tree_step(backend, tokens, parents, len(ids))  # (W, V)
+    return [float(np.abs(logits[i] - plain[j]).max()) for j, i in enumerate(where)]
+
+
 def probe(backend, *, context: int = CONTEXT, tokens: int = TOKENS, seed: int = 0) -> Exactness:
     """Compare verify-step and plain-step logits on ``backend`` (the step contract, batch 1).
 
@@ -78,15 +99,6 @@ def probe(backend, *, context: int = CONTEXT, tokens: int = TOKENS, seed: int = 
     context = max(1, min(context, limit, backend.max_context - tokens - 2))
     ids = np.random.default_rng(seed).integers(0, vocab, context, dtype=np.int64)  # (C,)
     path, plain = plain_steps(backend, ids, tokens)
-    # (tokens, parents, where each path token sits): a chain, and a tree with a sibling of the first draft
-    layouts = [(path, [-1, *range(tokens - 1)], list(range(tokens)))]
-    if tokens > 1:
-        sibling = (path[1] + 1) % vocab
-        layouts.append(([path[0], sibling, *path[1:]], [-1, 0, 0, *range(2, tokens)], [0, *range(2, tokens + 1)]))
-    diffs = []
-    for toks, parents, where in layouts:
-        prefill(backend, ids)
-        logits = tree_step(backend, toks, parents, context)  # (W, V)
-        diffs += [float(np.abs(logits[i] - plain[j]).max()) for j, i in enumerate(where)]
+    diffs = [d for layout in layouts(path, vocab).values() for d in verify_diffs(backend, ids, layout, plain)]
     worst = max(diffs)
     return Exactness(worst == 0.0, worst, len(diffs))

@@ -36,30 +36,23 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 def compare(engine: str, prompt: str, count: int, align: int, threads: int) -> dict[str, tuple[int, int, float]]:
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
-    from medusa_trt.runtime.exactness import plain_steps, prefill, tree_step
+    from medusa_trt.runtime.exactness import layouts, plain_steps, verify_diffs
     from medusa_trt.runtime.text import FileTextCodec
 
     backend = OnnxBackend(engine, max_batch=1, max_context=256, threads=threads)
     ids = np.array(FileTextCodec(backend.files.tokenizer).encode(prompt, chat=False), dtype=np.int64)
-    n = len(ids)
     path, plain = plain_steps(backend, ids, count)  # plain decoding: one token a step
-    sibling = (path[1] + 1) % backend.meta.vocab_size
-    layouts = {
-        "chain": (path, [-1, *range(count - 1)], list(range(count))),
-        # root, a sibling of the first path node, then the rest of the path
-        "tree": ([path[0], sibling, *path[1:]], [-1, 0, 0, *range(2, count)], [0, *range(2, count + 1)]),
-    }
+    steps = layouts(path, backend.meta.vocab_size)  # chain; tree: root, a sibling of path[1], then the rest of the path
+    sibling = steps["tree"][0][1]
     filler = (align - 1) % align  # puts path[1] at index 1 + align: its position modulo align again
-    layouts["tree+aligned"] = (
+    steps["tree+aligned"] = (
         [path[0], sibling, *[sibling] * filler, *path[1:]],
         [-1, 0, *[-2] * filler, 0, *range(2 + filler, count + filler)],
         [0, *range(2 + filler, count + 1 + filler)],
     )
     found = {}
-    for name, (toks, parents, where) in layouts.items():
-        prefill(backend, ids)
-        logits = tree_step(backend, toks, parents, n)
-        diffs = [float(np.abs(logits[i] - plain[j]).max()) for j, i in enumerate(where)]
+    for name, layout in steps.items():
+        diffs = verify_diffs(backend, ids, layout, plain)
         found[name] = (sum(d == 0.0 for d in diffs), len(diffs), max(diffs))
     return found
 
