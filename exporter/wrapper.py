@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from medusa_trt.exporter.architecture import AttentionPlan, Probe, UnsupportedModelError, probe_attention, record_call
+from medusa_trt.exporter.experts import use_export_experts
 from medusa_trt.exporter.heads import MedusaHeads
 from medusa_trt.exporter.models import BaseModel
-from medusa_trt.plugins.tree_attention.reference import scattered_bias, tree_attention, visibility_bias
+from medusa_trt.plugins.tree_attention.reference import key_positions, scattered_bias, tree_attention, visibility_bias, window_bias
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,17 @@ class _StepKV:
     cache_lengths: torch.Tensor  # int64 [B]
     attention_form: str = "onnx"  # one of ATTENTION_FORMS
     key_slots: torch.Tensor | None = None  # int64 [B, T]: scatter the new K/V into the view there (runtime/key_slots.py)
+    position_ids: torch.Tensor | None = None  # int64 [B, T]: the new tokens' positions (sliding windows)
     new_key: list = field(default_factory=list)  # per layer [B, Hkv, T, D]
     new_value: list = field(default_factory=list)
+    _windowed: dict = field(default_factory=dict)  # window -> bias, built once per step for all layers of that window
+
+    def windowed(self, bias: torch.Tensor, window: int) -> torch.Tensor:
+        """``bias`` [B, 1, T, K] with keys ``window`` or more positions behind their query masked."""
+        if window not in self._windowed:
+            positions = key_positions(self.cache_lengths, self.position_ids, self.past_key.shape[0], self.key_slots)  # (B, K)
+            self._windowed[window] = window_bias(bias, self.position_ids, positions, window)
+        return self._windowed[window]
 
 
 @functools.cache
@@ -65,31 +76,59 @@ def _kernel_attend():
         return None
 
 
+def _original_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention the model was loaded with (eager, sdpa, ...), for plain ``transformers`` use of a
+    wrapped model: ``generate()`` on it stays the model's own reference."""
+    import sys
+
+    from transformers import AttentionInterface
+
+    name = getattr(module.config, "_medusa_original_attention", None) or "sdpa"
+    if name == "eager":
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # our mask function makes sdpa's bool masks
+            attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+    else:
+        fn = AttentionInterface()[name]
+    return fn(module, query, key, value, attention_mask, **kwargs)
+
+
 def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, medusa_kv=None, **kwargs):
     """transformers attention interface: query [B, Hq, T, D], key/value [B, Hkv, T, D] (rotary applied).
 
-    Returns ([B, T, Hq, D], None) like the built-in implementations."""
+    Returns ([B, T, Hq, D], None) like the built-in implementations. The layer's attention features
+    arrive as keywords (``sliding_window``, ``softcap``, ``s_aux`` sinks) and are honoured here in
+    every form; ``exporter/architecture.py`` refuses, at load, any keyword not implemented."""
     if medusa_kv is None:  # plain transformers use of the same model object
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer = module.layer_idx
-    medusa_kv.new_key.append(key)
-    medusa_kv.new_value.append(value)
+        return _original_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if isinstance(medusa_kv, Probe):  # MedusaModel's load-time probe: what does this layer ask for?
+        return record_call(medusa_kv, module, query, key, dict(kwargs, scaling=scaling, dropout=dropout)), None
     kv = medusa_kv
+    layer = len(kv.new_key)  # call order: the probe checked that every layer attends once, in order
+    kv.new_key.append(key)
+    kv.new_value.append(value)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    sinks = kwargs.get("s_aux")
+    plain = window is None and softcap is None and sinks is None  # what the plugin op and the CUDA kernel implement
     if kv.attention_form == "plugin":  # one opaque op: exported as the spec's custom node
         from medusa_trt.plugins.tree_attention import torch_op  # noqa: F401 - registers torch.ops.medusa_trt
 
+        if not plain:  # MedusaModel.check_form refuses this at export; an internal invariant here
+            raise UnsupportedModelError("the plugin tree attention implements no sliding window, soft-capping or sinks")
         out = torch.ops.medusa_trt.tree_attention(
             query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale
         )
-    elif kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:  # eager CUDA
+    elif plain and kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:
         out = _kernel_attend()(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer=layer, scale=scale)
     else:  # reference math in standard ops (what the standard ONNX graph holds)
         past_key = kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
         past_value = kv.past_value[:, layer].permute(1, 2, 0, 3)
-        out = tree_attention(query, key, value, past_key, past_value, attention_mask, scaling, kv.key_slots)  # (B, Hq, T, D)
+        bias = attention_mask if window is None else kv.windowed(attention_mask, int(window))
+        out = tree_attention(query, key, value, past_key, past_value, bias, scale, kv.key_slots, softcap, sinks)  # (B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -119,7 +158,12 @@ class MedusaModel(nn.Module):
         super().__init__()
         _register_attention()
         self.base = base.model
+        config = self.base.config
+        if config._attn_implementation != ATTN_IMPLEMENTATION:  # kept for plain transformers use (_original_attention)
+            config._medusa_original_attention = config._attn_implementation
         self.base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        use_export_experts(self.base)  # MoE blocks: an experts implementation that exports (exporter/experts.py)
+        self.attention: AttentionPlan = probe_attention(self.base, lambda probe: probe)  # refuses what it cannot serve
         first = next(self.base.parameters())
         self.heads = heads.to(device=first.device, dtype=first.dtype) if heads is not None else None
         self.tokenizer = base.tokenizer
@@ -132,20 +176,22 @@ class MedusaModel(nn.Module):
         self.num_heads = heads.config.num_heads if heads is not None else 0
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.attention_form = "onnx"  # ATTENTION_FORMS; the exporter sets "plugin" while it traces
         self.draft_vocab: int | None = None  # propose() covers token ids 0 .. N-1 only, as an engine exported with --draft-vocab N
 
     @property
     def kv_spec(self) -> KVSpec:
         """Cache geometry; the dtype follows the weights (after ``.to(torch.float16)`` too)."""
-        cfg = self.base.config
-        return KVSpec(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            dtype=next(self.base.parameters()).dtype,
-        )
+        plan = self.attention
+        return KVSpec(len(plan.layers), plan.num_kv_heads, plan.head_dim, next(self.base.parameters()).dtype)
+
+    def check_form(self, form: str) -> None:
+        """Refuse an attention form that does not implement a feature this model's layers ask for."""
+        if form == "plugin" and any(layer.window or layer.softcap or layer.sinks for layer in self.attention.layers):
+            raise UnsupportedModelError(
+                f"--attention plugin: the tree-attention plugin does not implement this {self.attention.architecture} model's "
+                f"{', '.join(f for f in self.attention.features if not f.startswith('grouped'))}: export with --attention onnx"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -171,23 +217,25 @@ class MedusaModel(nn.Module):
         verify step can lay every key out as plain decoding does (runtime/key_slots.py)."""
         if key_slots is not None and self.attention_form == "plugin":
             raise ValueError("the plugin attention appends the new keys: key_slots is for the standard form")
-        kv = _StepKV(past_key, past_value, tree_mask, cache_lengths, self.attention_form, key_slots)
+        kv = _StepKV(past_key, past_value, tree_mask, cache_lengths, self.attention_form, key_slots, position_ids)
         # the plugin form reads tree_mask and cache_lengths itself; its traced graph drops this bias as dead code
         if key_slots is None:
             bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S+T)
         else:
             bias = scattered_bias(cache_lengths, tree_mask, key_slots, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S)
-        out = self.base.model(
+        # the whole causal LM, so its own logit processing (final soft-capping, Granite's logits scaling) stays in
+        out = self.base(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=bias,  # 4D: passed through untouched to the attention function
             use_cache=False,
-            output_hidden_states=self.head_layer is not None,
+            output_hidden_states=True,
+            logits_to_keep=0,
             medusa_kv=kv,
         )
-        final = out.last_hidden_state  # (B, T, H), after the final norm
-        logits = self.base.lm_head(final)  # (B, T, V)
-        hidden = final if self.head_layer is None else out.hidden_states[self.head_layer + 1]
+        logits = out.logits  # (B, T, V)
+        # hidden_states[-1] is the decoder's output after its final norm (transformers ties it to last_hidden_state)
+        hidden = out.hidden_states[-1 if self.head_layer is None else self.head_layer + 1]  # (B, T, H)
         new_key = torch.stack(kv.new_key).permute(3, 0, 1, 2, 4)  # (layers, B, Hkv, T, D) -> (T, layers, B, Hkv, D)
         new_value = torch.stack(kv.new_value).permute(3, 0, 1, 2, 4)
         return logits, hidden, logits.argmax(dim=-1), new_key.contiguous(), new_value.contiguous()
@@ -272,14 +320,14 @@ def load_medusa(
             heads,
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
-            lm_head=base.model.lm_head,
+            lm_head=base.model.get_output_embeddings(),
             num_decoder_layers=cfg.num_hidden_layers,
             head_layer=head_layer,
             embed=base.model.get_input_embeddings(),
         )
     elif heads is None and untrained_heads:
         config = HeadsConfig(untrained_heads, 1, cfg.hidden_size, cfg.vocab_size, shared_lm_head=True, head_layer=head_layer)
-        heads = init_heads(config, base.model.lm_head)
+        heads = init_heads(config, base.model.get_output_embeddings())
     if heads is not None:
         heads = heads.eval().requires_grad_(False)  # MedusaModel puts them on the base's device and dtype
     return MedusaModel(base, heads)

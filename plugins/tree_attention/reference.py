@@ -8,6 +8,15 @@ Grouped-query attention: query head h reads KV head h // (Hq // Hkv).
 With ``key_slots`` (engines that have that step input, ``runtime/key_slots.py``) the new keys are
 scattered into the cache view at the host's slots instead of appended after it, so every key can
 sit where plain decoding puts it; the math is the same, the key axis is the view's S slots.
+
+Attention features a layer may ask for (``exporter/architecture.LayerAttention``), each applied
+here exactly as ``transformers``' eager attention applies it:
+
+* a sliding window W: query position p sees key position k only where p - k < W. A committed
+  slot s holds position s; a new key holds its node's position (``key_positions``), so trees whose
+  keys lie past the window are masked by position, wherever their keys sit on the key axis;
+* logit soft-capping c: scores = c * tanh(scores / c), before the mask;
+* attention sinks: one learnt logit per query head joins each softmax and is dropped after it.
 """
 
 from __future__ import annotations
@@ -51,6 +60,33 @@ def scattered_bias(
     return bias[:, None]  # (B, 1, T, S)
 
 
+def key_positions(
+    cache_lengths: torch.Tensor,  # int64 [B]
+    position_ids: torch.Tensor,  # int64 [B, T]: each new token's position
+    past_len: int,  # S
+    key_slots: torch.Tensor | None = None,  # int64 [B, T]: the new keys' slots in the view (None: appended after it)
+) -> torch.Tensor:
+    """int64 [B, S+T] (appended) or [B, S] (scattered): the position of the token whose key sits at
+    each index of the key axis. Committed slot s holds position s; indices that hold no visible key
+    get their slot number, which the visibility bias masks anyway."""
+    batch = position_ids.shape[0]
+    slots = torch.arange(past_len, device=position_ids.device)[None, :].expand(batch, past_len)  # (B, S)
+    if key_slots is None:
+        return torch.cat([slots, position_ids], dim=1)  # (B, S+T)
+    return slots.scatter(1, key_slots, position_ids)  # (B, S)
+
+
+def window_bias(
+    bias: torch.Tensor,  # [B, 1, T, K] from visibility_bias / scattered_bias
+    query_positions: torch.Tensor,  # int64 [B, T]
+    positions: torch.Tensor,  # int64 [B, K] from key_positions
+    window: int,
+) -> torch.Tensor:
+    """``bias`` with every key at or past ``window`` positions behind its query masked: [B, 1, T, K]."""
+    behind = query_positions[:, :, None] - positions[:, None, :]  # (B, T, K)
+    return bias.masked_fill((behind >= window)[:, None], torch.finfo(bias.dtype).min)
+
+
 def scatter_new(past: torch.Tensor, new: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
     """past [B, Hkv, S, D] with new [B, Hkv, T, D] written at slots key_slots [B, T] (a copy: the cache is untouched)."""
     index = key_slots[:, None, :, None].expand(new.shape)  # (B, Hkv, T, D)
@@ -66,8 +102,10 @@ def tree_attention(
     bias: torch.Tensor,  # [B, 1, T, S+T] from visibility_bias ([B, 1, T, S] from scattered_bias with key_slots)
     scale: float,
     key_slots: torch.Tensor | None = None,  # int64 [B, T]: scatter the new keys into the view instead of appending them
+    softcap: float | None = None,  # attention-logit soft-capping
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits
 ) -> torch.Tensor:
-    """Returns the attention output [B, Hq, T, D].
+    """Returns the attention output [B, Hq, T, D]. A sliding window is part of ``bias`` (``window_bias``).
 
     Grouped-query attention without copying the cache per query head: the G = Hq / Hkv query heads
     of one KV head are stacked along the query axis, (B, Hq, T, D) -> (B, Hkv, G*T, D), so every
@@ -82,5 +120,19 @@ def tree_attention(
         keys, values = scatter_new(past_key, key, key_slots), scatter_new(past_value, value, key_slots)  # (B, Hkv, S, D)
     q = query.reshape(batch, hkv, groups * t, d)  # head h = kv * G + g -> row g * T + i of KV head kv
     mask = bias.to(query.dtype).expand(batch, groups, t, bias.shape[-1]).reshape(batch, 1, groups * t, bias.shape[-1])  # (B, 1, G*T, S+T)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # (B, Hkv, G*T, D)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # (B, Hkv, G*T, D)
+        return out.reshape(batch, hq, t, d)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (B, Hkv, G*T, K)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is not None:  # head h = kv * G + g owns row g * T + i of KV head kv
+        sink = sinks.to(scores.dtype).reshape(1, hkv, groups, 1).expand(batch, hkv, groups, t).reshape(batch, hkv, groups * t, 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (B, Hkv, G*T, K+1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1)[..., :-1]  # the sink takes its share, then is dropped
+    else:
+        probs = torch.softmax(scores, dim=-1)  # (B, Hkv, G*T, K)
+    out = torch.matmul(probs.to(values.dtype), values)  # (B, Hkv, G*T, D)
     return out.reshape(batch, hq, t, d)
