@@ -7,6 +7,7 @@ Duck-typed on the ``transformers`` tokenizer interface (``__call__``/``encode``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from medusa_trt.runtime.errors import MedusaError
@@ -14,6 +15,10 @@ from medusa_trt.runtime.errors import MedusaError
 
 class PromptError(MedusaError):
     """A prompt the user passed cannot be run; the message says what to change."""
+
+
+class TemplateKwargsError(PromptError):
+    """``chat_template_kwargs`` the chat template cannot take; the message says which and why."""
 
 
 class TokenizerError(MedusaError):
@@ -49,13 +54,18 @@ ROLES = ("system", "user", "assistant")  # the turns a conversation prompt may h
 
 def check_messages(messages, where: str = "the conversation") -> list[dict]:
     """A conversation prompt: a non-empty list of {"role", "content"} dicts, roles from ``ROLES``,
-    contents non-empty UTF-8 text. Returns plain {"role", "content"} dicts for the chat template."""
+    contents non-empty UTF-8 text; an assistant turn may carry its ``reasoning_content`` (text, as
+    vLLM and transformers name a reasoning model's thinking: Qwen3's template renders it in
+    ``<think>`` tags). Returns plain dicts of those keys for the chat template."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not messages:
         raise PromptError(f"{where} must be a non-empty list of {{'role', 'content'}} messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
-            raise PromptError(f"{where}: message {i} must be a dict with exactly the keys 'role' and 'content', got {m!r:.80}")
+        if not isinstance(m, dict) or set(m) - {"role", "content", "reasoning_content"} or not {"role", "content"} <= set(m):
+            raise PromptError(
+                f"{where}: message {i} must be a dict with exactly the keys 'role' and 'content' "
+                f"(an assistant turn may add 'reasoning_content'), got {m!r:.80}"
+            )
         if m["role"] not in ROLES:
             raise PromptError(f"{where}: message {i} has role {m['role']!r}: use one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
@@ -64,8 +74,82 @@ def check_messages(messages, where: str = "the conversation") -> list[dict]:
             check_text(m["content"])
         except PromptError as exc:
             raise PromptError(f"{where}: message {i} ({m['role']}): {exc}") from exc
-        out.append({"role": m["role"], "content": m["content"]})
+        message = {"role": m["role"], "content": m["content"]}
+        if m.get("reasoning_content") is not None:
+            reasoning = m["reasoning_content"]
+            if m["role"] != "assistant" or not isinstance(reasoning, str):
+                raise PromptError(f"{where}: message {i}: reasoning_content is text on an assistant message, got {reasoning!r:.80}")
+            try:
+                reasoning.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PromptError(f"{where}: message {i}: reasoning_content is not valid UTF-8 text") from exc
+            message["reasoning_content"] = reasoning
+        out.append(message)
     return out
+
+
+# what the codec passes the chat template itself, as transformers' apply_chat_template does
+TEMPLATE_ARGS = ("messages", "add_generation_prompt", "tools", "documents")
+_JSON_DEPTH = 16  # nesting a template variable may have
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (``jinja2.meta``; the environment's globals,
+    such as ``raise_exception``, left out)."""
+    from jinja2 import meta
+
+    env = _chat_environment()
+    return frozenset(meta.find_undeclared_variables(env.parse(template)) - set(env.globals))
+
+
+def check_template_kwargs(kwargs, variables: frozenset[str] | None) -> dict:
+    """Extra variables for the chat template, as vLLM's ``chat_template_kwargs`` (Qwen3's
+    ``{"enable_thinking": false}``): an object of JSON values, each named for a variable the template
+    reads (``variables``; None: not checked), none of ``TEMPLATE_ARGS``. A name the template does not
+    read is refused rather than ignored: the prompt would not be what the caller asked for."""
+    where = "chat_template_kwargs"
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise TemplateKwargsError(f"{where} must be an object of chat template variables, got {type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise TemplateKwargsError(f"{where}: {key!r} is not a template variable name")
+        if key in TEMPLATE_ARGS:
+            raise TemplateKwargsError(f"{where}: {key!r} is set by the server, not by the request: leave it out")
+        if variables is not None and key not in variables:
+            known = ", ".join(sorted(variables - set(TEMPLATE_ARGS))) or "none"
+            raise TemplateKwargsError(f"{where}: the model's chat template does not read {key!r} (it reads: {known})")
+        _check_json(value, f"{where}.{key}", 0)
+    return dict(kwargs)
+
+
+def _check_json(value, where: str, depth: int) -> None:
+    if depth > _JSON_DEPTH:
+        raise TemplateKwargsError(f"{where} nests deeper than {_JSON_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise TemplateKwargsError(f"{where} is not a JSON number: {value}")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TemplateKwargsError(f"{where} has a key that is not text: {key!r}")
+            _check_json(item, f"{where}.{key}", depth + 1)
+        return
+    raise TemplateKwargsError(f"{where} is not a JSON value: {type(value).__name__}")
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: reasoning under ``thinking`` too (gpt-oss reads that)."""
+    return [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
 
 
 def _short(exc: BaseException) -> str:
@@ -90,11 +174,22 @@ class TextCodec:
         """The tokenizer's ids for ``text`` (special tokens as its post-processor adds them), unchecked."""
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation ({"role", "content"} dicts, system / user / assistant turns) through the chat
-        template, ready for the reply."""
+    def _template_kwargs(self, template_kwargs) -> dict:
+        template = self.tokenizer.chat_template
+        return check_template_kwargs(template_kwargs, template_variables(template) if isinstance(template, str) else None)
+
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None, *, add_generation_prompt: bool = True) -> str:
+        """The chat template's text for a conversation (transformers' ``apply_chat_template``)."""
+        kwargs = self._template_kwargs(template_kwargs)
         messages = check_messages(messages)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+
+    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """A conversation ({"role", "content"} dicts, system / user / assistant turns) through the chat
+        template, ready for the reply; ``template_kwargs``: extra template variables (``check_template_kwargs``)."""
+        messages = check_messages(messages)
+        kwargs = self._template_kwargs(template_kwargs)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return _some_tokens([int(i) for i in ids])
 
@@ -135,7 +230,8 @@ class FileTextCodec:
             raise TokenizerError(f"tokenizer files in {folder} are corrupt ({_short(exc)}): copy them again or export again") from exc
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise TokenizerError(f"{config_file}: chat_template is not a string (multiple named templates are not supported): export again")
-        self._template = None
+        self._template, self.template_variables = None, frozenset()
+        self.special_tokens = _special_tokens(self.config)  # what transformers passes as its special_tokens_map
         if self.chat_template is not None:
             self._compile(folder)
         if check:
@@ -163,16 +259,11 @@ class FileTextCodec:
     def _compile(self, folder) -> None:
         """Compile the chat template once, so a broken one is named at load, not on the first request."""
         from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise PromptError(f"chat template refused the prompt: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = raise_exception
         try:
+            env = _chat_environment()
             self._template = env.from_string(self.chat_template)
+            self.template_variables = template_variables(self.chat_template)
         except TemplateError as exc:
             raise TokenizerError(f"the chat template in {folder} is not valid Jinja ({_short(exc)}): fix it or export again") from exc
 
@@ -180,14 +271,24 @@ class FileTextCodec:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
-    def _render(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None, *, add_generation_prompt: bool = True) -> str:
+        """The chat template's text for a conversation, as transformers' ``apply_chat_template`` renders
+        it: the special tokens of tokenizer_config.json, ``tools`` and ``documents`` None, then
+        ``template_kwargs`` (``check_template_kwargs``: they may override a special token, as there)."""
         from jinja2 import TemplateError
 
-        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v) is not None}
+        if self.chat_template is None:
+            raise PromptError("the tokenizer has no chat template: a conversation cannot be encoded")
+        messages = _template_messages(check_messages(messages))
+        kwargs = self.special_tokens | check_template_kwargs(template_kwargs, self.template_variables)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **special)
-        except TemplateError as exc:
-            raise PromptError(f"the engine's chat template failed on this prompt ({_short(exc)}): pass chat_template=False") from exc
+            return self._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except TemplateRefused as exc:
+            raise PromptError(f"the engine's chat template refused this conversation: {exc}") from None
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:  # what a template's own code may raise
+            raise PromptError(f"the engine's chat template failed on this conversation ({_short(exc)}): pass chat_template=False") from exc
 
     def encode(self, text: str, *, chat: bool) -> list[int]:
         check_text(text)
@@ -199,16 +300,90 @@ class FileTextCodec:
         """The tokenizer's ids for ``text`` (special tokens as its post-processor adds them), unchecked."""
         return self.tokenizer.encode(text).ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """A conversation ({"role", "content"} dicts, system / user / assistant turns) through the chat
-        template, ready for the reply."""
-        if self.chat_template is None:
-            raise PromptError("the tokenizer has no chat template: a conversation cannot be encoded")
-        messages = check_messages(messages)
-        return _some_tokens(self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids)
+        template, ready for the reply; ``template_kwargs``: extra template variables (``check_template_kwargs``).
+        The template writes the special tokens itself: none are added."""
+        return _some_tokens(self.tokenizer.encode(self.render_chat(messages, template_kwargs), add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    """The named special tokens of tokenizer_config.json (``bos_token``, ``eos_token``, Gemma-3's
+    ``boi_token``...; an ``extra_special_tokens`` object's names too), as transformers' ``special_tokens_map``."""
+    named = {k: v for k, v in config.items() if k.endswith("_token")}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        named |= {k: v for k, v in extra.items() if isinstance(k, str)}
+    return {k: text for k, v in named.items() if (text := _token_text(v)) is not None}
+
+
+class TemplateRefused(Exception):
+    """A chat template's ``raise_exception(message)``: the conversation is not one it renders."""
+
+
+def _chat_environment():
+    """The Jinja environment transformers renders chat templates in (``chat_template_utils``):
+    sandboxed, ``trim_blocks`` / ``lstrip_blocks``, loop controls, ``{% generation %}`` blocks (rendered
+    as their body), ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII and HTML
+    characters as they are, ``dict``, and a ``namespace`` refusing underscore names."""
+    import json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}  # marks assistant text for training masks; renders its body
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise TemplateRefused(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot store an underscore name on a namespace, got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = Namespace
+    return env
 
 
 def _token_text(value) -> str | None:

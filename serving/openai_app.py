@@ -8,7 +8,9 @@
 
 Fields: ``max_tokens`` (chat: or ``max_completion_tokens``), ``stop`` (text or a list),
 ``temperature``, ``top_p``, ``top_k`` (an extension, as vLLM's), ``seed``, ``stream`` with
-``stream_options.include_usage``, ``user`` (recorded nowhere). Fields OpenAI defines that change
+``stream_options.include_usage``, ``user`` (recorded nowhere); chat: ``chat_template_kwargs`` (an
+extension, as vLLM's: variables for the chat template, such as Qwen3's ``{"enable_thinking": false}``;
+a name the template does not read is a 400). Fields OpenAI defines that change
 the output in ways this server does not build (``n`` > 1, ``logprobs``, ``echo``, ``best_of`` > 1,
 ``suffix``, penalties, ``logit_bias``, tools, a JSON ``response_format``) are refused with a 400
 naming the field, as is any field OpenAI does not define: a request is never served other than
@@ -46,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.text import check_messages
+from medusa_trt.runtime.text import TemplateKwargsError, check_messages
 from medusa_trt.serving.schema import RequestError, ServeDefaults, make_request
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ class ChatCompletionRequest(_Generation):
     tools: list | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra chat template variables, e.g. {"enable_thinking": false}
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs or self.top_logprobs is not None:
@@ -310,7 +313,9 @@ class _Generate:
             )
         try:
             messages = check_messages([{"role": m.role, "content": m.text()} for m in parsed.messages], "messages")
-            ids = self.runtime.codec.encode_chat(messages)
+            ids = self.runtime.codec.encode_chat(messages, parsed.chat_template_kwargs)
+        except TemplateKwargsError as exc:
+            raise ApiError(400, str(exc), "chat_template_kwargs") from None
         except MedusaError as exc:
             raise ApiError(400, str(exc), "messages") from None
         max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
