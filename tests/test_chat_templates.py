@@ -404,6 +404,10 @@ def test_the_openai_server_renders_the_family_template(name, family, stories_eng
             assert answer.json()["usage"]["prompt_tokens"] == len(off)
             assert answer.json()["choices"][0]["message"]["content"] == runtime.generate(off, max_new_tokens=8).text
             assert chat(chat_template_kwargs={"enable_thinking": True}).json()["usage"]["prompt_tokens"] == len(ids)
+            # the runtime takes a conversation whose last reply carries its reasoning_content
+            reasoned = CONVERSATIONS["reasoning_content last"] + [FOLLOW_UP]
+            want = runtime.generate(runtime.codec.encode_chat(reasoned), max_new_tokens=4).token_ids
+            assert runtime.generate(reasoned, max_new_tokens=4).token_ids == want
             for bad, message in (
                 (["enable_thinking"], "chat_template_kwargs: Input should be an object"),
                 ({"enable_reasoning": False}, "does not read 'enable_reasoning' (it reads: content, enable_thinking, reasoning_content)"),
