@@ -17,8 +17,16 @@ naming the field, as is any field OpenAI does not define: a request is never ser
 as asked. Every client error is a 400 with OpenAI's body, ``{"error": {"message", "type":
 "invalid_request_error", "param", "code"}}``: malformed JSON, a wrong type, an empty prompt, a
 prompt that leaves no room in the context, ``max_tokens`` beyond the context or the server's limit,
-a body larger than the context can use. A missing or wrong API key (``--api-key``) is a 401 on
-every /v1 route; another model name a 404.
+a body larger than the context can use, more than ``MAX_STOP_STRINGS`` stop strings or
+``MAX_STOP_BYTES`` of them. A missing or wrong API key (``--api-key``) is a 401 on every /v1 route;
+another model name a 404.
+
+Cheap refusals come first, in a plain ASGI middleware (``_Guard``), before any body is read: on a
+loopback server a ``Host`` header other than 127.0.0.1, localhost or [::1] (any port) is a 403, so
+a web page the user opens cannot reach the server through DNS rebinding (a name of the attacker's
+that resolves to 127.0.0.1); then the API key; then a POST whose Content-Type is not
+application/json is a 415, so a page cannot send a "simple" cross-origin request (text/plain, no
+CORS preflight) either.
 
 Defaults: a request that sends no ``temperature`` decodes greedily (``ServeDefaults``, the
 server's ``--temperature``), unlike OpenAI's 1.0: the same request gives the same text, which
@@ -26,9 +34,15 @@ Medusa's speedup is measured on. ``max_tokens`` left out: the server's default, 
 context leaves if less.
 
 Streaming is server-sent events (``data: {chunk}`` lines, ``data: [DONE]`` last), one event per
-engine step (Medusa emits several tokens per step). A client that disconnects cancels its
-request: the batcher frees its row before the next step. Events come from the batcher's loop
-thread through ``loop.call_soon_threadsafe`` into one asyncio queue per request.
+engine step (Medusa emits several tokens per step). A client that disconnects, streaming or not,
+cancels its request: the batcher frees its row before the next step, and the request counts as
+``cancelled``. Events come from the batcher's loop thread through ``loop.call_soon_threadsafe``
+into one asyncio queue per request; a non-streaming request's queue also gets ``_GONE`` from a
+task that waits for the client's disconnect (``_watch_disconnect``).
+
+Stopping (``serve_openai`` on SIGTERM sets ``app.state.stopping``): a new generation request is a
+503; requests the server ends (``ContinuousBatcher.close``) get, streamed, an error event and
+``data: [DONE]``, and otherwise a 503, both in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,13 +62,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.text import TemplateKwargsError, check_messages
 from medusa_trt.serving.schema import RequestError, ServeDefaults, make_request
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # the Host names a loopback server answers (any port)
+JSON_TYPE = "application/json"  # the only request body type
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,8 @@ class AppConfig:
     defaults: ServeDefaults  # max_tokens, temperature, top_p of a request that sends none; max_tokens_limit
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes when set
     max_body_bytes: int = 1 << 20  # a larger body is refused before it is parsed
+    # Host header names (lower case; IPv6 in brackets) answered, with any port; None: any (--allow-remote)
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS
 
 
 class ApiError(Exception):
@@ -71,10 +90,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
+    def response_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}, status_code=self.status
-        )
+        return JSONResponse(self.response_body(), status_code=self.status)
 
 
 # ---------------------------------------------------------------------------------- the request bodies
@@ -224,18 +244,20 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 def build_app(runtime, batcher, config: AppConfig, metrics=None) -> FastAPI:
     """The app over a started ``ContinuousBatcher`` of ``runtime``; ``metrics``: a
-    ``PrometheusSink`` for /metrics (None: 404)."""
+    ``PrometheusSink`` for /metrics (None: 404). ``app.state.stopping``: set by the server on SIGTERM."""
     app = FastAPI(title="medusa-trt", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_errors_and_auth(app, config.api_key)
+    app.state.stopping = False
+    _add_errors(app)
+    app.add_middleware(_Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts, state=app.state)
     _add_info_routes(app, config.model_name, runtime.max_context, metrics)
-    api = _Generate(runtime, batcher, config)
+    api = _Generate(runtime, batcher, config, app.state)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     return app
 
 
-def _add_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
-    """Errors as OpenAI's bodies; with ``api_key``, /v1 routes need it as a bearer token."""
+def _add_errors(app: FastAPI) -> None:
+    """Errors as OpenAI's bodies."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -245,18 +267,76 @@ def _add_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
     async def _http_error(request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail), type_="invalid_request_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+
+class _Guard:
+    """The refusals that need no body, before routing: a foreign ``Host`` (403), a missing or wrong
+    API key on /v1 routes (401), a POST body that is not JSON (415).
+
+    A plain ASGI middleware on purpose: ``@app.middleware("http")`` (Starlette's
+    ``BaseHTTPMiddleware``) passes the route a ``receive`` through which
+    ``request.is_disconnected()`` never sees the client go, so a dropped non-streaming request kept
+    its row to the end. This one hands the route the server's own ``receive``. It also ends quietly
+    a request that uvicorn cancels at shutdown (a client that stopped reading its stream), instead
+    of a traceback in the log."""
+
+    def __init__(self, app, *, api_key: str | None, allowed_hosts: tuple[str, ...] | None, state):
+        self.app, self.api_key, self.allowed_hosts, self.state = app, api_key, allowed_hosts, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self.refusal(scope)
+        if refused is not None:
+            return await refused.response()(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.state.stopping:
+                raise
+            log.warning("%s %s: cut off at shutdown (its client was not reading the answer)", scope["method"], scope["path"])
+
+    def refusal(self, scope) -> ApiError | None:
+        headers = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
+        if self.allowed_hosts is not None:
+            hosts = headers.get("host", [])
+            if len(hosts) != 1 or _host_name(hosts[0]) not in self.allowed_hosts:
+                shown = repr(hosts[0]) if len(hosts) == 1 else f"{len(hosts)} Host headers"
+                return ApiError(
+                    403,
+                    f"Host {shown} is not this server's: a loopback server answers only "
+                    f"{', '.join(self.allowed_hosts)} (with any port); serve other names with --allow-remote",
+                    type_="permission_error",
+                    code="host_not_allowed",
+                )
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = (headers.get("authorization") or [""])[0]
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(
                     401,
                     "missing or wrong API key: send it as the header 'Authorization: Bearer KEY'",
                     type_="authentication_error",
                     code="invalid_api_key",
-                ).response()
-        return await call_next(request)
+                )
+        if scope["method"] == "POST":
+            given = (headers.get("content-type") or [""])[0]
+            if given.partition(";")[0].strip().lower() != JSON_TYPE:
+                return ApiError(
+                    415,
+                    f"Content-Type {given!r} is not accepted: send the body as JSON with 'Content-Type: {JSON_TYPE}'",
+                    code="unsupported_media_type",
+                )
+        return None
+
+
+_HOST = re.compile(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]*)(?::\d{1,5})?")  # name, optional port; an IPv6 name in brackets
+
+
+def _host_name(host: str) -> str | None:
+    """The name of a Host header in lower case, without its port ("[::1]:8000" -> "[::1]"); None if malformed."""
+    match = _HOST.fullmatch(host)
+    return match.group(1).lower() if match else None
 
 
 def _add_info_routes(app: FastAPI, model_name: str, context: int, metrics) -> None:
@@ -286,8 +366,8 @@ class _Generate:
     """The two generation routes: a body parsed and checked, a prompt encoded, a request submitted
     to the batcher and answered whole or as server-sent events."""
 
-    def __init__(self, runtime, batcher, config: AppConfig):
-        self.runtime, self.batcher, self.config = runtime, batcher, config
+    def __init__(self, runtime, batcher, config: AppConfig, state):
+        self.runtime, self.batcher, self.config, self.state = runtime, batcher, config, state
         self.context = runtime.max_context
 
     async def completions(self, request: Request):
@@ -398,9 +478,13 @@ class _Generate:
             except RuntimeError:  # the event loop is closed (shutdown): nobody reads this request any more
                 handle.cancel()
 
+        if self.state.stopping:
+            raise _shutting_down()
         try:
             handle = self.batcher.submit(request, sink=sink)
-        except MedusaError as exc:  # a token id out of range, the batcher closed
+        except EngineError:  # the batcher is closed: the server is stopping
+            raise _shutting_down() from None
+        except MedusaError as exc:  # a token id out of range
             raise ApiError(400, str(exc), "prompt") from None
         return handle, queue
 
@@ -416,6 +500,10 @@ class _Generate:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await _collect(request, handle, queue, reply)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: send the request again once it is back", type_="server_error")
 
 
 def _param_in(message: str) -> str | None:
@@ -508,7 +596,7 @@ async def _stream(handle, queue: asyncio.Queue, reply: _Reply, usage: bool):
             reply.completion_tokens += len(item.token_ids)
             if item.finish_reason == "cancelled":  # the server is stopping
                 done = True
-                yield _sse({"error": {"message": "the server is shutting down", "type": "server_error", "param": None, "code": None}})
+                yield _sse(_shutting_down().response_body())
                 break
             done = item.finish_reason is not None
             if item.text or done:
@@ -522,24 +610,33 @@ async def _stream(handle, queue: asyncio.Queue, reply: _Reply, usage: bool):
             handle.cancel()
 
 
+_GONE = object()  # put in a non-streaming request's queue when its client disconnects
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Put ``_GONE`` in ``queue`` once the client closes the connection. The body is read by now,
+    so the server's ``receive()`` blocks until the client goes (or the answer is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(_GONE)
+
+
 async def _collect(request: Request, handle, queue: asyncio.Queue, reply: _Reply) -> JSONResponse:
-    """Wait for the whole generation; a client that disconnects meanwhile cancels it."""
+    """Wait for the whole generation; a client that disconnects meanwhile cancels it at once."""
     text, done = [], False
+    watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
     try:
         while not done:
-            try:
-                item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    log.info("request %d: the client went away, its row is freed", handle.id)
-                    break
-                continue
+            item = await queue.get()
+            if item is _GONE:
+                log.info("request %d: the client went away, its row is freed", handle.id)
+                break
             if isinstance(item, BaseException):
                 done = True
                 raise ApiError(500, f"generation failed: {item}", type_="server_error")
-            if item.finish_reason == "cancelled":
+            if item.finish_reason == "cancelled":  # ended by the server: it is stopping
                 done = True
-                raise ApiError(503, "the server is shutting down", type_="server_error")
+                raise _shutting_down()
             text.append(item.text)
             reply.completion_tokens += len(item.token_ids)
             done = item.finish_reason is not None
@@ -547,5 +644,6 @@ async def _collect(request: Request, handle, queue: asyncio.Queue, reply: _Reply
             return JSONResponse(reply.whole("".join(text), _finish_reason(item.finish_reason)))
         return JSONResponse({}, status_code=499)  # nobody reads it
     finally:
+        watcher.cancel()
         if not done:
             handle.cancel()

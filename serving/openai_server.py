@@ -9,15 +9,19 @@ binds the socket (127.0.0.1 unless ``host`` says otherwise; another host needs `
 and runs the FastAPI app (``serving.openai_app``) under uvicorn on the asyncio loop of the main
 thread. ``on_ready(url)`` is called once the socket listens and the engine is loaded.
 
-Stopping: SIGTERM or Ctrl-C stop accepting connections, give requests in flight up to
-``shutdown_timeout`` seconds, then cancel the rest (their rows are freed, a stream gets an error
-event) and close the batcher; ``serve_openai`` returns. The server is one process (uvicorn's
-workers are not used: one engine, one batcher); it starts no other process and holds no shared
-memory, so a SIGKILL leaves nothing behind but the port, which the kernel frees with the process.
+Stopping: SIGTERM or Ctrl-C stop accepting connections (a generation request that still comes
+on an open connection is a 503), give requests in flight up to ``shutdown_timeout`` seconds, then
+close the batcher: the requests still running end there (their rows freed), each stream with an
+error event and ``data: [DONE]``, each other request with a JSON 503, both in OpenAI's error shape.
+Uvicorn gets ``END_GRACE_S`` more to send those answers before it cancels what is left (a client
+that stopped reading); ``serve_openai`` returns 0. The server is one process (uvicorn's workers
+are not used: one engine, one batcher); it starts no other process and holds no shared memory,
+so a SIGKILL leaves nothing behind but the port, which the kernel frees with the process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -35,6 +39,7 @@ INSTALL_HINT = "pip install 'medusa-trt[serve]' (fastapi, uvicorn, prometheus_cl
 API_KEY_VAR = "MEDUSA_TRT_API_KEY"  # the API key without putting it on the command line (which local users can read)
 BODY_BYTES_PER_TOKEN = 32  # request bodies are bounded by the context: this much JSON per token of it, plus BODY_SLACK
 BODY_SLACK = 64 << 10
+END_GRACE_S = 3.0  # seconds after shutdown_timeout for the ended requests to send their last answer
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,16 @@ class OpenAIServerConfig:
     def name(self) -> str:
         return self.model_name or Path(self.engine.path).resolve().name.removesuffix(".onnx").removesuffix(".plan")
 
+    @property
+    def allowed_hosts(self) -> tuple[str, ...] | None:
+        """The Host header names the app answers: loopback names (and the bound address) unless allow_remote."""
+        from medusa_trt.serving.openai_app import LOOPBACK_HOSTS
+
+        if self.allow_remote:
+            return None
+        bound = f"[{self.host}]" if ":" in self.host else self.host
+        return tuple(dict.fromkeys((*LOOPBACK_HOSTS, bound.lower())))
+
 
 def load_app(config: OpenAIServerConfig):
     """(app, batcher): the engine loaded, its batcher started, the app over them."""
@@ -103,6 +118,7 @@ def load_app(config: OpenAIServerConfig):
             defaults=defaults,
             api_key=config.api_key or os.environ.get(API_KEY_VAR) or None,
             max_body_bytes=BODY_SLACK + BODY_BYTES_PER_TOKEN * runtime.max_context,
+            allowed_hosts=config.allowed_hosts,
         ),
         sink,
     )
@@ -153,12 +169,27 @@ def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = l
                 if not self.should_exit:  # uvicorn accepts from here on
                     on_ready(url)
 
+            async def shutdown(self, sockets=None):
+                # uvicorn stops accepting and waits for the requests in flight; at shutdown_timeout the batcher
+                # ends those still running (their answers say so), before uvicorn's own timeout would cancel them
+                app.state.stopping = True
+                loop = asyncio.get_running_loop()
+                ending = loop.call_later(config.shutdown_timeout, end_requests, loop)
+                try:
+                    await super().shutdown(sockets=sockets)
+                finally:
+                    ending.cancel()
+
+        def end_requests(loop):
+            log.info("shutdown: ending the requests still running after %g s", config.shutdown_timeout)
+            loop.run_in_executor(None, batcher.close)  # joins the batcher's thread: not on the event loop
+
         server = Server(
             uvicorn.Config(
                 app,
                 log_level="info" if log.isEnabledFor(logging.INFO) else "warning",
                 access_log=config.access_log,
-                timeout_graceful_shutdown=config.shutdown_timeout,
+                timeout_graceful_shutdown=config.shutdown_timeout + END_GRACE_S,
                 lifespan="off",
             )
         )

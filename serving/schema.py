@@ -5,7 +5,8 @@ the Triton model and the Triton repository writer.
     EngineOptions    the engine a server runs and how (``MedusaRuntime``'s arguments)
     max_tokens_limit the most new tokens one request may ask for, for an engine's context
     make_request     one validation from request fields to a ``batching.Request``: a bad field
-                     raises ``RequestError`` naming it (the front end answers 400 / INVALID_ARG)
+                     raises ``RequestError`` naming it (the front end answers 400 / INVALID_ARG);
+                     at most MAX_STOP_STRINGS stop strings, MAX_STOP_BYTES bytes of them
     TRITON_INPUTS    the Triton model's input tensors (config.pbtxt, model.py and the gRPC client
     TRITON_OUTPUTS   read these; names follow Triton's generate endpoints: text_input, max_tokens ...)
 
@@ -26,6 +27,10 @@ from medusa_trt.runtime.errors import MedusaError
 DEFAULT_MAX_TOKENS = 128  # max_tokens of a request that sends none
 DEFAULT_MAX_TOKENS_LIMIT = 1024  # most new tokens one request may ask for (clipped to the context)
 TRITON_MODEL_NAME = "medusa"  # the Triton model's name unless --model-name says otherwise
+# stop strings per request: each is looked for after every step, so their number and length are capped
+# (OpenAI's API takes up to 4 stop sequences)
+MAX_STOP_STRINGS = 4
+MAX_STOP_BYTES = 1024  # their UTF-8 bytes, all together
 
 
 class RequestError(MedusaError):
@@ -146,6 +151,13 @@ def make_request(
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):
         raise RequestError("stop holds an empty string: remove it", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop holds {len(stops)} strings: this server takes at most {MAX_STOP_STRINGS}", "stop")
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
+    if size > MAX_STOP_BYTES:
+        raise RequestError(
+            f"stop strings hold {size} bytes (UTF-8): this server takes at most {MAX_STOP_BYTES} bytes of them in all", "stop"
+        )
     sampling = SamplingParams(  # validates; raises SamplingError
         temperature=defaults.temperature if temperature is None else temperature,
         top_p=defaults.top_p if top_p is None else top_p,

@@ -15,11 +15,13 @@ and ``medusa-run --messages``.
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -66,12 +68,26 @@ CONVERSATION = [
 # ---------------------------------------------------------------------------------- the server process
 
 
-class Server:
-    """One ``medusa-serve`` process (its own session: its pid is its process group)."""
+# medusa-serve with a step clock: each engine step takes STEP_S more, so a 240-token request of the tiny engine runs
+# for seconds (long enough to hang up on, or to be stopped mid-way) on any machine, as Triton's test_seconds_per_step
+STEP_S = 0.02
+SLOW_SERVE = f"""import sys, time
+from medusa_trt.runtime.loop import Scheduler
+step = Scheduler.step
+Scheduler.step = lambda self: (time.sleep({STEP_S}), step(self))[1]
+from medusa_trt.cli.serve import main
+sys.exit(main())
+"""
 
-    def __init__(self, engine: Path, *args: str, log: Path, env: dict | None = None):
+
+class Server:
+    """One ``medusa-serve`` process (its own session: its pid is its process group); ``slow``: with
+    the step clock (``SLOW_SERVE``)."""
+
+    def __init__(self, engine: Path, *args: str, log: Path, env: dict | None = None, slow: bool = False):
         self.log = log
-        cmd = [sys.executable, "-m", "medusa_trt.cli.serve", str(engine), "--port", "0", *args]
+        start = ["-c", SLOW_SERVE] if slow else ["-m", "medusa_trt.cli.serve"]
+        cmd = [sys.executable, *start, str(engine), "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -158,8 +174,18 @@ def server(engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_row_server(engine, tmp_path_factory):
-    """One cache row, and an API key: a request waits for the row of the one before it."""
-    server = Server(engine, "--max-batch", "1", "--api-key", API_KEY, log=tmp_path_factory.mktemp("openai-one-row") / "serve.log")
+    """One cache row, an API key, the step clock: a request waits for the row of the one before it."""
+    server = Server(
+        engine, "--max-batch", "1", "--api-key", API_KEY, log=tmp_path_factory.mktemp("openai-one-row") / "serve.log", slow=True
+    )
+    yield server
+    assert server.stop() == 0, server.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def open_one_row_server(engine, tmp_path_factory):
+    """One cache row, no API key, and --allow-remote (it answers any Host name); the step clock."""
+    server = Server(engine, "--max-batch", "1", "--allow-remote", log=tmp_path_factory.mktemp("openai-open") / "serve.log", slow=True)
     yield server
     assert server.stop() == 0, server.log.read_text()[-3000:]
 
@@ -291,6 +317,42 @@ def test_a_cancelled_stream_frees_its_row(one_row_server, runtime):
     assert generated < 240, f"the cancelled request ran on ({generated - 20} of its 240 tokens) before the next one got the row"
 
 
+def _running(server, want: int, timeout: float = 30) -> dict[str, float]:
+    """The server's metrics once ``want`` requests hold a row (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if total(metrics, "medusa:num_requests_running") == want or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("key", [None, API_KEY], ids=["no-key", "api-key"])
+def test_a_dropped_request_frees_its_row(one_row_server, open_one_row_server, runtime, key):
+    """One row. A non-streaming client that hangs up while its 240-token request runs: the row is
+    freed within a step (the request counts as cancelled, running drops to 0, it generated fewer
+    than its 240 tokens), and the next request gets the row at once and its exact output. With and
+    without --api-key (the key's middleware once hid the disconnect from the route)."""
+    server = one_row_server if key else open_one_row_server
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    before = server.metrics()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 240}), headers=headers)
+    assert total(_running(server, 1), "medusa:num_requests_running") == 1, "the request never ran"
+    connection.close()  # the client hangs up
+    after = _running(server, 0, timeout=10)
+    assert total(after, "medusa:num_requests_running") == 0, "the dropped request still holds its row"
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("medusa:requests_finished_total", finish_reason="cancelled") == 1
+    assert delta("medusa:requests_finished_total") == 1
+    assert delta("medusa:generation_tokens_total") < 240, "the dropped request ran to its end"
+    answer = server.client(api_key=key or "unused").completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=20)
+    assert answer.choices[0].text == solo(runtime, PROMPTS[4], 20).text
+
+
 LONG_PROMPT = "Once upon a time there was a big dog. " * 40  # over the engine's 256-token context
 
 BAD = [  # (endpoint, body, status, param, words of the message)
@@ -308,6 +370,8 @@ BAD = [  # (endpoint, body, status, param, words of the message)
     ("completions", {"prompt": "Hi", "stream": "yes"}, 400, "stream", "valid boolean"),
     ("completions", {"prompt": "Hi", "stop": ["", "x"]}, 400, "stop", "empty string"),
     ("completions", {"prompt": "Hi", "stop": 3}, 400, "stop", "string or a list of strings"),
+    ("completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "holds 5 strings: this server takes at most 4"),
+    ("completions", {"prompt": "Hi", "stop": ["x" * 600, "y" * 600]}, 400, "stop", "1200 bytes (UTF-8): this server takes at most 1024"),
     ("completions", {"prompt": [1, 10**7]}, 400, "prompt", "token id 10000000"),
     ("completions", {"prompt": ["Hi", "Ho"]}, 400, "prompt", "one request per prompt"),
     ("completions", {"prompt": "Hi", "n": 2}, 400, "n", "n=2"),
@@ -343,7 +407,7 @@ def test_bad_requests_get_400s_while_a_long_request_completes(server, runtime):
     worker.join(timeout=300)
     assert running["text"] == solo(runtime, PROMPTS[5], 200).text
     too_big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
-    answer = httpx.post(f"{server.url}/v1/completions", content=too_big, timeout=60)
+    answer = httpx.post(f"{server.url}/v1/completions", content=too_big, headers={"Content-Type": "application/json"}, timeout=60)
     assert answer.status_code == 400 and "larger than" in answer.json()["error"]["message"]
     assert (
         server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12).choices[0].text
@@ -426,6 +490,49 @@ def test_api_key_and_loopback(one_row_server, engine, tmp_path):
     )
 
 
+ERROR_KEYS = {"message", "type", "param", "code"}  # OpenAI's error body
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(server, open_one_row_server):
+    """DNS rebinding: a web page on evil.example whose name is made to resolve to 127.0.0.1 reaches
+    the server with ``Host: evil.example``. A loopback server answers only 127.0.0.1, localhost and
+    [::1] (any port) on every route, and refuses the rest with a 403 in OpenAI's error shape;
+    with --allow-remote any name is served."""
+    port, body = server.port, {"prompt": "Hi", "max_tokens": 2}
+    foreign = ["evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "localhost.evil.example", "[::2]", "::1"]
+    for host in foreign:
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
+            answer = httpx.request(method, f"{server.url}{path}", headers={"Host": host}, json=body, timeout=30)
+            case = f"{method} {path} Host {host!r}: {answer.status_code} {answer.text[:200]}"
+            assert answer.status_code == 403 and set(answer.json()["error"]) == ERROR_KEYS, case
+            assert "--allow-remote" in answer.json()["error"]["message"], case
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:  # HTTP/1.0 without a Host header
+        raw.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        assert raw.makefile("rb").readline().split()[1] == b"403"
+    for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", f"[::1]:{port}", "[::1]"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}, timeout=30).status_code == 200, host
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers={"Host": f"localhost:{port}"}, timeout=30).status_code == 200
+    remote = open_one_row_server
+    assert httpx.get(f"{remote.url}/v1/models", headers={"Host": "evil.example"}, timeout=30).status_code == 200
+
+
+def test_only_json_bodies_are_taken(server):
+    """A browser sends a cross-origin POST without asking first (no CORS preflight) only as text/plain,
+    a form or multipart, or a body with no type: each is a 415 in OpenAI's error shape, before the
+    body is read. JSON, with or without a charset, is served."""
+    content = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    refused = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None)
+    for content_type in refused:
+        headers = {"Origin": "http://evil.example"} | ({"Content-Type": content_type} if content_type else {})
+        answer = httpx.post(f"{server.url}/v1/completions", content=content, headers=headers, timeout=30)
+        error = answer.json()["error"]
+        assert answer.status_code == 415 and set(error) == ERROR_KEYS and error["type"] == "invalid_request_error", content_type
+        assert "application/json" in error["message"], error
+    for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+        answer = httpx.post(f"{server.url}/v1/completions", content=content, headers={"Content-Type": content_type}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2, content_type
+
+
 def _group(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group."""
     found = []
@@ -461,26 +568,53 @@ def _listening(port: int) -> bool:
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_stopping_mid_stream_leaves_nothing_behind(engine, tmp_path, how):
-    """SIGTERM mid-stream: the stream ends, the process exits 0 within its shutdown timeout.
-    SIGKILL: nothing to clean up. Either way no process of its group, no listening port and no
-    shared-memory file it held remain (the server starts no process and keeps no /dev/shm file)."""
-    server = Server(engine, "--shutdown-timeout", "2", log=tmp_path / "serve.log")
+    """A stream and a non-streaming request running, then the signal. SIGTERM (``--shutdown-timeout
+    0``: no grace, both are still running): the stream ends with an error event, ``data: [DONE]`` and
+    its chunked body's terminator, the other request gets a 503 with OpenAI's error body, and the
+    process exits 0 at once (within ``END_GRACE_S``) with no traceback in its log. SIGKILL: nothing
+    to clean up. Either way no process of its group, no listening port and no shared-memory file it
+    held remain (the server starts no process and keeps no /dev/shm file)."""
+    from medusa_trt.serving.openai_server import END_GRACE_S
+
+    server = Server(engine, "--shutdown-timeout", "0", log=tmp_path / "serve.log", slow=True)
+    body = {"prompt": PROMPTS[0], "max_tokens": 240}
+    whole = {}
+
+    def post():
+        try:
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            whole["answer"] = answer.status_code, answer.headers["content-type"], answer.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            whole["answer"] = exc
+
     try:
-        stream = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=240, stream=True)
-        next(iter(stream))  # generating
-        shm = _shm_of(server.pid)
-        assert _group(server.pid) == [server.pid], "the server runs as one process"
-        started = time.monotonic()
-        os.kill(server.pid, getattr(signal, how))
-        code = server.proc.wait(30)
-        try:  # the stream ends: completed within the shutdown timeout, ended by the server, or cut off with it
-            for _ in stream:
-                pass
-        except (openai.APIError, httpx.HTTPError):
-            pass
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)  # generating
+            worker = threading.Thread(target=post)
+            worker.start()
+            assert total(_running(server, 2), "medusa:num_requests_running") == 2
+            shm = _shm_of(server.pid)
+            assert _group(server.pid) == [server.pid], "the server runs as one process"
+            started = time.monotonic()
+            os.kill(server.pid, getattr(signal, how))
+            code = server.proc.wait(30)
+            stopped = time.monotonic() - started
+            try:
+                events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            except httpx.HTTPError as exc:  # cut off: no chunk terminator
+                events = exc
+        worker.join(60)
+        log = server.log.read_text()
         if how == "SIGTERM":
-            assert code == 0 and time.monotonic() - started < 20, server.log.read_text()[-2000:]
-            assert "medusa-serve: stopped" in server.log.read_text()
+            assert code == 0 and stopped < END_GRACE_S, (stopped, log[-2000:])
+            assert "medusa-serve: stopped" in log and "Traceback" not in log, log[-3000:]
+            assert isinstance(events, list) and events[-1] == "[DONE]", events
+            error = json.loads(events[-2])["error"]
+            assert set(error) == {"message", "type", "param", "code"} and "shutting down" in error["message"], events[-2]
+            status, content_type, answer = whole["answer"]
+            assert status == 503 and content_type == "application/json", whole
+            assert set(answer["error"]) == {"message", "type", "param", "code"} and "shutting down" in answer["error"]["message"]
         else:
             assert code == -signal.SIGKILL
         deadline = time.monotonic() + 10
@@ -488,6 +622,40 @@ def test_stopping_mid_stream_leaves_nothing_behind(engine, tmp_path, how):
             time.sleep(0.1)
         assert _group(server.pid) == [] and not _listening(server.port)
         assert not [s for s in shm if Path(s).exists()], shm
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_sigterm_admits_no_new_work_and_lets_requests_in_flight_finish(engine, tmp_path):
+    """SIGTERM with a grace period (--shutdown-timeout 30) while a stream runs: a new connection is
+    refused; a request on a keep-alive connection opened before gets a JSON 503 or finds the
+    connection closed, never a generation; the stream finishes as it would have ([DONE] after its
+    finish_reason), and the process exits 0 with no traceback in its log."""
+    server = Server(engine, "--shutdown-timeout", "30", log=tmp_path / "serve.log", slow=True)
+    try:
+        idle = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        idle.request("GET", "/health")
+        assert idle.getresponse().read() == b'{"status":"ok"}'
+        body = {"prompt": PROMPTS[0], "max_tokens": 240, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.kill(server.pid, signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{server.url}/health", timeout=5)
+            try:
+                idle.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi"}), headers={"Content-Type": "application/json"})
+                answer = idle.getresponse()
+                assert answer.status == 503 and "shutting down" in json.loads(answer.read())["error"]["message"]
+            except (OSError, http.client.HTTPException):
+                pass  # uvicorn closed the idle connection first: refused as well
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+        assert server.proc.wait(30) == 0
+        assert "Traceback" not in server.log.read_text()
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
