@@ -8,8 +8,12 @@
 turns (or an object whose "messages" holds it, as an OpenAI chat request does); the reply is
 generated after the last turn. Repeat it for a batch of conversations.
 
-Bad input (missing model, heads for another model, invalid tree, prompt too long) prints one
-``medusa-run: error: ...`` line and exits 2.
+An ``--engine`` folder or file is checked against its export's manifest before it runs: every
+file's size and sha256 (as ``medusa-serve`` does), so a file corrupted in place is refused, not
+run; ``--no-verify`` skips the sha256 sums (a second or so per GB of engine) and logs that it did.
+
+Bad input (missing model, heads for another model, invalid tree, prompt too long, an engine file
+that does not match its manifest) prints one ``medusa-run: error: ...`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ def build_parser() -> Parser:
     p.add_argument("--max-context", type=positive_int, help="default: the engine's, or 1024 for --model")
     p.add_argument("--max-batch", type=positive_int, help="default: the engine's, or 4 for --model")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the sha256 check of the --engine's files against its manifest (sizes are still checked): a faster start",
+    )
     p.add_argument("--compare-plain", action="store_true", help="also decode without heads on the same engine and print the speedup")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, stats)")
@@ -130,6 +139,8 @@ def _check_options(args) -> None:
         raise PromptError("--json prints each whole result as one JSON object: drop --stream / --compare-plain")
     if args.engine and args.device:
         raise PromptError("--device goes with --model (torch backend); an --engine runs on ONNX Runtime's providers")
+    if args.no_verify and not args.engine:
+        raise PromptError("--no-verify skips an --engine's sha256 check: a --model has no manifest to check, drop it")
 
 
 @entry("medusa-run")
@@ -149,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.heads or args.untrained_heads or args.head_layer is not None:
                 raise PromptError("--heads / --untrained-heads / --head-layer go with --model; an engine carries its heads")
             model = args.engine
+            if args.no_verify:
+                log.warning("--no-verify: the sha256 sums of %s are not checked (only the file sizes)", args.engine)
         else:
             from medusa_trt.cli.common import load_model
 
@@ -159,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             tree=args.tree,
             drafters=args.draft,
             device=None if args.engine else device,
+            verify_checksums=bool(args.engine) and not args.no_verify,
         )
         runtime = MedusaRuntime(model, config)
         gen = dict(

@@ -107,6 +107,7 @@ def wrong_heads(tmp_path, stories_base):
         (["--model", str(STORIES), "--tree", "no-such-tree"], "unknown tree"),
         (["--model", str(STORIES), "--max-context", "4"], "max_context is 4"),
         (["--model", str(STORIES), "--heads", "/nonexistent/heads"], "does not exist"),
+        (["--model", str(STORIES), "--no-verify"], "--no-verify skips an --engine's sha256 check"),
     ],
 )
 def test_bad_input_is_one_line(capsys, stories_base, args, message):
@@ -120,17 +121,56 @@ def test_bad_input_is_one_line(capsys, stories_base, args, message):
     assert "Traceback" not in err
 
 
+def test_an_engine_file_corrupted_in_place_is_refused(stories_chat_engine, tmp_path):
+    """One bit of one weight of heads.onnx flipped (the same size, still a valid graph): medusa-run
+    checks every engine file's sha256 against the export's manifest, as medusa-serve does, and
+    refuses it in one line with exit 2; --no-verify skips the sums for speed, says so, and runs."""
+    import shutil
+
+    import onnx
+
+    engine = tmp_path / "engine"
+    shutil.copytree(stories_chat_engine, engine)
+    heads = engine / "heads.onnx"
+    data = bytearray(heads.read_bytes())
+    weights = max(onnx.load(heads).graph.initializer, key=lambda t: len(t.raw_data)).raw_data
+    data[data.find(weights) + len(weights) // 2] ^= 0x01
+    heads.write_bytes(bytes(data))
+
+    def run(*args):
+        command = ["-m", "medusa_trt.cli.run", "--engine", str(engine), "--prompt", "Once upon a time", "--max-new-tokens", "4"]
+        return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, timeout=300)
+
+    refused = run()
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("medusa-run: error: engine file ")
+    assert "heads.onnx does not match its recorded sha256" in refused.stderr
+    unchecked = run("--no-verify")
+    assert unchecked.returncode == 0 and "tokens" in unchecked.stdout, unchecked.stderr
+    assert unchecked.stderr.count("\n") == 1 and "--no-verify: the sha256 sums of" in unchecked.stderr, unchecked.stderr
+
+
 def test_heads_for_another_model(capsys, stories_base, wrong_heads):
     code, _, err = _run(capsys, "--model", str(STORIES), "--heads", str(wrong_heads), "--prompt", "hi")
     assert code == 2 and "hidden size 128" in err and "another model" in err
 
 
-def test_unsupported_architecture(tmp_path):
-    from transformers import GPT2Config
+def test_a_model_without_attention_layers_is_refused(tmp_path, stories_base):
+    """A recurrent causal LM (Mamba) loads in transformers but has no attention for the tree
+    mask: its config's layer types refuse it at load, and the exporter's probe refuses it too
+    where a config does not say (tests/test_architectures.py covers the families that export)."""
+    from transformers import MambaConfig, MambaForCausalLM
 
-    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="'gpt2' is not supported: supported are llama, mistral, qwen2"):
+    from medusa_trt.exporter.architecture import UnsupportedModelError
+    from medusa_trt.exporter.models import BaseModel
+    from medusa_trt.exporter.wrapper import MedusaModel
+
+    model = MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=512, state_size=4))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="'mamba' has 'linear_attention' layers .* cannot verify"):
         load_base_model(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'mamba' has no layer that attends through transformers' attention interface"):
+        MedusaModel(BaseModel(model.eval(), stories_base.tokenizer, "mamba", (2,), False), None)
 
 
 def test_model_path_errors(tmp_path):
