@@ -201,6 +201,8 @@ def _print_stage(built: Built) -> None:
 def _print_onnx(result) -> None:
     """The ONNX engine's files and its check against torch."""
     files = result.files
+    if result.model:
+        print(f"exported {result.model}")
     if files.folder is not None:
         print(
             f"wrote {files.folder}/ (config.json, {files.step.name}"

@@ -92,6 +92,20 @@ class AttentionPlan:
             found.append(f"grouped-query attention ({self.num_query_heads}/{self.num_kv_heads})")
         return tuple(found)
 
+    def describe(self) -> str:
+        """One line: ``qwen3: 28 layers, 16 query / 8 key-value heads of 128; sliding window 4096 (14 of 28 layers)``."""
+        heads = f"{self.num_query_heads} query / {self.num_kv_heads} key-value heads of {self.head_dim}"
+        text = f"{self.architecture}: {len(self.layers)} layers, {heads}"
+        notes = []
+        for window in self.windows:
+            count = sum(layer.window == window for layer in self.layers)
+            notes.append(f"sliding window {window} ({count} of {len(self.layers)} layers)")
+        softcaps = sorted({layer.softcap for layer in self.layers if layer.softcap})
+        notes += [f"logit soft-cap {c:g}" for c in softcaps]
+        if any(layer.sinks for layer in self.layers):
+            notes.append("attention sinks")
+        return text + ("; " + ", ".join(notes) if notes else "")
+
     @property
     def windows(self) -> tuple[int, ...]:
         """The distinct sliding windows, smallest first."""
@@ -124,7 +138,7 @@ def check_config(config) -> None:
             continue
         for i, layer_type in enumerate(types):
             if str(layer_type) not in ATTENTION_LAYER_TYPES:
-                raise _refuse(kind, f"{layer_type!r} layers (layer {i}; a hybrid of attention and recurrent or linear layers)")
+                raise _refuse(kind, f"{layer_type!r} layers (layer {i}: recurrent, convolutional or linear attention)")
     pattern = getattr(config, "hybrid_override_pattern", None)
     if isinstance(pattern, str) and any(c not in "*-" for c in pattern):
         raise _refuse(kind, f"recurrent layers (hybrid_override_pattern {pattern!r})")

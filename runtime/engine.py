@@ -37,7 +37,7 @@ class EngineError(MedusaError):
 class EngineMeta:
     format_version: int
     model: str  # what the base model was loaded from (name or path), for benchmarks and humans
-    architecture: str  # model_type: llama, mistral, qwen2
+    architecture: str  # the model's model_type: llama, qwen3, gemma2, mixtral, ...
     dtype: str  # fp32 | fp16 | bf16 (weights, KV cache, logits; bf16 for TensorRT only)
     vocab_size: int
     hidden_size: int  # width of the head-input hidden state

@@ -65,7 +65,7 @@ ARCHITECTURES = (
         {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
         ("moe", "shared-expert"),
         moe=True,
-    ),  # fmt: skip
+    ),
     Arch("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, ("moe",), moe=True),
     Arch(
         "gemma2",
@@ -75,9 +75,10 @@ ARCHITECTURES = (
             "attn_logit_softcapping": 2.0,
             "final_logit_softcapping": 3.0,
             "query_pre_attn_scalar": 8,
+            "tie_word_embeddings": True,
         },
-        ("window", "softcap", "scaling"),
-    ),  # fmt: skip
+        ("window", "softcap", "scaling", "tied"),
+    ),
     Arch(
         "gemma3_text",
         {
@@ -87,7 +88,7 @@ ARCHITECTURES = (
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         },
         ("window-mix", "qk-norm", "scaling"),
-    ),  # fmt: skip
+    ),
     Arch("phi3", {"sliding_window": None}, ("fused-qkv",)),
     Arch("olmo2", {}, ("qk-norm",)),
     Arch(
@@ -107,12 +108,12 @@ ARCHITECTURES = (
         },
         ("sinks", "window-mix", "moe"),
         moe=True,
-    ),  # fmt: skip
+    ),
 )
 
 # Hybrids and other models that a KV cache and a tree mask cannot verify: refused at load, one line
 HYBRIDS = (
-    Arch("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "expert_layer_period": 1}),
+    Arch("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "expert_layer_period": 1, "expert_layer_offset": 0}),
     Arch("lfm2", {"layer_types": ["conv", "full_attention", "conv"]}),
 )
 

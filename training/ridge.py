@@ -40,7 +40,8 @@ def greedy_continuations(model, prompts: list[list[int]], new_tokens: int) -> li
 def fit_heads_ridge(model, sequences: list[torch.Tensor], *, num_heads: int = 4, ridge: float = 1e-2) -> MedusaHeads:
     """Heads (own projections, identity blocks) fitted to ``sequences`` of a transformers causal LM."""
     cfg = model.config
-    hidden = [model.model(seq[None]).last_hidden_state[0].float() for seq in sequences]  # each (N, H)
+    decoder = model.get_decoder()  # the model without its lm_head, whatever the family calls it
+    hidden = [decoder(seq[None]).last_hidden_state[0].float() for seq in sequences]  # each (N, H)
     heads = init_heads(
         HeadsConfig(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=False),
         None,

@@ -1,0 +1,215 @@
+"""Every decoder family in ``tests/architectures.py``, exported and proven token-identical.
+
+Per family (one fixture row each): ``medusa-export`` on a Hugging Face folder with heads in the
+FasterDecoding layout prints what it exported; the ONNX Runtime engine and the torch backend decode
+greedily at batch 3 on a branching tree exactly as ``transformers`` generate() does on an
+independently loaded copy of the model (past every sliding window, soft-caps active); the
+int8-channel engine's drafted output equals its own plain output; our heads format and
+FasterDecoding's load to the same heads. Hybrids and bad folders are refused in one line with
+nothing written, and a fixture whose feature is dropped is shown to decode differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import shutil
+
+import pytest
+import torch
+from architectures import ARCHITECTURES, HYBRIDS, WINDOW, save_fixture
+from conftest import STORIES, assert_greedy_identical, fitted_heads
+
+from medusa_trt.cli.export import main as export_main
+from medusa_trt.exporter import load_base_model
+from medusa_trt.exporter.heads import load_heads, save_heads
+from medusa_trt.exporter.interop import save_fasterdecoding
+from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
+from medusa_trt.exporter.wrapper import MedusaModel, load_medusa
+from medusa_trt.runtime import MedusaRuntime
+from medusa_trt.runtime.engine import EngineFiles, read_meta
+from medusa_trt.runtime.manifest import write_manifest
+
+pytestmark = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} missing")
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # branching, three deep
+PROMPTS = ["Once upon a time", "The little dog was sad because", "Lily and Tom went to the park. They saw a big tree and"]
+NEW_TOKENS = 24  # prompt + output runs well past WINDOW
+FIXED_BUDGET = {1: 1.0, 8: 1.2, 64: 2.0}  # drafting budget independent of wall-clock timings
+HEAD_PROMPTS = ["Tim had a red ball", "The sun was hot", "Sara found a box", "A cat sat on the mat", "Mom made a cake"]
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    return load_base_model(STORIES).tokenizer
+
+
+@dataclasses.dataclass
+class Family:
+    """One architecture, built and exported once for the module's tests."""
+
+    reference: object  # BaseModel, loaded on its own: transformers' default attention, never wrapped
+    model: MedusaModel  # the same weights with the fitted heads, as the exporter wraps them
+    engine: object  # the exported .onnx path
+    printed: str  # what medusa-export printed
+    heads: object  # our heads folder
+    fasterdecoding: object  # the same heads in the FasterDecoding layout
+    prompts: list
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.id)
+def family(request, tmp_path_factory, stories_tokenizer):
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch.id)
+    folder = save_fixture(arch, root / "model", stories_tokenizer)
+    reference = load_base_model(folder)
+    prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS]
+    # fitted to the model's own continuations of the test prompts too: drafts then land, so verify steps branch and accept
+    heads = fitted_heads(reference, prompts + [reference.tokenizer(p)["input_ids"] for p in HEAD_PROMPTS], num_heads=3, new_tokens=48)
+    ours = save_heads(heads, root / "heads")
+    theirs = save_fasterdecoding(heads, root / "heads-fd", base_model=str(folder))
+    engine = root / "engine" / "model.onnx"
+    engine.parent.mkdir()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = export_main(
+            ["--model", str(folder), "--heads", str(theirs), "--out", str(engine), "--tree", _tree_file(root), "--max-batch", "3"]
+            + ["--max-context", "128"]
+        )
+    assert code == 0, printed.getvalue()
+    model = load_medusa(str(folder), str(ours))
+    return Family(reference, model, engine, printed.getvalue(), ours, theirs, prompts)
+
+
+def _tree_file(root) -> str:
+    import json
+
+    path = root / "tree.json"
+    path.write_text(json.dumps(TREE))
+    return str(path)
+
+
+def _check_identical(family: Family, engine, results) -> None:
+    for prompt, result in zip(family.prompts, results):
+        assert len(result.token_ids) == NEW_TOKENS or result.finish_reason == "stop"
+        assert_greedy_identical(family.reference, prompt, result.token_ids, NEW_TOKENS, family.reference.eos_token_ids)
+
+
+def test_export_prints_what_it_exported(family):
+    arch = family.model.attention.architecture
+    assert f"exported {arch}: 3 layers" in family.printed, family.printed
+    if family.model.attention.windows:
+        assert f"sliding window {WINDOW}" in family.printed
+    assert "verified against torch" in family.printed
+
+
+def test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family):
+    runtime = MedusaRuntime(str(family.engine), tree=TREE, max_batch=3, max_context=128, step_cost=FIXED_BUDGET)
+    results = runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    _check_identical(family, family.engine, results)
+    assert max(r.stats.mean_accepted for r in results) > 1.0  # the tree's drafts are taken: not plain decoding
+
+
+def test_torch_backend_is_greedy_identical(family):
+    runtime = MedusaRuntime(family.model, tree=TREE, max_batch=3, max_context=128, step_cost=FIXED_BUDGET)
+    _check_identical(family, family.model, runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS))
+
+
+def test_int8_channel_drafted_output_equals_its_own_plain_output(family, tmp_path):
+    """The fp32 engine's graphs quantized as ``--quantize int8-channel`` quantizes them (experts included)."""
+    folder = tmp_path / "int8"
+    shutil.copytree(family.engine.parent, folder)
+    files = EngineFiles.locate(folder / family.engine.name)
+    meta = dataclasses.replace(read_meta(files.step), quantization="int8-channel")
+    quantize_engine(files, meta, QuantizeConfig("int8-channel"))
+    write_manifest(files)
+    drafted = MedusaRuntime(str(files.step), tree=TREE, step_cost=FIXED_BUDGET).generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    plain = MedusaRuntime(str(files.step), drafters=()).generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    _assert_weights_quantized(files.step)
+
+
+def _assert_weights_quantized(path) -> None:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {i.name for i in graph.initializer if len(i.dims) == 2}
+    fp32 = [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and any(x in weights for x in n.input)]
+    assert not fp32, f"weight matmuls left in fp32: {fp32[:5]}"
+
+
+def test_our_heads_and_fasterdecodings_load_to_the_same_heads(family):
+    cfg = family.reference.model.config
+    kwargs = dict(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=family.reference.model.get_output_embeddings())
+    ours, theirs = load_heads(family.heads, **kwargs), load_heads(family.fasterdecoding, **kwargs)
+    hidden = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(hidden), theirs(hidden), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------- features that must count
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gpt_oss"])
+def test_a_dropped_feature_changes_the_output(model_type, tmp_path, stories_tokenizer, monkeypatch):
+    """The fixtures make each feature count: with the sliding window, soft-cap and sinks dropped
+    from the tree attention, greedy output is no longer transformers'. (So the identity tests
+    above prove the features are honoured.)"""
+    from medusa_trt.exporter import wrapper
+
+    arch = next(a for a in ARCHITECTURES if a.model_type == model_type)
+    folder = save_fixture(arch, tmp_path / "model", stories_tokenizer)
+    reference = load_base_model(folder)
+    model = MedusaModel(load_base_model(folder), None)
+    original = wrapper.tree_attention
+    monkeypatch.setattr(wrapper._StepKV, "windowed", lambda self, bias, window: bias)
+    monkeypatch.setattr(wrapper, "tree_attention", lambda *a, **k: original(*a[:8]))  # softcap and sinks dropped
+    prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS]
+    results = MedusaRuntime(model, drafters=(), max_batch=3, max_context=128).generate(prompts, max_new_tokens=NEW_TOKENS)
+    with pytest.raises(AssertionError, match="differs"):
+        for prompt, result in zip(prompts, results):
+            assert_greedy_identical(reference, prompt, result.token_ids, NEW_TOKENS)
+
+
+# --------------------------------------------------------------------- refused in one line
+
+
+def _export_cli(capsys, model, out) -> tuple[int, str]:
+    capsys.readouterr()  # what building the fixture printed
+    code = export_main(["--model", str(model), "--untrained-heads", "2", "--max-context", "64", "--out", str(out)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.model_type)
+def test_a_hybrid_is_refused_in_one_line_with_nothing_written(arch, tmp_path, stories_tokenizer, capsys):
+    folder = save_fixture(arch, tmp_path / "model", stories_tokenizer)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err = _export_cli(capsys, folder, tmp_path / "engine")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"model architecture {arch.model_type!r} has" in err and "cannot verify" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, not even a staging folder
+
+
+def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "no-such-family", "hidden_size": 8}')
+    code, err = _export_cli(capsys, tmp_path / "model", tmp_path / "engine")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "model_type 'no-such-family' is not known to transformers" in err
+    assert not (tmp_path / "engine").exists()
+
+
+def test_a_folder_without_config_json_is_one_line(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"x")
+    code, err = _export_cli(capsys, tmp_path / "model", tmp_path / "engine")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "has no config.json" in err, err
+    assert not (tmp_path / "engine").exists()
+
+
+def test_an_encoder_decoder_is_refused(tmp_path, capsys):
+    from transformers import T5Config
+
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=64).save_pretrained(tmp_path / "model")
+    code, err = _export_cli(capsys, tmp_path / "model", tmp_path / "engine")
+    assert code == 2 and "encoder-decoder" in err and len(err.strip().splitlines()) == 1, err
