@@ -3,11 +3,11 @@ written whole or not at all."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from pathlib import Path
 
+from medusa_trt.runtime.durable import staged_files
 from medusa_trt.runtime.errors import MedusaError
 
 
@@ -34,17 +34,8 @@ def check_out(raw: str, suffix: str, companions: tuple[str, ...] = ()) -> Path:
     return out
 
 
-@contextlib.contextmanager
 def staged(*targets: Path):
     """Yield a temp path beside each target (same suffix); when the block succeeds each temp that was
     written is renamed onto its target, whatever happens no temp is left: a reader never sees half a
-    file and a failure leaves nothing behind."""
-    temps = [t.with_name(f".{t.stem}.{os.getpid()}.tmp{t.suffix}") for t in targets]
-    try:
-        yield temps
-        for tmp, target in zip(temps, targets):
-            if tmp.exists():
-                tmp.replace(target)
-    finally:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
+    file and a failure leaves nothing behind (``runtime/durable.py``'s ``staged_files``)."""
+    return staged_files(*targets)

@@ -2,9 +2,10 @@
 
 The layout and ``config.json`` are described in ``runtime/engine_folder.py``. ``export_onnx``
 stages the graphs and tokenizer in a hidden folder beside ``DIR``; ``write_folder_files`` adds
-``config.json``, ``generation_config.json`` and ``drafting.json`` there; ``swap_folder`` renames
-the staged folder into place (an earlier engine folder of the same name is replaced whole: a
-reader sees the old folder or the new one, never a mix).
+``config.json``, ``generation_config.json`` and ``drafting.json`` there; ``swap_folder`` puts
+the staged folder in place (``runtime/durable.py``: an earlier engine folder of the same name,
+one whose files.json lists every file in it, is replaced whole and removed only once the new one
+is in place; a reader sees the old folder or the new one, never a mix or neither).
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.engine import EngineFiles, EngineMeta
 from medusa_trt.runtime.engine_folder import DRAFTING_FILE, GENERATION_CONFIG, FolderConfig, write_folder_config
 from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
-
-STAGING_OWNER = ".owner"  # onnx_export's marker of a staging folder's process
 
 
 def graph_io(path: Path) -> dict:
@@ -124,15 +123,13 @@ def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads
         "heads_cost": float(heads_ms / one),
     }
     path = folder / DRAFTING_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_json(tmp, drafting)
-    os.replace(tmp, path)
+    _write_json(path, drafting)
     write_manifest(EngineFiles.locate(folder))
     return path
 
 
 def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+    durable.write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def link_files(paths, root: Path, dest: Path) -> None:
@@ -148,23 +145,11 @@ def link_files(paths, root: Path, dest: Path) -> None:
 
 
 def swap_folder(staged: Path, out: Path) -> None:
-    """Rename the staged folder to ``out``; an earlier engine folder there is moved aside first and
-    removed after (an empty folder is simply replaced)."""
-    (staged / STAGING_OWNER).unlink(missing_ok=True)
-    os.chmod(staged, 0o755)  # mkdtemp makes it 0700; a server may run as another user
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / "engine")
-    try:
-        os.rename(staged, out)
-    except BaseException:
-        if old is not None and not out.exists():
-            os.rename(old / "engine", out)  # put the previous engine back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    """Put the staged folder at ``out`` (``durable.replace_folder``); an earlier engine folder there
+    is checked to be ours once more (a file may have been added while the engine was built) and
+    removed only once the new one is in place."""
+    durable.check_folder_ours(out, kind="engine")
+    durable.replace_folder(staged, out)
 
 
 def read_step_cost(path: str | os.PathLike) -> dict[int, float]:

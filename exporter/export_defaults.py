@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.exporter.quantize import MODES as QUANTIZE_MODES
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError
 
 EXPORT_DEFAULTS = "export.json"
@@ -89,10 +90,4 @@ def write_export_defaults(
     path = Path(heads) / EXPORT_DEFAULTS
     raw = {"version": VERSION, "tree": tree, "draft_vocab": draft_vocab, "quantize": quantize}
     _checked(raw, path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return durable.write_text(path, json.dumps(raw, indent=1) + "\n")

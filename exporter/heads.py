@@ -34,13 +34,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
@@ -293,44 +293,65 @@ def init_heads(
     return heads
 
 
-def save_heads(heads: MedusaHeads, folder: str | os.PathLike) -> Path:
-    """Write ``heads.json`` + ``heads.safetensors`` atomically (temp folder, then rename)."""
+def save_heads(heads: MedusaHeads, folder: str | os.PathLike, *, extra: dict[str, str] | None = None) -> Path:
+    """Write ``heads.json`` + ``heads.safetensors`` (+ ``extra``: file name -> text, such as
+    medusa-train's train_config.json) and ``files.json``, the folder's manifest, whole: staged
+    beside it, then swapped in (``runtime/durable.py``). An earlier heads folder there is replaced
+    only if its manifest lists every file in it (its export.json and the tree file it names travel
+    into the new folder), and removed only once the new one is in place."""
     from safetensors.torch import save_file
+
+    from medusa_trt.runtime.manifest import write_folder_manifest
 
     folder = Path(folder)
     if not folder.parent.is_dir():
         raise HeadsFormatError(f"cannot write heads to {folder}: folder {folder.parent} does not exist")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    check_heads_out(folder)
+    with durable.staged_folder(folder) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
         save_file(state, str(tmp / HEADS_WEIGHTS))
         (tmp / HEADS_CONFIG).write_text(heads.config.to_json())
-        for path in (tmp, tmp / HEADS_WEIGHTS, tmp / HEADS_CONFIG):  # mkdtemp makes them private
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         _keep_export_defaults(folder, tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_folder_manifest(tmp, "heads")
+        check_heads_out(folder)  # once more: a file may have been added while the heads were written
     return folder
 
 
-def _keep_export_defaults(old: Path, new: Path) -> None:
-    """Heads retrained into the same folder keep its export.json and the tree file it names
-    (``exporter/export_defaults.py``): the settings the folder's engines are exported with."""
+def check_heads_out(folder: str | os.PathLike, flag: str = "--out") -> None:
+    """Raise unless ``folder`` may receive heads: it does not exist, is empty, or is a heads folder
+    whose files.json lists every file in it (export.json and its tree file travel along). Heads
+    folders written before folders carried files.json are refused with the way on, never deleted."""
+    folder = Path(folder)
+    if folder.is_dir() and not (folder / durable.FOLDER_MANIFEST).is_file() and (folder / HEADS_CONFIG).is_file():
+        raise HeadsFormatError(
+            f"{flag} {folder} holds heads written before heads folders listed their files (no {durable.FOLDER_MANIFEST}), "
+            f"so nothing proves every file in it is ours: move it aside (mv {folder} {folder}.old) or pass another {flag}"
+        )
+    durable.check_folder_ours(folder, kind="heads", flag=flag, keep=_carried(folder))
+
+
+def _carried(old: Path) -> list[str]:
+    """What a rewrite of heads folder ``old`` carries into the new one: its export.json and the tree
+    file that names (``exporter/export_defaults.py``): the settings the folder's engines are exported with."""
     from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS
 
     if not (old / EXPORT_DEFAULTS).is_file():
-        return
-    shutil.copyfile(old / EXPORT_DEFAULTS, new / EXPORT_DEFAULTS)
+        return []
     try:
         tree = json.loads((old / EXPORT_DEFAULTS).read_text(encoding="utf-8")).get("tree")
-    except (ValueError, AttributeError):
-        return  # a broken file travels as it is; the export names it
+    except (ValueError, AttributeError, OSError):
+        return [EXPORT_DEFAULTS]  # a broken file travels as it is; the export names it
     if isinstance(tree, str) and tree.endswith(".json") and (old / tree).is_file() and Path(tree).name == tree:
-        shutil.copyfile(old / tree, new / tree)
+        return [EXPORT_DEFAULTS, tree]
+    return [EXPORT_DEFAULTS]
+
+
+def _keep_export_defaults(old: Path, new: Path) -> None:
+    """Heads retrained into the same folder keep its export.json and the tree file it names."""
+    for name in _carried(old):
+        shutil.copyfile(old / name, new / name)
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.runtime.manifest import write_folder_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 FD_CONFIG = "config.json"
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_CHOICES = "medusa_choices.json"
-FD_FILES = (FD_CONFIG, FD_WEIGHTS, MEDUSA_CHOICES)  # everything save_fasterdecoding writes
+FD_FILES = (FD_CONFIG, FD_WEIGHTS, MEDUSA_CHOICES)  # what save_fasterdecoding writes for FasterDecoding's readers (+ files.json)
 FD_TOP_K = 10  # proposals per head that FasterDecoding's reference code (TOPK) and TGI's trees index into
 FORMATS = ("fasterdecoding",)  # what convert_heads writes
 
@@ -151,36 +151,20 @@ def medusa_choices_json(tree) -> str:
 
 
 def write_medusa_choices(tree, path: str | os.PathLike) -> Path:
-    """Write ``medusa_choices_json(tree)`` to ``path`` whole or not at all (temp file, then rename)."""
-    path = Path(path)
-    text = medusa_choices_json(tree)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Write ``medusa_choices_json(tree)`` to ``path`` whole or not at all (``runtime/durable.py``)."""
+    return durable.write_text(Path(path), medusa_choices_json(tree) + "\n")
 
 
 def check_out_folder(folder: str | os.PathLike) -> Path:
     """``folder`` as a place for a FasterDecoding export, checked before any work: its parent
-    exists, and it is new, empty, or an earlier export (only FD_FILES): nothing else is replaced."""
+    exists, and it is new, empty, or an earlier export of ours (its files.json lists every file in
+    it, ``runtime/durable.py``): nothing else is replaced, a FasterDecoding folder from elsewhere neither."""
     folder = Path(folder)
     if not folder.parent.is_dir():
         raise InteropError(f"cannot write {folder}: folder {folder.parent} does not exist; create it or pick another output folder")
-    if folder.exists():
-        if not folder.is_dir():
-            raise InteropError(f"cannot write {folder}: it is a file; pick a folder name")
-        foreign = sorted(p.name for p in folder.iterdir() if p.name not in FD_FILES)
-        if foreign:
-            raise InteropError(
-                f"{folder} already holds other files ({', '.join(foreign[:3])}): pick a new output folder "
-                "(an earlier FasterDecoding export there is replaced, nothing else)"
-            )
+    if folder.exists() and not folder.is_dir():
+        raise InteropError(f"cannot write {folder}: it is a file; pick a folder name")
+    durable.check_folder_ours(folder, kind="fasterdecoding")
     return folder
 
 
@@ -188,8 +172,8 @@ def save_fasterdecoding(
     heads: MedusaHeads, folder: str | os.PathLike, *, base_model: str | None = None, tree=None, dtype: torch.dtype | None = None
 ) -> Path:
     """Write ``heads`` as a FasterDecoding folder (and ``tree``, a CompiledTree or list of paths, as
-    its ``medusa_choices.json``), atomically: built in a temp folder beside it, then renamed; an
-    earlier export there is replaced only once the new one is whole.
+    its ``medusa_choices.json``) with a ``files.json`` manifest, whole: staged beside it, then swapped
+    in (``runtime/durable.py``); an earlier export of ours there is removed only once the new one is in place.
 
     Shared-lm_head heads are written with the base ``lm_head`` weight copied into every head (see
     :func:`fasterdecoding_state`): for SmolLM2-135M (V = 49152, H = 576) that is 113 MB per head in
@@ -210,27 +194,13 @@ def save_fasterdecoding(
             )
     state = fasterdecoding_state(heads, dtype)
     config = fasterdecoding_config(heads, base_model)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    old = None
-    try:
+    with durable.staged_folder(folder) as tmp:
         save_file(state, str(tmp / FD_WEIGHTS), metadata={"format": "pt"})
         (tmp / FD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tree is not None:
             (tmp / MEDUSA_CHOICES).write_text(medusa_choices_json(tree) + "\n")
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes them private
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        if folder.exists():  # check_out_folder: an earlier export, set aside until the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-            folder.rename(old / folder.name)
-        tmp.rename(folder)
-    except BaseException:
-        if old is not None and not folder.exists():
-            (old / folder.name).rename(folder)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_folder_manifest(tmp, "fasterdecoding")
+        check_out_folder(folder)  # once more: a file may have been added meanwhile
     log.info("wrote FasterDecoding heads %s: %d heads, %d layers", folder, heads.config.num_heads, heads.config.num_layers)
     return folder
 

@@ -1,8 +1,11 @@
 """Export a ``MedusaModel`` to ONNX: the step graph, the heads graph, metadata and tokenizer.
 
-Files written for ``--out build/model.onnx`` (all first into a temporary folder beside it, then
-moved into place, the step graph last, so a failed export leaves nothing behind; the folder of an
-export killed outright is removed by the next export to the same name):
+Files written for ``--out build/model.onnx`` (all first into a hidden staging folder beside it,
+then swapped in as one set by ``runtime/durable.py``: earlier files of that set are set aside and
+removed only once the new ones are in place, the step graph last; a failed export leaves nothing
+behind, and what an export killed outright left is rolled back or removed by the next export to
+the same name). An existing ``build/model.onnx`` or sibling is replaced only when the manifest
+beside it lists it (an earlier export); a file this project did not write is refused by name:
 
   build/model.onnx            step graph (docs/architecture.md, the step contract), metadata under ``medusa_trt``
   build/model.onnx.data       its weights, when they are large
@@ -22,11 +25,9 @@ verifies that graph too. ``attention="onnx"`` (the default) keeps standard ops o
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES
 from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
 from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
-from medusa_trt.runtime import key_slots
+from medusa_trt.runtime import durable, key_slots
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.contract import (
     DEFAULT_SUCCESSORS,
@@ -53,7 +54,7 @@ from medusa_trt.runtime.contract import (
     SUCCESSORS_OUTPUT,
 )
 from medusa_trt.runtime.drafting.sequential import expansion
-from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FOLDER_CONFIG, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
@@ -70,7 +71,7 @@ UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kerne
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
 OPSETS = range(18, 24)  # torch's ONNX exporter starts at 18; 23 (the default) is the newest checked with ONNX Runtime
 MIN_CONTEXT = 2  # a prompt token and one generated one (the runtime's floor too)
-STAGING_OWNER = ".owner"  # in a staging folder: "pid host" of the exporting process
+STAGING_OWNER = durable.LEGACY_OWNER  # staging folders of earlier versions: "pid host" of the exporting process
 
 
 class ExportError(MedusaError):
@@ -158,10 +159,12 @@ def check_output_path(out: Path) -> None:
             raise ExportError(
                 f"--out {out} exists and is a file: an engine folder needs a new or empty folder, or pass a path ending in .onnx"
             )
-        if any(out.iterdir()) and not (out / FOLDER_CONFIG).is_file():
-            raise ExportError(
-                f"--out {out} is a folder with other files in it (no engine config.json): choose a new folder, or remove it first"
-            )
+        durable.check_folder_ours(out, kind="engine")  # an earlier engine folder, every file listed in its files.json
+    elif not is_folder_out(out) and parent.is_dir():
+        if out.is_dir():
+            raise ExportError(f"--out {out} is a folder: pass a path ending in .onnx, or the folder's name without the suffix")
+        final = EngineFiles.beside(out)
+        durable.check_set_ours(parent, loose_names(final), manifest_path(final).name, main=out.name)
     if not parent.is_dir():
         raise ExportError(f"cannot write {out}: folder {parent} does not exist; create it first")
     try:
@@ -169,6 +172,15 @@ def check_output_path(out: Path) -> None:
             pass
     except OSError as exc:
         raise ExportError(f"cannot write {out}: folder {parent} is not writable ({exc.strerror})") from exc
+
+
+def loose_names(final: EngineFiles) -> list[str]:
+    """The names of a loose engine's set beside its step graph, all of which an export (or build)
+    writes or removes: X.onnx, X.onnx.data, X.heads.onnx, X.heads.onnx.data, X.tokenizer/,
+    X.onnx.files.json (and a plan's sidecar X.plan.json)."""
+    paths = [final.step, final.step.with_name(final.step.name + ".data"), final.heads, final.heads.with_name(final.heads.name + ".data")]
+    paths += [final.tokenizer, manifest_path(final)] + ([final.sidecar] if final.is_plan else [])
+    return [p.name for p in paths]
 
 
 def _example_inputs(model: MedusaModel, batch: int, tokens: int, past: int, key_slots: bool = False) -> tuple[torch.Tensor, ...]:
@@ -324,6 +336,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     meta = engine_meta(model, tree, config)
     folder = is_folder_out(out)
     final = EngineFiles.in_folder(out) if folder else EngineFiles.beside(out)
+    if not folder:
+        log.info("--out %s also writes beside it: %s", out, ", ".join(n for n in loose_names(final) if n != out.name))
     _import_exporters()
     tmp = make_staging(out)
     staged = EngineFiles.in_folder(tmp) if folder else EngineFiles.beside(tmp / out.name)
@@ -457,63 +471,23 @@ def _import_exporters() -> None:
 
 
 def make_staging(out: Path) -> Path:
-    """A fresh hidden folder beside ``out`` for the files of one export (or build), marked with
-    this process; stale ones of earlier exports to the same name whose process is gone go first."""
-    sweep_stale_staging(out)
+    """A fresh hidden folder beside ``out`` for the files of one export (or build), named after this
+    process (``runtime/durable.py``); what killed exports to the same name left is handled first."""
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        (tmp / STAGING_OWNER).write_text(f"{os.getpid()} {socket.gethostname()}")
+        return durable.make_staging(out)
     except OSError as exc:
         raise ExportError(f"cannot write {out}: folder {out.parent} is not writable ({exc.strerror})") from exc
-    return tmp
 
 
 def sweep_stale_staging(out: Path) -> list[Path]:
-    """Remove the staging folders of exports to ``out`` killed before their cleanup ran (SIGKILL,
-    a crash): those whose owning process no longer runs on this host. Returns what was removed."""
-    removed = []
-    for folder in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.*"):
-        if folder.is_dir() and _owner_gone(folder / STAGING_OWNER):
-            shutil.rmtree(folder, ignore_errors=True)
-            log.info("removed %s, left by an export that was killed", folder)
-            removed.append(folder)
-    return removed
-
-
-def _owner_gone(owner: Path) -> bool:
-    """True only when ``owner`` names a process of this host that has exited; a folder without
-    one (being created, or not ours) or from another host is left alone."""
-    try:
-        pid, host = owner.read_text().split()
-        pid = int(pid)
-    except (OSError, ValueError):
-        return False
-    if host != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # runs, as another user
-        return False
-    return False
+    """Handle what exports to ``out`` killed before their cleanup ran (SIGKILL, a crash) left: only
+    leftovers whose process no longer runs on this host (``durable.recover``). Returns them."""
+    return durable.recover(out)
 
 
 def _move_into_place(staged: EngineFiles, final: EngineFiles) -> None:
-    """Every staged sibling (heads graph, external data files, tokenizer) first, the step graph
-    last: a reader never finds the graph without its files. Stale siblings of an earlier export
-    under the same name (manifest included) are removed."""
-    folder, target = staged.step.parent, final.step.parent
-    staged_names = {p.name for p in folder.iterdir()}
-    ours = [final.heads, final.tokenizer, manifest_path(final)] + [p.with_name(p.name + ".data") for p in (final.step, final.heads)]
-    for old in ours:  # only files this exporter writes: never a user's neighbour
-        if old.exists() and old.name not in staged_names:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    for src in sorted(folder.iterdir()):
-        if src == staged.step or src.name == STAGING_OWNER:
-            continue
-        dst = target / src.name
-        if dst.is_dir():
-            shutil.rmtree(dst)
-        os.replace(src, dst)
-    os.replace(staged.step, final.step)
+    """The staged set (step graph, heads graph, external data, tokenizer, manifest) replaces the
+    earlier one of that name as a whole, the step graph last (``durable.replace_set``); members of
+    the earlier set without a successor go with it. ``check_output_path`` proved them ours."""
+    durable.check_set_ours(final.step.parent, loose_names(final), manifest_path(final).name, main=final.step.name)
+    durable.replace_set(staged.step.parent, final.step.parent, loose_names(final), final.step.name)

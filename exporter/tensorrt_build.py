@@ -1,8 +1,9 @@
 """Build TensorRT engines (``.plan``) from the exported ONNX graphs.
 
 ``medusa-export ... --out build/engine.plan`` first exports ``build/engine.onnx`` (and its heads
-graph and tokenizer, ``onnx_export``), then builds, each file first under a temporary name and
-moved into place, the step engine last:
+graph and tokenizer, ``onnx_export``), then builds into a hidden staging folder, and swaps the
+set in (``runtime/durable.py``: an earlier set is replaced only when its manifest lists it, and
+removed only once the new one is in place), the step engine last:
 
   build/engine.heads.plan   heads engine (absent without heads)
   build/engine.plan.json    the runtime's metadata (``EngineMeta``): a plan carries none of its own
@@ -47,6 +48,7 @@ from pathlib import Path
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, TREE_MASK
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 from medusa_trt.runtime.manifest import engine_file_list, manifest_path, write_manifest
@@ -284,18 +286,20 @@ def _compare(plan: Path, onnx_path: Path, proto, graph: str, config: TensorRTCon
         config.report(result)
 
 
+def _plan_names(final: EngineFiles, *, tokenizer: bool) -> list[str]:
+    """The loose plan's set: engine.plan, its heads plan, sidecar, manifest (and engine.tokenizer/
+    unless the plan shares it with the ONNX engine beside it)."""
+    from medusa_trt.exporter.onnx_export import loose_names
+
+    return [n for n in loose_names(final) if tokenizer or n != final.tokenizer.name]
+
+
 def _move_plans_into_place(staged: EngineFiles, final: EngineFiles, *, tokenizer: bool) -> None:
-    """Heads plan, sidecar, manifest (and the tokenizer when the plan is not beside its ONNX, which
-    already has it) first, the step plan last; a stale heads plan of an earlier build is removed."""
-    if final.heads.exists() and not staged.heads.exists():
-        final.heads.unlink()
-    for path in (staged.heads, staged.sidecar, manifest_path(staged)):
-        if path.exists():
-            os.replace(path, final.step.parent / path.name)
-    if tokenizer:
-        shutil.rmtree(final.tokenizer, ignore_errors=True)
-        os.replace(staged.tokenizer, final.tokenizer)
-    os.replace(staged.step, final.step)
+    """The staged plans, sidecar and manifest (and tokenizer) replace the earlier set as a whole,
+    the step plan last (``durable.replace_set``); a stale heads plan of an earlier build goes with it."""
+    names = _plan_names(final, tokenizer=tokenizer)
+    durable.check_set_ours(final.step.parent, names, manifest_path(final).name, main=final.step.name)
+    durable.replace_set(staged.step.parent, final.step.parent, names, final.step.name)
 
 
 def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: TensorRTConfig) -> EngineFiles:
@@ -311,11 +315,12 @@ def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: T
     tmp = make_staging(folder)
     try:
         link_files(engine_file_list(src), folder, tmp)
-        staged = EngineFiles.in_folder(tmp, ".plan")
-        _build_one(trt, src.step, staged.step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
+        staged, linked = EngineFiles.in_folder(tmp, ".plan"), EngineFiles.in_folder(tmp)
+        # parsed from the staged links: the graph copy _build_one writes beside them never enters the live folder
+        _build_one(trt, linked.step, staged.step, step_profile(meta), config, graph_precisions(proto, meta.dtype))
         if meta.num_heads:
             heads_proto = onnx.load(str(src.heads), load_external_data=False)
-            _build_one(trt, src.heads, staged.heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
+            _build_one(trt, linked.heads, staged.heads, heads_profile(meta), config, graph_precisions(heads_proto, meta.dtype))
         write_folder_config(tmp, folder_config(tmp, meta, "tensorrt"))
         write_manifest(staged)
         checkpoint()
@@ -358,6 +363,8 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
     if src.folder is not None:
         return _build_into_folder(trt, src, meta, proto, config)
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json
+    names = _plan_names(final, tokenizer=final.tokenizer != src.tokenizer)
+    durable.check_set_ours(final.step.parent, names, manifest_path(final).name, main=final.step.name)  # before the build
     tmp = make_staging(final.step)
     try:
         staged = EngineFiles.beside(tmp / final.step.name)

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.runtime.durable import write_text
 from medusa_trt.runtime.engine import FOLDER_CONFIG, EngineError, EngineMeta
 
 FOLDER_FORMAT = "medusa-trt-engine"
@@ -100,11 +101,7 @@ def read_folder_config(folder: str | os.PathLike) -> FolderConfig:
 
 def write_folder_config(folder: Path, config: FolderConfig) -> Path:
     """Write ``config.json`` (through a temporary file: a reader never sees half of it)."""
-    path = folder / FOLDER_CONFIG
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(config.to_json(), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text(folder / FOLDER_CONFIG, config.to_json())
 
 
 def read_drafting(folder: str | os.PathLike) -> dict:

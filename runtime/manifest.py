@@ -12,18 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from medusa_trt.runtime.durable import FOLDER_MANIFEST, write_text
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 
 log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
-
-
-FOLDER_MANIFEST = "files.json"
 
 
 def manifest_path(files: EngineFiles) -> Path:
@@ -61,15 +58,43 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(files: EngineFiles) -> Path:
-    """Record size and sha256 of every engine file (call it on the staged files, before they move)."""
-    folder = files.step.parent
-    entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256(p)} for p in engine_file_list(files)}
-    path = manifest_path(files)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"version": MANIFEST_VERSION, "files": entries}, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+def _write_listing(path: Path, folder: Path, files: list[Path], kind: str) -> Path:
+    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in files}
+    write_text(path, json.dumps({"version": MANIFEST_VERSION, "kind": kind, "files": entries}, indent=1, sort_keys=True))
     return path
+
+
+def write_manifest(files: EngineFiles) -> Path:
+    """Record size and sha256 of every engine file (call it on the staged files, before they move).
+    The manifest is also what proves a later export that it may replace these files (``runtime/durable.py``)."""
+    return _write_listing(manifest_path(files), files.step.parent, engine_file_list(files), "engine")
+
+
+def write_folder_manifest(folder: str | Path, kind: str) -> Path:
+    """``files.json`` of a heads or FasterDecoding folder: size and sha256 of every file in it, which
+    lets a later write replace the folder (``runtime/durable.py``: only what is provably ours is)."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != FOLDER_MANIFEST)
+    return _write_listing(folder / FOLDER_MANIFEST, folder, files, kind)
+
+
+def check_folder_manifest(folder: str | Path) -> bool:
+    """Raise ``EngineError`` naming the first file a heads (or FasterDecoding) folder's ``files.json``
+    lists that is missing or has another size or sha256; False when the folder has no manifest."""
+    folder = Path(folder)
+    path = folder / FOLDER_MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        entries = json.loads(path.read_text())["files"]
+        assert isinstance(entries, dict)
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{path} is not a valid manifest: write the folder again") from exc
+    for name, entry in sorted(entries.items()):
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != entry.get("size") or sha256(f) != entry.get("sha256"):
+            raise EngineError(f"{f} is missing or differs from what {path.name} recorded: write the folder again")
+    return True
 
 
 def check_manifest(files: EngineFiles, *, checksums: bool = False) -> bool:

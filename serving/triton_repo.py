@@ -7,7 +7,7 @@
 reads the engine's metadata first (without loading its graph) and refuses, naming the limit and
 the fix, what the server could not serve: more rows or context than the engine was exported
 for, a tree its heads cannot propose, a missing heads graph or a file of another size than the
-export recorded. Then it writes, atomically (a temporary folder beside it, then one rename):
+export recorded. Then it writes, whole (a staging folder beside it, swapped in by ``runtime/durable.py``):
 
     build/triton/medusa/config.pbtxt     Python backend, decoupled (streaming), the parameters below
     build/triton/medusa/1/model.py       serving/triton_model.py, copied as is
@@ -33,10 +33,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.serving.schema import TRITON_INPUTS, TRITON_MODEL_NAME, TRITON_OUTPUTS, EngineOptions, ServeDefaults
@@ -221,9 +221,10 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
 def write_triton_repo(config: TritonRepoConfig) -> Path:
     """Write ``repo/<model_name>/`` (config.pbtxt, 1/model.py); returns the model folder.
 
-    Atomic: the folder is built under a temporary name and renamed into place, so a server never
-    sees half a model and a failure leaves nothing; a new repository is built whole beside its
-    place (its parent must exist); an existing model is replaced only with ``overwrite``."""
+    Whole: the folder is staged under a hidden name and swapped into place (``runtime/durable.py``),
+    so a server never sees half a model, a failure leaves nothing and a replaced model is removed
+    only once the new one is in place; a new repository is built whole beside its place (its parent
+    must exist); an existing model is replaced only with ``overwrite``."""
     repo = check_repo_path(config.repo)
     engine, meta = _engine(config.engine.path)
     final = repo / config.model_name
@@ -234,16 +235,11 @@ def write_triton_repo(config: TritonRepoConfig) -> Path:
     if final.exists() and not config.overwrite:
         raise TritonRepoError(f"{final} exists: pass --force (overwrite=True) to replace it, or choose another --model-name")
     if not repo.exists():
-        staging = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=repo.parent))
-        try:
+        with durable.staged_folder(repo) as staging:  # a new repository, built whole beside its place
             _stage_model(staging / config.model_name, text, copy)
-            os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the server may run as another user
-            os.rename(staging, repo)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     else:
-        _replace_model(repo, config.model_name, text, copy)
+        with durable.staged_folder(final) as staging:  # the model folder, swapped in; the old one removed once it is
+            _stage_model(staging, text, copy)
     log.info("wrote %s (engine %s)", final, engine)
     return final
 
@@ -252,7 +248,7 @@ ENGINE_COPY = "engine"  # <model>/engine/: the copied engine (copy_engine)
 
 
 def _stage_model(folder: Path, text: str, engine: Path | None = None) -> None:
-    (folder / "1").mkdir(parents=True)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(MODEL_FILE, folder / "1" / "model.py")
     if engine is not None:
         _copy_engine(engine, folder / ENGINE_COPY)
@@ -270,24 +266,3 @@ def _copy_engine(engine: Path, dest: Path) -> None:
     from medusa_trt.exporter.engine_folder import link_files
 
     link_files(engine_file_list(files) + [p for p in (manifest_path(files),) if p.is_file()], folder, dest)
-
-
-def _replace_model(repo: Path, name: str, text: str, engine: Path | None = None) -> None:
-    """Stage ``repo/<name>`` under a temporary name in ``repo``, then rename it over the old one."""
-    final = repo / name
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=repo))
-    old = None
-    try:
-        _stage_model(staging / "model", text, engine)
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=repo))
-            os.rename(final, old / "model")
-        os.rename(staging / "model", final)
-    except BaseException:
-        if old is not None and (old / "model").exists() and not final.exists():
-            os.rename(old / "model", final)  # put the previous model back
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

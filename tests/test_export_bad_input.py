@@ -207,11 +207,11 @@ def _start_export(out: Path) -> subprocess.Popen:
 
 
 def _wait_for_staging(proc: subprocess.Popen, out: Path, timeout: float = 240) -> Path:
-    from medusa_trt.exporter.onnx_export import STAGING_OWNER
+    from medusa_trt.runtime.durable import parse_leftover
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [p for p in out.parent.glob(f".{out.name}.*") if (p / STAGING_OWNER).is_file()]
+    while time.monotonic() < deadline:  # runtime/durable.py names a staging folder .NAME.new.PID.N@HOST
+        found = [p for p in out.parent.glob(f".{out.name}.new.*") if parse_leftover(p, out) is not None and any(p.iterdir())]
         if found:
             return found[0]
         assert proc.poll() is None, proc.communicate()

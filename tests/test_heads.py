@@ -137,7 +137,7 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path, shared):
     lm_head = make_lm_head()
     heads = init_heads(config(num_heads=3, num_layers=2, shared=shared, head_layer=4, base_model="tiny"), lm_head, random=True)
     folder = save_heads(heads, tmp_path / "heads")
-    assert sorted(p.name for p in folder.iterdir()) == ["heads.json", "heads.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["files.json", "heads.json", "heads.safetensors"]
     back = load(folder, lm_head, num_decoder_layers=6)
     assert back.config == heads.config
     assert back.config.head_layer == 4
@@ -158,20 +158,35 @@ def test_save_into_missing_parent_fails_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_save_over_existing_folder_replaces_it(tmp_path):
+def test_save_over_existing_folder_replaces_it_only_when_every_file_is_ours(tmp_path):
+    from medusa_trt.runtime.durable import NotOursError
+
     lm_head = make_lm_head()
     folder = tmp_path / "heads"
     save_heads(init_heads(config(num_heads=2), lm_head, seed=1, random=True), folder)
-    (folder / "stale.txt").write_text("from an older export")
+    (folder / "notes.txt").write_text("the user's own")
     newer = init_heads(config(num_heads=4), lm_head, seed=2, random=True)
+    with pytest.raises(NotOursError, match=r"heads/notes\.txt is not a file medusa-trt wrote"):
+        save_heads(newer, folder)
+    assert (folder / "notes.txt").read_text() == "the user's own" and load(folder).config.num_heads == 2
+    (folder / "notes.txt").unlink()
     save_heads(newer, folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["heads.json", "heads.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["files.json", "heads.json", "heads.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["heads"]  # no temp folder left beside it
     back = load(folder)
     assert back.config.num_heads == 4
     x = hidden(3)
     with torch.no_grad():
         torch.testing.assert_close(back(x), newer(x), rtol=0, atol=0)
+
+
+def test_heads_written_before_manifests_are_refused_with_the_way_on(tmp_path):
+    folder = save_heads(init_heads(config(), make_lm_head()), tmp_path / "heads")
+    (folder / "files.json").unlink()  # as every heads folder before them
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(HeadsFormatError, match=r"before heads folders listed their files .*mv .*heads\.old"):
+        save_heads(init_heads(config(), make_lm_head(), seed=3, random=True), folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 # ---------------------------------------------------------------- FasterDecoding/Medusa checkpoints

@@ -30,6 +30,8 @@ from medusa_trt.exporter.interop import (
     write_medusa_choices,
 )
 from medusa_trt.runtime import MedusaRuntime
+from medusa_trt.runtime.durable import FOLDER_MANIFEST as MANIFEST
+from medusa_trt.runtime.durable import NotOursError
 from medusa_trt.runtime.tree import chain_paths, compile_tree, load_tree
 
 H, V = 16, 32  # tiny hidden size and vocabulary
@@ -85,7 +87,7 @@ def test_round_trip_through_our_fasterdecoding_loader_gives_the_same_logits(tmp_
     lm_head = make_lm_head()
     heads = tiny_heads(shared=shared, num_layers=num_layers, lm_head=lm_head)
     folder = save_fasterdecoding(heads, tmp_path / "fd", base_model="org/base")
-    assert sorted(p.name for p in folder.iterdir()) == [FD_CONFIG, FD_WEIGHTS]
+    assert sorted(p.name for p in folder.iterdir()) == [FD_CONFIG, MANIFEST, FD_WEIGHTS]  # files.json: what proves it ours
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folder left behind"
     back = load_fd(folder)  # no lm_head given: every head carries its own projection
     assert back.config == HeadsConfig(
@@ -159,14 +161,21 @@ def test_tree_is_written_beside_the_heads(tmp_path):
 def test_an_earlier_export_is_replaced_and_other_folders_are_left_alone(tmp_path):
     first = save_fasterdecoding(tiny_heads(shared=False, num_heads=3), tmp_path / "fd", tree=CUSTOM_TREE)
     second = save_fasterdecoding(tiny_heads(shared=False, num_heads=2), tmp_path / "fd")
-    assert second == first and sorted(p.name for p in second.iterdir()) == [FD_CONFIG, FD_WEIGHTS]  # the old tree went too
+    assert second == first and sorted(p.name for p in second.iterdir()) == [FD_CONFIG, MANIFEST, FD_WEIGHTS]  # the old tree went too
     assert load_fd(second).config.num_heads == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fd"]  # no temp or set-aside folder
 
     ours = save_heads(tiny_heads(shared=False), tmp_path / "ours")
     before = snapshot(ours)
-    with pytest.raises(InteropError, match="already holds other files .*heads.json"):
+    with pytest.raises(NotOursError, match="holds medusa-trt heads files, not fasterdecoding files"):
         save_fasterdecoding(tiny_heads(shared=False), ours)
+    theirs = tmp_path / "theirs"  # a FasterDecoding folder from elsewhere: the same file names, no files.json of ours
+    theirs.mkdir()
+    (theirs / FD_CONFIG).write_text("{}")
+    (theirs / FD_WEIGHTS).write_bytes(b"their heads")
+    with pytest.raises(NotOursError, match=f"theirs/{FD_CONFIG} is not a file medusa-trt wrote"):
+        save_fasterdecoding(tiny_heads(shared=False), theirs)
+    assert (theirs / FD_WEIGHTS).read_bytes() == b"their heads"
     assert snapshot(ours) == before
     (tmp_path / "file").write_text("x")
     with pytest.raises(InteropError, match="it is a file"):
@@ -333,9 +342,9 @@ def test_cli_converts_shared_heads_with_their_model_and_tree(tmp_path, capsys, s
         capsys, "--heads", ours, "--out", out, "--model", STORIES, "--tree", "chain-3", "--base-model", "org/stories"
     )
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == [FD_CONFIG, MEDUSA_CHOICES, FD_WEIGHTS]
+    assert sorted(p.name for p in out.iterdir()) == [FD_CONFIG, MANIFEST, MEDUSA_CHOICES, FD_WEIGHTS]
     lines = stdout.strip().splitlines()
-    assert lines[0] == f"wrote {out} ({FD_CONFIG}, {MEDUSA_CHOICES}, {FD_WEIGHTS}): 3 heads, 1 layers, base model org/stories"
+    assert lines[0] == f"wrote {out} ({FD_CONFIG}, {MANIFEST}, {MEDUSA_CHOICES}, {FD_WEIGHTS}): 3 heads, 1 layers, base model org/stories"
     assert "--medusa_model_dir" in lines[1] and "--medusa_choices" in lines[1]
     assert json.loads((out / MEDUSA_CHOICES).read_text()) == chain_paths(3)
     back = load_heads(out, hidden_size=heads.config.hidden_size, vocab_size=heads.config.vocab_size, lm_head=None)
@@ -349,7 +358,7 @@ def test_cli_converts_own_lm_head_heads_without_a_model(tmp_path, capsys):
     ours = save_heads(heads, tmp_path / "ours")
     code, stdout, err = _convert(capsys, "--heads", ours, "--out", tmp_path / "fd", "--dtype", "float16")
     assert code == 0, err
-    assert stdout.startswith(f"wrote {tmp_path / 'fd'} ({FD_CONFIG}, {FD_WEIGHTS}): 3 heads, 2 layers, base model org/base")
+    assert stdout.startswith(f"wrote {tmp_path / 'fd'} ({FD_CONFIG}, {MANIFEST}, {FD_WEIGHTS}): 3 heads, 2 layers, base model org/base")
     assert {v.dtype for v in load_file(str(tmp_path / "fd" / FD_WEIGHTS)).values()} == {torch.float16}
 
 
@@ -378,7 +387,7 @@ BAD = [  # (argv, fragment of the one line); {tmp} is the test's folder
     (["--heads", "{tmp}/layer", "--out", "{tmp}/o"], "read decoder layer 1"),
     (["--heads", "{tmp}/shared", "--out", "{tmp}/o"], "pass the base model they were trained on (--model)"),
     (["--heads", "{tmp}/own", "--out", "{tmp}/none/o"], "folder {tmp}/none does not exist"),
-    (["--heads", "{tmp}/own", "--out", "{tmp}/shared"], "{tmp}/shared already holds other files"),
+    (["--heads", "{tmp}/own", "--out", "{tmp}/shared"], "{tmp}/shared would be replaced, but it holds medusa-trt heads files"),
     (["--heads", "{tmp}/own", "--out", "{tmp}/o", "--tree", "chain-x"], "write chain-N"),
     (["--heads", "{tmp}/own", "--out", "{tmp}/o", "--tree", "{tmp}/absent.json"], "does not exist"),
     (["--heads", "{tmp}/own", "--out", "{tmp}/o", "--tree", "chain-4"], "4 deep but there are only 3 heads"),

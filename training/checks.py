@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from medusa_trt.exporter.heads import check_heads_out
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.data import GENERATE_CONTEXT, read_prompts
 
@@ -16,6 +17,7 @@ def check_inputs(config: TrainConfig) -> None:
         raise TrainError(f"cannot write {out}: folder {out.parent} does not exist")
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out} is a file: pass a folder path for the heads")
+    check_heads_out(out)  # replaced at the end only if it holds earlier heads of ours: refused now, not after training
     if config.workdir.exists() and not config.workdir.is_dir():
         raise TrainError(f"{config.workdir} (the work folder of --out {out}) is a file: remove it or pass another --out")
     if config.generate_engine is not None and not Path(config.generate_engine).exists():

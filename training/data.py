@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from medusa_trt.runtime import durable
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.workdir import (
     CACHE,
@@ -250,9 +250,8 @@ def _write_shard(work: Path, pending: list[tuple[dict, np.ndarray]], done: dict)
         record |= {"shard": name, "offset": offset}
         rows.append(hidden.astype(np.float16))
         offset += len(hidden)
-    tmp = folder / f"{name}.tmp"
-    save_file({"hidden": np.concatenate(rows)}, str(tmp))
-    os.replace(tmp, folder / f"{name}.safetensors")
+    with durable.staged_file(folder / f"{name}.safetensors") as tmp:
+        save_file({"hidden": np.concatenate(rows)}, str(tmp))
     with open(work / SEQUENCES, "a") as sink:
         for record, _ in pending:
             sink.write(json.dumps(record) + "\n")
@@ -345,9 +344,8 @@ def cache_hidden(base, sequences: list[Sample], config: TrainConfig) -> dict[str
         hidden_parts.append(_forward_hidden(base, sample.ids, config.head_layer)[max(sample.start - 1, 0) : len(sample.ids) - 1])
     cached = {"hidden": torch.cat(hidden_parts)} | labels
     file = open_workdir(base, config) / CACHE
-    tmp = file.with_suffix(".tmp")
-    save_file(cached, str(tmp), metadata={"key": key})
-    os.replace(tmp, file)
+    with durable.staged_file(file) as tmp:
+        save_file(cached, str(tmp), metadata={"key": key})
     return cached
 
 

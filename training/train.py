@@ -225,8 +225,6 @@ def run(base, config: TrainConfig, *, restart: bool = False, generate_only: bool
         drop_if_empty(config)
         raise
     metrics["sequences"] = len(sequences)
-    out = Path(config.out)
-    save_heads(heads, out)
-    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    extra = {"train_config.json": json.dumps(dataclasses.asdict(config), indent=2), "metrics.json": json.dumps(metrics, indent=2)}
+    save_heads(heads, Path(config.out), extra=extra)  # one folder, swapped in whole with its config and metrics
     return metrics

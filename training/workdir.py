@@ -14,13 +14,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import pickle
 import shutil
 from pathlib import Path
 
 import torch
 
+from medusa_trt.runtime import durable
 from medusa_trt.training.config import TrainConfig, TrainError, flag
 
 log = logging.getLogger(__name__)
@@ -143,18 +143,15 @@ def stale_checkpoint_error(checkpoint: Path, why: str) -> TrainError:
 def save_checkpoint(path: Path, heads, optimizer, step: int, history: list[float], config: TrainConfig) -> None:
     """Heads, optimizer, step, loss history and the training configuration, written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "heads": heads.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "history": history,
-            "config": dataclasses.asdict(config),
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    state = {
+        "heads": heads.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "history": history,
+        "config": dataclasses.asdict(config),
+    }
+    with durable.staged_file(path) as tmp:
+        torch.save(state, tmp)
 
 
 # ----------------------------------------------------------------------------- refuse, resume or restart
@@ -188,7 +185,7 @@ def check_data(base, config: TrainConfig, *, restart: bool = False) -> None:
         if not restart:
             raise TrainError(f"{work} holds data from another configuration ({why}): pass --restart to discard it, or another --out")
         log.warning("--restart: discarding %s (%s)", work, why)
-    shutil.rmtree(work)
+    discard_workdir(work, config)
 
 
 def open_workdir(base, config: TrainConfig) -> Path:
@@ -196,9 +193,7 @@ def open_workdir(base, config: TrainConfig) -> Path:
     work = config.workdir
     if not (work / FINGERPRINT).is_file():
         work.mkdir(parents=True, exist_ok=True)
-        tmp = work / (FINGERPRINT + ".tmp")
-        tmp.write_text(json.dumps(data_fingerprint(base, config), indent=2))
-        os.replace(tmp, work / FINGERPRINT)
+        durable.write_text(work / FINGERPRINT, json.dumps(data_fingerprint(base, config), indent=2))
     return work
 
 
@@ -206,4 +201,42 @@ def drop_if_empty(config: TrainConfig) -> None:
     """A work folder without progress (a run stopped before its first sequence) is removed."""
     work = config.workdir
     if work.is_dir() and not _has_progress(work):
-        shutil.rmtree(work)
+        discard_workdir(work, config)
+
+
+_WORK_FILES = (FINGERPRINT, SEQUENCES, CACHE, CHECKPOINT)
+
+
+def _ours(path: Path, work: Path) -> bool:
+    """A file a training run writes in ``work``: its own names, the hidden-state shards (``0000012.safetensors``,
+    ``.tmp`` of earlier versions), or a staged write of one of them left by a kill (``runtime/durable.py``)."""
+    rel = path.relative_to(work)
+    if path.is_symlink():
+        return False
+    if rel.parts == (HIDDEN,):
+        return path.is_dir()
+    if len(rel.parts) == 1:
+        return path.name in _WORK_FILES or any(durable.parse_leftover(path, work / n) for n in _WORK_FILES)
+    stem, _, suffix = path.name.partition(".")
+    if len(rel.parts) == 2 and rel.parts[0] == HIDDEN:
+        if stem.isdigit() and suffix in ("safetensors", "tmp"):
+            return True
+        target = path.with_name(path.name[1:].split(".new.")[0])  # .0000012.safetensors.new.PID.N@HOST.safetensors
+        return path.name.startswith(".") and durable.parse_leftover(path, target) is not None
+    return False
+
+
+def _foreign(work: Path) -> Path | None:
+    """The first file in ``work`` that a training run did not write, else None."""
+    return next((p for p in sorted(work.rglob("*")) if not _ours(p, work)), None)
+
+
+def discard_workdir(work: Path, config: TrainConfig) -> None:
+    """Remove a work folder, only if every file in it is one a training run writes; else refuse,
+    naming the first other file (``--work`` may name any folder: a user's is never deleted)."""
+    if (first := _foreign(work)) is not None:
+        raise TrainError(
+            f"{work} (the work folder of --out {config.out}) holds {first}, which medusa-train did not write: "
+            "pass another --work (or --out), or move or remove it yourself"
+        )
+    shutil.rmtree(work)
