@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter.external_data import data_path, has_external_data, save_graph
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 
 log = logging.getLogger(__name__)
@@ -135,12 +136,13 @@ def dynamic_int8(path: Path, meta: EngineMeta) -> None:
             str(quantized),
             weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul"],
-            use_external_data_format=False,
+            use_external_data_format=has_external_data(path),  # a graph over 2 GiB cannot be written whole
             extra_options={"MatMulConstBOnly": True},
         )
         proto = onnx.load(str(quantized))
     finally:
         quantized.unlink(missing_ok=True)
+        data_path(quantized).unlink(missing_ok=True)
     _replace_graph(path, proto, meta)
 
 
@@ -350,11 +352,11 @@ def _row_int8_matmul(node, weight: str, weight_scale: str) -> list:
 
 
 def _replace_graph(path: Path, proto, meta: EngineMeta) -> None:
-    """Write ``proto`` over the graph at ``path`` (and its external data), metadata carried over."""
-    import onnx
-
+    """Write ``proto`` over the graph at ``path`` (and its external data), metadata carried over; weights
+    that lay in an external data file stay in one (``exporter/external_data.py``)."""
     del proto.metadata_props[:]
     proto.metadata_props.add(key=META_KEY, value=meta.to_json())
+    external = has_external_data(path)
     for f in path.parent.glob(path.name + "*"):
         f.unlink()
-    onnx.save(proto, str(path))
+    save_graph(proto, path, external=external)
