@@ -66,8 +66,10 @@ log = logging.getLogger(__name__)
 # (int8 weights with one scale per output column, both graphs)
 QUANTIZE_MODES = (None, *_QUANTIZE_MODES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # bf16: for TensorRT builds
-TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}  # max abs logit difference ONNX Runtime vs torch
-UNVERIFIABLE_DTYPES = ("bf16",)  # ONNX Runtime's CPU provider has no bf16 kernels: nothing to compare with
+# max abs logit difference of the graph vs torch in the same dtype (exporter/verify.py: ONNX Runtime for fp32 / fp16,
+# ONNX's reference evaluator for bf16, which ONNX Runtime's CPU provider has no kernels for). bf16 keeps 8 significant
+# bits (a step of 0.03 at logits 4-8): tiny random models differ by 0.1 there, a few such steps, and 0.2 at most
+TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
 OPSETS = range(18, 24)  # torch's ONNX exporter starts at 18; 23 (the default) is the newest checked with ONNX Runtime
 MIN_CONTEXT = 2  # a prompt token and one generated one (the runtime's floor too)
@@ -85,7 +87,7 @@ class ExportConfig:
     max_batch: int = DEFAULT_MAX_BATCH  # sequences per step the engine is built and checked for
     max_context: int | None = None  # committed + new tokens per sequence; None: 1024 or the model's positions if fewer
     max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
-    dtype: str = "fp32"  # fp32 | fp16
+    dtype: str = "fp32"  # fp32 | fp16 | bf16 (for TensorRT; verified in ONNX's reference evaluator)
     opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
     quantize: QuantizeConfig | str | None = None  # weight quantization (exporter/quantize.py); a mode name: QuantizeConfig(mode)
     verify: bool = True  # checker + ONNX Runtime vs torch after export
@@ -370,11 +372,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str(f"quantizing {config.quantize.mode}")
                 quantize_engine(staged, meta, config.quantize)
             bar.update()
-            if config.verify and config.dtype in UNVERIFIABLE_DTYPES:
-                log.warning(
-                    "the %s graph is not checked against torch: ONNX Runtime's CPU provider has no %s kernels", config.dtype, config.dtype
-                )
-            elif config.verify:
+            if config.verify:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 

@@ -1,14 +1,22 @@
 """Check an exported engine against the torch model it came from.
 
-The ONNX checker first, then ONNX Runtime and torch on the same inputs: a right-padded prefill of
+The ONNX checker first, then the graph and torch on the same inputs: a right-padded prefill of
 two prompts of different lengths (chain mask, empty cache; at most 7 tokens and never more than
 the engine's tokens per step), then a tree step over the committed prefill cache, then the heads
-graph. Returns the max abs difference per output.
+graph. Returns the max abs difference per output. Each side runs in the engine's own dtype.
+
+fp32 and fp16 graphs run in ONNX Runtime. ONNX Runtime's CPU provider has no bf16 kernels, so a
+bf16 graph runs in ONNX's reference evaluator (``onnx.reference``) on ``ml_dtypes.bfloat16``
+arrays: every op of the graph as written, each result rounded to bf16 as a bf16 kernel's is
+(matmuls accumulate in fp32, as torch's and TensorRT's bf16 GEMMs do), with RMSNormalization
+computed in its ``stash_type`` (fp32) as the op's definition says. It is slow (numpy, op by op),
+which the small checked steps allow. ``--no-verify`` skips it.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +48,7 @@ from medusa_trt.runtime.tree import CompiledTree
 log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 7  # the longer checked prompt; the other is 4 (right-padded, ragged)
+RUNNERS = ("ONNX Runtime", "ONNX's reference evaluator")  # what runs the graph: fp32 / fp16, bf16
 
 
 class VerificationError(MedusaError):
@@ -48,6 +57,91 @@ class VerificationError(MedusaError):
 
 def _diff(a: torch.Tensor, b: np.ndarray) -> float:
     return float(np.abs(a.detach().float().cpu().numpy() - b.astype(np.float32)).max()) if b.size else 0.0
+
+
+def numpy_dtype(dtype: torch.dtype):
+    """The numpy dtype of a torch float dtype (bf16: ``ml_dtypes.bfloat16``)."""
+    if dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16 if dtype == torch.float16 else np.float32)
+
+
+def to_torch(value: np.ndarray, device) -> torch.Tensor:
+    """A numpy array as a torch tensor; bf16 through its bits (torch.from_numpy has no bfloat16)."""
+    value = np.ascontiguousarray(value)
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(value).to(device)
+
+
+def open_graph(path: Path, dtype: torch.dtype):
+    """What runs the graph at ``path`` with ``run(None, feeds)`` / ``get_inputs()`` / ``get_outputs()``:
+    an ONNX Runtime session, or for bf16 a ``ReferenceSession``."""
+    if dtype == torch.bfloat16:
+        return ReferenceSession(path)
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")  # no second, packed copy of the weights
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class ReferenceSession:
+    """ONNX's reference evaluator behind ONNX Runtime's session interface, for graphs ONNX Runtime's
+    CPU provider cannot run (bf16). The weights are read once, from the graph or its external data
+    file, and fed to each run beside the inputs: the graph proto keeps no copy of them."""
+
+    def __init__(self, path: Path):
+        import onnx
+        from onnx import numpy_helper
+        from onnx.reference import ReferenceEvaluator
+
+        proto = onnx.load(str(path), load_external_data=False)
+        self.weights = {t.name: numpy_helper.to_array(t, base_dir=str(Path(path).parent)) for t in proto.graph.initializer}
+        del proto.graph.initializer[:]  # now in self.weights, fed to every run
+        self._inputs = [_Named(i.name) for i in proto.graph.input]
+        self._outputs = [_Named(o.name) for o in proto.graph.output]
+        self._evaluator = ReferenceEvaluator(proto, new_ops=[_StashedRMSNormalization])
+
+    def get_inputs(self):
+        return self._inputs
+
+    def get_outputs(self):
+        return self._outputs
+
+    def run(self, names, feeds: dict) -> list[np.ndarray]:
+        return self._evaluator.run(names, self.weights | feeds)
+
+
+class _Named:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _stashed_rms_normalization():
+    """RMSNormalization as its ONNX definition computes it: X cast to ``stash_type``, normalized
+    there, cast back, then scaled (onnx.reference's own op ignores ``stash_type`` and sums in X's type)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+    from onnx.reference.op_run import OpRun
+
+    class RMSNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, X, Scale, axis=None, epsilon=None, stash_type=None):
+            axis = -1 if axis is None else axis
+            epsilon = 1e-5 if epsilon is None else epsilon
+            stash = tensor_dtype_to_np_dtype(1 if stash_type is None else stash_type)
+            x = X.astype(stash)
+            axes = tuple(range(axis % X.ndim, X.ndim))
+            inv = np.reciprocal(np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + stash.type(epsilon)))
+            return ((x * inv).astype(X.dtype) * Scale,)
+
+    return RMSNormalization
+
+
+_StashedRMSNormalization = _stashed_rms_normalization()
 
 
 @torch.no_grad()
@@ -62,18 +156,17 @@ def verify_engine(
     max_tokens: int = PREFILL_TOKENS,
     draft_vocab: int | None = None,
 ) -> dict[str, float]:
-    """Max abs difference ONNX Runtime vs torch per checked output. ``strict`` fails when one
+    """Max abs difference of the graph (``open_graph``) vs torch per checked output. ``strict`` fails when one
     above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
     ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill;
     ``draft_vocab``: the heads graph's logits cover the first N token ids only."""
     import onnx
-    import onnxruntime as ort
 
     onnx.checker.check_model(str(files.step))
-    session = ort.InferenceSession(str(files.step), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
     spec, device = model.kv_spec, model.device
-    np_dtype = np.float16 if spec.dtype == torch.float16 else np.float32
+    session = open_graph(files.step, spec.dtype)
+    names = [o.name for o in session.get_outputs()]
+    np_dtype = numpy_dtype(spec.dtype)
     gen = np.random.default_rng(0)
 
     scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
@@ -90,7 +183,7 @@ def verify_engine(
         if scattered:  # the new keys go to slots of the view: pad it to hold them
             key_slots.add_to_feeds(feeds)
         ours = dict(zip(names, session.run(None, feeds)))
-        theirs = model(*(torch.from_numpy(np.ascontiguousarray(v)).to(device) for v in feeds.values()))
+        theirs = model(*(to_torch(v, device) for v in feeds.values()))
         return ours, dict(zip(STEP_OUTPUTS, theirs))
 
     # prefill: prompts of 7 and 4 tokens (fewer when a step takes fewer), right-padded, empty cache
@@ -116,15 +209,18 @@ def verify_engine(
     diffs["tree logits"] = _diff(theirs[LOGITS], ours[LOGITS])
     if SUCCESSORS_OUTPUT in ours:  # the top-k ids must index the k largest logits (ties may order differently)
         k = ours[SUCCESSORS_OUTPUT].shape[-1]
-        picked = np.take_along_axis(ours[LOGITS], ours[SUCCESSORS_OUTPUT], axis=-1)  # (2, T, k)
-        kth = -np.partition(-ours[LOGITS], k - 1, axis=-1)[..., k - 1 : k]  # (2, T, 1)
+        logits = ours[LOGITS].astype(np.float32)  # (2, T, V); bf16 compares exactly in fp32
+        picked = np.take_along_axis(logits, ours[SUCCESSORS_OUTPUT], axis=-1)  # (2, T, k)
+        kth = -np.partition(-logits, k - 1, axis=-1)[..., k - 1 : k]  # (2, T, 1)
         if not (picked >= kth - 1e-6).all():
             raise VerificationError(f"{files.step.name}: {SUCCESSORS_OUTPUT} does not hold the top-{k} logits: export again")
     diffs["tree hidden"] = _diff(theirs[HIDDEN], ours[HIDDEN])
+    session = None  # the step graph's weights go before the heads graph's come
     if model.num_heads:
         diffs["head logits"] = _heads_diff(model, files, tree, ours, draft_vocab)
     worst = max(v for k, v in diffs.items() if k not in loose)
-    log.info("ONNX Runtime vs torch, max abs difference: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    runner = RUNNERS[spec.dtype == torch.bfloat16]
+    log.info("%s vs torch, max abs difference: %s", runner, ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     if strict and worst > tolerance:
         raise VerificationError(
             f"exported graph disagrees with torch: max abs difference {worst:.3g} > tolerance {tolerance:g} "
@@ -135,16 +231,14 @@ def verify_engine(
 
 def _heads_diff(model, files: EngineFiles, tree: CompiledTree, ours: dict[str, np.ndarray], draft_vocab: int | None) -> float:
     """Max abs difference of the heads graph's logits against torch, at node 0 of the checked tree step ``ours``."""
-    import onnxruntime as ort
-
-    heads = ort.InferenceSession(str(files.heads), providers=["CPUExecutionProvider"])
+    heads = open_graph(files.heads, model.kv_spec.dtype)
     hidden = ours[HIDDEN][:, 0]  # (2, H)
     feeds = {HEADS_INPUTS[0]: np.ascontiguousarray(hidden)}
     roots = ours[NEXT_IDS][:, 0].astype(np.int64)  # (2,) what follows node 0: the next tree's root
     if model.head_input != "hidden":
         feeds[NEXT_INPUT] = roots
     head_topk, head_logits = heads.run(None, feeds)
-    hidden_t, roots_t = torch.from_numpy(hidden).to(model.device), torch.from_numpy(roots).to(model.device)
+    hidden_t, roots_t = to_torch(hidden, model.device), to_torch(roots, model.device)
     if model.head_input == "hidden+path":  # the graph expands the tree over the draft vocabulary
         theirs = model.heads.expand(hidden_t, roots_t, expansion(tree.paths), tree.top_k, model.heads.projector(draft_vocab))
     else:
