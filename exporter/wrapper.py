@@ -113,17 +113,17 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     sinks = kwargs.get("s_aux")
-    plain = window is None and softcap is None and sinks is None  # what the plugin op and the CUDA kernel implement
-    if kv.attention_form == "plugin":  # one opaque op: exported as the spec's custom node
+    if kv.attention_form == "plugin":  # one opaque op: exported as the spec's custom node (window, softcap 0: none)
         from medusa_trt.plugins.tree_attention import torch_op  # noqa: F401 - registers torch.ops.medusa_trt
+        from medusa_trt.plugins.tree_attention.spec import NO_SINK
 
-        if not plain:  # MedusaModel.check_form refuses this at export; an internal invariant here
-            raise UnsupportedModelError("the plugin tree attention implements no sliding window, soft-capping or sinks")
-        out = torch.ops.medusa_trt.tree_attention(
-            query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer, scale
-        )
-    elif plain and kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:
-        out = _kernel_attend()(query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, layer=layer, scale=scale)
+        sinks = query.new_full(query.shape[1:2], NO_SINK) if sinks is None else sinks.to(query.dtype)  # (Hq,): the node always has them
+        inputs = (query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, sinks)
+        out = torch.ops.medusa_trt.tree_attention(*inputs, layer, scale, int(window or 0), float(softcap or 0))
+    elif kv.key_slots is None and query.is_cuda and not torch.compiler.is_compiling() and _kernel_attend() is not None:
+        # the kernel's positions are the step contract's (cache_lengths + depth), the position_ids given here
+        inputs = (query, key, value, kv.past_key, kv.past_value, kv.tree_mask, kv.cache_lengths, sinks)
+        out = _kernel_attend()(*inputs, layer=layer, scale=scale, window=int(window or 0), softcap=float(softcap or 0))
     else:  # reference math in standard ops (what the standard ONNX graph holds)
         past_key = kv.past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
         past_value = kv.past_value[:, layer].permute(1, 2, 0, 3)
@@ -186,11 +186,20 @@ class MedusaModel(nn.Module):
         return KVSpec(len(plan.layers), plan.num_kv_heads, plan.head_dim, next(self.base.parameters()).dtype)
 
     def check_form(self, form: str) -> None:
-        """Refuse an attention form that does not implement a feature this model's layers ask for."""
-        if form == "plugin" and any(layer.window or layer.softcap or layer.sinks for layer in self.attention.layers):
+        """Refuse an attention form that does not implement a feature this model's layers ask for.
+
+        The standard form is the reference math, which implements every ``LayerAttention`` field; the
+        plugin form implements what its op's spec lists (``spec.TREE_ATTENTION.features``)."""
+        if form != "plugin":
+            return
+        from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
+
+        asked = {name for layer in self.attention.layers for name in ("window", "softcap", "sinks") if getattr(layer, name)}
+        missing = sorted(asked - set(TREE_ATTENTION.features))
+        if missing:
             raise UnsupportedModelError(
-                f"--attention plugin: the tree-attention plugin does not implement this {self.attention.architecture} model's "
-                f"{', '.join(f for f in self.attention.features if not f.startswith('grouped'))}: export with --attention onnx"
+                f"--attention plugin: the tree-attention plugin ({TREE_ATTENTION.qualified_name} v{TREE_ATTENTION.version}) does not "
+                f"implement this {self.attention.architecture} model's {', '.join(missing)}: export with --attention onnx"
             )
 
     @property

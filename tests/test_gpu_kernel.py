@@ -37,9 +37,9 @@ def _compiled():
 
 
 def assert_matches(case, *, num_splits=None):
-    got = tree_attention_triton(*case.inputs, layer=case.layer, scale=case.scale, num_splits=num_splits)
+    got = tree_attention_triton(*case.inputs, **case.attributes, num_splits=num_splits)
     ref_case = case.to(torch.float32)
-    want = reference_from_spec(*ref_case.inputs, layer=case.layer, scale=case.scale)
+    want = reference_from_spec(*ref_case.inputs, **case.attributes)
     assert got.dtype == case.query.dtype and got.shape == case.query.shape, case.name
     err = (got.float() - want).abs()
     tol = TOL[case.query.dtype]
@@ -98,6 +98,40 @@ def test_cuda_split_context(num_new, num_q_heads, num_kv_heads, dtype):
     assert_matches(case, num_splits=max(2, plan.num_splits // 2))
 
 
+# (Hq, Hkv): GQA ratios 1, 2, 4 and multi-query attention
+FEATURE_HEADS = [(8, 8), (8, 4), (32, 8), (8, 1)]
+FEATURES = {
+    "window": dict(window=24),
+    "softcap": dict(softcap=30.0),
+    "sinks": dict(sinks=True),
+    "all": dict(window=6, softcap=2.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", FEATURE_HEADS)
+@pytest.mark.parametrize("num_new, context", [(1, 300), (16, 37), (64, 2000)])
+def test_cuda_kernel_features(num_new, context, num_q_heads, num_kv_heads, features, dtype):
+    """Sliding window (shorter than the trees and the cache), soft-capping and sinks, single pass
+    and split context alike (2000 slots split), every GQA ratio and MQA."""
+    for i, mask in enumerate(["causal"] if num_new == 1 else ["tree", "causal"]):
+        case = make_case(
+            cache_lengths=[context, context // 3, 0],
+            num_new=num_new,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=64,
+            mask=mask,
+            dtype=DTYPES[dtype],
+            device="cuda",
+            seed=num_new + context + i,
+            **FEATURES[features],
+        )
+        assert_matches(case)
+        assert_matches(case, num_splits=3)
+
+
 def test_cuda_dispatch_uses_the_kernel():
     case = make_case(cache_lengths=[37, 0], num_new=4, num_q_heads=6, num_kv_heads=2, head_dim=64, device="cuda")
     assert dispatch.choose_impl(case.query) == "triton"
@@ -129,7 +163,8 @@ def test_cuda_graph_replay(num_splits):
         cache_lengths=[300, 600], num_new=8, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float16, device="cuda", seed=2
     )
     for mine, new in zip(case.inputs, fresh.inputs):
-        mine.copy_(new)
+        if mine is not None:  # sinks: None in these cases
+            mine.copy_(new)
     graph.replay()
     torch.cuda.synchronize()
     want = reference_from_spec(*fresh.to(torch.float32).inputs, layer=case.layer, scale=case.scale)

@@ -10,6 +10,10 @@ still covers T in {1, 4, 16, 64} x context in {0, 1, 37, 300} x GQA ratio in {1,
 lengths with an empty sequence, random trees and causal masks, layer 2 of a 3-layer cache, the
 split-context path (forced and chosen by the heuristic) and fp16. bf16 is left to the GPU tests
 (the interpreter computes through numpy, which has no bfloat16).
+
+The layer features (sliding window, logit soft-capping, sinks) have their own sweep over GQA
+ratios 1, 2, 4 and MQA, with windows shorter than the trees' depth (tree keys past the window) and
+the cache; each feature is shown to change the output, so a kernel that dropped it would fail.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ def lengths_for(context: int) -> list[int]:
 
 def assert_matches(case, *, num_splits=None, tol=None):
     """Kernel vs reference (in fp32 for half-precision cases); the message names the case."""
-    got = tree_attention_triton(*case.inputs, layer=case.layer, scale=case.scale, num_splits=num_splits)
+    got = tree_attention_triton(*case.inputs, **case.attributes, num_splits=num_splits)
     ref_case = case.to(torch.float32)
-    want = reference_from_spec(*ref_case.inputs, layer=case.layer, scale=case.scale)
+    want = reference_from_spec(*ref_case.inputs, **case.attributes)
     assert got.dtype == case.query.dtype and got.shape == case.query.shape, case.name
     err = (got.float() - want).abs()
     tol = tol or TOL[case.query.dtype]
@@ -163,6 +167,121 @@ def test_layer_zero_and_layer_choice(interpreted):
     assert not torch.allclose(other, tree_attention_triton(*case.inputs, layer=0, scale=case.scale))
 
 
+# --------------------------------------------------------------- layer features: window, soft-capping, sinks
+
+# (Hq, Hkv): GQA ratios 1, 2, 4 and multi-query attention
+HEADS = {"ratio1": (2, 2), "ratio2": (4, 2), "ratio4": (8, 2), "mqa": (4, 1)}
+# the windows are shorter than the trees (random trees of 16 or 64 nodes reach depth 3 or more,
+# chains depth T - 1) and than the cache, so both committed slots and tree keys fall outside them
+FEATURES = {
+    "window": dict(window=3),
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks=True),
+    "all": dict(window=5, softcap=1.5, sinks=True),
+}
+
+
+def dropped(case):
+    """The case's inputs and attributes with each of its features dropped: {feature: (inputs, attributes)}."""
+    inputs, attrs = case.inputs, case.attributes
+    out = {}
+    if case.window:
+        out["window"] = (inputs, attrs | dict(window=0))
+    if case.softcap:
+        out["softcap"] = (inputs, attrs | dict(softcap=0.0))
+    if case.sinks is not None:
+        out["sinks"] = ((*inputs[:7], None), attrs)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("num_new, context", [(1, 300), (16, 37), (64, 5)])
+def test_kernel_features_match_reference(interpreted, features, heads, num_new, context):
+    num_q_heads, num_kv_heads = HEADS[heads]
+    masks = ["causal"] if num_new == 1 else ["tree", "causal"]
+    for i, mask in enumerate(masks):
+        case = make_case(
+            cache_lengths=lengths_for(context),
+            num_new=num_new,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            mask=mask,
+            seed=num_new * 100 + context + num_q_heads * 7 + i,
+            **FEATURES[features],
+        )
+        assert_matches(case)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "num_new, context, heads, num_splits, dtype",
+    [
+        (4, 300, "ratio4", 3, torch.float32),
+        (16, 300, "mqa", 5, torch.float32),
+        (1, 37, "ratio1", 2, torch.float32),
+        (16, 300, "ratio2", 4, torch.float16),
+    ],
+)
+def test_split_context_with_features(interpreted, num_new, context, heads, num_splits, dtype):
+    """Forced splits with every feature: the window's first visible slot moves where the splits
+    start, split 0 alone folds the sinks in, and the combine keeps them."""
+    num_q_heads, num_kv_heads = HEADS[heads]
+    for window in (5, 100):  # far shorter than the cache; longer than some sequences
+        case = make_case(
+            cache_lengths=lengths_for(context),
+            num_new=num_new,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            dtype=dtype,
+            seed=window + num_splits,
+            window=window,
+            softcap=1.5,
+            sinks=True,
+        )
+        assert_matches(case, num_splits=num_splits)
+
+
+@needs_triton
+@pytest.mark.parametrize("features", ["window", "softcap", "sinks"])
+def test_dropping_a_feature_fails(interpreted, features):
+    """Each feature changes the output on these cases: a kernel that ignored it (the same kernel
+    with the feature dropped) is far from the reference, so the sweep above proves something."""
+    case = make_case(cache_lengths=[37, 12], num_new=16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=3, **FEATURES[features])
+    want = reference_from_spec(*case.inputs, **case.attributes)
+    (inputs, attrs) = dropped(case)[features]
+    without = tree_attention_triton(*inputs, **attrs)
+    assert (without - want).abs().max() > 0.02, f"dropping {features} left {case.name} unchanged: the case does not test it"
+    torch.testing.assert_close(tree_attention_triton(*case.inputs, **case.attributes), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_triton
+def test_no_sink_is_minus_infinity(interpreted):
+    """The node's "no sinks" (-inf for every head) is plain attention, to rounding."""
+    case = make_case(cache_lengths=[37, 12], num_new=16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=4, window=5, softcap=2.0)
+    none = torch.full((4,), float("-inf"))
+    plain = tree_attention_triton(*case.inputs, **case.attributes)
+    torch.testing.assert_close(tree_attention_triton(*case.inputs[:7], none, **case.attributes), plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(reference_from_spec(*case.inputs[:7], none, **case.attributes), plain, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_window_uses_the_step_positions():
+    """The op's reference (positions from cache_lengths + depth) equals the standard form's
+    (positions given as position_ids, ``reference.window_bias``) on a tree deeper than the window."""
+    from medusa_trt.plugins.tree_attention.reference import key_positions, tree_attention, visibility_bias, window_bias
+
+    case = make_case(cache_lengths=[9, 4], num_new=16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=6, window=4, mask="causal")
+    positions = case.cache_lengths[:, None] + torch.arange(16)  # a chain: depth = index
+    bias = visibility_bias(case.cache_lengths, case.tree_mask, case.past_key.shape[0], torch.float32)
+    bias = window_bias(bias, positions, key_positions(case.cache_lengths, positions, case.past_key.shape[0]), case.window)
+    past_k, past_v = (t[:, case.layer].permute(1, 2, 0, 3) for t in (case.past_key, case.past_value))
+    want = tree_attention(case.query, case.key, case.value, past_k, past_v, bias, case.scale)
+    torch.testing.assert_close(reference_from_spec(*case.inputs, **case.attributes), want, atol=1e-6, rtol=1e-6)
+
+
 # --------------------------------------------------------------- launcher behaviour
 
 
@@ -201,8 +320,11 @@ def test_strided_inputs_int_mask_and_lengths(interpreted):
 
 def test_input_errors_are_typed_and_say_what_is_wrong():
     case = make_case(cache_lengths=[5, 2], num_new=4, num_q_heads=4, num_kv_heads=2, head_dim=16)
-    q, k, v, pk, pv, mask, lengths = case.inputs
+    q, k, v, pk, pv, mask, lengths, _ = case.inputs
     bad = [
+        ((q, k, v, pk, pv, mask, lengths, torch.zeros(2)), dict(layer=2), "sinks must be a float vector of the 4 query heads"),
+        ((q, k, v, pk, pv, mask, lengths, torch.zeros(4, dtype=torch.int64)), dict(layer=2), "sinks must be a float vector"),
+        ((q, k, v, pk, pv, mask, lengths), dict(layer=2, window=-1), "window and softcap must be >= 0"),
         ((q, k, v[:, :, :3], pk, pv, mask, lengths), dict(layer=2), "value has shape"),
         ((q[:, :3], k, v, pk, pv, mask, lengths), dict(layer=2), "not a multiple"),
         ((q, k, v, pk, pv, mask, lengths), dict(layer=3), "layer 3"),
@@ -250,10 +372,12 @@ def test_attend_uses_reference_on_cpu():
 
 
 @needs_triton
-def test_attend_forced_triton_matches_reference(interpreted):
-    case = make_case(cache_lengths=[37, 0, 4], num_new=4, num_q_heads=6, num_kv_heads=2, head_dim=16, seed=4)
-    got = dispatch.attend(*case.inputs, layer=case.layer, scale=case.scale, impl="triton")
-    want = dispatch.attend(*case.inputs, layer=case.layer, scale=case.scale, impl="reference")
+@pytest.mark.parametrize("features", ["none", "all"])
+def test_attend_forced_triton_matches_reference(interpreted, features):
+    extra = FEATURES.get(features, {})
+    case = make_case(cache_lengths=[37, 0, 4], num_new=4, num_q_heads=6, num_kv_heads=2, head_dim=16, seed=4, **extra)
+    got = dispatch.attend(*case.inputs, **case.attributes, impl="triton")
+    want = dispatch.attend(*case.inputs, **case.attributes, impl="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -307,7 +431,7 @@ def test_aot_scalar_arguments_match_the_launcher():
     (from the dense tensors' strides), ints and symbols alike."""
     sympy = pytest.importorskip("sympy")
     case = make_case(cache_lengths=[5, 2], num_new=4, num_q_heads=6, num_kv_heads=2, head_dim=16)
-    q, k, v, pk, pv, mask, _ = case.inputs
+    q, k, v, pk, pv, mask, _, _ = case.inputs
     from_tensors = [
         4,
         pk.shape[0],
@@ -346,24 +470,32 @@ from triton.backends.compiler import GPUTarget
 from medusa_trt.plugins.tree_attention.aot import compile_aot
 from medusa_trt.plugins.tree_attention.launch import plan_launch
 plan = plan_launch(batch=1, num_q_heads=9, num_kv_heads=3, num_new=None, head_dim=64, cache_slots=0, num_splits=1)
+window, softcap = int(sys.argv[3]), float(sys.argv[4])
 kernel = compile_aot(float_type=sys.argv[1], mask_type="i1", lengths_type="i64", num_kv_heads=3, groups=3, head_dim=64,
-                     scale=0.125, plan=plan, target=GPUTarget("cuda", 90, 32))
+                     scale=0.125, plan=plan, window=window, softcap=softcap, target=GPUTarget("cuda", 90, 32))
 open(sys.argv[2], "w").write(kernel.ptx)
 print(json.dumps(dict(name=kernel.name, num_params=kernel.num_params, num_warps=kernel.num_warps, shared=kernel.shared_mem)))
 """
 
 
 @needs_triton
-def test_aot_compiles_ptx_for_tensorrt(tmp_path):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (6, 2.0)])
+def test_aot_compiles_ptx_for_tensorrt(tmp_path, window, softcap):
     """Ahead-of-time compile for sm_90 without a GPU (Triton bundles ptxas), in a process without
-    the interpreter: the PTX entry takes exactly TensorRT's arguments (7 input pointers, the int32
-    scalars, the output) and assembles."""
+    the interpreter: the PTX entry takes exactly TensorRT's arguments (8 input pointers, the int32
+    scalars, the output) and assembles; plain layers and windowed, soft-capped ones (sinks are
+    always read)."""
     from triton import knobs
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ptx_file = tmp_path / "tree_attention.ptx"
     run = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, "bf16", str(ptx_file)], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _AOT_SCRIPT, "bf16", str(ptx_file), str(window), str(softcap)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     info = json.loads(run.stdout.strip().splitlines()[-1])

@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 # PTX ISA 8.4 (CUDA 12.4): new enough for sm_90 (wgmma), old enough for the PTX loaders of current
 # TensorRT releases and drivers; Triton's own default follows its bundled CUDA (9.x for triton 3.9).
 AOT_PTX_VERSION = 84
-NUM_INPUT_POINTERS = 7  # spec.TREE_ATTENTION.inputs
+NUM_INPUT_POINTERS = 8  # spec.TREE_ATTENTION.inputs (sinks included: the node always has them)
 FLOAT_TYPES = ("fp32", "fp16", "bf16")
 
 
@@ -134,10 +134,15 @@ def compile_aot(
     head_dim: int,
     scale: float,
     plan: LaunchPlan,
+    window: int = 0,  # the layer's sliding window (0: none)
+    softcap: float = 0.0,  # its logit soft-capping (0: none)
     target: Any = None,  # triton.backends.compiler.GPUTarget; None: the current GPU
     ptx_version: int | None = AOT_PTX_VERSION,
 ) -> AotKernel:
     """Compile the single-pass kernel to PTX with TensorRT's parameter list (inputs, scalars, output).
+
+    The layer's attributes are compile-time constants (``scale``, ``window``, ``softcap``); the sinks
+    are always read (the node always has the input; -inf for heads without one).
 
     Cached: every layer of a model asks for the same kernel. The entry point is renamed after its
     specialisation (TensorRT identifies an AOT kernel by name, so two different PTX bodies under one
@@ -155,6 +160,9 @@ def compile_aot(
         GROUPS=groups,
         HEAD_DIM=head_dim,
         QK_SCALE=float(scale) * LOG2E,
+        WINDOW=int(window),
+        SOFTCAP=float(softcap),
+        HAS_SINKS=True,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,

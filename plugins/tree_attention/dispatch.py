@@ -1,8 +1,10 @@
 """One entry point for tree attention in torch code: the Triton kernel on CUDA, else the reference.
 
-    attend(query, key, value, past_key, past_value, tree_mask, cache_lengths, *, layer, scale, impl=None)
+    attend(query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks=None, *,
+           layer, scale, window=0, softcap=0.0, impl=None)
 
-Arguments follow ``spec.TREE_ATTENTION`` (inputs in order, attributes as keywords). ``impl``:
+Arguments follow ``spec.TREE_ATTENTION`` (inputs in order, attributes as keywords; ``sinks`` None,
+``window`` 0 and ``softcap`` 0 mean none). ``impl``:
 
   * ``None``: the Triton kernel when the tensors are on CUDA and ``triton`` imports, otherwise the
     torch reference (CPU, and tracing for ONNX export, which must see plain torch ops);
@@ -51,12 +53,16 @@ def attend(
     past_value: torch.Tensor,  # [S, L, B, Hkv, D]
     tree_mask: torch.Tensor,  # bool [B, T, T] node i sees node j
     cache_lengths: torch.Tensor,  # int64 [B] committed slots per sequence
+    sinks: torch.Tensor | None = None,  # float [Hq] per-head sink logits (None: no sinks)
     *,
     layer: int,
     scale: float,
+    window: int = 0,  # sliding window (0: none)
+    softcap: float = 0.0,  # logit soft-capping (0: none)
     impl: str | None = None,
 ) -> torch.Tensor:
     """Tree attention output [B, Hq, T, D] in query's dtype."""
     chosen = choose_impl(query, impl)
     fn = tree_attention_triton if chosen == "triton" else reference_from_spec
-    return fn(query, key, value, past_key, past_value, tree_mask, cache_lengths, layer=layer, scale=scale)
+    inputs = (query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks)
+    return fn(*inputs, layer=layer, scale=scale, window=window, softcap=softcap)

@@ -3,8 +3,13 @@
 Both functions take the op's inputs in ``spec.TREE_ATTENTION.inputs`` order and its attributes
 as keywords, so tests and the dispatcher swap one for the other:
 
-    tree_attention_triton(query, key, value, past_key, past_value, tree_mask, cache_lengths, *, layer, scale, out=None)
-    reference_from_spec(  query, key, value, past_key, past_value, tree_mask, cache_lengths, *, layer, scale, out=None)
+    tree_attention_triton(query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks=None, *,
+                          layer, scale, window=0, softcap=0.0, out=None)
+    reference_from_spec(  query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks=None, *,
+                          layer, scale, window=0, softcap=0.0, out=None)
+
+``sinks`` [Hq] may be None here (no sinks; the ONNX node always has the input, -inf for none),
+``window`` 0 and ``softcap`` 0 mean none, as the node's attributes do (``spec.py``).
 
 The kernel reads the whole slot-major cache ``[S, L, B, Hkv, D]`` in place (layer picked by
 stride), so a call allocates nothing but its output (none with ``out=``) and, on the split-context
@@ -26,7 +31,7 @@ import torch
 
 from medusa_trt.plugins.tree_attention.errors import TreeAttentionInputError, TritonUnavailableError
 from medusa_trt.plugins.tree_attention.launch import LaunchPlan, combine_grid, dot_precision, launch_grid, plan_launch
-from medusa_trt.plugins.tree_attention.reference import tree_attention, visibility_bias
+from medusa_trt.plugins.tree_attention.reference import key_positions, tree_attention, tree_positions, visibility_bias, window_bias
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _check(query, key, value, past_key, past_value, tree_mask, cache_lengths, layer: int) -> None:
+def _check(query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks, layer: int, window: int, softcap: float) -> None:
     """Shape / dtype / device checks that need no device sync; raise TreeAttentionInputError."""
     named = dict(query=query, key=key, value=value, past_key=past_key, past_value=past_value)
     ranks = dict(query=4, key=4, value=4, past_key=5, past_value=5, tree_mask=3, cache_lengths=1)
@@ -102,6 +107,13 @@ def _check(query, key, value, past_key, past_value, tree_mask, cache_lengths, la
         raise TreeAttentionInputError(f"tree attention: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if not 0 <= layer < layers:
         raise TreeAttentionInputError(f"tree attention: layer {layer} is outside the cache's {layers} layers")
+    if sinks is not None and (sinks.shape != (num_q_heads,) or not sinks.dtype.is_floating_point or sinks.device != query.device):
+        raise TreeAttentionInputError(
+            f"tree attention: sinks must be a float vector of the {num_q_heads} query heads on {query.device}, "
+            f"got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
+    if window < 0 or softcap < 0:
+        raise TreeAttentionInputError(f"tree attention: window and softcap must be >= 0 (0: none), got {window} and {softcap}")
     if query.dtype not in TRITON_FLOAT_TYPES or any(t.dtype != query.dtype for t in named.values()):
         dtypes = {n: str(t.dtype) for n, t in named.items()}
         raise TreeAttentionInputError(f"tree attention: query, key, value and the cache must share one of fp16/bf16/fp32, got {dtypes}")
@@ -127,14 +139,17 @@ def tree_attention_triton(
     past_value: torch.Tensor,  # [S, L, B, Hkv, D]
     tree_mask: torch.Tensor,  # bool/int [B, T, T] node i sees node j
     cache_lengths: torch.Tensor,  # int [B] committed slots per sequence (clamped to S)
+    sinks: torch.Tensor | None = None,  # float [Hq] per-head sink logits (None: no sinks)
     *,
     layer: int,
     scale: float,
+    window: int = 0,  # sliding window (0: none)
+    softcap: float = 0.0,  # logit soft-capping (0: none)
     out: torch.Tensor | None = None,  # [B, Hq, T, D], query's dtype; written and returned
     num_splits: int | None = None,  # context splits; None: launch.plan_launch's heuristic
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel; returns ``out`` [B, Hq, T, D] in query's dtype."""
-    _check(query, key, value, past_key, past_value, tree_mask, cache_lengths, layer)
+    _check(query, key, value, past_key, past_value, tree_mask, cache_lengths, sinks, layer, window, softcap)
     kernels = load_kernels()
     if query.device.type != "cuda" and not interpreter_active():
         raise TreeAttentionInputError(
@@ -183,6 +198,7 @@ def tree_attention_triton(
         past_value,
         tree_mask,
         cache_lengths,
+        query if sinks is None else sinks.contiguous(),  # never read without HAS_SINKS
         num_new,
         slots,
         layer,
@@ -198,6 +214,9 @@ def tree_attention_triton(
         GROUPS=groups,
         HEAD_DIM=head_dim,
         QK_SCALE=float(scale) * LOG2E,
+        WINDOW=int(window),
+        SOFTCAP=float(softcap),
+        HAS_SINKS=sinks is not None,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,
@@ -245,16 +264,24 @@ def reference_from_spec(
     past_value: torch.Tensor,  # [S, L, B, Hkv, D]
     tree_mask: torch.Tensor,  # bool/int [B, T, T]
     cache_lengths: torch.Tensor,  # int [B]
+    sinks: torch.Tensor | None = None,  # float [Hq] (None: no sinks)
     *,
     layer: int,
     scale: float,
+    window: int = 0,  # 0: none
+    softcap: float = 0.0,  # 0: none
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``reference.tree_attention`` behind the op's signature: the same inputs as the kernel."""
+    """``reference.tree_attention`` behind the op's signature: the same inputs as the kernel. Positions
+    for the window are the step contract's (``reference.tree_positions``): committed slot s holds s."""
     past_k = past_key[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
     past_v = past_value[:, layer].permute(1, 2, 0, 3)  # (S, B, Hkv, D) -> (B, Hkv, S, D)
+    cache_lengths = cache_lengths.long()
     bias = visibility_bias(cache_lengths, tree_mask, past_key.shape[0], query.dtype)  # (B, 1, T, S+T)
-    result = tree_attention(query, key, value, past_k, past_v, bias, scale)  # (B, Hq, T, D)
+    if window:
+        positions = tree_positions(cache_lengths, tree_mask)  # (B, T)
+        bias = window_bias(bias, positions, key_positions(cache_lengths, positions, past_key.shape[0]), int(window))
+    result = tree_attention(query, key, value, past_k, past_v, bias, scale, None, softcap or None, sinks)  # (B, Hq, T, D)
     if out is None:
         return result
     return out.copy_(result)

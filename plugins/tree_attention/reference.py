@@ -60,6 +60,16 @@ def scattered_bias(
     return bias[:, None]  # (B, 1, T, S)
 
 
+def tree_positions(
+    cache_lengths: torch.Tensor,  # int64 [B]
+    tree_mask: torch.Tensor,  # bool/int [B, T, T]
+) -> torch.Tensor:
+    """int64 [B, T]: each new token's position as the step contract gives it, ``cache_lengths[b] +
+    depth(i)``, depth being node i's number of ancestors (``tree_mask[b, i].sum() - 1``). What the
+    plugin op, its fallback and the kernel use where the standard form reads ``position_ids``."""
+    return cache_lengths[:, None] + tree_mask.to(torch.int64).sum(dim=-1) - 1  # (B, T)
+
+
 def key_positions(
     cache_lengths: torch.Tensor,  # int64 [B]
     position_ids: torch.Tensor,  # int64 [B, T]: each new token's position

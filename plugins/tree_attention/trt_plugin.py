@@ -2,15 +2,16 @@
 deployable plugin with an ahead-of-time implementation: importing this module registers it.
 
   * ``@trtp.register``: the shape/type descriptor, out = query's shape and dtype.
-  * ``@trtp.autotune``: the supported type combination (query, key, value, cache and out share
-    fp32/fp16/bf16; tree_mask bool; cache_lengths int64), linear layouts.
+  * ``@trtp.autotune``: the supported type combination (query, key, value, cache, sinks and out
+    share fp32/fp16/bf16; tree_mask bool; cache_lengths int64), linear layouts.
   * ``@trtp.aot_impl``: compiles ``triton_kernels.tree_attention_kernel`` to PTX at engine build
     (``aot.compile_aot``) and returns its name, PTX, launch parameters (grid from the symbolic
     shapes through ``launch.launch_grid``, block = warps x 32, shared memory) and the int32
     scalars (sizes, layer, strides from ``aot.scalar_arguments``). The engine embeds the PTX and
-    launches it without Python at serve time. ``layer`` and ``scale`` are baked in at build (the
-    AOT path does not serialise attributes); Hq, Hkv and D must be build-time constants, B, T and
-    S may be dynamic. The single-pass kernel is used (an AOT plugin launches one kernel and has no
+    launches it without Python at serve time. ``layer``, ``scale``, ``window`` and ``softcap`` are
+    baked in at build (the AOT path does not serialise attributes; a model with sliding and full
+    layers gets one kernel of each); the sinks input is read at run time. Hq, Hkv and D must be
+    build-time constants, B, T and S may be dynamic. The single-pass kernel is used (an AOT plugin launches one kernel and has no
     workspace for the split-context partials).
 
 Written against the documented ``tensorrt.plugin`` API (TensorRT >= 10.9); TensorRT cannot be
@@ -67,8 +68,11 @@ def tree_attention_desc(
     past_value: trtp.TensorDesc,
     tree_mask: trtp.TensorDesc,
     cache_lengths: trtp.TensorDesc,
+    sinks: trtp.TensorDesc,
     layer: int,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> trtp.TensorDesc:
     """out [B, Hq, T, D]: query's shape and dtype."""
     return query.like()
@@ -83,11 +87,12 @@ def tree_attention_autotune(
     past_value: trtp.TensorDesc,
     tree_mask: trtp.TensorDesc,
     cache_lengths: trtp.TensorDesc,
+    sinks: trtp.TensorDesc,
     outputs: Tuple[trtp.TensorDesc],
 ) -> List[trtp.AutoTuneCombination]:
-    # "|" pairs positions: the five float inputs and the output take the same one of the three types
+    # "|" pairs positions: the six float inputs and the output take the same one of the three types
     floats = "FP32|FP16|BF16"
-    return [trtp.AutoTuneCombination(f"{floats}, {floats}, {floats}, {floats}, {floats}, BOOL, INT64, {floats}", "LINEAR")]
+    return [trtp.AutoTuneCombination(f"{floats}, {floats}, {floats}, {floats}, {floats}, BOOL, INT64, {floats}, {floats}", "LINEAR")]
 
 
 @trtp.aot_impl(PLUGIN_ID)
@@ -99,8 +104,11 @@ def tree_attention_aot_impl(
     past_value: trtp.TensorDesc,
     tree_mask: trtp.TensorDesc,
     cache_lengths: trtp.TensorDesc,
+    sinks: trtp.TensorDesc,
     layer: int,
     scale: float,
+    window: int,
+    softcap: float,
     outputs: Tuple[trtp.TensorDesc],
 ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
     q_shape = query.shape_expr  # [B, Hq, T, D]
@@ -129,6 +137,8 @@ def tree_attention_aot_impl(
         head_dim=head_dim,
         scale=scale,
         plan=plan,
+        window=int(window),
+        softcap=float(softcap),
     )
     grid_x, grid_y, grid_z = launch_grid(plan, batch=q_shape[0], num_kv_heads=num_kv_heads, rows=q_shape[2] * groups, cdiv=trtp.cdiv)
     launch = trtp.KernelLaunchParams()
@@ -138,17 +148,19 @@ def tree_attention_aot_impl(
     launch.block_x = kernel.num_warps * 32
     launch.shared_mem = kernel.shared_mem
 
-    scalars = scalar_arguments(q_shape, k_shape, cache_shape, layer=layer)  # kernel order, after the 7 input pointers
+    scalars = scalar_arguments(q_shape, k_shape, cache_shape, layer=layer)  # kernel order, after the 8 input pointers
     extra_args = trtp.SymIntExprs(len(scalars))
     for i, value_expr in enumerate(scalars):
         extra_args[i] = trtp.SymInt32(value_expr)
     log.info(
-        "%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d",
+        "%s: AOT kernel %s (%d params, %d warps, %d B shared) for layer %d (window %d, softcap %g)",
         PLUGIN_ID,
         kernel.name,
         kernel.num_params,
         kernel.num_warps,
         kernel.shared_mem,
         layer,
+        window,
+        softcap,
     )
     return kernel.name, kernel.ptx, launch, extra_args
