@@ -4,12 +4,14 @@ Each server is ``python -m medusa_trt.cli.serve ENGINE --port 0`` started here o
 engine folder (conftest ``stories_chat_engine``: fitted heads, a chat template, a fixed drafting
 budget) and stopped by pid. Clients: the official ``openai`` package (completions and chat,
 streamed and not), raw server-sent events over httpx, 16 concurrent streams; every output must be
-exactly ``MedusaRuntime``'s greedy output for the same prompt. Then: a stream whose client goes
-away frees its row (one-row server), bad requests get OpenAI-style 400s while a long request
-beside them completes unchanged, /metrics counters move by exactly a known request's drafted and
-accepted tokens, --api-key, loopback by default, and SIGTERM / SIGKILL leave no process, port or
-shared memory behind. Multi-turn: conversations through the chat template in ``MedusaRuntime``
-and ``medusa-run --messages``.
+exactly ``MedusaRuntime``'s greedy output for the same prompt. Then: a stream or a non-streaming
+request whose client goes away frees its row and counts as cancelled (one-row servers, with and
+without --api-key), bad requests get OpenAI-style 400s while a long request beside them completes
+unchanged, /metrics counters move by exactly a known request's drafted and accepted tokens,
+--api-key, loopback by default, foreign Host names and non-JSON bodies refused, SIGTERM ends
+every request in flight with an answer (an error event and [DONE], a JSON 503) and no traceback,
+and SIGTERM / SIGKILL leave no process, port or shared memory behind. Multi-turn: conversations
+through the chat template in ``MedusaRuntime`` and ``medusa-run --messages``.
 """
 
 from __future__ import annotations
