@@ -256,7 +256,7 @@ def convert_heads(
             heads_path,
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
-            lm_head=base.model.lm_head,
+            lm_head=base.model.get_output_embeddings(),
             num_decoder_layers=cfg.num_hidden_layers,
             embed=base.model.get_input_embeddings(),
         )

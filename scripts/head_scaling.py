@@ -62,7 +62,7 @@ def main() -> None:
     small.workdir.mkdir(parents=True, exist_ok=True)
     heads, metrics = train_heads(base, small, subset)
 
-    lm_head = base.model.lm_head
+    lm_head = base.model.get_output_embeddings()
     size = dict(hidden_size=base.model.config.hidden_size, vocab_size=base.model.config.vocab_size, lm_head=lm_head)
     hidden, targets = cached["hidden"][held_idx], cached["targets"][held_idx]
     report = {"held_out_positions": len(held_idx), "runs": {}}

@@ -129,7 +129,7 @@ def main() -> None:
 
 def _variant(name: str, base, cached, train_idx, data: TrainConfig) -> tuple:
     """(heads, training summary) of one variant: the shipped heads as they are, or heads trained here (and saved)."""
-    embed, lm_head = base.model.get_input_embeddings(), base.model.lm_head
+    embed, lm_head = base.model.get_input_embeddings(), base.model.get_output_embeddings()
     cfg = base.model.config
     if name == "shipped":
         return load_heads(SHIPPED, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=lm_head, embed=embed), {}

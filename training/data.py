@@ -274,7 +274,7 @@ def _labels(ids: list[int], start: int, num_heads: int) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def _forward_hidden(base, ids: list[int], head_layer: int | None) -> torch.Tensor:
-    out = base.model.model(torch.tensor(ids)[None], output_hidden_states=head_layer is not None)
+    out = base.model.get_decoder()(torch.tensor(ids)[None], output_hidden_states=head_layer is not None)  # any family's decoder
     return (out.last_hidden_state[0] if head_layer is None else out.hidden_states[head_layer + 1][0]).float()  # (L, H)
 
 

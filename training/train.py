@@ -112,7 +112,7 @@ def _new_heads(base, config: TrainConfig) -> MedusaHeads:
         base_model=getattr(base, "name", ""),
         head_input=config.head_input,
     )
-    return init_heads(heads_config, base.model.lm_head, seed=config.seed, embed=base.model.get_input_embeddings())
+    return init_heads(heads_config, base.model.get_output_embeddings(), seed=config.seed, embed=base.model.get_input_embeddings())
 
 
 def _resume(checkpoint: Path, heads: MedusaHeads, optimizer, config: TrainConfig) -> tuple[int, list[float]]:
