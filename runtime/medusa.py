@@ -210,9 +210,6 @@ class MedusaRuntime:
         max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT)
         if positions is not None and max_context > positions:
             raise EngineError(f"max_context {max_context} exceeds the model's {positions} positions: lower max_context")
-        window = getattr(model, "sliding_window", None)
-        if window is not None and max_context > window:
-            raise EngineError(f"max_context {max_context} exceeds the model's sliding window {window}: lower max_context")
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
         name = default_tree(model.num_heads)
         info = _EngineInfo(

@@ -194,7 +194,9 @@ def _generate_runtime(base, config: TrainConfig):
     from medusa_trt.runtime import MedusaRuntime
 
     if not config.generate_engine:
-        return MedusaRuntime(MedusaModel(base, None), tree="chain-0", max_batch=config.generate_batch, max_context=GENERATE_CONTEXT)
+        model = MedusaModel(base, None)
+        context = min(GENERATE_CONTEXT, model.max_positions or GENERATE_CONTEXT)  # a 512-position model gets 512
+        return MedusaRuntime(model, tree="chain-0", max_batch=config.generate_batch, max_context=context)
     meta = generate_engine_meta(config.generate_engine)
     if (meta.vocab_size, meta.hidden_size) != (base.model.config.vocab_size, base.model.config.hidden_size):
         raise TrainError(f"--generate-engine {config.generate_engine} was exported from another model ({meta.model})")
