@@ -119,7 +119,7 @@ def plan(config: BuildConfig) -> BuildPlan:
     quantization rules and that the output can be written. Loads no model, writes nothing."""
     from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
     from medusa_trt.exporter.onnx_export import ExportError, check_output_path, is_folder_out
-    from medusa_trt.exporter.tensorrt_build import TensorRTConfig, onnx_beside
+    from medusa_trt.exporter.tensorrt_build import TensorRTConfig, check_plan_out, onnx_beside
 
     out = Path(config.out)
     folder = is_folder_out(out)
@@ -143,6 +143,8 @@ def plan(config: BuildConfig) -> BuildPlan:
             "drop it for a .plan"
         )
     check_output_path(onnx_out)
+    if out.suffix == ".plan":  # the plan's own set (engine.plan, engine.heads.plan, engine.plan.json, ...), before any work
+        check_plan_out(out)
     quantizable = tensorrt is None and config.attention == "onnx" and config.dtype == "fp32"
     defaults, taken = read_export_defaults(config.heads).under(config.tree, config.draft_vocab, config.quantize, quantizable=quantizable)
     defaults_file = Path(config.heads) / EXPORT_DEFAULTS if config.heads else None

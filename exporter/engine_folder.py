@@ -112,9 +112,11 @@ def _jsonable(value) -> bool:
 
 def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads_ms: float = 0.0) -> Path:
     """Write an engine folder's measured step cost into its drafting.json (relative to the one-token
-    step) and re-record the manifest; each file is replaced whole. Returns drafting.json's path."""
+    step) and re-record the manifest: the folder is staged (its files hard-linked, those two written
+    anew) and swapped in whole, so a kill never leaves a drafting.json its manifest does not list.
+    Returns drafting.json's path."""
     from medusa_trt.runtime.engine_folder import read_drafting
-    from medusa_trt.runtime.manifest import write_manifest
+    from medusa_trt.runtime.manifest import engine_file_list, write_manifest
 
     folder = Path(folder)
     one = step_ms[min(step_ms)]
@@ -122,10 +124,12 @@ def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads
         "step_cost": {str(k): float(v / one) for k, v in sorted(step_ms.items())},
         "heads_cost": float(heads_ms / one),
     }
-    path = folder / DRAFTING_FILE
-    _write_json(path, drafting)
-    write_manifest(EngineFiles.locate(folder))
-    return path
+    durable.check_folder_ours(folder, kind="engine", flag="--engine")
+    with durable.staged_folder(folder) as tmp:
+        link_files(engine_file_list(EngineFiles.locate(folder)), folder, tmp)
+        _write_json(tmp / DRAFTING_FILE, drafting)  # a new file over the link: the live folder's is untouched
+        write_manifest(EngineFiles.locate(tmp))
+    return folder / DRAFTING_FILE
 
 
 def _write_json(path: Path, data) -> None:

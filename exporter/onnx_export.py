@@ -487,5 +487,7 @@ def _move_into_place(staged: EngineFiles, final: EngineFiles) -> None:
     """The staged set (step graph, heads graph, external data, tokenizer, manifest) replaces the
     earlier one of that name as a whole, the step graph last (``durable.replace_set``); members of
     the earlier set without a successor go with it. ``check_output_path`` proved them ours."""
-    durable.check_set_ours(final.step.parent, loose_names(final), manifest_path(final).name, main=final.step.name)
-    durable.replace_set(staged.step.parent, final.step.parent, loose_names(final), final.step.name)
+    names = loose_names(final)
+    names += sorted(p.name for p in staged.step.parent.iterdir() if p.name not in names)  # any other file it staged
+    durable.check_set_ours(final.step.parent, names, manifest_path(final).name, main=final.step.name)
+    durable.replace_set(staged.step.parent, final.step.parent, names, final.step.name)

@@ -294,6 +294,13 @@ def _plan_names(final: EngineFiles, *, tokenizer: bool) -> list[str]:
     return [n for n in loose_names(final) if tokenizer or n != final.tokenizer.name]
 
 
+def check_plan_out(plan: Path, *, tokenizer: bool = False) -> None:
+    """Refuse (``NotOursError``) a loose plan's set that holds a file its manifest does not list;
+    ``tokenizer``: the plan has its own engine.tokenizer/ (not shared with the ONNX engine beside it)."""
+    final = EngineFiles.beside(plan)
+    durable.check_set_ours(final.step.parent, _plan_names(final, tokenizer=tokenizer), manifest_path(final).name, main=final.step.name)
+
+
 def _move_plans_into_place(staged: EngineFiles, final: EngineFiles, *, tokenizer: bool) -> None:
     """The staged plans, sidecar and manifest (and tokenizer) replace the earlier set as a whole,
     the step plan last (``durable.replace_set``); a stale heads plan of an earlier build goes with it."""
@@ -363,8 +370,7 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
     if src.folder is not None:
         return _build_into_folder(trt, src, meta, proto, config)
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json
-    names = _plan_names(final, tokenizer=final.tokenizer != src.tokenizer)
-    durable.check_set_ours(final.step.parent, names, manifest_path(final).name, main=final.step.name)  # before the build
+    check_plan_out(final.step, tokenizer=final.tokenizer != src.tokenizer)  # before the build
     tmp = make_staging(final.step)
     try:
         staged = EngineFiles.beside(tmp / final.step.name)

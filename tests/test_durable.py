@@ -425,3 +425,16 @@ def test_save_heads_over_earlier_heads_keeps_them_when_the_swap_fails(tmp_path, 
     x = torch.randn(3, 8)
     with torch.no_grad():
         torch.testing.assert_close(load_heads(folder, hidden_size=8, vocab_size=16, lm_head=None)(x), newer(x), rtol=0, atol=0)
+
+
+def test_a_plan_never_overwrites_a_users_plan_and_is_refused_before_any_work(tmp_path):
+    from medusa_trt.exporter.builder import BuildConfig, plan
+
+    (tmp_path / "engine.plan").write_bytes(b"a plan built elsewhere")
+    with pytest.raises(NotOursError, match=r"engine\.plan is not a file medusa-trt wrote"):
+        plan(BuildConfig(model="stories", out=tmp_path / "engine.plan"))
+    (tmp_path / "engine.plan").unlink()
+    (tmp_path / "engine.plan.json").write_text("{}")  # a sibling the plan's set would replace
+    with pytest.raises(NotOursError, match=r"engine\.plan\.json is not a file medusa-trt wrote"):
+        plan(BuildConfig(model="stories", out=tmp_path / "engine.plan"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine.plan.json"]
