@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-remote",
         action="store_true",
-        help="allow a --host other than loopback: the server then takes requests from the network (OpenAI API: protect it with --api-key)",
+        help="allow a --host other than loopback: the server then takes requests from the network (OpenAI API: protect it with "
+        "--api-key); the OpenAI API then also answers Host names other than 127.0.0.1, localhost and [::1] (a proxy's)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     e = p.add_argument_group("an engine (OpenAI API, or --api triton)")

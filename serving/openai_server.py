@@ -50,7 +50,7 @@ class OpenAIServerConfig:
     defaults: ServeDefaults = field(default_factory=ServeDefaults)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free one (on_ready says which)
-    allow_remote: bool = False  # a host other than loopback
+    allow_remote: bool = False  # a host other than loopback, and any Host header name (else loopback names only)
     api_key: str | None = None  # required as a bearer token on /v1 routes; None: $MEDUSA_TRT_API_KEY or no key
     model_name: str | None = None  # what /v1/models lists; None: the engine's folder or file name
     shutdown_timeout: float = 5.0  # seconds requests in flight get on SIGTERM before they are cancelled
