@@ -15,6 +15,7 @@ which the small checked steps allow. ``--no-verify`` skips it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -103,7 +104,7 @@ class ReferenceSession:
         del proto.graph.initializer[:]  # now in self.weights, fed to every run
         self._inputs = [_Named(i.name) for i in proto.graph.input]
         self._outputs = [_Named(o.name) for o in proto.graph.output]
-        self._evaluator = ReferenceEvaluator(proto, new_ops=[_StashedRMSNormalization])
+        self._evaluator = ReferenceEvaluator(proto, new_ops=[_stashed_rms_normalization()])
 
     def get_inputs(self):
         return self._inputs
@@ -120,6 +121,7 @@ class _Named:
         self.name = name
 
 
+@functools.cache
 def _stashed_rms_normalization():
     """RMSNormalization as its ONNX definition computes it: X cast to ``stash_type``, normalized
     there, cast back, then scaled (onnx.reference's own op ignores ``stash_type`` and sums in X's type)."""
@@ -139,9 +141,6 @@ def _stashed_rms_normalization():
             return ((x * inv).astype(X.dtype) * Scale,)
 
     return RMSNormalization
-
-
-_StashedRMSNormalization = _stashed_rms_normalization()
 
 
 @torch.no_grad()
