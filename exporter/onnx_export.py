@@ -322,6 +322,7 @@ class ExportResult:
     diffs: dict[str, float]  # max abs difference ONNX Runtime vs torch per checked output (empty: not verified)
     tolerance: float
     loose: tuple[str, ...] = ()  # outputs in diffs reported but not held to the tolerance (int8 head logits)
+    model: str = ""  # what was exported: the architecture and its attention (AttentionPlan.describe)
 
 
 def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
@@ -329,6 +330,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     out = Path(config.out)
     check_output_path(out)
     config = _fit_to_model(model, config)
+    model.check_form(config.attention)  # a feature the chosen attention form lacks is refused, never dropped
     if model.num_heads == 0 and config.tree not in (None, "chain-0"):
         raise ExportError("the model has no Medusa heads, so only the tree chain-0 fits: pass --heads or drop --tree")
     tree = load_tree(config.tree if config.tree is not None else default_tree(model.num_heads), max_depth=model.num_heads)
@@ -405,7 +407,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)
-    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose)
+    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe())
 
 
 def _measure_cost(staged: EngineFiles):

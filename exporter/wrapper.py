@@ -132,12 +132,23 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_attention() -> None:
-    from transformers import AttentionInterface
+def _original_mask(*args, config=None, **kwargs):
+    """transformers' mask for the implementation the model was loaded with: an eager model gets its
+    additive mask (an sdpa mask may be None, meaning "causal", which eager attention cannot read).
+    A step of the engine passes its own 4D bias, which transformers hands through without calling this."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    name = getattr(config, "_medusa_original_attention", None) or "sdpa"
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+    return fn(*args, config=config, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, _medusa_tree_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _original_mask)
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,17 @@ class MedusaModel(nn.Module):
         """Cache geometry; the dtype follows the weights (after ``.to(torch.float16)`` too)."""
         plan = self.attention
         return KVSpec(len(plan.layers), plan.num_kv_heads, plan.head_dim, next(self.base.parameters()).dtype)
+
+    def describe(self) -> str:
+        """One line for what medusa-export prints: the architecture, its attention, experts, final soft-cap."""
+        text = self.attention.describe()
+        cfg = self.base.config
+        experts = sum(1 for m in self.base.modules() if hasattr(m, "_medusa_split"))
+        if experts:
+            text += f"; {experts} mixture-of-experts blocks"
+        if getattr(cfg, "final_logit_softcapping", None):
+            text += f"; final logit soft-cap {cfg.final_logit_softcapping:g}"
+        return text
 
     def check_form(self, form: str) -> None:
         """Refuse an attention form that does not implement a feature this model's layers ask for.

@@ -139,6 +139,15 @@ def _assert_weights_quantized(path) -> None:
     assert not fp32, f"weight matmuls left in fp32: {fp32[:5]}"
 
 
+def test_the_wrapped_model_still_runs_as_transformers_runs_it(family):
+    """Plain transformers use of the wrapped model (training reads hidden states that way) keeps the
+    attention and the mask it was loaded with: eager models (Gemma-2, gpt-oss) get their additive mask."""
+    ids = torch.tensor([family.prompts[1]])
+    with torch.no_grad():
+        got, want = family.model.base(ids).logits, family.reference.model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # experts run another (exported) implementation: rounding only
+
+
 def test_our_heads_and_fasterdecodings_load_to_the_same_heads(family):
     cfg = family.reference.model.config
     kwargs = dict(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, lm_head=family.reference.model.get_output_embeddings())
