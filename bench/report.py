@@ -17,11 +17,17 @@ log = logging.getLogger(__name__)
 class Row:
     """One method's tallies over the prompts: tokens, seconds, steps and every output's token ids."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, mode: str = ""):
         self.name, self.tokens, self.seconds, self.steps = name, 0, 0.0, []
         self.verify_seconds = self.heads_seconds = self.host_seconds = 0.0
         self.drafted = 0  # draft tokens verified (tree nodes past the root), summed over steps
         self.outputs: list[list[int]] = []
+        self.mode = mode  # what ran, where a row says (a peer's: "extra buffer types off", "f32 precision")
+        self.failure: str | None = None  # how the row ended early (a peer's worker died): its tallies cover the prompts before
+
+    def fail(self, how: str) -> None:
+        """The row ends here (its peer died): what it has so far stays, and the report says how it ended."""
+        self.failure = how
 
     def add(
         self,
@@ -50,10 +56,14 @@ class Row:
     def report(self, reference: Row, own: Row | None = None) -> dict:
         """Rates and agreement: with ``reference`` (the first engine's plain decoding) and with
         ``own``, the plain decoding of this row's engine (None for the transformers rows)."""
+        # a row that ended early (its peer died) is compared on the prompts it finished
         same = [a == b for a, b in zip(self.outputs, reference.outputs)]
         prefix = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(self.outputs, reference.outputs)]
         own_same = [a == b for a, b in zip(self.outputs, own.outputs)] if own is not None else []
-        return {
+        extra = {"mode": self.mode} if self.mode else {}
+        if self.failure is not None:
+            extra |= {"failure": self.failure, "prompts_done": f"{len(self.outputs)}/{len(reference.outputs)}"}
+        return extra | {
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "new_tokens": self.tokens,
             "seconds": self.seconds,
@@ -61,8 +71,8 @@ class Row:
             "mean_nodes_per_step": 1 + self.drafted / len(self.steps) if self.steps else None,  # the verify tree, root included
             "heads_share_of_step_time": self.heads_seconds / (self.verify_seconds + self.heads_seconds) if self.verify_seconds else None,
             "host_ms_per_step": 1000 * self.host_seconds / len(self.steps) if self.steps else None,
-            "identical_to_reference": float(np.mean(same)),
-            "matching_prefix_fraction": float(np.mean(prefix)),
+            "identical_to_reference": float(np.mean(same)) if same else 0.0,
+            "matching_prefix_fraction": float(np.mean(prefix)) if prefix else 0.0,
             "identical_to_own_plain": float(np.mean(own_same)) if own_same else None,
             "identical_to_own_plain_prompts": f"{sum(own_same)}/{len(own_same)}" if own_same else None,
         }
@@ -139,7 +149,7 @@ def table_lines(report: dict, written: list[Path]) -> list[str]:
         f"agreement vs {report['reference']}",
         # vs plain / identical / prefix: against the reference; vs own / = own plain: against the plain row of the row's engine
         f"{'method':<48}{'tok/s':>8}{'acc/step':>10}{'vs plain':>10}{'vs own':>8}{'vs hf':>8}{'identical':>11}{'prefix':>8}"
-        f"{'= own plain':>13}{'host ms/step':>14}",
+        f"{'= own plain':>13}{'host ms/step':>14}  mode",
     ]
     greedy = report["sampling"] == "greedy"  # samples differ by design: agreement columns only for greedy decoding
     lines += [_method_line(name, m, greedy) for name, m in report["methods"].items()]
@@ -163,7 +173,9 @@ def _method_line(name: str, m: dict, greedy: bool) -> str:
     prefix = f"{m['matching_prefix_fraction']:.0%}" if greedy else "-"
     own = m.get("identical_to_own_plain_prompts") if greedy and m.get("identical_to_own_plain_prompts") else "-"
     host = f"{m['host_ms_per_step']:.2f}" if m.get("host_ms_per_step") is not None else "-"
+    # the mode that ran (a peer's), and how a row ended early: its figures cover the prompts before
+    notes = "; ".join(n for n in (m.get("mode"), m.get("failure") and f"DIED {m['failure']} ({m['prompts_done']} prompts)") if n)
     return (
         f"{name:<48}{m['tokens_per_s']:>8.1f}{acc:>10}{m['speedup_vs_plain']:>9.2f}x{vs_own:>8}{vs_hf:>8}{same:>11}{prefix:>8}"
-        f"{own:>13}{host:>14}"
-    )
+        f"{own:>13}{host:>14}" + (f"  {notes}" if notes else "")
+    ).rstrip()

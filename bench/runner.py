@@ -86,13 +86,15 @@ class BenchConfig:
                 raise MedusaError(f"{' / '.join(given)} {verb} when sampling: add --temperature (e.g. 0.7), or drop it for greedy decoding")
 
     def _check_peers(self) -> None:
-        from medusa_trt.bench.peers import binding_missing
+        from medusa_trt.bench.peers import peer_missing
 
         specs = self.peer_specs()
         if specs and self.temperature > 0:
             raise MedusaError("--peer rows decode greedily: drop --temperature, or drop --peer")
-        if specs and binding_missing():
-            raise MedusaError(f"--peer {self.peers[0]}: {binding_missing()}")
+        for text, spec in zip(self.peers, specs):
+            missing = peer_missing(spec)
+            if missing:
+                raise MedusaError(f"--peer {text}: {missing}")
 
     def _check_repeats(self) -> None:
         """Refuse repeated options whose rows would overwrite each other."""
@@ -146,18 +148,21 @@ def run(config: BenchConfig) -> dict:
     rows, plain_of = _warm_up(engines, ids[0], config)
     if hf is not None:
         rows["hf"], rows["hf-lookup"] = Row("hf"), Row("hf-lookup")
-    peers = _peers(config, first, ids[0], eos)
-    for peer in peers:
-        rows[peer.name] = Row(peer.name)
-    for i, prompt in enumerate(tqdm(ids, desc="medusa-bench", unit="prompt", disable=None)):
-        for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
-            for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
-                rows[key].add_result(runtime.generate(prompt, max_new_tokens=config.max_new_tokens, sampling=config.sampling(rule, i)))
+    peers = _peers(config, first, ids[0], eos, rows)
+    try:
+        for i, prompt in enumerate(tqdm(ids, desc="medusa-bench", unit="prompt", disable=None)):
+            for name, plain, variants in engines:  # interleaved: drift in machine speed hits every method alike
+                for key, (runtime, rule) in ((f"plain[{name}]", plain), *variants.items()):
+                    result = runtime.generate(prompt, max_new_tokens=config.max_new_tokens, sampling=config.sampling(rule, i))
+                    rows[key].add_result(result)
+            for peer in peers:
+                _peer_generate(peer, rows[peer.name], prompt, config.max_new_tokens, eos, f"on prompt {i + 1} of {len(ids)}")
+            if hf is not None:
+                rows["hf"].add(*hf_generate(hf, prompt, config.max_new_tokens, eos, None, config.sampling(None, i)))
+                rows["hf-lookup"].add(*hf_generate(hf, prompt, config.max_new_tokens, eos, config.lookup_tokens, config.sampling(None, i)))
+    finally:
         for peer in peers:
-            rows[peer.name].add(*peer.generate(prompt, config.max_new_tokens, frozenset(eos)))
-        if hf is not None:
-            rows["hf"].add(*hf_generate(hf, prompt, config.max_new_tokens, eos, None, config.sampling(None, i)))
-            rows["hf-lookup"].add(*hf_generate(hf, prompt, config.max_new_tokens, eos, config.lookup_tokens, config.sampling(None, i)))
+            peer.close()
     return _report(config, engines, first, len(prompts), rows, plain_of, hf is not None)
 
 
@@ -213,15 +218,45 @@ def _warm_up(engines: list[tuple], prompt: list[int], config: BenchConfig) -> tu
     return rows, plain_of
 
 
-def _peers(config: BenchConfig, first, prompt: list[int], eos: list[int]) -> list:
-    """The peer engines, ready and warmed up as the engines are."""
-    from medusa_trt.bench.peers import make_peer
+def _peers(config: BenchConfig, first, prompt: list[int], eos: list[int], rows: dict[str, Row]) -> list:
+    """The peer engines, each in a process of its own, ready and warmed up as the engines are; a row for
+    each (one that died loading or warming up says so in its row, and is not asked again)."""
+    from medusa_trt.bench.peer_process import PeerDied, PeerProcess
 
-    meta = first.backend.meta
-    peers = [make_peer(spec, threads=config.threads, context=first.max_context, vocab_size=meta.vocab_size) for spec in config.peer_specs()]
-    for peer in peers:
-        peer.generate(prompt, 4, frozenset(eos))
+    peers = []
+    try:
+        for spec in config.peer_specs():
+            rows[spec.name] = row = Row(spec.name)
+            try:
+                peer = PeerProcess(spec, threads=config.threads, context=first.max_context, vocab_size=first.backend.meta.vocab_size)
+            except PeerDied as exc:
+                row.fail(f"{exc}")
+                log.warning("--peer %s: %s: its row is empty", spec.text, exc)
+                continue
+            peers.append(peer)
+            row.mode = peer.mode
+            _peer_generate(peer, row, prompt, 4, eos, "while warming up", warm_up=True)
+    except BaseException:  # a bad --peer (PeerError) or an interrupt: no worker outlives the benchmark
+        for peer in peers:
+            peer.close()
+        raise
     return peers
+
+
+def _peer_generate(peer, row: Row, prompt: list[int], max_new_tokens: int, eos: list[int], where: str, warm_up: bool = False) -> None:
+    """One peer's turn: its output into its row, or, where its worker died, the row's failure (it is then not asked again)."""
+    from medusa_trt.bench.peer_process import PeerDied
+
+    if row.failure:
+        return
+    try:
+        tokens, seconds = peer.generate(prompt, max_new_tokens, frozenset(eos))
+    except PeerDied as exc:
+        row.fail(f"{exc} {where}")
+        log.warning("--peer %s: %s %s: the rest of its row is skipped", peer.spec.text, exc, where)
+        return
+    if not warm_up:
+        row.add(tokens, seconds)
 
 
 def _report(

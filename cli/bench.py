@@ -10,7 +10,12 @@ with the same temperature / top-p / top-k, prompt i seeded with seed + i):
   * ``hf``         : ``transformers`` ``generate()`` on the same base model (needs torch; ``--no-hf`` skips)
   * ``hf-lookup``  : the same with ``prompt_lookup_num_tokens`` (self-speculative peer built into transformers)
   * ``llama.cpp[F]``: ``--peer llama.cpp:F.gguf`` (repeatable): llama.cpp on a GGUF of the same model, greedy,
-                     the same threads (``llama.cpp+lookup`` with its prompt-lookup decoding); ``medusa_trt.bench.peers``
+                     the same threads (``llama.cpp+lookup`` with its prompt-lookup decoding, ``llama.cpp-norepack``
+                     without its extra buffer types); ``medusa_trt.bench.peers``
+  * ``openvino[D]``: ``--peer openvino:D`` (repeatable): OpenVINO GenAI on a folder optimum-cli exported
+                     (scripts/openvino_models.py), f32 precision (``openvino-default``: the CPU's own, bf16 with
+                     AMX; ``+lookup``: its prompt lookup). Each peer runs in a process of its own: one that
+                     crashes ends its row, which says how (the signal), and the rest runs on
 Repeat ``--engine`` to compare engines (int4 and int8 ones against fp32, say): each gets ``plain`` and
 ``medusa`` rows; greedy agreement is measured against the first engine's plain decoding (share of
 prompts identical, mean matching prefix) and against the row's own engine's plain decoding (prompts
@@ -54,10 +59,12 @@ def build_parser() -> Parser:
     p.add_argument(
         "--peer",
         action="append",
-        metavar="KIND:GGUF",
-        help="another engine on the same prompt ids, greedy, same threads, interleaved: llama.cpp:FILE.gguf "
-        "(llama-cpp-python; make peers builds it) or llama.cpp+lookup:FILE.gguf (with its prompt-lookup "
-        "decoding); the file must be a GGUF of the engine's model; repeatable",
+        metavar="KIND:PATH",
+        help="another engine on the same prompt ids, greedy, same threads, interleaved, in a process of its own: "
+        "llama.cpp:FILE.gguf (llama-cpp-python; make peers builds it), llama.cpp+lookup:FILE.gguf (with its "
+        "prompt-lookup decoding), llama.cpp-norepack[+lookup]:FILE.gguf (extra buffer types off: AMX, repacked "
+        "weights), openvino[+lookup]:DIR (OpenVINO GenAI, f32 precision; make openvino-models), "
+        "openvino-default[+lookup]:DIR (the CPU's default precision); the model must be the engine's; repeatable",
     )
     p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
     p.add_argument("--threads", type=positive_int, help="intra-op threads for ONNX Runtime and torch")
