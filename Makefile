@@ -12,7 +12,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install peers demo test lint test-fast gpu-check constraints clean
+.PHONY: install peers openvino-peer openvino-models demo test lint test-fast gpu-check constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -44,6 +44,26 @@ peers: $(STAMP)
 $(VENV)/.peers: $(STAMP)
 	-$(MAKE) peers || echo "llama-cpp-python could not be built here: the --peer runner's tests will skip and say why"
 	touch $@
+
+# OpenVINO peers for medusa-bench --peer openvino:DIR (issue 38): the runtime goes into .venv (make openvino-peer);
+# the demo model's OpenVINO folders (fp32, int8, int4) are made by optimum-intel, which needs transformers<5.6, in a
+# venv of its own (build/openvino-venv), into build/openvino. Without them the OpenVINO peer's tests skip and say why.
+OV_ENV := build/openvino-venv
+openvino-peer: $(STAMP)
+	$(PIP) install -q $(PIN) -e '.[openvino]'
+
+$(OV_ENV)/.installed: pyproject.toml
+	test -x $(OV_ENV)/bin/python || $(PYTHON) -m venv $(OV_ENV) || python3 -m venv $(OV_ENV)
+	$(OV_ENV)/bin/pip install -q torch==2.13.0
+	$(OV_ENV)/bin/pip install -q -e '.[openvino-models]'
+	# optimum-intel requires torchvision, but PyPI's is a CUDA build whose ops fail to register beside the CPU torch
+	# (then transformers cannot import PreTrainedModel); exporting a text model never uses it
+	$(OV_ENV)/bin/pip uninstall -y -q torchvision
+	touch $@
+
+# the script loads the model in .venv, as medusa-export does, and calls the side venv's optimum-cli
+openvino-models: openvino-peer $(OV_ENV)/.installed
+	$(PY) scripts/openvino_models.py --out build/openvino --optimum-cli $(OV_ENV)/bin/optimum-cli
 
 # The main job on the built-in default: SmolLM2-135M with the shipped heads, exported to ONNX once
 # into one engine folder, then generated with every drafter (heads, retrieval, recycled successors)
