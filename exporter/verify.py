@@ -91,16 +91,16 @@ def open_graph(path: Path, dtype: torch.dtype):
 
 class ReferenceSession:
     """ONNX's reference evaluator behind ONNX Runtime's session interface, for graphs ONNX Runtime's
-    CPU provider cannot run (bf16). The weights are read once, from the graph or its external data
-    file, and fed to each run beside the inputs: the graph proto keeps no copy of them."""
+    CPU provider cannot run (bf16). The weights are fed to each run beside the inputs, the graph
+    proto keeping no copy: those in an external data file mapped from it read-only (pages of the
+    file, which the kernel can drop and read again, not a second copy in memory), the rest read once."""
 
     def __init__(self, path: Path):
         import onnx
-        from onnx import numpy_helper
         from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load(str(path), load_external_data=False)
-        self.weights = {t.name: numpy_helper.to_array(t, base_dir=str(Path(path).parent)) for t in proto.graph.initializer}
+        self.weights = {t.name: _weight(t, Path(path).parent) for t in proto.graph.initializer}
         del proto.graph.initializer[:]  # now in self.weights, fed to every run
         self._inputs = [_Named(i.name) for i in proto.graph.input]
         self._outputs = [_Named(o.name) for o in proto.graph.output]
@@ -114,6 +114,17 @@ class ReferenceSession:
 
     def run(self, names, feeds: dict) -> list[np.ndarray]:
         return self._evaluator.run(names, self.weights | feeds)
+
+
+def _weight(tensor, folder: Path) -> np.ndarray:
+    """An initializer as an array: mapped read-only from its external data file, else decoded from the proto."""
+    from onnx import helper, numpy_helper
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    if not uses_external_data(tensor) or not tensor.dims:
+        return numpy_helper.to_array(tensor, base_dir=str(folder))
+    info, dtype = ExternalDataInfo(tensor), helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.memmap(folder / info.location, dtype=dtype, mode="r", offset=info.offset or 0, shape=tuple(tensor.dims))
 
 
 class _Named:

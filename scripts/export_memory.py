@@ -183,10 +183,22 @@ def measure(args) -> dict:
         elif line.startswith("DIFFS"):
             diffs = json.loads(line[6:])
     per_stage: dict[str, dict] = {}
+    timeline: list[dict] = []  # each stage as it came: GiB at its start and end, and its peak
     for t, rss, anon in samples:
-        name = next((n for st, n in reversed(stages) if st <= t), "starting")
+        index = next((i for i in range(len(stages) - 1, -1, -1) if stages[i][0] <= t), None)
+        name = stages[index][1] if index is not None else "starting"
         entry = per_stage.setdefault(name, {"peak_rss": 0, "peak_anon": 0})
         entry["peak_rss"], entry["peak_anon"] = max(entry["peak_rss"], rss), max(entry["peak_anon"], anon)
+        if not timeline or timeline[-1]["index"] != index:
+            timeline.append({"index": index, "stage": name, "start_s": round(t - samples[0][0], 1), "start_rss": rss, "start_anon": anon})
+            timeline[-1] |= {"peak_rss": 0, "peak_anon": 0}
+        last = timeline[-1]
+        last |= {"end_rss": rss, "end_anon": anon, "peak_rss": max(last["peak_rss"], rss), "peak_anon": max(last["peak_anon"], anon)}
+    gib = 2**30
+    timeline = [
+        {"stage": e["stage"], "start_s": e["start_s"]} | {k: round(e[k] / gib, 2) for k in e if k.endswith(("rss", "anon"))}
+        for e in timeline
+    ]
     weights = locals().get("weights", 0)
     result = {
         "dtype": args.dtype,
@@ -198,6 +210,7 @@ def measure(args) -> dict:
             k: v | {"ratio_rss": v["peak_rss"] / weights if weights else None, "ratio_anon": v["peak_anon"] / weights if weights else None}
             for k, v in per_stage.items()
         },
+        "timeline_gib": timeline,
         "seconds": round(samples[-1][0] - samples[0][0], 1) if samples else 0,
         "returncode": proc.returncode,
         "killed_at_cap": killed,
