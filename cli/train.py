@@ -2,10 +2,13 @@
 
     medusa-train --model smollm2-135m --out assets/heads [--heads 4] [--layers 1] [--shared-lm-head] [--decay 0.8]
 
+    torchrun --nproc-per-node 8 $(which medusa-train) --model DIR --out heads --teacher http://127.0.0.1:8000
+
 Interrupt it at any time: rerun the same command and it continues from its work folder
-(``<out>.work/``: generated sequences, cached hidden states, checkpoints). A rerun with settings
-that change the data or the training is refused, naming them; ``--restart`` discards what no
-longer matches instead.
+(``<out>.work/``: generated sequences, cached hidden states, checkpoints), on any number of
+processes. A rerun with settings that change the data or the training is refused, naming them;
+``--restart`` discards what no longer matches instead. Under torchrun every rank runs this same
+command (``training/distributed.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def build_parser() -> Parser:
     p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
     p.add_argument("--generate-batch", type=int, default=16, help="rows generating at once (at most the engine's --max-batch)")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
+    p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step, over all processes")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50)
@@ -57,8 +60,25 @@ def build_parser() -> Parser:
     p.add_argument("--work", help="work folder (default: <out>.work): generated sequences, hidden states, checkpoints")
     p.add_argument("--generate-only", action="store_true", help="stop after generating the data (rerun without it to train)")
     p.add_argument(
-        "--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)"
+        "--bf16", action="store_true", help="train the heads' matmuls in bfloat16 autocast on the CPU (faster with AVX512-BF16 or AMX)"
     )
+    p.add_argument(
+        "--device",
+        help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); under torchrun each process takes GPU LOCAL_RANK",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun, shard the frozen base over the GPUs (FSDP2); chosen anyway when it does not fit one GPU",
+    )
+    p.add_argument(
+        "--teacher",
+        metavar="URL",
+        help="an OpenAI-compatible server of --model (vLLM, SGLang, TGI, trtllm-serve, medusa-serve; e.g. http://host:8000/v1) "
+        "writes the continuations",
+    )
+    p.add_argument("--teacher-concurrency", type=int, default=8, help="requests in flight to --teacher, per process")
+    p.add_argument("--precompute", action="store_true", help="stop after the data and its hidden states (rerun without it to train)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -67,12 +87,13 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    cluster = None
     try:
         import torch
 
-        from medusa_trt.exporter.models import load_base_model
         from medusa_trt.training.checks import check_inputs
         from medusa_trt.training.config import TrainConfig
+        from medusa_trt.training.distributed import Cluster
         from medusa_trt.training.train import run
 
         config = TrainConfig(
@@ -97,14 +118,33 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             bf16=args.bf16,
             work=args.work,
+            device=args.device,
+            fsdp=args.fsdp,
+            teacher=args.teacher,
+            teacher_concurrency=args.teacher_concurrency,
         )
         check_inputs(config)  # before the model loads: a bad file costs no waiting
+        cluster = Cluster.start(config.device)
+        teacher = None
+        if config.teacher is not None:  # before the model loads: a bad URL costs no waiting
+            from medusa_trt.training.teacher import Teacher
+
+            teacher = Teacher.connect(config.teacher, config.teacher_concurrency)
         torch.manual_seed(args.seed)
-        metrics = run(load_base_model(args.model), config, restart=args.restart, generate_only=args.generate_only)
+        base = load_base(args.model, config, cluster)
+        if teacher is not None:
+            teacher.check_tokenizer(base)
+        metrics = run(base, config, restart=args.restart, generate_only=args.generate_only, precompute=args.precompute, cluster=cluster)
     except USER_ERRORS as exc:
         return fail("medusa-train", exc)
-    if args.generate_only:
-        print(f"wrote {config.workdir}: {metrics['sequences']} sequences, {metrics['labelled_positions']} labelled positions")
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if not cluster.main:
+        return 0
+    if args.generate_only or args.precompute:
+        what = " and their hidden states" if args.precompute else ""
+        print(f"wrote {config.workdir}: {metrics['sequences']} sequences{what}, {metrics['labelled_positions']} labelled positions")
         return 0
     losses = metrics["loss_first"][:1] + metrics["loss_last"][-1:]
     loss = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
@@ -114,6 +154,30 @@ def main(argv: list[str] | None = None) -> int:
         print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))
         print("holdout top-5 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top5"]))
     return 0
+
+
+def load_base(model: str, config, cluster):
+    """The frozen base on this rank's device (bf16 / fp16 on a GPU, fp32 on the CPU), or sharded
+    over the ranks (``--fsdp``, or a GPU it does not fit)."""
+    from medusa_trt.exporter.models import load_base_model
+    from medusa_trt.training.distributed import base_dtype, base_fits, shard_base
+
+    dtype = base_dtype(cluster.device)
+    if config.fsdp and not cluster.distributed:
+        from medusa_trt.training.config import TrainError
+
+        raise TrainError(
+            "--fsdp shards the base over the processes of a torchrun launch: run under torchrun --nproc-per-node N, or drop it"
+        )
+    if not cluster.distributed or (cluster.device.type == "cpu" and not config.fsdp):
+        return load_base_model(model, dtype=dtype, device=str(cluster.device))
+    base = load_base_model(model, dtype=dtype, device="cpu")
+    size = sum(p.numel() * p.element_size() for p in base.model.parameters())
+    if config.fsdp or not base_fits(size, cluster.device):
+        shard_base(base, cluster)
+    else:
+        base.model.to(cluster.device)
+    return base
 
 
 if __name__ == "__main__":

@@ -249,8 +249,8 @@ def test_interrupted_run_resumes_where_it_stopped(stories_base, tmp_path, monkey
     config = _config(tmp_path, "interrupted", num_prompts=6, new_tokens=16, epochs=2, batch_size=16)
     original = train_module.train_heads
 
-    def stopped(base, cfg, cached):
-        original(base, cfg, cached, stop_after=3)
+    def stopped(base, cfg, cached, **kw):
+        original(base, cfg, cached, stop_after=3, **kw)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_module, "train_heads", stopped)

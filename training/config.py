@@ -27,6 +27,7 @@ _AT_LEAST = {
     "warmup_steps": 0,
     "seed": 0,
     "checkpoint_every": 1,
+    "teacher_concurrency": 1,
 }
 _MAX_SEED = 2**32 - 1  # the batch order's generator is seeded with seed * 1000 + epoch
 # the command-line flag of a TrainConfig field, for messages
@@ -38,6 +39,7 @@ _FLAGS = {
     "weight_decay": "weight decay",
     "holdout": "holdout",
     "chat_template": "chat template",
+    "teacher_concurrency": "--teacher-concurrency",
 }
 
 
@@ -72,7 +74,11 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps
     work: str | None = None  # work folder (default <out>.work); one folder can feed several trainings of the same data
-    bf16: bool = False  # heads' matmuls in bfloat16 autocast (about 2x faster on CPUs with AVX512-BF16/AMX); loss in fp32
+    bf16: bool = False  # heads' matmuls in bfloat16 autocast on the CPU (about 2x faster with AVX512-BF16/AMX); GPUs always autocast
+    device: str | None = None  # cpu, cuda or cuda:N; None: CUDA where torch sees a GPU, else the CPU (training/distributed.py)
+    fsdp: bool = False  # shard the frozen base's decoder layers over the ranks (FSDP2); also chosen when it does not fit one GPU
+    teacher: str | None = None  # an OpenAI-compatible base URL that writes the continuations instead (training/teacher.py)
+    teacher_concurrency: int = 8  # requests in flight to the teacher, per rank
 
     def __post_init__(self):
         for name, least in _AT_LEAST.items():
@@ -103,6 +109,10 @@ class TrainConfig:
                 f"--follow-ups {self.follow_ups} exceeds --num-prompts {self.num_prompts}: each follow-up "
                 "continues one first-turn conversation; pass at most that many"
             )
+        if self.teacher is not None and self.generate_engine is not None:
+            raise TrainError("--teacher and --generate-engine both write the continuations: pass one of them")
+        if self.teacher is not None and self.teacher_forced:
+            raise TrainError("--teacher-forced takes the corpus's own tokens: drop --teacher")
         if self.follow_ups and self.teacher_forced:
             raise TrainError("--follow-ups needs generated answers: drop it with --teacher-forced")
 

@@ -27,6 +27,7 @@ from medusa_trt.exporter.heads import HeadsConfig, MedusaHeads, init_heads, save
 from medusa_trt.training.checks import check_inputs, check_model
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.data import IGNORE, build_sequences, cache_hidden, split_holdout
+from medusa_trt.training.distributed import SINGLE, Cluster
 from medusa_trt.training.workdir import (
     CHECKPOINT,
     check_workdir,
@@ -40,18 +41,24 @@ from medusa_trt.training.workdir import (
 log = logging.getLogger(__name__)
 
 
-def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_loss(
+    head_logits: torch.Tensor, targets: torch.Tensor, decay: float, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """head_logits [P, n, V], targets int64 [P, n] (IGNORE where absent).
 
     Returns (sum_k decay^k * CE_k, per-head CE [n]); k is 1-based and CE_k is the mean over the
-    positions that have a target for head k (0 for a head with none)."""
+    positions that have a target for head k (0 for a head with none). ``counts`` [n]: the positions
+    with a target per head in the whole batch, when these P rows are one rank's share of it (each
+    rank's CE_k is then its part of the batch's sum)."""
     P, n, V = head_logits.shape
     # one cross-entropy over the flattened (position, head) rows: indexing the valid rows of each
     # head instead copies the logits and scatters their gradient back (half the step's time)
     losses = F.cross_entropy(head_logits.reshape(P * n, V).float(), targets.reshape(P * n), ignore_index=IGNORE, reduction="none").view(
         P, n
     )  # (P, n), 0 where the target is absent
-    counts = (targets != IGNORE).sum(0).clamp(min=1)  # (n,)
+    if counts is None:
+        counts = (targets != IGNORE).sum(0)
+    counts = counts.clamp(min=1)  # (n,)
     per_head = losses.sum(0) / counts  # (n,)
     weights = decay ** torch.arange(1, n + 1, dtype=per_head.dtype, device=per_head.device)  # (n,)
     return (weights * per_head).sum(), per_head.detach()
@@ -85,19 +92,19 @@ def head_accuracy(
 ) -> dict[str, list[float]]:
     """Top-1 and top-k accuracy per head on (hidden [N, H], targets [N, n]); ``next_ids`` [N]
     (the next token at each position) for heads that read it."""
-    n = targets.shape[1]
-    hits1, hitsk, counts = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    n, device = targets.shape[1], next(heads.parameters()).device
+    hits1, hitsk, counts = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)
     for i in range(0, hidden.shape[0], chunk):
-        nxt = next_ids[i : i + chunk] if heads.config.reads_next else None
-        t = targets[i : i + chunk]
-        logits = heads(hidden[i : i + chunk].float(), nxt, teacher_path(heads, t))  # (c, n, V)
+        nxt = next_ids[i : i + chunk].to(device) if heads.config.reads_next else None
+        t = targets[i : i + chunk].to(device)
+        logits = heads(hidden[i : i + chunk].to(device).float(), nxt, teacher_path(heads, t))  # (c, n, V)
         valid = t != IGNORE
         top = logits.topk(top_k, dim=-1).indices  # (c, n, k)
         hits1 += ((top[..., 0] == t) & valid).sum(0)
         hitsk += ((top == t[..., None]).any(-1) & valid).sum(0)
         counts += valid.sum(0)
     counts = counts.clamp(min=1)
-    return {"top1": (hits1 / counts).tolist(), f"top{top_k}": (hitsk / counts).tolist()}
+    return {"top1": (hits1 / counts).tolist(), f"top{top_k}": (hitsk / counts).tolist()}  # .tolist(): a report, on the host
 
 
 def _new_heads(base, config: TrainConfig) -> MedusaHeads:
@@ -112,7 +119,9 @@ def _new_heads(base, config: TrainConfig) -> MedusaHeads:
         base_model=getattr(base, "name", ""),
         head_input=config.head_input,
     )
-    return init_heads(heads_config, base.model.get_output_embeddings(), seed=config.seed, embed=base.model.get_input_embeddings())
+    heads = init_heads(heads_config, base.model.get_output_embeddings(), seed=config.seed, embed=base.model.get_input_embeddings())
+    device = base.model.get_input_embeddings().weight.device
+    return heads.to(device=device, dtype=torch.float32)  # fp32 master weights beside a bf16 / fp16 base
 
 
 def _resume(checkpoint: Path, heads: MedusaHeads, optimizer, config: TrainConfig) -> tuple[int, list[float]]:
@@ -120,15 +129,18 @@ def _resume(checkpoint: Path, heads: MedusaHeads, optimizer, config: TrainConfig
     another training configuration wrote it."""
     if (why := checkpoint_differences(checkpoint, config)) is not None:
         raise stale_checkpoint_error(checkpoint, why)
-    state = torch.load(checkpoint, weights_only=False)
+    state = torch.load(checkpoint, weights_only=False, map_location=next(heads.parameters()).device)
     heads.load_state_dict(state["heads"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"], state["history"]
 
 
-def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, stop_after: int | None = None) -> tuple[MedusaHeads, dict]:
+def train_heads(
+    base, config: TrainConfig, cached: dict[str, torch.Tensor], *, stop_after: int | None = None, cluster: Cluster = SINGLE
+) -> tuple[MedusaHeads, dict]:
     """Train (or continue training) heads on cached hidden states. ``stop_after`` ends the run
-    after that many optimizer steps in total, as an interruption would (tests)."""
+    after that many optimizer steps in total, as an interruption would (tests). Under torchrun
+    every rank calls it; the heads train under DDP and rank 0 writes the checkpoints."""
     heads = _new_heads(base, config)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -136,19 +148,24 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
     _, total = _schedule(config, len(train_idx))
     if not len(train_idx):
         raise TrainError(f"no training positions: all {int(cached['sequence'].max()) + 1} sequences are held out; give more prompts")
-    checkpoint = open_workdir(base, config) / CHECKPOINT
+    checkpoint = config.workdir / CHECKPOINT
+    if cluster.main:
+        open_workdir(base, config)
+    cluster.barrier()  # a checkpoint is read by every rank before any rank can write the next (a step needs them all)
     step, history = 0, []
     if checkpoint.is_file():
         step, history = _resume(checkpoint, heads, optimizer, config)
         log.info("resuming from step %d of %d", step, total)
     heads.train()
-    with tqdm(total=total, initial=step, desc="training heads", unit="step", disable=None) as bar:
+    with tqdm(total=total, initial=step, desc="training heads", unit="step", disable=None if cluster.main else True) as bar:
         try:
-            step = train_steps(heads, optimizer, config, cached, train_idx, step, history, bar, stop_after)
+            step = train_steps(heads, optimizer, config, cached, train_idx, step, history, bar, stop_after, cluster=cluster)
         except KeyboardInterrupt:  # keep every finished step: the next run continues from here
-            save_checkpoint(checkpoint, heads, optimizer, step, history, config)
+            if cluster.main:
+                save_checkpoint(checkpoint, heads, optimizer, len(history), history, config)
             raise
-        save_checkpoint(checkpoint, heads, optimizer, step, history, config)
+        if cluster.main:
+            save_checkpoint(checkpoint, heads, optimizer, step, history, config)
     heads.eval()
 
     metrics = {
@@ -165,6 +182,13 @@ def train_heads(base, config: TrainConfig, cached: dict[str, torch.Tensor], *, s
     return heads, metrics
 
 
+def _autocast(config: TrainConfig, device: torch.device):
+    """The heads' matmuls: bf16 (fp16 on GPUs without it) autocast on a GPU, bf16 on the CPU with ``--bf16``."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16)
+
+
 def train_steps(
     heads: MedusaHeads,
     optimizer,
@@ -175,56 +199,84 @@ def train_steps(
     history: list[float],
     bar,
     stop_after: int | None = None,
+    *,
+    cluster: Cluster = SINGLE,
 ) -> int:
     """Optimizer steps from ``step`` to the end of ``config.epochs`` over positions ``train_idx`` of
     ``cached`` (or to ``stop_after``), appending each loss to ``history`` and checkpointing every
-    ``config.checkpoint_every`` steps; returns the step reached. The batch order depends only on (seed, epoch)."""
+    ``config.checkpoint_every`` steps; returns the step reached. The batch order depends only on (seed, epoch).
+
+    Ranks: each step's global batch (``config.batch_size`` positions) is the same for any world size;
+    rank r takes rows r, r+N, ... of it. Its loss is its part of the batch's loss times N (the
+    per-head counts are the whole batch's), and DDP averages the gradients over the N ranks: the
+    sum of the parts, the one-process gradient up to float reduction order."""
     hidden, targets, next_ids = cached["hidden"], cached["targets"], cached["next"]
     steps_per_epoch, total = _schedule(config, len(train_idx))
     checkpoint = config.workdir / CHECKPOINT
+    device = next(heads.parameters()).device
+    model = heads
+    if cluster.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(heads, device_ids=[device] if device.type == "cuda" else None)
+    scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and not torch.cuda.is_bf16_supported())
     while step < total and (stop_after is None or step < stop_after):
         epoch, offset = divmod(step, steps_per_epoch)
         order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))]
-        batch = order[offset * config.batch_size : (offset + 1) * config.batch_size]
+        batch = order[offset * config.batch_size : (offset + 1) * config.batch_size]  # the global batch
+        counts = (targets[batch] != IGNORE).sum(0).to(device)  # (n,) over the whole batch
+        mine = batch[cluster.rank :: cluster.world]
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, total)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = heads(
-                hidden[batch].float(), next_ids[batch] if heads.config.reads_next else None, teacher_path(heads, targets[batch])
+        tgt = targets[mine].to(device)
+        with _autocast(config, device):
+            logits = model(
+                hidden[mine].to(device).float(), next_ids[mine].to(device) if heads.config.reads_next else None, teacher_path(heads, tgt)
             )  # (P, n, V)
-        loss, per_head = medusa_loss(logits, targets[batch], config.decay)
+        loss, per_head = medusa_loss(logits, tgt, config.decay, counts)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss * cluster.world).backward()
+        scaler.step(optimizer)
+        scaler.update()
         step += 1
-        history.append(loss.item())
+        reported = cluster.all_sum(torch.stack([loss.detach(), per_head[0]]).float())  # the batch's loss: the sum of the parts
+        history.append(reported[0].item())  # .item(): the loss history is kept on the host
         bar.update()
-        bar.set_postfix(loss=f"{history[-1]:.3f}", head1=f"{float(per_head[0]):.3f}")
-        if step % config.checkpoint_every == 0:
+        bar.set_postfix(loss=f"{history[-1]:.3f}", head1=f"{float(reported[1]):.3f}")
+        if step % config.checkpoint_every == 0 and cluster.main:
             save_checkpoint(checkpoint, heads, optimizer, step, history, config)
     return step
 
 
-def run(base, config: TrainConfig, *, restart: bool = False, generate_only: bool = False) -> dict:
+def run(
+    base, config: TrainConfig, *, restart: bool = False, generate_only: bool = False, precompute: bool = False, cluster: Cluster = SINGLE
+) -> dict:
     """All stages, resuming from the work folder; writes the heads folder (with train_config.json and
     metrics.json) and returns the metrics. ``restart`` discards work-folder progress made with other
-    settings instead of refusing it; ``generate_only`` stops after the sequences (data now, training later)."""
+    settings instead of refusing it; ``generate_only`` stops after the sequences (data now, training
+    later), ``precompute`` after the hidden states too. Under torchrun every rank runs it: rank 0
+    checks (and with ``restart`` clears) the work folder first and writes the heads folder last."""
     check_inputs(config)
     check_model(base, config)
-    check_workdir(base, config, restart=restart)
+    cluster.on_main(lambda: check_workdir(base, config, restart=restart))
     torch.manual_seed(config.seed)
     try:
-        sequences = build_sequences(base, config)
+        sequences = build_sequences(base, config, cluster)
         if not sequences:
             raise TrainError("no training sequences: give more or longer prompts")
+        labelled = sum(len(s.ids) - max(s.start - 1, 0) - 1 for s in sequences)
         if generate_only:
-            return {"sequences": len(sequences), "labelled_positions": sum(len(s.ids) - max(s.start - 1, 0) - 1 for s in sequences)}
-        cached = cache_hidden(base, sequences, config)
-        heads, metrics = train_heads(base, config, cached)
+            return {"sequences": len(sequences), "labelled_positions": labelled}
+        cached = cache_hidden(base, sequences, config, cluster)
+        if precompute:
+            return {"sequences": len(sequences), "labelled_positions": labelled, "precomputed": True}
+        heads, metrics = train_heads(base, config, cached, cluster=cluster)
     except BaseException:
-        drop_if_empty(config)
+        if cluster.main:
+            drop_if_empty(config)
         raise
     metrics["sequences"] = len(sequences)
+    metrics["world_size"] = cluster.world
     extra = {"train_config.json": json.dumps(dataclasses.asdict(config), indent=2), "metrics.json": json.dumps(metrics, indent=2)}
-    save_heads(heads, Path(config.out), extra=extra)  # one folder, swapped in whole with its config and metrics
+    cluster.on_main(lambda: save_heads(heads, Path(config.out), extra=extra))  # one folder, swapped in whole with its config and metrics
     return metrics

@@ -29,11 +29,36 @@ log = logging.getLogger(__name__)
 FINGERPRINT = "fingerprint.json"
 SEQUENCES = "sequences.jsonl"
 HIDDEN = "hidden"  # subfolder of the hidden states recorded while generating
-CACHE = "cache.safetensors"
+STATES = "states"  # subfolder of the hidden states of a forward pass, one shard per SHARD_SEQUENCES sequences
+CACHE = "cache.safetensors"  # the forward pass's states of earlier versions (read, no longer written)
 CHECKPOINT = "checkpoint.pt"
 # TrainConfig fields a checkpoint is not tied to: the work folder stands for --out, the fingerprint
 # for the data file and engine by content and identity, and the generate batch changes no token
-_NOT_TRAINING = ("out", "work", "data", "generate_engine", "generate_batch")
+# (and the generating teacher), and where it runs, or on how many ranks, changes no step: the global batch order is fixed
+_NOT_TRAINING = ("out", "work", "data", "generate_engine", "generate_batch", "device", "fsdp", "teacher", "teacher_concurrency")
+
+
+def sequences_file(work: Path, rank: int) -> Path:
+    """The sequences file rank ``rank`` appends to: ``sequences.jsonl`` (rank 0, and every earlier
+    version), ``sequences.rank<N>.jsonl`` for the others, so no two processes append to one file."""
+    return work / (SEQUENCES if rank == 0 else f"sequences.rank{rank}.jsonl")
+
+
+def sequences_files(work: Path) -> list[Path]:
+    """Every rank's sequences file in ``work`` (of this run's world size or an earlier one), rank 0 first."""
+    ranks = sorted(int(p.name[len("sequences.rank") : -len(".jsonl")]) for p in work.glob("sequences.rank*.jsonl") if _rank_file(p.name))
+    return [p for p in [work / SEQUENCES, *(sequences_file(work, r) for r in ranks)] if p.is_file()]
+
+
+def _rank_file(name: str) -> bool:
+    middle = name.removeprefix("sequences.rank").removesuffix(".jsonl")
+    return name.startswith("sequences.rank") and name.endswith(".jsonl") and middle.isdigit() and middle == str(int(middle))
+
+
+def _shard_name(stem: str) -> bool:
+    """A hidden-state shard's stem: ``0000064`` (rank 0), ``0000064-r3`` (rank 3), ``<key>-0000002`` (states/)."""
+    head, _, tail = stem.partition("-")
+    return stem.isdigit() or (head.isdigit() and tail[:1] == "r" and tail[1:].isdigit()) or (head.isalnum() and tail.isdigit())
 
 
 def _path_identity(path: Path) -> str:
@@ -76,6 +101,8 @@ def data_fingerprint(base, config: TrainConfig) -> dict:
             "chat template": config.chat_template,
             "--generate-engine": engine and _engine_labels(engine),
         }
+        if config.teacher is not None:  # (only then: work folders of earlier versions keep their fingerprint)
+            fingerprint["--teacher"] = "an OpenAI-compatible server of --model"
     return fingerprint
 
 
@@ -213,13 +240,16 @@ def _ours(path: Path, work: Path) -> bool:
     rel = path.relative_to(work)
     if path.is_symlink():
         return False
-    if rel.parts == (HIDDEN,):
+    if rel.parts in ((HIDDEN,), (STATES,)):
         return path.is_dir()
     if len(rel.parts) == 1:
-        return path.name in _WORK_FILES or any(durable.parse_leftover(path, work / n) for n in _WORK_FILES)
+        if _rank_file(path.name):
+            return True
+        names = [*_WORK_FILES, *(p.name for p in work.glob("sequences.rank*.jsonl") if _rank_file(p.name))]
+        return path.name in names or any(durable.parse_leftover(path, work / n) for n in names)
     stem, _, suffix = path.name.partition(".")
-    if len(rel.parts) == 2 and rel.parts[0] == HIDDEN:
-        if stem.isdigit() and suffix in ("safetensors", "tmp"):
+    if len(rel.parts) == 2 and rel.parts[0] in (HIDDEN, STATES):
+        if _shard_name(stem) and suffix in ("safetensors", "tmp"):
             return True
         target = path.with_name(path.name[1:].split(".new.")[0])  # .0000012.safetensors.new.PID.N@HOST.safetensors
         return path.name.startswith(".") and durable.parse_leftover(path, target) is not None
