@@ -156,6 +156,7 @@ class CompletionRequest(_Generation):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: the choice also carries token_ids and prompt_token_ids
 
     @field_validator("prompt")
     @classmethod
@@ -177,6 +178,8 @@ class CompletionRequest(_Generation):
             return "best_of", f"best_of={self.best_of} is not supported: one candidate per request"
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported"
+        if self.return_token_ids and self.stream:
+            return "return_token_ids", "return_token_ids is served without stream only"
         return super().unsupported()
 
 
@@ -492,6 +495,8 @@ class _Generate:
         job = self.prepare(parsed, ids, max_tokens)
         handle, queue = self.submit(job, asyncio.get_running_loop())
         reply = _Reply(chat=chat, model=self.config.model_name, prompt_tokens=len(ids))
+        if getattr(parsed, "return_token_ids", False):
+            reply.token_ids, reply.prompt_ids = [], list(ids)
         if parsed.stream:
             usage = parsed.stream_options is not None and parsed.stream_options.include_usage
             return StreamingResponse(
@@ -520,6 +525,8 @@ class _Reply:
     model: str
     prompt_tokens: int
     completion_tokens: int = 0
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_ids: list[int] | None = None
 
     def __post_init__(self):
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -537,6 +544,8 @@ class _Reply:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.token_ids is not None:
+            choice |= {"token_ids": self.token_ids, "prompt_token_ids": self.prompt_ids}
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -639,6 +648,8 @@ async def _collect(request: Request, handle, queue: asyncio.Queue, reply: _Reply
                 raise _shutting_down()
             text.append(item.text)
             reply.completion_tokens += len(item.token_ids)
+            if reply.token_ids is not None:
+                reply.token_ids += item.token_ids
             done = item.finish_reason is not None
         else:
             return JSONResponse(reply.whole("".join(text), _finish_reason(item.finish_reason)))
