@@ -43,7 +43,7 @@ def build_parser() -> Parser:
     p.add_argument("--context", type=non_negative_int, default=d.context, help="committed tokens the step latency is timed over")
     p.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed calls per tree size (median kept)")
     p.add_argument("--threads", type=positive_int, help="intra-op threads of ONNX Runtime (--engine) or torch (--model)")
-    p.add_argument("--device", help="with --model: cpu or cuda (default: cpu)")
+    p.add_argument("--device", help="with --model: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -65,7 +65,7 @@ def _runtime(args):
         return MedusaRuntime(args.engine, max_batch=1, threads=args.threads)
     from medusa_trt.cli.common import load_model
 
-    device = args.device or "cpu"
+    device = args.device or ("cuda" if _cuda_visible(default=False) else "cpu")
     if device != "cpu" and not _cuda_visible():
         raise MedusaError(f"--device {device}: torch sees no CUDA GPU here; pass --device cpu")
     model = load_model(args.model, args.heads, None, None, device)  # imports torch, or says which extra to install
@@ -76,11 +76,11 @@ def _runtime(args):
     return MedusaRuntime(model, max_batch=1, device=device)
 
 
-def _cuda_visible() -> bool:
+def _cuda_visible(default: bool = True) -> bool:
     try:
         import torch
     except ImportError:
-        return True  # load_model says which extra to install
+        return default  # load_model says which extra to install
     return torch.cuda.is_available()
 
 

@@ -330,6 +330,11 @@ BAD = [  # (argv changes, fragment of the one line); a None value drops the flag
     ({"--device": "cpu"}, "go with --model"),
     ({"--engine": None, "--model": "stories260K"}, "--model needs --heads"),
     ({"--engine": None, "--model": "stories260K", "--heads": "{tmp}/outdir", "--device": "tpu"}, "--device tpu: pass cpu or cuda"),
+    *(  # a machine without CUDA: one line, before any model loads
+        []
+        if torch.cuda.is_available()
+        else [({"--engine": None, "--model": "stories260K", "--heads": "{tmp}/outdir", "--device": "cuda"}, "torch sees no CUDA GPU here")]
+    ),
     ({"--out": "/nonexistent/dir/tree.json"}, "folder /nonexistent/dir does not exist"),
     ({"--out": "{tmp}/p-good.jsonl/tree.json"}, "{tmp}/p-good.jsonl is not a folder"),
     ({"--out": "/sys/medusa-tree.json"}, "folder /sys is not writable"),
