@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     losses = metrics["loss_first"][:1] + metrics["loss_last"][-1:]
     loss = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
-    print(f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps{loss}")
+    speed = f", {metrics['positions_per_s']:.0f} positions/s" if metrics.get("positions_per_s") else ""
+    print(
+        f"wrote {args.out}: {metrics['sequences']} sequences, {metrics['train_positions']} positions, {metrics['steps']} steps{loss}{speed}"
+    )
     held = metrics.get("holdout")
     if held:
         print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))

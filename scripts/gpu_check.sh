@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check (make gpu-check): every GPU test, then a short GPU benchmark, one report folder.
+# The GPU check (make gpu-check): every GPU test, a short GPU benchmark, then a short CUDA training
+# run of the heads (scripts/gpu_train_check.py: positions/s), one report folder.
 # Runs on a fresh GPU machine with PyTorch, Triton, CUDA and transformers but no network: the
 # package is made importable from the checkout without installing, and missing pure-Python
 # wheels (gguf) are taken from .whl/ when present. Shared test data comes from
@@ -11,7 +12,7 @@ mkdir -p "$report"
 py=${PYTHON:-python3}
 if ! $py -c "import medusa_trt.runtime" 2>/dev/null; then
   mkdir -p /tmp/medusa-src/medusa_trt
-  for d in cli exporter runtime plugins training; do ln -sfn "$PWD/$d" "/tmp/medusa-src/medusa_trt/$d"; done
+  for d in cli exporter runtime plugins training serving bench; do ln -sfn "$PWD/$d" "/tmp/medusa-src/medusa_trt/$d"; done
   export PYTHONPATH="/tmp/medusa-src${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if compgen -G ".whl/*.whl" >/dev/null && ! $py -c "import gguf" 2>/dev/null; then
@@ -29,6 +30,9 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
   echo "== GPU benchmark"
   $py scripts/gpu_bench.py --out "$report/gpu-bench.json"
   bench=$?
-  echo "== exit: tests $tests, benchmark $bench"
+  echo "== GPU training"
+  $py scripts/gpu_train_check.py --out "$report/gpu-train.json"
+  train=$?
+  echo "== exit: tests $tests, benchmark $bench, training $train"
 } 2>&1 | tee "$report/gpu-report.txt"
-grep -q "== exit: tests 0, benchmark 0" "$report/gpu-report.txt"
+grep -q "== exit: tests 0, benchmark 0, training 0" "$report/gpu-report.txt"

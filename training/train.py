@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -157,6 +158,7 @@ def train_heads(
         step, history = _resume(checkpoint, heads, optimizer, config)
         log.info("resuming from step %d of %d", step, total)
     heads.train()
+    first, started = step, time.perf_counter()
     with tqdm(total=total, initial=step, desc="training heads", unit="step", disable=None if cluster.main else True) as bar:
         try:
             step = train_steps(heads, optimizer, config, cached, train_idx, step, history, bar, stop_after, cluster=cluster)
@@ -164,6 +166,7 @@ def train_heads(
             if cluster.main:
                 save_checkpoint(checkpoint, heads, optimizer, len(history), history, config)
             raise
+        seconds = time.perf_counter() - started  # the steps of this run, with their checkpoints
         if cluster.main:
             save_checkpoint(checkpoint, heads, optimizer, step, history, config)
     heads.eval()
@@ -175,6 +178,7 @@ def train_heads(
         "loss_last": history[-5:],
         "train_positions": len(train_idx),
         "holdout_positions": len(held_idx),
+        "positions_per_s": round((step - first) * config.batch_size / seconds, 1) if step > first else None,
     }
     if len(held_idx):
         hidden, targets, next_ids = cached["hidden"], cached["targets"], cached["next"]
