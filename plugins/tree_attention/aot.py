@@ -26,7 +26,7 @@ import functools
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from medusa_trt.plugins.tree_attention.launch import LaunchPlan, dot_precision
@@ -35,8 +35,29 @@ LOG2E = 1.4426950408889634
 # PTX ISA 8.4 (CUDA 12.4): new enough for sm_90 (wgmma), old enough for the PTX loaders of current
 # TensorRT releases and drivers; Triton's own default follows its bundled CUDA (9.x for triton 3.9).
 AOT_PTX_VERSION = 84
+# The oldest PTX ISA each newer architecture's PTX may declare (NVIDIA's PTX ISA release notes: sm_100 and
+# sm_101 arrived in 8.6, sm_120 in 8.7, sm_103 and sm_121 in 8.8, sm_110 in 9.0); older targets take
+# AOT_PTX_VERSION. A driver JIT-compiles PTX of an ISA no newer than its CUDA version.
+MIN_PTX_VERSION = {100: 86, 101: 86, 103: 88, 110: 90, 120: 87, 121: 88}
+# Dynamic shared memory a kernel launch gets without opting in (cuFuncSetAttribute), which an AOT plugin
+# launched by TensorRT cannot be assumed to do: a kernel needing more would fail to launch on every GPU.
+AOT_MAX_SHARED_MEM = 48 * 1024
 NUM_INPUT_POINTERS = 8  # spec.TREE_ATTENTION.inputs (sinks included: the node always has them)
 FLOAT_TYPES = ("fp32", "fp16", "bf16")
+# The version tensorrt.plugin registers every quickly deployable plugin's creator under (it sets
+# plugin_version = "1" whatever the op): the ONNX node's plugin_version, which TensorRT's parser looks
+# the creator up by, must say this, not the op's own version (spec.TREE_ATTENTION.version, in the
+# graph's opset import for the op's domain).
+TRT_PLUGIN_VERSION = "1"
+
+
+def ptx_version_for(capability: int) -> int:
+    """The PTX ISA version the AOT kernel declares for a target of this compute capability (e.g. 90, 120)."""
+    if capability in MIN_PTX_VERSION:
+        return max(AOT_PTX_VERSION, MIN_PTX_VERSION[capability])
+    if capability > max(MIN_PTX_VERSION):
+        raise AotCompileError(f"compute capability {capability} is newer than the PTX versions this plugin knows: update MIN_PTX_VERSION")
+    return AOT_PTX_VERSION
 
 
 class AotCompileError(RuntimeError):
@@ -50,6 +71,7 @@ class AotKernel:
     num_warps: int  # block_x = num_warps * 32
     shared_mem: int  # dynamic shared memory per block, bytes
     num_params: int  # kernel parameters after trimming: inputs + scalars + outputs
+    plan: LaunchPlan | None = None  # the block sizes it was compiled with (its row block sets the launch grid)
 
 
 def dense_strides(shape: Sequence[Any]) -> list[Any]:
@@ -137,7 +159,7 @@ def compile_aot(
     window: int = 0,  # the layer's sliding window (0: none)
     softcap: float = 0.0,  # its logit soft-capping (0: none)
     target: Any = None,  # triton.backends.compiler.GPUTarget; None: the current GPU
-    ptx_version: int | None = AOT_PTX_VERSION,
+    ptx_version: int | None = None,  # None: ptx_version_for(the target)
 ) -> AotKernel:
     """Compile the single-pass kernel to PTX with TensorRT's parameter list (inputs, scalars, output).
 
@@ -172,8 +194,7 @@ def compile_aot(
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     target = target or triton.runtime.driver.active.get_current_target()
     options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages, "enable_fp_fusion": True}
-    if ptx_version is not None:
-        options["ptx_version"] = ptx_version
+    options["ptx_version"] = ptx_version or ptx_version_for(target.arch)
     options = triton.compiler.make_backend(target).parse_options(options).__dict__
     compiled = triton.compile(source, target=target, options=options)
     if getattr(compiled.metadata, "global_scratch_size", 0) or getattr(compiled.metadata, "profile_scratch_size", 0):
@@ -182,4 +203,38 @@ def compile_aot(
     digest = hashlib.sha256(repr(sorted(signature.items()) + sorted(constants.items())).encode()).hexdigest()[:12]
     name = f"{compiled.metadata.name}_{digest}"
     ptx = trim_entry_params(compiled.asm["ptx"].replace(compiled.metadata.name, name), name, num_params)
-    return AotKernel(name=name, ptx=ptx, num_warps=compiled.metadata.num_warps, shared_mem=compiled.metadata.shared, num_params=num_params)
+    if compiled.metadata.shared > AOT_MAX_SHARED_MEM:
+        raise AotCompileError(
+            f"the {float_type} kernel for head size {head_dim} needs {compiled.metadata.shared} B of shared memory per block, "
+            f"more than the {AOT_MAX_SHARED_MEM} B a launch gets without opting in"
+        )
+    return AotKernel(
+        name=name, ptx=ptx, num_warps=compiled.metadata.num_warps, shared_mem=compiled.metadata.shared, num_params=num_params, plan=plan
+    )
+
+
+def fitting_plans(plan: LaunchPlan) -> list[LaunchPlan]:
+    """``plan``, then ones needing less shared memory (one pipeline stage, then halved key blocks, then halved
+    row blocks, each down to the 16 ``tl.dot`` needs): what ``compile_fitting`` tries in order."""
+    plans = [plan, replace(plan, num_stages=1)]
+    while plans[-1].block_n > 16:
+        plans.append(replace(plans[-1], block_n=plans[-1].block_n // 2))
+    while plans[-1].block_m > 16:
+        plans.append(replace(plans[-1], block_m=plans[-1].block_m // 2))
+    return list(dict.fromkeys(plans))
+
+
+def compile_fitting(*, plan: LaunchPlan, **kwargs) -> AotKernel:
+    """``compile_aot`` with the first of ``fitting_plans(plan)`` whose kernel fits ``AOT_MAX_SHARED_MEM``;
+    the kernel's ``plan`` gives the launch grid (its row block may be smaller). Raises ``AotCompileError`` if none fits."""
+    error = None
+    for candidate in fitting_plans(plan):
+        try:
+            return compile_aot(plan=candidate, **kwargs)
+        except AotCompileError as exc:
+            if "shared memory" not in str(exc):
+                raise
+            error = exc
+    raise AotCompileError(
+        f"{error}, even with one stage and {candidate.block_m}x{candidate.block_n} blocks: use a smaller head size or fp16 / bf16"
+    )
