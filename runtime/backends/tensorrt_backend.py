@@ -85,6 +85,21 @@ def _import_tensorrt():
     return trt
 
 
+def _register_plugin_if_possible() -> None:
+    """Register the tree-attention plugin where this install can; go on without it where it cannot.
+
+    The plan embeds the AOT plugin's kernel (PTX and launch parameters), and NVIDIA documents that an
+    engine with AOT plugins runs without their Python definitions: a serving install needs neither
+    ``tensorrt.plugin``'s AOT support nor triton. Registering where possible changes nothing else; if the
+    plan does need the creator after all, deserializing says so in one line (``_Engine``)."""
+    from medusa_trt.runtime.errors import MedusaError
+
+    try:
+        from medusa_trt.plugins.tree_attention import trt_plugin  # noqa: F401 - registers the plugin creator
+    except (ImportError, MedusaError, ValueError, AttributeError, TypeError) as exc:
+        log.info("tensorrt backend: plugin-form engine without the Python plugin definitions (%s)", " ".join(str(exc).split())[:160])
+
+
 def _torch_dtype(trt, dtype):
     import torch
 
@@ -199,7 +214,7 @@ class TensorRTBackend:
         self.max_tokens = meta.max_tokens
         self.whole_cache = meta.attention == "plugin"  # the plugin reads committed slots only: bind them all
         if meta.attention == "plugin":
-            from medusa_trt.plugins.tree_attention import trt_plugin  # noqa: F401 - registers the plugin before deserializing
+            _register_plugin_if_possible()
 
         self._trt_logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._trt_logger)
