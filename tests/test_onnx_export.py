@@ -123,7 +123,9 @@ def test_cli_export_and_run(tmp_path, capsys):
         capsys, "--model", str(STORIES), "--untrained-heads", "3", "--tree", "chain-3", "--out", str(out), "--max-context", "128"
     )
     assert code == 0, err
-    assert stdout.startswith(f"wrote {out}") and "verified against torch: max abs difference" in stdout
+    first, second = stdout.splitlines()[:2]
+    assert first.startswith("exported llama: 5 layers") and second.startswith(f"wrote {out}"), stdout  # what, then where
+    assert "verified against torch: max abs difference" in stdout
     from medusa_trt.cli.run import main as run_main
 
     assert run_main(["--engine", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
