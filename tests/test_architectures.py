@@ -56,6 +56,7 @@ class Family:
     heads: object  # our heads folder
     fasterdecoding: object  # the same heads in the FasterDecoding layout
     prompts: list
+    moe: bool  # the row has mixture-of-experts blocks
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.id)
@@ -79,7 +80,7 @@ def family(request, tmp_path_factory, stories_tokenizer):
         )
     assert code == 0, printed.getvalue()
     model = load_medusa(str(folder), str(ours))
-    return Family(reference, model, engine, printed.getvalue(), ours, theirs, prompts)
+    return Family(reference, model, engine, printed.getvalue(), ours, theirs, prompts, arch.moe)
 
 
 def _tree_file(root) -> str:
@@ -116,13 +117,17 @@ def test_torch_backend_is_greedy_identical(family):
     _check_identical(family, family.model, runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS))
 
 
-def test_int8_channel_drafted_output_equals_its_own_plain_output(family, tmp_path):
-    """The fp32 engine's graphs quantized as ``--quantize int8-channel`` quantizes them (experts included)."""
-    folder = tmp_path / "int8"
+@pytest.mark.parametrize("mode", ["int8-channel", "int4"])
+def test_quantized_drafted_output_equals_its_own_plain_output(family, mode, tmp_path):
+    """The fp32 engine's graphs quantized as ``--quantize MODE`` quantizes them (experts included):
+    int8-channel on every row, int4 (block 32, exact) on the mixture-of-experts rows."""
+    if mode == "int4" and not family.moe:
+        pytest.skip("int4 is checked on the mixture-of-experts rows (its dense path is tests/test_quantize.py's)")
+    folder = tmp_path / mode
     shutil.copytree(family.engine.parent, folder)
     files = EngineFiles.locate(folder / family.engine.name)
-    meta = dataclasses.replace(read_meta(files.step), quantization="int8-channel")
-    quantize_engine(files, meta, QuantizeConfig("int8-channel"))
+    meta = dataclasses.replace(read_meta(files.step), quantization=mode)
+    quantize_engine(files, meta, QuantizeConfig(mode, block_size=32) if mode == "int4" else QuantizeConfig(mode))
     write_manifest(files)
     drafted = MedusaRuntime(str(files.step), tree=TREE, step_cost=FIXED_BUDGET).generate(family.prompts, max_new_tokens=NEW_TOKENS)
     plain = MedusaRuntime(str(files.step), drafters=()).generate(family.prompts, max_new_tokens=NEW_TOKENS)
