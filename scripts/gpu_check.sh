@@ -24,6 +24,9 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
   $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  echo "== preflight: every module the check imports"
+  $py scripts/gpu_preflight.py
+  preflight=$?
   echo "== GPU tests"
   $py -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_kernel.py -rs
   tests=$?
@@ -33,6 +36,6 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
   echo "== GPU training"
   $py scripts/gpu_train_check.py --out "$report/gpu-train.json"
   train=$?
-  echo "== exit: tests $tests, benchmark $bench, training $train"
+  echo "== exit: preflight $preflight, tests $tests, benchmark $bench, training $train"
 } 2>&1 | tee "$report/gpu-report.txt"
-grep -q "== exit: tests 0, benchmark 0, training 0" "$report/gpu-report.txt"
+grep -q "== exit: preflight 0, tests 0, benchmark 0, training 0" "$report/gpu-report.txt"

@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("tests/test_gpu.py", "tests/test_gpu_kernel.py", "tests/conftest.py", "scripts/gpu_bench.py")
+CHECKED = ("tests/test_gpu.py", "tests/test_gpu_kernel.py", "tests/conftest.py", "scripts/gpu_bench.py", "scripts/gpu_train_check.py")
 
 
 def package_path(into: Path) -> Path:
