@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("fp32", "int8", "int4")  # --weight-format of optimum-cli export openvino
 INT4_GROUP = 32  # divides SmolLM2's 576 and stories260K's 64
-DEFAULT_CLI = Path("build/openvino-venv/bin/optimum-cli")  # where make openvino-models installs it
+# where make openvino-models installs it, in the checkout (bench/ lies at its root)
+DEFAULT_CLI = Path(__file__).resolve().parents[1] / "build" / "openvino-venv" / "bin" / "optimum-cli"
 
 
 def find_optimum_cli(given: str | Path | None = None) -> Path | None:
