@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -91,6 +92,19 @@ def greedy(tree, argmax: np.ndarray) -> Verdict:
             return Verdict(path, want)
         node = nxt
         path.append(node)
+
+
+class AcceptanceRule(Protocol):
+    """What the loop needs of a rule: which output it reads, how its drafts are made, whether its
+    tree may depend on the other rows, and ``accept`` (one of the pure functions here)."""
+
+    needs_logits: bool  # it reads the base model's distributions (``probs``), not only the argmax
+    sampled_drafts: bool  # the heads draw without replacement from their warped distributions (``draws``)
+    learnt_budget: bool  # its tree may follow the step cost learnt from every row (its output does not depend on the tree)
+
+    def accept(self, tree, argmax: np.ndarray, probs: Probs | None, draws: Draws | None, rng) -> Verdict:
+        """The accepted path (root first) and the bonus token of one row's verified tree."""
+        ...
 
 
 class GreedyRule:
@@ -227,6 +241,6 @@ _RULES = {
 }
 
 
-def rule_for(params) -> GreedyRule | TypicalRule | LosslessRule:
+def rule_for(params) -> AcceptanceRule:
     """A request's acceptance rule from its ``SamplingParams`` (``params.rule``: greedy, typical or lossless)."""
     return _RULES[params.rule](params)

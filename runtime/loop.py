@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from medusa_trt.runtime.acceptance import Draws, Verdict, rule_for
+from medusa_trt.runtime.acceptance import AcceptanceRule, Draws, Verdict, rule_for
 from medusa_trt.runtime.config import is_int
 from medusa_trt.runtime.contract import StepOutput
 from medusa_trt.runtime.drafting.base import Observed
@@ -165,7 +165,7 @@ class Seq:
     root: int = 0
     history: list[int] = field(default_factory=list)  # prompt + emitted tokens (the root last), grown in place
     rng: np.random.Generator | None = None  # this sequence's own: reproducible whatever shares the batch
-    rule: object = None  # its acceptance rule (acceptance.rule_for)
+    rule: AcceptanceRule | None = None  # its acceptance rule (acceptance.rule_for)
     accept_stats: AcceptanceStats | None = None  # online acceptance estimates per drafter key
     started: float = 0.0
     hidden: list[np.ndarray] | None = None  # float32 (n, H) parts, when the request asked for hidden states
@@ -229,7 +229,7 @@ class Scheduler:
             s.length = s.prefilled = 0
             s.history = list(request.prompt)
             s.rule = rule_for(request.params)
-            s.accept_stats = AcceptanceStats()
+            s.accept_stats = AcceptanceStats(self.rt.drafting.prior)
             s.hidden = [] if request.hidden else None
             for p in self.proposers:
                 p.start(s.key, s.history, sampled=s.rule.sampled_drafts)

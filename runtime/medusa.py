@@ -125,39 +125,42 @@ class MedusaRuntime:
         self.is_chat = bool(info.is_chat) and self.codec.has_chat_template
         self._lock = threading.Lock()  # shared by with_tree copies: they share the KV cache
 
-    def _drafting(self, tree: CompiledTree, names, *, explicit_tree: bool) -> Drafting:
-        """The drafter set: ``names``, or by default every drafter the engine supports; an explicit
-        ``chain-0`` heads template with the default set keeps its old meaning, plain decoding."""
-        heads = bool(self.num_heads and tree.depth_max)
+    def _drafting(self, tree: CompiledTree, names, *, explicit_tree: bool, available_only: bool = False) -> Drafting:
+        """The drafter set: ``names``, or by default every drafter the engine supports, unless no tree
+        of theirs can beat plain decoding at the measured step cost; an explicit ``chain-0`` heads
+        template with the default set keeps its old meaning, plain decoding."""
         step_cost = self.config.step_cost or self._folder_step_cost
         config = DraftingConfig() if step_cost is None else DraftingConfig(cost=CostModel(dict(step_cost)), learn_cost=False)
-        if names is None:
-            names = () if explicit_tree and tree.depth_max == 0 else (("heads",) if heads else ()) + ("lookup", "recycle")
-            max_nodes = min(config.max_nodes, self.backend.max_tokens or config.max_nodes)
-            if names and not drafting_pays(config.cost, self._heads_cost if "heads" in names else 0.0, max_nodes, config.max_depth):
-                log.warning(
-                    "no tree can beat plain decoding on this engine's measured step cost (%s, heads call %.2f): "
-                    "default drafting is plain decoding here",
-                    step_cost,
-                    self._heads_cost,
-                )
-                names = ()
-        template = HeadsTemplate(tree, tree_walk(tree), self._info.expansion) if heads else None
-        return Drafting(tuple(names), template, config, engine_max_nodes=self.backend.max_tokens)
+        template = HeadsTemplate(tree, tree_walk(tree), self._info.expansion) if self.num_heads and tree.depth_max else None
+
+        def drafting(names) -> Drafting:
+            limit, heads_cost = self.backend.max_tokens, self._heads_cost
+            return Drafting(names, template, config, engine_max_nodes=limit, heads_cost=heads_cost, available_only=available_only)
+
+        if names is not None:
+            return drafting(tuple(names))
+        if explicit_tree and tree.depth_max == 0:
+            return drafting(())
+        every = drafting(None)
+        if every.names and not drafting_pays(config.cost, every.fixed_cost, every.max_nodes, every.max_depth):
+            log.warning(
+                "no tree can beat plain decoding on this engine's measured step cost (%s, heads call %.2f): "
+                "default drafting is plain decoding here",
+                step_cost,
+                every.fixed_cost,
+            )
+            return drafting(())
+        return every
 
     def with_tree(self, tree) -> MedusaRuntime:
-        """The same engine and buffers with another heads template (the drafters stay; ``chain-0``
-        with the default drafters is plain decoding). Not for concurrent use beside the original:
-        they share the KV cache."""
+        """The same engine and buffers with another heads template (the drafters stay, less those the
+        new template cannot run; ``chain-0`` with the default drafters is plain decoding). Not for
+        concurrent use beside the original: they share the KV cache."""
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, tree=tree)
         other.tree = load_tree(tree, max_depth=self.num_heads)
         self._check_tree(other.tree)
-        other.drafting = other._drafting(
-            other.tree,
-            None if self.config.drafters is None else tuple(n for n in self.config.drafters if n != "heads" or other.tree.depth_max),
-            explicit_tree=True,
-        )
+        other.drafting = other._drafting(other.tree, self.config.drafters, explicit_tree=True, available_only=True)
         return other
 
     def with_drafters(self, drafters) -> MedusaRuntime:

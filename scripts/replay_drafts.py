@@ -122,8 +122,8 @@ def modelled_speedup(steps: np.ndarray, nodes: np.ndarray, cost: CostModel, head
 class _Tallied(AcceptanceStats):
     """Acceptance statistics that also count [accepted, tested] per key into a shared tally."""
 
-    def __init__(self, tally: dict):
-        super().__init__()
+    def __init__(self, tally: dict, prior):
+        super().__init__(prior)
         self.tally = tally
 
     def update(self, key: tuple, accepted: bool) -> None:
@@ -156,7 +156,7 @@ def replay(
     heads = next((p for p in proposers if isinstance(p, HeadsProposer)), None)
     for p in proposers:
         p.start(0, list(prompt), sampled=False)
-    stats = AcceptanceStats() if tally is None else _Tallied(tally)
+    stats = AcceptanceStats(drafting.prior) if tally is None else _Tallied(tally, drafting.prior)
     steps, nodes, pos = [], [], 0  # continuation[pos] is the root
     depth_cap = drafting.max_depth
     while pos + 1 < len(continuation):

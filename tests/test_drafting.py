@@ -10,6 +10,8 @@ from medusa_trt.runtime.drafting import (
     DETERMINISTIC,
     AcceptanceStats,
     CostModel,
+    Drafting,
+    DraftingConfig,
     Fragment,
     HeadsProposer,
     HeadsTemplate,
@@ -21,6 +23,7 @@ from medusa_trt.runtime.drafting import (
     StepTree,
     build_tree,
 )
+from medusa_trt.runtime.drafting.stats import UNKNOWN_PRIOR, prior_of
 from medusa_trt.runtime.sampling import SamplingParams
 from medusa_trt.runtime.tree import compile_tree
 
@@ -115,12 +118,31 @@ def test_greedy_heads_drafts_are_keyed_by_confidence():
     confidence = np.array([[0.93, 0.04], [0.5, 0.1]], dtype=np.float32)
     f = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=False, proposals=[[20, 21], [30, 31]], confidence=confidence)([1, 2], 2)
     assert f.keys == (("heads-p", 1, 10), ("heads-p", 1, 0), ("heads-p", 2, 6))
-    stats = AcceptanceStats()
+    stats = AcceptanceStats(prior_of(HeadsProposer.priors))
     assert stats.estimate(f.keys[0]) > 0.8 and stats.estimate(f.keys[1]) < 0.1
     tree_ = build_tree(1, [f], stats, max_nodes=8, cost=CostModel({1: 1.0, 3: 1.0, 4: 1.5, 64: 20.0}))
     assert tree_.tokens.tolist() == [1, 20, 30]  # the doubtful sibling is not worth its node; the confident chain is
     sampled = _heads(HeadsTemplate(tree, tree_walk(tree)), sampled=True, proposals=[[20, 21], [30, 31]], confidence=confidence)
     assert sampled([1], max_depth=2).keys[0][0] == "heads"
+
+
+def test_drafting_reads_what_each_proposer_says_of_itself():
+    """The set's depth, fixed step cost and priors come from its proposers, never from their names:
+    the heads draft as deep as their template and cost their call; the others take the config's depth."""
+    tree = compile_tree([[0], [0, 0], [0, 0, 0]])
+    template = HeadsTemplate(tree, tree_walk(tree))
+    config = DraftingConfig(max_depth=5)
+    heads = Drafting(("heads",), template, config, engine_max_nodes=None, heads_cost=0.3)
+    assert heads.max_depth == 3 and heads.fixed_cost == pytest.approx(0.3)
+    every = Drafting(None, template, config, engine_max_nodes=None, heads_cost=0.3)
+    assert every.names == ("heads", "lookup", "recycle") and every.max_depth == 5
+    assert every.prior(("lookup", 3, 1)) == pytest.approx(0.74) and every.prior(("nobody", 1)) == UNKNOWN_PRIOR
+    retrieval = Drafting(None, None, config, engine_max_nodes=8)  # no template: the heads are not available
+    assert retrieval.names == ("lookup", "recycle") and retrieval.fixed_cost == 0.0 and retrieval.max_nodes == 8
+    assert Drafting((), template, config, engine_max_nodes=None).max_depth == 0
+    with pytest.raises(Exception, match="needs Medusa heads"):
+        Drafting(("heads",), None, config, engine_max_nodes=None)
+    assert Drafting(("heads", "lookup"), None, config, engine_max_nodes=None, available_only=True).names == ("lookup",)
 
 
 # ------------------------------------------------------------------ the builder

@@ -15,7 +15,7 @@ recycling) are per-sequence ``Drafter`` objects behind ``PerSequence``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -76,6 +76,7 @@ class Drafter(Protocol):
     after it, in that order; drafters never touch the engine."""
 
     name: str
+    priors: Mapping[str, Prior]  # its starting estimates per statistics-key kind (``Proposer.priors``)
 
     def propose(self, history: list[int], max_depth: int) -> Fragment:
         """Candidates below the root ``history[-1]`` (prompt + emitted tokens), at most ``max_depth`` deep."""
@@ -113,12 +114,23 @@ class Observed:
     rng: np.random.Generator  # the sequence's own generator
 
 
+Prior = Callable[[tuple], float]  # a statistics key -> the starting estimate of P(accepted | parent accepted)
+
+
 class Proposer(Protocol):
     """A drafter over every row of the loop. Per sequence the loop calls ``start`` when it takes a
     row, ``propose`` before each verify step, ``observe`` after each commit (all rows of the step at
-    once) and ``finish`` when it leaves."""
+    once) and ``finish`` when it leaves.
+
+    It describes itself, so the loop, the statistics and the budget never ask for it by name:
+    ``priors`` (its starting estimate per statistics-key kind, ``key[0]`` of the keys it makes),
+    ``max_depth`` (the deepest it drafts; None: as deep as the budget lets it) and ``cost`` (what
+    it adds to every step's engine time, relative to a one-token step: the heads call)."""
 
     name: str
+    priors: Mapping[str, Prior]
+    max_depth: int | None
+    cost: float
 
     def start(self, key: int, history: list[int], *, sampled: bool) -> None:
         """A new sequence whose context is ``history`` (its prompt); ``sampled``: its rule tests sampled drafts."""
@@ -139,10 +151,13 @@ class Proposer(Protocol):
 
 
 class PerSequence:
-    """A ``Proposer`` over one ``Drafter`` per sequence, for drafters that need nothing of the engine."""
+    """A ``Proposer`` over one ``Drafter`` per sequence, for drafters that need nothing of the engine
+    (no engine cost; ``kind`` the drafter class: its name and priors)."""
 
-    def __init__(self, name: str, make: Callable[[list[int]], Drafter]):
-        self.name, self._make = name, make
+    cost = 0.0
+
+    def __init__(self, kind: type, make: Callable[[list[int]], Drafter], *, max_depth: int | None = None):
+        self.name, self.priors, self.max_depth, self._make = kind.name, kind.priors, max_depth, make
         self._drafters: dict[int, Drafter] = {}
 
     def start(self, key: int, history: list[int], *, sampled: bool) -> None:

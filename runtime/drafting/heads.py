@@ -42,8 +42,8 @@ class HeadsTemplate:
         self.rows = tree.depth_max if expansion is None else expansion.rows
         self.gather = np.concatenate([[0], 1 + self.row * tree.top_k + index]).astype(np.int64)  # (T,) into [root, rows x K]
         rank = walk.rank[1:]
-        self.greedy_keys = tuple(("heads", int(d), int(i)) for d, i in zip(self.depth, index))
-        self.lossless_keys = tuple(("heads", int(d), int(r)) for d, r in zip(self.depth, rank))
+        self.greedy_keys = tuple((RANK_KIND, int(d), int(i)) for d, i in zip(self.depth, index))
+        self.lossless_keys = tuple((RANK_KIND, int(d), int(r)) for d, r in zip(self.depth, rank))
         self.draw = ((self.depth - 1) * tree.top_k + rank).astype(np.int64)  # (M,) which draw of which head
         self.no_draw = np.full(len(self.parent), DETERMINISTIC, dtype=np.int64)
         self.index = index  # (M,) which of its row's top-k
@@ -60,6 +60,22 @@ HEADS_REST = 8  # steps a sequence then drafts without the heads (and calls them
 # Bucket edges of a head's probability for its token (the confidence keys); bucket i covers
 # [EDGES[i-1], EDGES[i]), with 0 below the first edge.
 CONFIDENCE_EDGES = np.array([0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+
+RANK_KIND, CONFIDENCE_KIND = "heads", "heads-p"  # statistics keys: (kind, depth, rank) and (kind, depth, bucket)
+# Starting estimates by confidence bucket, depths 1-2 pooled (deeper ones agree within their noise):
+# a head's softmax probability is close to its acceptance rate (fitted as ``stats`` says).
+HEADS_P_PRIOR = (0.08, 0.11, 0.14, 0.21, 0.30, 0.36, 0.45, 0.56, 0.62, 0.68, 0.87)
+
+
+def confidence_prior(key: tuple) -> float:
+    """(kind, depth, confidence bucket): the fitted table."""
+    return HEADS_P_PRIOR[key[2]]
+
+
+def rank_prior(key: tuple) -> float:
+    """(kind, depth, rank), for lossless draws or heads without probabilities: the hand-set decay."""
+    _, depth, rank = key
+    return 0.4 * 0.75 ** (depth - 1) / (1 + rank) ** 1.2
 
 
 def head_confidence(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -90,14 +106,17 @@ class HeadsProposer:
     of them, placed by rank, with the sequence's generator); before each step their fragment laid
     out by the template. ``backend`` None: proposals come from ``set_proposals`` only (offline replay).
 
-    A heads call costs a fixed share of a step whatever the tree keeps, so when the budget kept none
-    of the heads' nodes ``HEADS_IDLE`` steps in a row, a sequence drafts without them (and calls them
-    not) for ``HEADS_REST`` steps, then tries again."""
+    A heads call costs a fixed share of a step whatever the tree keeps (``cost``, relative to a
+    one-token step: what the engine folder measured), so when the budget kept none of the heads'
+    nodes ``HEADS_IDLE`` steps in a row, a sequence drafts without them (and calls them not) for
+    ``HEADS_REST`` steps, then tries again. The heads draft no deeper than the template."""
 
     name = "heads"
+    priors = {RANK_KIND: rank_prior, CONFIDENCE_KIND: confidence_prior}
 
-    def __init__(self, template: HeadsTemplate, backend=None):
-        self.template, self.backend = template, backend
+    def __init__(self, template: HeadsTemplate, backend=None, *, cost: float = 0.0):
+        self.template, self.backend, self.cost = template, backend, cost
+        self.max_depth = int(template.tree.depth_max)
         self._state: dict[int, HeadsState] = {}
 
     def start(self, key: int, history: list[int], *, sampled: bool) -> None:
@@ -157,7 +176,7 @@ class HeadsProposer:
         if state.rest:
             state.rest -= 1
             return state.rest == 0
-        state.idle = 0 if any("heads" in sources for sources in r.tree.sources) else state.idle + 1
+        state.idle = 0 if any(self.name in sources for sources in r.tree.sources) else state.idle + 1
         if state.idle >= HEADS_IDLE:
             state.idle, state.rest = 0, HEADS_REST
         return state.rest == 0
@@ -183,7 +202,7 @@ def _greedy_keys(t: HeadsTemplate, confidence: np.ndarray | None) -> tuple:
     if confidence is None:
         return t.greedy_keys
     bucket = np.searchsorted(CONFIDENCE_EDGES, confidence[t.row, t.index], side="right")  # (M,)
-    return tuple(("heads-p", int(d), int(q)) for d, q in zip(t.depth, bucket))
+    return tuple((CONFIDENCE_KIND, int(d), int(q)) for d, q in zip(t.depth, bucket))
 
 
 def _keep_subtrees(keep: np.ndarray, parent: np.ndarray) -> np.ndarray:

@@ -56,8 +56,21 @@ class NgramIndex:
         return out
 
 
+# Starting estimates by (matched suffix length, depth), fitted as ``stats`` says: a 3-token match's
+# continuation lands 74-91 % of the time, far more than the hand-set 0.5; past depth 4 the depth-4 value holds.
+LOOKUP_PRIOR = {1: (0.23, 0.47, 0.44, 0.34), 2: (0.46, 0.51, 0.68, 0.48), 3: (0.74, 0.82, 0.84, 0.91)}
+
+
+def lookup_prior(key: tuple) -> float:
+    """(kind, match length, depth)."""
+    _, match, depth = key
+    table = LOOKUP_PRIOR[min(match, 3)]  # a longer match (max_ngram > 3) is at least as good
+    return table[min(depth, len(table)) - 1]
+
+
 class LookupDrafter:
     name = "lookup"
+    priors = {name: lookup_prior}
 
     def __init__(self, config: LookupConfig, history: list[int]):
         self.config = config
@@ -70,7 +83,7 @@ class LookupDrafter:
         if not found:
             return Fragment.empty(self.name)
         paths = [cont for _, cont in found]
-        keys = [[("lookup", min(n, 3), min(d + 1, 4)) for d in range(len(cont))] for n, cont in found]
+        keys = [[(self.name, min(n, 3), min(d + 1, 4)) for d in range(len(cont))] for n, cont in found]
         return Fragment.paths(self.name, paths, keys)
 
     def observe(self, history, scored_tokens, scored_next) -> None:

@@ -4,51 +4,38 @@ Each key (drafter, depth, rank or match length) starts from a prior worth ``PRIO
 observations and is updated after every step from the nodes that step actually tested (a node
 is tested when its parent was accepted), so the tree builder spends its budget where drafts of
 this sequence have been landing.
+
+The priors belong to the drafters: each ``Proposer`` carries ``priors``, its starting estimate
+per statistics-key kind (a key's first element), and ``Drafting.prior`` reads them. The fitted
+tables sit beside each drafter (``heads.HEADS_P_PRIOR``, ``lookup.LOOKUP_PRIOR``,
+``recycle.RECYCLE_TOP_PRIOR``): accepted / tested per key over an offline replay of the 50
+calibration prompts (SmolLM2-135M, the shipped heads, 128 greedy tokens, every drafter; disjoint
+from the training and the benchmark prompts), shrunk towards the previous hand-set value with the
+weight of 8 observations. Rerun: .venv/bin/python scripts/replay_drafts.py --tree
+assets/smollm2-135m-medusa/template.json --prompts assets/calibration_prompts.jsonl --every 1
+--draft heads,lookup,recycle --tally tally.json
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 PRIOR_WEIGHT = 4.0
-
-# Starting estimates fitted to an offline replay of the 50 calibration prompts (SmolLM2-135M, the
-# shipped heads, 128 greedy tokens, every drafter; disjoint from the training and the benchmark
-# prompts): accepted / tested per key, shrunk towards the previous hand-set value with the weight
-# of 8 observations. Rerun: .venv/bin/python scripts/replay_drafts.py --tree assets/smollm2-135m-medusa/template.json
-# --prompts assets/calibration_prompts.jsonl --every 1 --draft heads,lookup,recycle --tally tally.json
-# Heads drafts by probability bucket (heads.CONFIDENCE_EDGES), depths 1-2 pooled (deeper ones
-# agree within their noise): a head's softmax probability is close to its acceptance rate.
-HEADS_P_PRIOR = (0.08, 0.11, 0.14, 0.21, 0.30, 0.36, 0.45, 0.56, 0.62, 0.68, 0.87)
-# Retrieval by (matched suffix length, depth): a 3-token match's continuation lands 74-91 % of the
-# time, far more than the hand-set 0.5; past depth 4 the depth-4 value holds.
-LOOKUP_PRIOR = {1: (0.23, 0.47, 0.44, 0.34), 2: (0.46, 0.51, 0.68, 0.48), 3: (0.74, 0.82, 0.84, 0.91)}
-# Recycled best successors by depth (the replay sees only on-path successors, so the lower ranks
-# keep the hand-set 0.25 * 0.8 ** (depth - 1) / (1 + rank) ** 1.5).
-RECYCLE_TOP_PRIOR = (0.45, 0.57, 0.70, 0.73)
+UNKNOWN_PRIOR = 0.1  # a key no drafter claims
 
 
-def default_prior(key: tuple) -> float:
-    """Starting estimates (see the tables above); keys of rank-keyed heads drafts (lossless draws,
-    or heads without probabilities) keep the hand-set decay."""
-    source = key[0]
-    if source == "heads-p":  # (depth, confidence bucket)
-        return HEADS_P_PRIOR[key[2]]
-    if source == "heads":
-        _, depth, rank = key
-        return 0.4 * 0.75 ** (depth - 1) / (1 + rank) ** 1.2
-    if source == "lookup":
-        _, match, depth = key
-        table = LOOKUP_PRIOR[min(match, 3)]  # a longer match (max_ngram > 3) is at least as good
-        return table[min(depth, len(table)) - 1]
-    if source == "recycle":
-        _, depth, rank = key
-        if rank == 0:
-            return RECYCLE_TOP_PRIOR[min(depth, len(RECYCLE_TOP_PRIOR)) - 1]
-        return 0.25 * 0.8 ** (depth - 1) / (1 + rank) ** 1.5
-    return 0.1
+def prior_of(priors: Mapping[str, Callable[[tuple], float]]) -> Callable[[tuple], float]:
+    """One prior over every key from per-kind priors (``Proposer.priors``, merged): keyed by ``key[0]``."""
+
+    def prior(key: tuple) -> float:
+        own = priors.get(key[0])
+        return UNKNOWN_PRIOR if own is None else own(key)
+
+    return prior
 
 
 class AcceptanceStats:
-    def __init__(self, prior=default_prior, weight: float = PRIOR_WEIGHT):
+    def __init__(self, prior: Callable[[tuple], float], weight: float = PRIOR_WEIGHT):
         self._prior, self._weight = prior, weight
         self._counts: dict[tuple, list[float]] = {}  # key -> [accepted, tested] including the prior
 
