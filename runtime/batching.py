@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import SamplingParams
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Request:
     prompt: str | list[int] | list[dict]  # text (chat template applied for instruct engines), token ids, or a conversation
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] | str | None = None  # stop strings: the text is cut before the first one
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     chat_template: bool | None = None  # None: the engine's default
@@ -137,7 +138,7 @@ class ContinuousBatcher:
         stops = request_limits(request.max_new_tokens, request.stop)
         if isinstance(request.prompt, list) and not request.prompt:
             raise PromptError("prompt 0 is empty: pass some text or token ids")
-        _, batch = rt._prompts(request.prompt, request.chat_template)
+        _, batch = rt.encode_prompts(request.prompt, request.chat_template)
         seq = Seq(SeqRequest(next(self._ids), batch[0], request.max_new_tokens, stops, request.sampling))
         handle = RequestHandle(seq, self, sink)
         with self._cond:

@@ -9,6 +9,7 @@ from medusa_trt.runtime.errors import MedusaError
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_CONTEXT = 1024  # capped by the model's positions wherever a context is chosen
 DEFAULT_PREFILL_CHUNK = 64  # capped by the engine's tokens per step
+DEFAULT_MAX_NEW_TOKENS = 128  # a request's budget when it names none (generate, stream, the batcher, medusa-bench)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,18 @@ class EngineMeta:
         """Columns of the heads graph's logits: its top-k ids index them directly."""
         return self.draft_vocab or self.vocab_size
 
+    def check_limits(self, max_batch: int | None, max_context: int | None, *, built: bool = False) -> tuple[int, int]:
+        """The max batch and context a backend allocates for: those asked (None: the engine's own),
+        refused past what the engine was exported (``built``: a TensorRT plan built) for."""
+        batch, context = max_batch or self.max_batch, max_context or self.max_context
+        if batch > self.max_batch or context > self.max_context:
+            made, again = ("built", "build") if built else ("exported", "export")
+            raise EngineError(
+                f"runtime asks for max_batch {batch} / max_context {context} but the engine was {made} for "
+                f"{self.max_batch} / {self.max_context}: {again} again with larger --max-batch / --max-context"
+            )
+        return batch, context
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
@@ -149,6 +161,11 @@ class EngineFiles:
 
         return cls.in_folder(path, ".plan" if read_folder_config(path).backend == "tensorrt" else ".onnx")
 
+    def check_heads(self, num_heads: int, *, fix: str = "export again") -> None:
+        """Refuse an engine with Medusa heads whose heads graph is not beside its step graph."""
+        if num_heads and not self.heads.is_file():
+            raise EngineError(f"{self.heads} is missing: the engine has {num_heads} heads; copy it beside {self.step} or {fix}")
+
     @property
     def is_plan(self) -> bool:
         return self.step.suffix == ".plan"
@@ -165,6 +182,21 @@ class EngineFiles:
     def onnx(self) -> EngineFiles:
         """The ONNX graphs of this engine (a folder's TensorRT plans were built from them)."""
         return EngineFiles.in_folder(self.folder) if self.folder is not None else self
+
+
+def check_tree_fits(tree, *, top_k: int, max_tokens: int | None) -> None:
+    """Refuse a compiled heads template the engine cannot run: more proposals per head than its
+    heads give (``top_k``), or more nodes than one step takes (``max_tokens``; None: no limit)."""
+    if tree.top_k > top_k:
+        raise EngineError(
+            f"tree {tree.name} needs top-{tree.top_k} proposals per head but the engine's heads give top-{top_k}: "
+            "use a tree with smaller indices, or export the engine with this tree"
+        )
+    if max_tokens is not None and tree.num_nodes > max_tokens:
+        raise EngineError(
+            f"tree {tree.name} has {tree.num_nodes} nodes but the engine takes at most {max_tokens} tokens per step: "
+            "use a smaller tree, or export with a larger --max-tokens"
+        )
 
 
 def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:

@@ -22,10 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from medusa_trt.runtime.acceptance import tree_walk
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, RuntimeConfig, default_tree, is_int
+from medusa_trt.runtime.config import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PREFILL_CHUNK,
+    RuntimeConfig,
+    default_tree,
+    is_int,
+)
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.drafting.sequential import Expansion
-from medusa_trt.runtime.engine import EngineError, EngineFiles
+from medusa_trt.runtime.engine import EngineError, EngineFiles, check_tree_fits
 from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
 from medusa_trt.runtime.sampling import broadcast_params
 from medusa_trt.runtime.step_cost import drafting_pays
@@ -175,17 +183,7 @@ class MedusaRuntime:
         return self.with_drafters(())
 
     def _check_tree(self, tree: CompiledTree) -> None:
-        if tree.top_k > self._info.max_top_k:
-            raise EngineError(
-                f"tree {tree.name} needs top-{tree.top_k} proposals but the engine gives top-{self._info.max_top_k}: "
-                "use a tree with smaller indices or export the engine with this tree"
-            )
-        limit = self.backend.max_tokens
-        if limit is not None and tree.num_nodes > limit:
-            raise EngineError(
-                f"tree {tree.name} has {tree.num_nodes} nodes but the engine takes at most {limit} per step: "
-                "use a smaller tree or export with a larger --max-tokens"
-            )
+        check_tree_fits(tree, top_k=self._info.max_top_k, max_tokens=self.backend.max_tokens)
 
     @staticmethod
     def _onnx(path, cfg: RuntimeConfig):
@@ -232,7 +230,7 @@ class MedusaRuntime:
         self,
         prompts,
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: str | Sequence[str] | None = None,
         chat_template: bool | None = None,
         temperature=None,
@@ -272,16 +270,29 @@ class MedusaRuntime:
         self,
         prompts,
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: str | Sequence[str] | None = None,
         chat_template: bool | None = None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+        acceptance=None,
         sampling=None,
         hidden: bool = False,
     ) -> Iterator[tuple[int, GenerationResult]]:
         """(prompt index, result) for each prompt of a list as soon as it finishes, in the order
         they finish (options as ``generate``): rows free up and refill without waiting for the
         slowest of a batch, and a caller can store each result at once (self-distillation)."""
-        _, seqs = self._sequences(prompts, max_new_tokens, stop, chat_template, sampling, {}, hidden)
+        _, seqs = self._sequences(
+            prompts,
+            max_new_tokens,
+            stop,
+            chat_template,
+            sampling,
+            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
+            hidden,
+        )
         for event in self._run(seqs):
             if event.finish_reason is not None:
                 yield event.index, seqs[event.index].result()
@@ -290,7 +301,7 @@ class MedusaRuntime:
         self,
         prompts,
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: str | Sequence[str] | None = None,
         chat_template: bool | None = None,
         temperature=None,
@@ -343,15 +354,16 @@ class MedusaRuntime:
 
     def _sequences(self, prompts, max_new_tokens, stop, chat_template, sampling, fields, hidden=False) -> tuple[bool, list[Seq]]:
         stops = request_limits(max_new_tokens, stop)
-        single, batch = self._prompts(prompts, chat_template)
+        single, batch = self.encode_prompts(prompts, chat_template)
         params = broadcast_params(len(batch), sampling, **fields)
         return single, [Seq(SeqRequest(i, ids, max_new_tokens, stops, p, hidden=hidden)) for i, (ids, p) in enumerate(zip(batch, params))]
 
     # ----------------------------------------------------------------- inputs
 
-    def _prompts(self, prompts, chat_template: bool | None) -> tuple[bool, list[list[int]]]:
-        """Check prompts at the door (text, or token ids of the right type and range): a bad one
-        raises ``PromptError`` here and never reaches the engine."""
+    def encode_prompts(self, prompts, chat_template: bool | None = None) -> tuple[bool, list[list[int]]]:
+        """(single prompt?, token ids per prompt) for what ``generate`` takes, checked at the door (text,
+        or token ids of the right type and range): a bad one raises ``PromptError`` here and never
+        reaches the engine (``ContinuousBatcher`` encodes its requests with it)."""
         if chat_template is not None and not isinstance(chat_template, bool):
             raise PromptError(f"chat_template must be True, False or None, got {chat_template!r}")
         chat = self.is_chat if chat_template is None else chat_template

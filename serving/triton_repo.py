@@ -74,11 +74,6 @@ class TritonRepoConfig:
             )
 
 
-def check_engine(engine: str | os.PathLike) -> Path:
-    """The engine's absolute path, after checking the files the runtime will open are there."""
-    return _engine(engine)[0]
-
-
 def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
     """The engine's absolute path and metadata, after checking the files the runtime will open."""
     path = Path(engine).expanduser().resolve()
@@ -140,19 +135,14 @@ def check_engine_config(config: TritonRepoConfig) -> int:
 
 
 def _check_tree(tree: str, meta: EngineMeta) -> None:
+    from medusa_trt.runtime.engine import EngineError, check_tree_fits
     from medusa_trt.runtime.tree import load_tree
 
     compiled = load_tree(tree, max_depth=meta.num_heads)  # InvalidTreeError names the path and the fix
-    if compiled.top_k > meta.top_k:
-        raise TritonRepoError(
-            f"tree {compiled.name} needs top-{compiled.top_k} proposals per head but the engine's heads give "
-            f"top-{meta.top_k}: use a tree with smaller indices, or export the engine with this tree"
-        )
-    if compiled.num_nodes > meta.max_tokens:
-        raise TritonRepoError(
-            f"tree {compiled.name} has {compiled.num_nodes} nodes but the engine takes at most {meta.max_tokens} "
-            "tokens per step: use a smaller tree, or export with a larger --max-tokens"
-        )
+    try:
+        check_tree_fits(compiled, top_k=meta.top_k, max_tokens=meta.max_tokens)  # the runtime's own check
+    except EngineError as exc:
+        raise TritonRepoError(str(exc)) from exc
 
 
 def check_repo_path(repo: str | os.PathLike) -> Path:

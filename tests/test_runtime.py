@@ -381,7 +381,7 @@ def test_host_cost_per_step_stays_flat_over_a_long_generation(stories_base, monk
 def test_hidden_states_recorded_as_generation_runs(stories_base, stories_fitted, stories_prompts, export_engine, backend):
     """``hidden=True``: row i is the heads' input state before new token i, as one forward pass over
     prompt + output gives it, whatever the drafts and batch neighbours; ``completed`` yields every
-    prompt once with the result ``generate`` returns."""
+    prompt once with the result ``generate`` returns, sampled too."""
     model = medusa_model(stories_base, stories_fitted)
     engine = model if backend == "torch" else export_engine("stories-fitted", model)
     runtime = MedusaRuntime(engine, max_batch=2, max_context=256)  # 2 rows for 5 prompts: rows refill as they finish
@@ -398,6 +398,9 @@ def test_hidden_states_recorded_as_generation_runs(stories_base, stories_fitted,
         assert r.hidden.shape == want.shape == (len(r.token_ids), stories_base.model.config.hidden_size)
         assert abs(r.hidden - want).max() < 1e-4
     assert max(r.stats.mean_accepted for r in done.values()) > 1  # drafts were accepted on the way
+    sampled = dict(runtime.completed(prompts[:2], max_new_tokens=12, temperature=0.8, seed=3))  # the options generate takes
+    want = runtime.generate(prompts[:2], max_new_tokens=12, temperature=0.8, seed=3)
+    assert [sampled[i].token_ids for i in range(2)] == [w.token_ids for w in want]
 
 
 def test_step_threads_spin_and_heads_threads_sleep(stories_base, stories_fitted, export_engine):

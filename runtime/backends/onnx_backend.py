@@ -108,11 +108,8 @@ class OnnxBackend:
         meta = self.meta
         self.files = files
         self.heads_session = None
+        files.check_heads(meta.num_heads)
         if meta.num_heads:
-            if not files.heads.is_file():
-                raise EngineError(
-                    f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or export again"
-                )
             self.heads_session = open_session(files.heads, heads_options, providers)
             heads_meta = read_meta(files.heads, self.heads_session)
             if heads_meta != meta:
@@ -125,12 +122,7 @@ class OnnxBackend:
                 raise EngineError(
                     f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read {meta.head_input}: export again"
                 )
-        self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
-        if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
-            raise EngineError(
-                f"runtime asks for max_batch {self.max_batch} / max_context {self.max_context} but the engine was exported for "
-                f"{meta.max_batch} / {meta.max_context}: export again with larger --max-batch / --max-context"
-            )
+        self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
         if meta.dtype not in DTYPES:
             raise EngineError(

@@ -200,12 +200,7 @@ class TensorRTBackend:
         self.files = files = EngineFiles.locate(path)
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.meta = meta = read_plan_meta(files.step)
-        self.max_batch, self.max_context = max_batch or meta.max_batch, max_context or meta.max_context
-        if self.max_batch > meta.max_batch or self.max_context > meta.max_context:
-            raise EngineError(
-                f"runtime asks for max_batch {self.max_batch} / max_context {self.max_context} but the engine was built for "
-                f"{meta.max_batch} / {meta.max_context}: build again with larger --max-batch / --max-context"
-            )
+        self.max_batch, self.max_context = meta.check_limits(max_batch, max_context, built=True)
         if meta.key_slots:
             raise EngineError(
                 f"{files.step.name} was built from a graph with key slots, which this backend does not feed: "
@@ -232,11 +227,8 @@ class TensorRTBackend:
         }
         self.step_engine = _Engine(trt, self._runtime, files.step, step_max, STEP_OUTPUTS, self.stream)
         self.heads_engine = None
+        files.check_heads(meta.num_heads, fix="build again")
         if meta.num_heads:
-            if not files.heads.is_file():
-                raise EngineError(
-                    f"{files.heads} is missing: the engine has {meta.num_heads} heads; copy it beside {files.step} or build again"
-                )
             heads_inputs = {HIDDEN: (batch, meta.hidden_size)} | ({NEXT_INPUT: (batch,)} if meta.reads_roots else {})
             self.heads_engine = _Engine(trt, self._runtime, files.heads, heads_inputs, HEADS_OUTPUTS, self.stream)
         step = self.step_engine
