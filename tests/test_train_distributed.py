@@ -5,6 +5,7 @@
 * kill -9 of one rank mid-training, then a resume on one process, gives the heads of an uninterrupted run;
 * ``--teacher`` against ``medusa-serve`` (started here on 127.0.0.1 and a free port, stopped by pid)
   gives the data and heads of ``--generate-engine`` on the same engine;
+* ``--fsdp`` on two processes (the frozen base sharded) gives the heads of one process;
 * one-line errors: an unreachable teacher, a teacher of another model, ``--device cuda`` without CUDA.
 """
 
@@ -235,6 +236,16 @@ def test_teacher_medusa_serve_gives_the_data_and_heads_of_generate_engine(teache
     _train([sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "engine"), "--generate-engine", str(teacher_engine)])
     a, b = _heads(tmp_path / "taught"), _heads(tmp_path / "engine")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_on_two_processes_gives_the_heads_of_one(teacher_engine, tmp_path):
+    """``--fsdp`` shards the frozen base's decoder layers over the two gloo processes (FSDP2's
+    ``fully_shard`` on CPU); the heads equal a one-process run's on the same engine's data."""
+    _train([sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "one"), "--generate-engine", str(teacher_engine)])
+    proc = _train(_torchrun(2, *_args(tmp_path, "fsdp"), "--fsdp", "--generate-engine", str(teacher_engine)))
+    assert proc.stdout.count("wrote ") == 1, proc.stdout
+    assert json.loads((tmp_path / "fsdp" / "metrics.json").read_text())["world_size"] == 2
+    assert _max_relative_difference(_heads(tmp_path / "one"), _heads(tmp_path / "fsdp")) < 1e-3
 
 
 class _FakeTeacher(http.server.BaseHTTPRequestHandler):
