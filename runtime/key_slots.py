@@ -142,20 +142,20 @@ def _attention_graphs(elem: int) -> dict[str, bytes]:
     out as the exported graph lays out grouped-query attention (the G query heads of a KV head stacked
     on the query axis): ONNX's Attention op (what opset-23 engines hold) and MatMul + Softmax + MatMul
     (what older opsets hold)."""
-    from medusa_trt.runtime.backends.ort_buffers import _model, _node, _tensor
+    from medusa_trt.runtime.onnx_proto import model, node, tensor
 
     q, kv, bias = ("b", "h", "gt", "d"), ("b", "h", "s", "d"), ("b", "one", "gt", "s")
-    inputs = [_tensor("q", elem, q), _tensor("k", elem, kv), _tensor("v", elem, kv), _tensor("bias", elem, bias)]
-    out = [_tensor("y", elem, q)]
-    fused = _model("medusa_lanes_attention", [_node("Attention", ("q", "k", "v", "bias"), ("y",))], inputs, out, opset=23, ir_version=10)
-    plain = _model(
+    inputs = [tensor("q", elem, q), tensor("k", elem, kv), tensor("v", elem, kv), tensor("bias", elem, bias)]
+    out = [tensor("y", elem, q)]
+    fused = model("medusa_lanes_attention", [node("Attention", ("q", "k", "v", "bias"), ("y",))], inputs, out, opset=23, ir_version=10)
+    plain = model(
         "medusa_lanes_softmax",
         [
-            _node("Transpose", ("k",), ("kt",), perm=(0, 1, 3, 2)),
-            _node("MatMul", ("q", "kt"), ("scores",)),
-            _node("Add", ("scores", "bias"), ("masked",)),
-            _node("Softmax", ("masked",), ("p",), axis=-1),
-            _node("MatMul", ("p", "v"), ("y",)),
+            node("Transpose", ("k",), ("kt",), perm=(0, 1, 3, 2)),
+            node("MatMul", ("q", "kt"), ("scores",)),
+            node("Add", ("scores", "bias"), ("masked",)),
+            node("Softmax", ("masked",), ("p",), axis=-1),
+            node("MatMul", ("p", "v"), ("y",)),
         ],
         inputs,
         out,
@@ -174,7 +174,7 @@ def probe_lanes(
     quantized matmuls could otherwise hide."""
     import onnxruntime as ort
 
-    from medusa_trt.runtime.backends.ort_buffers import ELEM_TYPES
+    from medusa_trt.runtime.onnx_proto import ELEM_TYPES
 
     options = ort.SessionOptions()
     if threads:

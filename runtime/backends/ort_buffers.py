@@ -33,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from medusa_trt.runtime import onnx_proto as proto
 from medusa_trt.runtime.contract import (
     HEAD_LOGITS,
     HEAD_TOPK,
@@ -48,6 +49,7 @@ from medusa_trt.runtime.contract import (
     StepOutput,
 )
 from medusa_trt.runtime.engine import EngineMeta
+from medusa_trt.runtime.onnx_proto import ELEM_TYPES, FLOAT, FLOAT16, INT64  # noqa: F401 (FLOAT, FLOAT16: for the GPU tests)
 
 FLOAT_OUTPUTS = (LOGITS, HIDDEN, NEW_KEY, NEW_VALUE)  # stay on the device in DeviceBuffers
 ID_OUTPUTS = (NEXT_IDS, SUCCESSORS_OUTPUT)  # int64, read by the loop every step: bound to host arrays
@@ -447,60 +449,7 @@ class DeviceOps:
         self._run("copy", dtype, copy_back)
 
 
-# ----------------------------------------------------------------------------- the op graphs, as ONNX protobuf
-
-IR_VERSION, OPSET = 8, 17  # ONNX Runtime 1.20+ runs both
-FLOAT, INT64, FLOAT16 = 1, 7, 10  # TensorProto.DataType
-ELEM_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.float16): FLOAT16, np.dtype(np.int64): INT64}
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int64 fields: two's complement
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _int(field: int, n: int) -> bytes:  # wire type 0
-    return _varint(field << 3) + _varint(n)
-
-
-def _msg(field: int, payload: bytes | str) -> bytes:  # wire type 2: bytes, string, sub-message
-    data = payload.encode() if isinstance(payload, str) else payload
-    return _varint(field << 3 | 2) + _varint(len(data)) + data
-
-
-def _tensor(name: str, elem: int, dims: tuple) -> bytes:
-    """ValueInfoProto: name=1, type=2 (TypeProto.tensor_type=1: elem_type=1, shape=2 (dim=1: dim_value=1 | dim_param=2))."""
-    shape = b"".join(_msg(1, _int(1, d) if isinstance(d, int) else _msg(2, d)) for d in dims)
-    return _msg(1, name) + _msg(2, _msg(1, _int(1, elem) + _msg(2, shape)))
-
-
-def _node(op: str, inputs: tuple, outputs: tuple, **ints) -> bytes:
-    """NodeProto: input=1, output=2, op_type=4, attribute=5 (AttributeProto: name=1, i=3, ints=8, type=20 (INT=2, INTS=7));
-    an attribute given as a tuple is INTS."""
-
-    def attr(k, v) -> bytes:
-        if isinstance(v, tuple):
-            return _msg(1, k) + b"".join(_int(8, x) for x in v) + _int(20, 7)
-        return _msg(1, k) + _int(3, v) + _int(20, 2)
-
-    attrs = b"".join(_msg(5, attr(k, v)) for k, v in ints.items())
-    return b"".join(_msg(1, i) for i in inputs) + b"".join(_msg(2, o) for o in outputs) + _msg(4, op) + attrs
-
-
-def _model(
-    name: str, nodes: list[bytes], inputs: list[bytes], outputs: list[bytes], *, opset: int = OPSET, ir_version: int = IR_VERSION
-) -> bytes:
-    """ModelProto: ir_version=1, producer_name=2, graph=7 (node=1, name=2, input=11, output=12), opset_import=8 (version=2)."""
-    graph = (
-        b"".join(_msg(1, n) for n in nodes) + _msg(2, name) + b"".join(_msg(11, i) for i in inputs) + b"".join(_msg(12, o) for o in outputs)
-    )
-    return _int(1, ir_version) + _msg(2, "medusa-trt") + _msg(7, graph) + _msg(8, _int(2, opset))
-
+# ----------------------------------------------------------------------------- the op graphs, as ONNX protobuf (onnx_proto)
 
 CACHE = ("slots", "layers", "batch", "kv_heads", "head_dim")
 NEW = ("tokens", "layers", "batch", "kv_heads", "head_dim")
@@ -511,47 +460,47 @@ def commit_graph(elem: int) -> bytes:
     key_out/value_out = the caches with [dst] = new[src] (GatherND then ScatterND)."""
     index = ("entries", "layers", 3)
     nodes = [
-        _node("GatherND", (NEW_KEY, "src"), ("key_rows",)),
-        _node("GatherND", (NEW_VALUE, "src"), ("value_rows",)),
-        _node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)),
-        _node("ScatterND", ("value", "dst", "value_rows"), ("value_out",)),
+        proto.node("GatherND", (NEW_KEY, "src"), ("key_rows",)),
+        proto.node("GatherND", (NEW_VALUE, "src"), ("value_rows",)),
+        proto.node("ScatterND", ("key", "dst", "key_rows"), ("key_out",)),
+        proto.node("ScatterND", ("value", "dst", "value_rows"), ("value_out",)),
     ]
     inputs = [
-        _tensor("key", elem, CACHE),
-        _tensor("value", elem, CACHE),
-        _tensor(NEW_KEY, elem, NEW),
-        _tensor(NEW_VALUE, elem, NEW),
-        _tensor("src", INT64, index),
-        _tensor("dst", INT64, index),
+        proto.tensor("key", elem, CACHE),
+        proto.tensor("value", elem, CACHE),
+        proto.tensor(NEW_KEY, elem, NEW),
+        proto.tensor(NEW_VALUE, elem, NEW),
+        proto.tensor("src", INT64, index),
+        proto.tensor("dst", INT64, index),
     ]
-    return _model("medusa_commit", nodes, inputs, [_tensor("key_out", elem, CACHE), _tensor("value_out", elem, CACHE)])
+    return proto.model("medusa_commit", nodes, inputs, [proto.tensor("key_out", elem, CACHE), proto.tensor("value_out", elem, CACHE)])
 
 
 def gather_rows_graph(elem: int) -> bytes:
     """x (B, W, F), index (N, 2) -> y (N, F) = x[index[:, 0], index[:, 1]]."""
-    return _model(
+    return proto.model(
         "medusa_gather_rows",
-        [_node("GatherND", ("x", "index"), ("y",))],
-        [_tensor("x", elem, ("batch", "tokens", "features")), _tensor("index", INT64, ("rows", 2))],
-        [_tensor("y", elem, ("rows", "features"))],
+        [proto.node("GatherND", ("x", "index"), ("y",))],
+        [proto.tensor("x", elem, ("batch", "tokens", "features")), proto.tensor("index", INT64, ("rows", 2))],
+        [proto.tensor("y", elem, ("rows", "features"))],
     )
 
 
 def take_rows_graph(elem: int) -> bytes:
     """x (S, L, B, Hkv, D), rows (R,) -> y (S, L, R, Hkv, D) = x[:, :, rows]."""
-    return _model(
+    return proto.model(
         "medusa_take_rows",
-        [_node("Gather", ("x", "rows"), ("y",), axis=2)],
-        [_tensor("x", elem, CACHE), _tensor("rows", INT64, ("taken",))],
-        [_tensor("y", elem, ("slots", "layers", "taken", "kv_heads", "head_dim"))],
+        [proto.node("Gather", ("x", "rows"), ("y",), axis=2)],
+        [proto.tensor("x", elem, CACHE), proto.tensor("rows", INT64, ("taken",))],
+        [proto.tensor("y", elem, ("slots", "layers", "taken", "kv_heads", "head_dim"))],
     )
 
 
 def copy_graph(elem: int) -> bytes:
     """x (N,) -> y (N,): a device-to-device or device-to-host copy of a flat block."""
-    return _model(
-        "medusa_copy", [_node("Identity", ("x",), ("y",))], [_tensor("x", elem, ("elements",))], [_tensor("y", elem, ("elements",))]
-    )
+    flat = ("elements",)
+    identity = proto.node("Identity", ("x",), ("y",))
+    return proto.model("medusa_copy", [identity], [proto.tensor("x", elem, flat)], [proto.tensor("y", elem, flat)])
 
 
 OP_GRAPHS = {"commit": commit_graph, "gather_rows": gather_rows_graph, "take_rows": take_rows_graph, "copy": copy_graph}
