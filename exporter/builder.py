@@ -143,6 +143,10 @@ def plan(config: BuildConfig) -> BuildPlan:
             "drop it for a .plan"
         )
     check_output_path(onnx_out)
+    if tensorrt is not None:  # an installed TensorRT too old for this graph, or without AOT plugins: before any work
+        from medusa_trt.exporter.tensorrt_build import preflight
+
+        preflight(config.attention, config.opset)
     if out.suffix == ".plan":  # the plan's own set (engine.plan, engine.heads.plan, engine.plan.json, ...), before any work
         check_plan_out(out)
     quantizable = tensorrt is None and config.attention == "onnx" and config.dtype == "fp32"

@@ -215,6 +215,31 @@ def check_tensorrt_version(tensorrt_version: str, *protos) -> None:
 
 # ----------------------------------------------------------------------------- TensorRT
 
+NATIVE_OPS_OPSET = 23  # from this opset the exporter writes Attention, RMSNormalization and RotaryEmbedding nodes
+
+
+def preflight(attention: str, opset: int) -> None:
+    """Before any export: an installed TensorRT that cannot build this form is one line, with nothing written.
+
+    Without TensorRT nothing is checked here: the export writes the ONNX graph a GPU machine builds the plan
+    from (``require_tensorrt`` says so after it). The floor taken here is the newest release any graph of this
+    form and opset may need (``tensorrt_ops``: 10.15 from opset 23, 10.9 for the plugin's AOT node); the exact
+    graph is checked again before the build (``check_tensorrt_version``)."""
+    try:
+        import tensorrt as trt
+    except (ImportError, OSError):
+        return
+    floor = max((10, 15) if opset >= NATIVE_OPS_OPSET else (10, 0), (10, 9) if attention == "plugin" else (10, 0))
+    version = str(getattr(trt, "__version__", "0"))
+    if parse_version(version) < floor:
+        older = f" or export with --opset {NATIVE_OPS_OPSET - 1}" if opset >= NATIVE_OPS_OPSET and parse_version(version) >= (10, 9) else ""
+        raise TensorRTUnavailableError(
+            f"TensorRT {version} is older than the {'.'.join(map(str, floor))} this export's graph needs (opset {opset}, "
+            f"--attention {attention}): install a newer TensorRT (pip install --upgrade tensorrt){older}"
+        )
+    if attention == "plugin":
+        _register_plugin()  # no AOT support in this tensorrt.plugin: one line, before the export
+
 
 def require_tensorrt(onnx_path: Path | None = None):
     """Import TensorRT and polygraphy and check for a CUDA GPU; returns the tensorrt module."""

@@ -389,3 +389,26 @@ def test_cuda_graph_replay_gives_the_same_tokens(built_plans, stories_prompts):
     got = graphed.generate(stories_prompts, max_new_tokens=24)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert graphed.backend._graph.key is not None, "no verify step was captured"
+
+
+@pytest.mark.parametrize(
+    "version,extra,message",
+    [
+        ("10.8.0", [], "TensorRT 10.8.0 is older than the 10.15 this export's graph needs (opset 23, --attention onnx)"),
+        ("10.12.0", ["--attention", "plugin"], "or export with --opset 22"),
+        ("10.16.0", ["--attention", "plugin"], "Python plugin API's AOT implementations"),  # a tensorrt without tensorrt.plugin
+    ],
+    ids=["too-old", "too-old-plugin", "no-aot-plugin"],
+)
+def test_an_installed_tensorrt_that_cannot_build_the_graph_is_one_line_with_nothing_written(version, extra, message, tmp_path, monkeypatch):
+    """Checked before the export (exporter.tensorrt_build.preflight): a user with an old TensorRT, or one whose
+    tensorrt.plugin has no AOT implementations, gets one line and no ONNX graph left behind."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version, __name__="tensorrt"))
+    monkeypatch.delitem(sys.modules, "tensorrt.plugin", raising=False)
+    monkeypatch.delitem(sys.modules, "medusa_trt.plugins.tree_attention.trt_plugin", raising=False)
+    plan = tmp_path / "engine.plan"
+    code, _, err = _cli("--model", STORIES, "--untrained-heads", "2", "--out", plan, "--max-context", "64", *extra)
+    assert code == 2 and message in err and "\n" not in err, err
+    assert list(tmp_path.iterdir()) == []
