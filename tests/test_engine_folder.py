@@ -266,7 +266,7 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
         target.write_bytes(b"plan of " + onnx_path.name.encode())
 
     class FakeTrt:
-        __version__ = "10.test"
+        __version__ = "10.16.test"  # new enough for the graph's ops (tensorrt_ops)
 
     monkeypatch.setattr(tensorrt_build, "require_tensorrt", lambda path=None: FakeTrt)
     monkeypatch.setattr(tensorrt_build, "_build_one", fake_build)
