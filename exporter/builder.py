@@ -92,14 +92,22 @@ class Built:
 def build(config: BuildConfig, report: Callable[[Built], None] | None = None) -> Built:
     """Export (and build) the engine; ``report`` sees the progress after each stage: the plan, the
     ONNX engine, the TensorRT plans. Raises ``MedusaError`` subclasses a user can act on."""
-    from medusa_trt.exporter.onnx_export import export_onnx
+    from medusa_trt.exporter.onnx_export import DTYPES, export_onnx
     from medusa_trt.exporter.wrapper import load_medusa
 
     report = report or _log
     built = Built(plan(config))
     report(built)
     onnx_config = export_config(config, built.plan)
-    model = load_medusa(config.model, config.heads, untrained_heads=config.untrained_heads, head_layer=config.head_layer, device="cpu")
+    # loaded in the engine's dtype: the export then converts nothing (and copies nothing)
+    model = load_medusa(
+        config.model,
+        config.heads,
+        untrained_heads=config.untrained_heads,
+        head_layer=config.head_layer,
+        dtype=DTYPES[config.dtype],
+        device="cpu",
+    )
     built = dataclasses.replace(built, onnx=export_onnx(model, onnx_config))
     report(built)
     if built.plan.tensorrt is None:

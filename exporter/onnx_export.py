@@ -24,6 +24,7 @@ verifies that graph too. ``attention="onnx"`` (the default) keeps standard ops o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -349,7 +350,10 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     diffs: dict[str, float] = {}
     loose = config.quantize.loose if config.quantize else ()  # heads-int8 drafts: reported, not held to the tolerance
     try:
-        model = model.to(DTYPES[config.dtype]).eval()
+        if model.kv_spec.dtype != DTYPES[config.dtype]:  # never convert the caller's model in place (nn.Module.to is)
+            log.info("exporting a %s copy of the model, which stays %s", config.dtype, model.kv_spec.dtype)
+            model = copy.deepcopy(model).to(DTYPES[config.dtype])
+        model = model.eval()
         # the exporter logs every op library it skips (torchvision's, say) as a warning
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         with tqdm(total=len(stages), desc="medusa-export", unit="stage", disable=None) as bar, warnings.catch_warnings():

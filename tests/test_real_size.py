@@ -51,7 +51,7 @@ def prompts(stories_base):
 
 def _export(folder, out, **overrides):
     """The sharded model with two random heads, exported with every weight matrix in external data."""
-    base = load_base_model(folder)
+    base = load_base_model(folder, dtype=export.DTYPES[overrides.get("dtype", "fp32")])  # as medusa-export loads it
     model = MedusaModel(base, random_heads(base, 2))
     config = dict(out=out, tree="chain-2", max_batch=3, max_context=128, step_cost=FIXED_BUDGET) | overrides
     with pytest.MonkeyPatch.context() as patch:
@@ -142,3 +142,13 @@ def test_half_precision_exports_verify_in_their_own_dtype(sharded, tmp_path, dty
         model.base.lm_head.weight[7] += 1.0  # one token's logit moves by about its hidden state's sum: far past the tolerance
     with pytest.raises(VerificationError, match="disagrees with torch"):
         verify_engine(model, files, load_tree("chain-2"), strict=True, tolerance=export.TOLERANCE[dtype], max_tokens=64)
+
+
+def test_a_half_precision_export_leaves_the_callers_model_as_it_was(sharded, tmp_path):
+    """export_onnx converts a copy: a session's fp32 model (a shared fixture, a user's) stays fp32."""
+    base = load_base_model(sharded[0])
+    model = MedusaModel(base, random_heads(base, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    export.export_onnx(model, export.ExportConfig(out=tmp_path / "half.onnx", tree="chain-2", max_batch=1, max_context=64, dtype="fp16"))
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
