@@ -353,6 +353,16 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
         assert not {t for line in open(bench) for t in json.loads(line)["turns"]} & set(pool)
 
 
+def test_prompt_file_holds_the_builtin_pool():
+    """training/prompts.jsonl is the pool the code wrote, prompt for prompt, in the same order."""
+    import json
+
+    from medusa_trt.training.prompts import builtin_pool
+
+    path = Path(__file__).parents[1] / "training" / "prompts.jsonl"
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == builtin_pool()
+
+
 def test_recorded_hidden_states_replace_the_forward_pass(stories_base, tmp_path, monkeypatch):
     """Generation records each sequence's hidden states; the cache is built from them, equal to a
     forward pass over the sequences, and with the shards gone the forward pass runs again."""
