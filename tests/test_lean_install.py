@@ -165,6 +165,15 @@ def test_lean_venv_has_every_package_and_no_export_frameworks(lean_venv, tmp_pat
 
 
 @pytest.mark.slow
+def test_wheel_carries_the_training_prompts(lean_venv, tmp_path):
+    """The built-in prompt pool is package data (training/prompts.jsonl): the wheel reads the same pool."""
+    from medusa_trt.training.prompts import pool_digest
+
+    code = "from medusa_trt.training.prompts import builtin_pool, pool_digest; print(len(builtin_pool()), pool_digest())"
+    assert _lean(lean_venv, "python", "-c", code, cwd=tmp_path).split() == ["6954", pool_digest()]
+
+
+@pytest.mark.slow
 def test_lean_runtime_decodes_the_same_tokens(lean_venv, stories_engine, tmp_path):
     code = (
         "import json; from medusa_trt.runtime import MedusaRuntime; "

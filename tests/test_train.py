@@ -339,10 +339,10 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
 
     from conftest import SHARED
 
-    from medusa_trt.training.prompts import original_pool, training_prompts
+    from medusa_trt.training.prompts import training_prompts
 
     pool = training_prompts(6954)
-    assert len(set(pool)) == 6954 and set(original_pool()) <= set(pool)
+    assert len(set(pool)) == 6954
     assert training_prompts(500, seed=3) == training_prompts(1000, seed=3)[:500]  # more prompts continue the same list
     with pytest.raises(ValueError, match="6954 distinct prompts"):
         training_prompts(7000)
@@ -353,14 +353,15 @@ def test_builtin_pool_is_wide_and_kept_apart_from_evaluation_and_calibration():
         assert not {t for line in open(bench) for t in json.loads(line)["turns"]} & set(pool)
 
 
-def test_prompt_file_holds_the_builtin_pool():
-    """training/prompts.jsonl is the pool the code wrote, prompt for prompt, in the same order."""
-    import json
+def test_prompt_file_is_the_pool_it_always_was():
+    """training/prompts.jsonl: 6954 distinct prompts, sorted, one JSON string a line, with the digest
+    the pool had when code wrote it (a work folder made before the move still resumes)."""
+    from medusa_trt.training.prompts import POOL_FILE, builtin_pool, pool_digest
 
-    from medusa_trt.training.prompts import builtin_pool
-
-    path = Path(__file__).parents[1] / "training" / "prompts.jsonl"
-    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == builtin_pool()
+    pool = builtin_pool()
+    assert len(pool) == len(set(pool)) == 6954 and pool == sorted(pool) and all(isinstance(p, str) and p for p in pool)
+    assert len(POOL_FILE.read_text(encoding="utf-8").splitlines()) == 6954
+    assert pool_digest() == "ead9c9cac44608a7"
 
 
 def test_recorded_hidden_states_replace_the_forward_pass(stories_base, tmp_path, monkeypatch):
