@@ -129,3 +129,21 @@ def test_bench_on_next_token_aware_heads(tmp_path, capsys, export_engine, storie
     assert len(drafted) == 2 and all(m["identical_to_reference"] == 1.0 for m in drafted), report["methods"]
     cost = report["heads_cost"]
     assert cost["heads_one_node_ms"] > 0 and cost["heads_all_nodes_ms"] > 0 and cost["verify_step_ms_ctx128"] > 0
+
+
+def test_quality_scores_an_engine_against_itself(tmp_path, capsys, export_engine, stories_base, stories_fitted):
+    """bench.quality (python -m medusa_trt.bench.quality): an engine scored against itself agrees on every
+    next token, with the same perplexity; the texts are turns[0] plus the first reference that is a string."""
+    from medusa_trt.bench.quality import main as quality_main
+    from medusa_trt.bench.quality import texts
+
+    engine = str(export_engine("stories-fitted", medusa_model(stories_base, stories_fitted)))
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"turns": ["Once upon a time"], "reference": ["there was a cat."]}, {"turns": ["The dog"], "reference": [["a list"]]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    assert texts(prompts) == ["Once upon a time\n\nthere was a cat.", "The dog"]
+    out = tmp_path / "quality.json"
+    assert quality_main(["--engine", engine, "--engine", engine, "--prompts", str(prompts), "--max-len", "32", "--out", str(out)]) == 0
+    first, second = json.loads(out.read_text())["rows"]
+    assert second["argmax_agreement"] == 1.0 and second["vs_first"] == 1.0 and 1.0 < first["perplexity"] < 1e6
+    assert f"| {engine} |" in capsys.readouterr().out

@@ -382,39 +382,30 @@ def test_sequential_heads_drafter_reads_each_node_from_its_parents_row():
     assert HeadsTemplate(subtree, tree_walk(subtree), plan).row.tolist() == [0, 1]
 
 
-def _replay_script():
-    """scripts/replay_drafts.py as a module (a script, not part of the package)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("replay_drafts", Path(__file__).resolve().parents[1] / "scripts" / "replay_drafts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_replay_variants_engine_cost_and_modelled_speedup(tmp_path):
     """The replay's --variant changes one DraftingConfig field (nested ones too) and names what it cannot
     parse; --engine reads a folder's measured step cost and heads call; the modelled speed-up charges
     each step its width's cost plus the heads call."""
     import json
 
+    pytest.importorskip("torch")  # the replay runs the heads on the torch model
+    from medusa_trt.bench import replay
+    from medusa_trt.bench.replay import ReplayError
     from medusa_trt.runtime.drafting import DraftingConfig
     from medusa_trt.runtime.drafting.lookup import LookupConfig
     from medusa_trt.runtime.drafting.recycle import RecycleConfig
 
-    replay = _replay_script()
     base = DraftingConfig()
     name, config = replay.parse_variant("deep:lookup.max_ngram=4,max_depth=12,recycle.widths=4-2-1", base)
     assert name == "deep" and config.max_depth == 12 and config.recycle == RecycleConfig(widths=(4, 2, 1))
     assert config.lookup == LookupConfig(max_ngram=4) and base.lookup == LookupConfig()  # the base is untouched
     for bad, words in (("nocolon", "is not NAME:FIELD"), ("x:lookup.nope=3", "no field 'lookup.nope'"), ("x:max_depth=deep", "FIELD=INT")):
-        with pytest.raises(SystemExit, match=words):
+        with pytest.raises(ReplayError, match=words):
             replay.parse_variant(bad, base)
     (tmp_path / "drafting.json").write_text(json.dumps({"step_cost": {"1": 1.0, "8": 2.0}, "heads_cost": 0.25}))
     cost, heads = replay.engine_cost(tmp_path)
     assert heads == 0.25 and cost.cost(np.array([1, 8])).tolist() == [1.0, 2.0]
     # two steps: 1 token alone (1 + 0.25), 3 tokens from 8 nodes (2 + 0.25): 4 tokens for 3.5 plain steps
     assert replay.modelled_speedup(np.array([1, 3]), np.array([1, 8]), cost, heads) == pytest.approx(4 / 3.5)
-    with pytest.raises(SystemExit, match="no step_cost"):
+    with pytest.raises(ReplayError, match="no step_cost"):
         replay.engine_cost(tmp_path / "missing")

@@ -9,14 +9,16 @@ true continuation as the base model's choice, picks the longest matching tree pa
 up to float ties (the recycle table sees only on-path successors here, so its figure is a lower
 bound). Use it to calibrate priors, budgets and drafter sets before running the benchmark.
 
-    .venv/bin/python scripts/replay_drafts.py --model smollm2-135m --heads assets/smollm2-135m-medusa \\
-        --tree mc_sim_7b_63 --prompts ../shared/data/spec_bench_dev.jsonl --every 3 --max-new-tokens 128 \\
+    .venv/bin/python -m medusa_trt.bench.replay --model smollm2-135m --heads assets/smollm2-135m-medusa \\
+        --tree mc_sim_7b_63 --prompts spec_bench_dev.jsonl --every 3 --max-new-tokens 128 \\
         --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --out docs/replay.json
 
 ``--engine DIR`` budgets and models the speed-up with that engine folder's own step cost and heads call
 (drafting.json) instead of the default table; ``--variant NAME:FIELD=VALUE,...`` (repeatable) replays
 each drafter set again under a changed ``DraftingConfig`` (``lookup.max_ngram=4``, ``max_depth=12``,
 ``recycle.widths=4-2-1-1``), in the same pass over the cached continuations.
+
+Needs the export extra (torch, transformers): the heads run on the torch model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,18 @@ from tqdm import tqdm
 from medusa_trt.exporter import load_medusa
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.acceptance import greedy
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsProposer, Observed, build_tree
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
+from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.sampling import SamplingParams
 
-log = logging.getLogger("replay_drafts")
+log = logging.getLogger(__name__)
+
+
+class ReplayError(MedusaError):
+    """A replay option or engine folder the replay cannot use; the message says what to change."""
 
 
 def _prompts(path: Path, every: int, limit: int | None) -> list[str]:
@@ -82,7 +89,7 @@ def engine_cost(folder: Path) -> tuple[CostModel, float]:
     raw = read_drafting(folder)
     table = step_cost_table(raw.get("step_cost"))
     if table is None:
-        raise SystemExit(f"replay_drafts: {folder} has no step_cost in drafting.json: time it with medusa-calibrate --engine {folder}")
+        raise ReplayError(f"{folder} has no step_cost in drafting.json: time it with medusa-calibrate --engine {folder}")
     return CostModel(table), float(raw.get("heads_cost", 0.0))
 
 
@@ -92,7 +99,7 @@ def parse_variant(spec: str, base: DraftingConfig) -> tuple[str, DraftingConfig]
     '-' for a tuple (``recycle.widths=4-2-1-1``)."""
     name, sep, body = spec.partition(":")
     if not name or not sep or not body:
-        raise SystemExit(f"replay_drafts: --variant {spec!r} is not NAME:FIELD=VALUE[,FIELD=VALUE]")
+        raise ReplayError(f"--variant {spec!r} is not NAME:FIELD=VALUE[,FIELD=VALUE]")
     config = base
     for item in body.split(","):
         field, eq, text = item.partition("=")
@@ -101,7 +108,7 @@ def parse_variant(spec: str, base: DraftingConfig) -> tuple[str, DraftingConfig]
         except ValueError:
             value = None
         if not eq or value is None:
-            raise SystemExit(f"replay_drafts: --variant {spec!r}: {item!r} is not FIELD=INT or FIELD=INT-INT-...")
+            raise ReplayError(f"--variant {spec!r}: {item!r} is not FIELD=INT or FIELD=INT-INT-...")
         outer, _, inner = field.rpartition(".")
         try:
             if outer:  # a field of the lookup / recycle config
@@ -109,7 +116,7 @@ def parse_variant(spec: str, base: DraftingConfig) -> tuple[str, DraftingConfig]
             else:
                 config = dataclasses.replace(config, **{inner: value})
         except (AttributeError, TypeError) as exc:
-            raise SystemExit(f"replay_drafts: --variant {spec!r}: no field {field!r} in DraftingConfig ({exc})") from exc
+            raise ReplayError(f"--variant {spec!r}: no field {field!r} in DraftingConfig ({exc})") from exc
     return name, config
 
 
@@ -183,14 +190,14 @@ def replay(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m medusa_trt.bench.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--heads", default="assets/smollm2-135m-medusa")
     p.add_argument("--tree", default="mc_sim_7b_63", help="the heads' template")
-    p.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench_dev.jsonl"))
+    p.add_argument("--prompts", type=Path, required=True, help="Spec-Bench style JSONL (turns[0] or prompt)")
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--limit", type=int)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--draft", action="append", help="comma-separated drafter set; repeatable (default: several)")
     p.add_argument("--out", type=Path)
     p.add_argument("--cache", type=Path, help="keep the greedy outputs and head top-k here (.npz) and reuse them on the next run")
@@ -217,6 +224,16 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return _run(args)
+    except MedusaError as exc:
+        from medusa_trt.cli.common import fail
+
+        return fail(p.prog, exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The replay ``main`` parsed: every drafter set (and variant) over the same cached greedy outputs."""
     sets = [
         tuple(x for x in d.split(",") if x and x != "none")
         for d in (args.draft or ["heads", "lookup", "recycle", "heads,lookup", "heads,lookup,recycle"])
@@ -295,4 +312,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -5,22 +5,18 @@ the perplexity of every next token, and the share of positions whose argmax equa
 engine's (usually fp32) argmax. The texts are Spec-Bench dev prompts with their reference answers
 where they have one: never used to train or tune the heads.
 
-    .venv/bin/python scripts/quality.py --engine build/smollm2-135m-medusa --engine build/smollm2-int8-channel \\
-        --engine build/smollm2-int8-block --engine build/smollm2-int4 --out docs/quality-quant.json
+    .venv/bin/python -m medusa_trt.bench.quality --prompts spec_bench_dev.jsonl --engine build/smollm2-135m-medusa \\
+        --engine build/smollm2-int8-channel --engine build/smollm2-int8-block --engine build/smollm2-int4 \\
+        --out docs/quality-quant.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without an install
-
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 
 
 def texts(path: Path) -> list[str]:
@@ -59,14 +55,14 @@ def score(engine: str, docs: list[str], max_len: int, threads: int) -> tuple[flo
     return float(np.exp(nll / count)), picks
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m medusa_trt.bench.quality", description=__doc__.split("\n")[0])
     p.add_argument("--engine", action="append", required=True, help="an ONNX engine; the first is the reference; repeatable")
-    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL: turns[0], and reference[0] where it is a string")
     p.add_argument("--max-len", type=int, default=512, help="tokens of each text scored")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", help="write the figures here (JSON)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     docs = texts(Path(args.prompts))
     rows, reference = [], None
     print("| engine | perplexity | vs first | next-token argmax = first's |")
