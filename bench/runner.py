@@ -21,6 +21,7 @@ from medusa_trt.bench.heads_cost import heads_cost
 from medusa_trt.bench.hf import hf_generate, hf_model
 from medusa_trt.bench.prompts import read_prompts
 from medusa_trt.bench.report import Row, methods
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.sampling import SamplingParams
 
@@ -37,7 +38,7 @@ class BenchConfig:
 
     engines: tuple[str, ...]  # exported engines (folder, .onnx or .plan): each gets a plain row and medusa rows
     prompts: str  # Spec-Bench style JSONL (UTF-8): turns[0] is the prompt
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     limit: int | None = None  # the first N prompts (after every)
     every: int = 1  # every N-th prompt (a subset spread over all categories)
     trees: tuple[str, ...] = ()  # heads templates of the medusa rows, one row each (empty: each engine's own)

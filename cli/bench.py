@@ -33,6 +33,7 @@ import sys
 from medusa_trt import bench
 from medusa_trt.bench.runner import LOOKUP_TOKENS, SEED
 from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.sampling import SamplingParams
 
 
@@ -42,7 +43,7 @@ def build_parser() -> Parser:
         "--engine", action="append", required=True, help="an exported engine (folder, .onnx or .plan); repeat to compare engines"
     )
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")
     p.add_argument("--every", type=positive_int, default=1, help="use every N-th prompt (a subset spread over all categories)")
     p.add_argument("--tree", action="append", help="heads template for the medusa rows (default: each engine's own); repeat to compare")

@@ -34,6 +34,7 @@ from medusa_trt.cli.common import (
     sampling_kwargs,
     setup_logging,
 )
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger("medusa_trt.cli.run")
@@ -72,7 +73,7 @@ def build_parser() -> Parser:
         metavar="LIST",
         help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
     p.add_argument("--max-context", type=positive_int, help="default: the engine's, or 1024 for --model")

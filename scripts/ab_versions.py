@@ -4,7 +4,7 @@ that behaviour did not change (identical tokens, the same speed within noise).
 Each version runs in its own worker process (Python cannot import two versions of one package), on
 the same engine, prompts and threads. For every prompt both workers decode plain and with the
 engine's default drafting (``medusa-bench``'s ``plain`` and ``medusa`` rows), one after the other,
-alternating which version goes first. Greedy, 128 new tokens by default.
+alternating which version goes first. Greedy, the runtime's default new tokens (128) unless told.
 
     git worktree add ../before <rev>                 # the version to compare with
     .venv/bin/python scripts/ab_versions.py --before ../before --engine build/smollm2-135m-medusa \\
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl")
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--limit", type=int)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, help="default: the runtime's DEFAULT_MAX_NEW_TOKENS")
     p.add_argument("--threads", type=int)
     p.add_argument("--out", help="write the report here (JSON)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -137,6 +137,10 @@ def main(argv=None) -> int:
         return 0
     if not args.before:
         p.error("--before DIR is required: a checkout of the version to compare with")
+    if args.max_new_tokens is None:  # read here, not at import: a worker imports the other version's package
+        from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
+
+        args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = compare(args)
     text = json.dumps(report, indent=1)

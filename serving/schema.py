@@ -22,9 +22,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.errors import MedusaError
 
-DEFAULT_MAX_TOKENS = 128  # max_tokens of a request that sends none
+DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS  # max_tokens of a request that sends none: the runtime's
 DEFAULT_MAX_TOKENS_LIMIT = 1024  # most new tokens one request may ask for (clipped to the context)
 TRITON_MODEL_NAME = "medusa"  # the Triton model's name unless --model-name says otherwise
 # stop strings per request: each is looked for after every step, so their number and length are capped
