@@ -101,6 +101,9 @@ class ExportConfig:
     key_slots: bool | None = None
     # an engine folder without step_cost: time the exported engine here (runtime/step_cost.py) and record its own curve
     measure_cost: bool = True
+    # the standard-form step graph rewritten by exporter/lean.py (shared rotary tables, fused weight matmuls): the same
+    # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
+    lean: bool = True
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
@@ -365,6 +368,11 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
 
                 attach_fallback(step.model)  # ONNX Runtime inlines it; the TensorRT build strips it
             _save(step, staged.step, meta)
+            if config.lean and config.attention == "onnx":
+                from medusa_trt.exporter.lean import lean_step_file
+
+                # --quantize int8 scales each weight tensor as a whole: fused, one scale would span Q, K and V
+                lean_step_file(staged.step, fuse=not (config.quantize and config.quantize.mode == "int8"))
             bar.update()
             if model.num_heads:
                 bar.set_postfix_str("tracing the heads graph")

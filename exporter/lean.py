@@ -1,0 +1,118 @@
+"""Lean passes over the exported step graph: fewer, larger ops, the same step contract, the same numbers.
+
+``torch.onnx.export`` writes the step graph op for op as the ``transformers`` model runs it, so
+every layer recomputes what the model shares (the rotary tables: one ``Cos`` and one ``Sin`` per
+``RotaryEmbedding`` node, 60 pairs in SmolLM2) and runs one matmul per ``Linear`` (Q, K, V, gate
+and up read the same normed hidden state). These passes rewrite the saved graph in place, after
+export and before quantization (``onnx_export.export_onnx``), and each one is exact: a step's
+outputs are those of the graph before, bit for bit, on ONNX Runtime's CPU kernels, which the tests
+check on tiny models and ``scripts/step_graph_report.py`` on the demo engine.
+
+  shared   one node for identical computations (same op, same inputs, same attributes): the
+           rotary tables once per step instead of twice per layer. Pure data flow, so exact.
+  fused    MatMuls by constant weights that read one input become one MatMul over their weights
+           side by side and a ``Split`` (``quantize.fuse_matmuls_by_input``): 4 weight matmuls a
+           layer instead of 7. Each output element is the same dot product over the same K
+           weights in the same order, whatever the columns beside it, so the outputs are bit for
+           bit those of separate matmuls (MLAS splits work by columns and rows, never along K).
+
+Standard ops only: the graph stays what every runtime that reads the step graph understands
+(ONNX Runtime, OpenVINO, TensorRT's ONNX parser). ``--quantize int8`` (one activation scale per
+call, per weight tensor) keeps its weights apart: fused, their one scale would span Q, K and V.
+
+Not done here, and why (docs in the report of issue 38): the cache's per-layer ``Gather`` /
+``Transpose`` / ``ScatterElements`` copies come from the slot-major cache layout the step contract
+binds (a per-layer cache input removes them; it changes every backend), and the ``lm_head`` covers
+every node because ``next_ids`` and ``next_topk`` are contract outputs for every node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# ops whose output depends on more than their inputs and attributes: never merged
+IMPURE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
+
+@dataclass(frozen=True)
+class LeanReport:
+    shared: int  # nodes removed as duplicates of an earlier identical node
+    fused: int  # weight MatMuls merged into the one before them that reads the same input
+    before: dict[str, int]  # op type -> count, before the passes
+    after: dict[str, int]  # op type -> count, after
+
+    def describe(self) -> str:
+        total = (sum(self.before.values()), sum(self.after.values()))
+        return f"lean step graph: {total[0]} -> {total[1]} nodes ({self.shared} shared, {self.fused} matmuls fused)"
+
+
+def op_counts(graph) -> dict[str, int]:
+    """Op type -> nodes of that type in ``graph`` (a ``GraphProto``), most frequent first."""
+    return dict(Counter(n.op_type for n in graph.node).most_common())
+
+
+def _key(node, rename: dict[str, str]) -> tuple:
+    attrs = tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute))
+    return (node.domain, node.op_type, tuple(rename.get(i, i) for i in node.input), len(node.output), attrs)
+
+
+def share_identical(graph) -> int:
+    """Drop every node that repeats an earlier node's op, inputs and attributes; its readers read the
+    earlier node's outputs. Nodes in topological order (as exported); subgraphs are left alone.
+    A node whose output is a graph output stays. Returns how many nodes went."""
+    outputs = {o.name for o in graph.output}
+    rename: dict[str, str] = {}  # dropped output -> the kept node's output
+    seen: dict[tuple, list[str]] = {}
+    kept = []
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+        has_subgraph = any(a.type in (a.GRAPH, a.GRAPHS) for a in node.attribute)
+        if node.op_type in IMPURE or has_subgraph or not node.output or any(o in outputs for o in node.output):
+            kept.append(node)
+            continue
+        key = _key(node, rename)
+        if key in seen:
+            rename.update({o: k for o, k in zip(node.output, seen[key]) if o})
+            continue
+        seen[key] = list(node.output)
+        kept.append(node)
+    dropped = len(graph.node) - len(kept)
+    del graph.node[:]
+    graph.node.extend(kept)
+    return dropped
+
+
+def lean_graph(proto, *, fuse: bool = True) -> LeanReport:
+    """Apply the passes to ``proto`` (a ``ModelProto`` with its weights loaded), in place."""
+    from medusa_trt.exporter.quantize import fuse_matmuls_by_input
+
+    graph = proto.graph
+    before = op_counts(graph)
+    shared = share_identical(graph)
+    fused = fuse_matmuls_by_input(graph) if fuse else 0
+    return LeanReport(shared, fused, before, op_counts(graph))
+
+
+def lean_step_file(path: Path, *, fuse: bool = True) -> LeanReport:
+    """Rewrite the step graph at ``path`` (with its external data, metadata kept) by ``lean_graph``."""
+    import onnx
+
+    from medusa_trt.exporter.external_data import has_external_data, save_graph
+
+    path = Path(path)
+    proto = onnx.load(str(path))
+    report = lean_graph(proto, fuse=fuse)
+    external = has_external_data(path)
+    for f in path.parent.glob(path.name + "*"):  # the graph and its .data: staged files of this export only
+        if f.name in (path.name, path.name + ".data"):
+            f.unlink()
+    save_graph(proto, path, external=external)
+    log.info(report.describe())
+    return report

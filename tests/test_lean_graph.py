@@ -1,0 +1,128 @@
+"""The lean step graph (``exporter/lean.py``): fewer ops, the same outputs bit for bit.
+
+On the stories260K model (Llama, 5 layers): the graph exported as traced (``lean=False``) and the
+default lean one give the same step outputs bit for bit on a prefill and a branching tree step,
+the lean one holds one rotary table pair and 4 weight matmuls a layer, and its verify steps equal
+its plain steps (the exporter's exactness probe). Greedy identity of the default (lean) engines
+against ``transformers`` is ``test_greedy_identity.py``'s and ``test_architectures.py``'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import STORIES, medusa_model
+
+from medusa_trt.exporter.lean import op_counts, share_identical
+from medusa_trt.runtime.engine import EngineFiles, read_meta
+
+pytestmark = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} missing")
+
+
+@pytest.fixture(scope="module")
+def engines(export_engine, stories_base, stories_fitted):
+    model = medusa_model(stories_base, stories_fitted)
+    return {lean: export_engine(f"stories-lean-{lean}", model, lean=lean) for lean in (False, True)}
+
+
+def _graph(path):
+    import onnx
+
+    return onnx.load(str(EngineFiles.beside(path).step), load_external_data=False).graph
+
+
+def _weight_matmuls(graph) -> int:
+    weights = {t.name for t in graph.initializer if len(t.dims) == 2}
+    producers = {o: n for n in graph.node for o in n.output}
+    count = 0
+    for node in graph.node:
+        if node.op_type != "MatMul":
+            continue
+        source = producers.get(node.input[1])  # the tied lm_head reads its weight through a Transpose
+        count += node.input[1] in weights or (source is not None and source.op_type == "Transpose" and source.input[0] in weights)
+    return count
+
+
+def test_one_rotary_table_pair_and_four_weight_matmuls_a_layer(engines):
+    layers = read_meta(engines[True]).num_layers
+    before, after = (_graph(engines[lean]) for lean in (False, True))
+    counts = op_counts(after)
+    assert op_counts(before)["Cos"] == op_counts(before)["RotaryEmbedding"] > 1  # what the trace writes: a pair per node
+    assert counts["Cos"] == counts["Sin"] == 1, counts
+    assert counts["RotaryEmbedding"] == 2 * layers  # queries and keys of every layer, one table
+    assert (_weight_matmuls(before), _weight_matmuls(after)) == (7 * layers + 1, 4 * layers + 1)  # Q K V O gate up down; + lm_head
+    assert counts["Split"] == 2 * layers  # Q / K / V and gate / up back apart
+    assert sum(counts.values()) < sum(op_counts(before).values())
+
+
+def _run(path, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    step = EngineFiles.beside(path).step
+    session = ort.InferenceSession(str(step), options, ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("tokens,tree", [(12, False), (6, True)], ids=["prefill", "tree"])
+def test_lean_graph_gives_the_traced_graphs_outputs_bit_for_bit(engines, tokens, tree):
+    meta = read_meta(engines[True])
+    rng = np.random.default_rng(1)
+    batch, past = 2, 9
+    mask = np.tri(tokens, dtype=bool)
+    if tree:  # node 2 a sibling of node 1, node 3 its child, ...
+        parents = [-1, 0, 0, 2, 1, 4]
+        mask = np.eye(tokens, dtype=bool)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                mask[i] |= mask[p]
+    depth = mask.sum(axis=1) - 1
+    slots = past + tokens  # the view holds the committed slots and the new keys' (key_slots after them)
+    shape = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
+    feeds = {
+        "input_ids": rng.integers(0, meta.vocab_size, (batch, tokens)),
+        "position_ids": np.broadcast_to(past + depth, (batch, tokens)).copy(),
+        "tree_mask": np.broadcast_to(mask, (batch, tokens, tokens)).copy(),
+        "cache_lengths": np.array([past, past - 3]),
+        "past_key": rng.standard_normal(shape, dtype=np.float32),
+        "past_value": rng.standard_normal(shape, dtype=np.float32),
+        "key_slots": np.broadcast_to(past + np.arange(tokens), (batch, tokens)).copy(),
+    }
+    before, after = (_run(engines[lean], feeds) for lean in (False, True))
+    assert len(before) == len(after)
+    for i, (a, b) in enumerate(zip(before, after)):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"output {i} differs: max {np.abs(a.astype(float) - b).max()}"
+
+
+def test_lean_engine_verify_step_equals_plain_step(engines):
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.exactness import probe
+
+    result = probe(OnnxBackend(engines[True], max_batch=1, threads=2))
+    assert result.exact, result
+
+
+def test_share_identical_merges_repeats_only():
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("y", "c3")]
+    nodes = [
+        helper.make_node("Cos", ["x"], ["c1"]),
+        helper.make_node("Cos", ["x"], ["c2"]),  # repeats c1
+        helper.make_node("Sin", ["x"], ["s1"]),  # another op
+        helper.make_node("Mul", ["c1", "s1"], ["m1"]),
+        helper.make_node("Mul", ["c2", "s1"], ["m2"]),  # repeats m1 once c2 reads c1
+        helper.make_node("Cos", ["x"], ["c3"]),  # a graph output: stays
+        helper.make_node("Dropout", ["m1"], ["d1"]),
+        helper.make_node("Dropout", ["m1"], ["d2"]),  # impure: stays
+        helper.make_node("Add", ["d1", "d2"], ["a"]),
+        helper.make_node("Add", ["a", "m2"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], outs)
+    assert share_identical(graph) == 2
+    assert [n.output[0] for n in graph.node] == ["c1", "s1", "m1", "c3", "d1", "d2", "a", "y"]
+    assert list(graph.node[-1].input) == ["a", "m1"]
