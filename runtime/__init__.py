@@ -5,8 +5,8 @@ Importing this package pulls in numpy only; a backend imports its framework when
 
 from medusa_trt.runtime.config import RuntimeConfig
 from medusa_trt.runtime.engine import EngineError, EngineMeta
-from medusa_trt.runtime.loop import GenerationResult, GenerationStats, StreamEvent
 from medusa_trt.runtime.medusa import MedusaRuntime
+from medusa_trt.runtime.results import GenerationResult, GenerationStats, StreamEvent
 from medusa_trt.runtime.text import PromptError
 from medusa_trt.runtime.tree import CompiledTree, InvalidTreeError, compile_tree, load_tree
 

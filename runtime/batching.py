@@ -7,7 +7,7 @@ between steps, each with its own sampling parameters, stop conditions and accept
         print(event.text, end="")
     batcher.close()
 
-One background thread owns the ``loop.Scheduler`` (the engine is not thread-safe); ``submit``
+One background thread owns the ``scheduler.Scheduler`` (the engine is not thread-safe); ``submit``
 checks the request in the caller's thread (bad input raises there, before anything is queued)
 and ``cancel`` only sets a flag the loop honours before its next step, freeing the row at once.
 
@@ -32,8 +32,10 @@ from typing import Protocol
 
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
+from medusa_trt.runtime.output import request_limits
+from medusa_trt.runtime.results import GenerationResult, StreamEvent
 from medusa_trt.runtime.sampling import SamplingParams
+from medusa_trt.runtime.scheduler import Scheduler, Seq, SeqRequest, admit
 from medusa_trt.runtime.text import PromptError
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class ContinuousBatcher:
     def __init__(self, runtime, observer: BatchObserver | None = None):
         self.runtime = runtime
         self.observer = observer
-        self._scheduler = Scheduler(runtime)
+        self._scheduler = runtime.scheduler()
         self._waiting: deque[Seq] = deque()
         self._handles: dict[int, RequestHandle] = {}
         self._cond = threading.Condition()
@@ -186,9 +188,7 @@ class ContinuousBatcher:
                     self._cond.wait()
                 if self._closed:
                     return
-                joining = []
-                while self._waiting and len(joining) < scheduler.free:
-                    joining.append(self._waiting.popleft())
+                joining = admit(self._waiting, scheduler.free)  # any free row, at once
             for seq in [s for s in joining if s.cancelled]:  # cancelled before it ever ran
                 seq.finish_reason = "cancelled"
                 self._deliver(seq, StreamEvent(seq.request.index, [], "", "cancelled"))
@@ -201,7 +201,7 @@ class ContinuousBatcher:
             except Exception as exc:  # noqa: BLE001 - a failed step ends the requests in it with the error, not a hang
                 log.exception("engine step failed; ending the %d requests in it", scheduler.active)
                 self._fail_running(scheduler, exc)
-                self._scheduler = scheduler = Scheduler(self.runtime)  # fresh rows; waiting requests still run
+                self._scheduler = scheduler = self.runtime.scheduler()  # fresh rows; waiting requests still run
 
     def _fail_running(self, scheduler: Scheduler, error: BaseException) -> None:
         """End the requests of a failed step with the error; the batcher keeps serving the others."""

@@ -2,7 +2,7 @@
 
 It owns the backend (buffers allocated once), the compiled tree and the tokenizer; the loop
 itself (draft -> verify -> accept -> commit over rows that sequences join and leave) is
-``loop.Scheduler``. ``generate`` and ``stream`` feed it prompts: when there are more prompts than
+``scheduler.Scheduler``. ``generate`` and ``stream`` feed it prompts: when there are more prompts than
 rows, a waiting prompt takes the row of a finished one between steps. Each sequence has its own
 sampling parameters and seeded generator (``sampling.SamplingParams``), so a batch may mix
 greedy and sampled sequences. Servers use ``batching.ContinuousBatcher`` over the same loop.
@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,8 +35,10 @@ from medusa_trt.runtime.config import (
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.engine import EngineError, EngineFiles, check_tree_fits
-from medusa_trt.runtime.loop import GenerationResult, Scheduler, Seq, SeqRequest, StreamEvent, request_limits
+from medusa_trt.runtime.output import request_limits
+from medusa_trt.runtime.results import GenerationResult, StreamEvent
 from medusa_trt.runtime.sampling import broadcast_params
+from medusa_trt.runtime.scheduler import Scheduler, SchedulerConfig, Seq, SeqRequest, admit
 from medusa_trt.runtime.step_cost import drafting_pays
 from medusa_trt.runtime.text import FileTextCodec, PromptError, TextCodec, check_messages
 from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resolve_tree
@@ -226,114 +229,56 @@ class MedusaRuntime:
 
     # ----------------------------------------------------------------- public API
 
-    def generate(
-        self,
-        prompts,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        stop: str | Sequence[str] | None = None,
-        chat_template: bool | None = None,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        seed=None,
-        acceptance=None,
-        sampling=None,
-        hidden: bool = False,
-    ):
+    def generate(self, prompts, **options):
         """One ``GenerationResult`` for a single prompt, a list for a batch. A prompt is text (the chat
         template applied for instruct engines), a list of token ids, or a conversation: a list of
         {"role": "system" | "user" | "assistant", "content": text} dicts rendered by the engine's
         chat template, ready for the assistant's reply (multi-turn chat).
 
-        Sampling (see ``SamplingParams``): ``temperature`` 0 (default) decodes greedily; above 0
-        the default acceptance is ``"lossless"`` (exactly the base model's distribution after
-        temperature / top_k / top_p); ``"typical"`` accepts more but is not exact. Each of
-        temperature, top_p, top_k, seed, acceptance is one value for all prompts or a list with
-        one per prompt; or pass ``sampling=`` SamplingParams (one or a list). ``hidden=True`` also
-        returns the heads' input hidden state before every new token (``GenerationResult.hidden``)."""
-        single, seqs = self._sequences(
-            prompts,
-            max_new_tokens,
-            stop,
-            chat_template,
-            sampling,
-            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
-            hidden,
-        )
+        Options (keywords, the same for ``completed`` and ``stream``): ``max_new_tokens`` (default
+        ``DEFAULT_MAX_NEW_TOKENS``); ``stop``, a stop string or a list of them; ``chat_template``
+        (None: the engine's default). Sampling (see ``SamplingParams``): ``temperature`` 0 (default)
+        decodes greedily; above 0 the default ``acceptance`` is ``"lossless"`` (exactly the base
+        model's distribution after temperature / ``top_k`` / ``top_p``); ``"typical"`` accepts more
+        but is not exact. Each of temperature, top_p, top_k, seed, acceptance is one value for all
+        prompts or a list with one per prompt; or pass ``sampling=`` SamplingParams (one or a list).
+        ``hidden=True`` (not for ``stream``) also returns the heads' input hidden state before every
+        new token (``GenerationResult.hidden``)."""
+        single, seqs = self._sequences(prompts, **options)
         for _ in self._run(seqs):
             pass
         results = [s.result() for s in seqs]
         return results[0] if single else results
 
-    def completed(
-        self,
-        prompts,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        stop: str | Sequence[str] | None = None,
-        chat_template: bool | None = None,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        seed=None,
-        acceptance=None,
-        sampling=None,
-        hidden: bool = False,
-    ) -> Iterator[tuple[int, GenerationResult]]:
+    def completed(self, prompts, **options) -> Iterator[tuple[int, GenerationResult]]:
         """(prompt index, result) for each prompt of a list as soon as it finishes, in the order
         they finish (options as ``generate``): rows free up and refill without waiting for the
         slowest of a batch, and a caller can store each result at once (self-distillation)."""
-        _, seqs = self._sequences(
-            prompts,
-            max_new_tokens,
-            stop,
-            chat_template,
-            sampling,
-            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
-            hidden,
-        )
+        _, seqs = self._sequences(prompts, **options)
         for event in self._run(seqs):
             if event.finish_reason is not None:
                 yield event.index, seqs[event.index].result()
 
-    def stream(
-        self,
-        prompts,
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        stop: str | Sequence[str] | None = None,
-        chat_template: bool | None = None,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        seed=None,
-        acceptance=None,
-        sampling=None,
-    ) -> Iterator[StreamEvent]:
+    def stream(self, prompts, **options) -> Iterator[StreamEvent]:
         """Yield tokens as they are committed, one event per sequence and step (options as ``generate``);
         ``event.index`` is the prompt's position, ``event.finish_reason`` is set on its last event."""
-        _, seqs = self._sequences(
-            prompts,
-            max_new_tokens,
-            stop,
-            chat_template,
-            sampling,
-            dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance),
-        )
+        _, seqs = self._sequences(prompts, hidden=False, **options)  # events carry no hidden states: hidden= is refused
         yield from self._run(seqs)
+
+    def scheduler(self) -> Scheduler:
+        """A fresh loop over this runtime's engine, drafters and tokenizer (the caller holds ``engine_lock``)."""
+        config = SchedulerConfig(self.max_batch, self.max_context, self.config.prefill_chunk, self.eos)
+        return Scheduler(self.backend, self.drafting, self.codec, config)
 
     def _run(self, seqs: list[Seq]) -> Iterator[StreamEvent]:
         """Continuous batching over the prompts: waiting prompts join in waves, when half the rows
-        (or enough for all that wait) are free. A step is dense (rows x widest row), so a row in
-        prefill makes every decoding row pay its chunk width: joining one at a time would pay that
-        once per prompt, a wave pays it once for many."""
+        (or enough for all that wait) are free (``scheduler.admit``)."""
         with self.engine_lock():
-            scheduler, waiting = Scheduler(self), list(seqs)
+            scheduler, waiting = self.scheduler(), deque(seqs)
             wave = max(1, self.max_batch // 2)
             while waiting or scheduler.active:
-                if waiting and scheduler.free >= min(wave, len(waiting)):
-                    joining, waiting = waiting[: scheduler.free], waiting[scheduler.free :]
+                joining = admit(waiting, scheduler.free, wave)
+                if joining:
                     scheduler.add(joining)
                 for _, event in scheduler.step():
                     yield event
@@ -352,10 +297,25 @@ class MedusaRuntime:
         finally:
             self._lock.release()
 
-    def _sequences(self, prompts, max_new_tokens, stop, chat_template, sampling, fields, hidden=False) -> tuple[bool, list[Seq]]:
+    def _sequences(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop: str | Sequence[str] | None = None,
+        chat_template: bool | None = None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+        acceptance=None,
+        sampling=None,
+        hidden: bool = False,
+    ) -> tuple[bool, list[Seq]]:
+        """The options of ``generate``, ``completed`` and ``stream`` (defined here once), checked: (single prompt?, sequences)."""
         stops = request_limits(max_new_tokens, stop)
         single, batch = self.encode_prompts(prompts, chat_template)
-        params = broadcast_params(len(batch), sampling, **fields)
+        params = broadcast_params(len(batch), sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
         return single, [Seq(SeqRequest(i, ids, max_new_tokens, stops, p, hidden=hidden)) for i, (ids, p) in enumerate(zip(batch, params))]
 
     # ----------------------------------------------------------------- inputs

@@ -1,7 +1,7 @@
 """Serving metrics: their names (after vLLM's), what feeds them, and the Prometheus sink.
 
 The acceptance counters are the number that decides whether Medusa pays in production. Their
-terms are ``loop.StepDrafts``' (vLLM's): per request and verify step, the *draft tokens* are the
+terms are ``results.StepDrafts``' (vLLM's): per request and verify step, the *draft tokens* are the
 step tree's nodes below its root (the root is the previous step's bonus token, not a draft) and
 the *accepted tokens* are the draft tokens on the accepted path that were committed (the bonus
 token after them is not counted: a step emits accepted + 1 tokens). So

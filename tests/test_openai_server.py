@@ -74,7 +74,7 @@ CONVERSATION = [
 # for seconds (long enough to hang up on, or to be stopped mid-way) on any machine, as Triton's test_seconds_per_step
 STEP_S = 0.02
 SLOW_SERVE = f"""import sys, time
-from medusa_trt.runtime.loop import Scheduler
+from medusa_trt.runtime.scheduler import Scheduler
 step = Scheduler.step
 Scheduler.step = lambda self: (time.sleep({STEP_S}), step(self))[1]
 from medusa_trt.cli.serve import main
@@ -421,7 +421,7 @@ def test_bad_requests_get_400s_while_a_long_request_completes(server, runtime):
 
 
 def test_metrics_move_by_exactly_the_drafted_and_accepted_tokens(server, runtime):
-    """The counters' terms are loop.StepDrafts': per verify step, drafted = tree nodes below the
+    """The counters' terms are results.StepDrafts': per verify step, drafted = tree nodes below the
     root, accepted = drafted tokens committed; the runtime's own stats of the same greedy request
     (the engine's fixed drafting budget makes the trees the same) give the expected deltas."""
     prompt, n = PROMPTS[2], 48

@@ -17,7 +17,7 @@ from conftest import CUSTOM_TREE, STORY_PROMPTS, medusa_model, random_heads
 from medusa_trt.runtime import EngineError, MedusaRuntime, PromptError, RuntimeConfig
 from medusa_trt.runtime.batching import ContinuousBatcher, Request
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.loop import _safe_end
+from medusa_trt.runtime.output import _safe_end
 from medusa_trt.runtime.sampling import SamplingError
 
 

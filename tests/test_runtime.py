@@ -302,7 +302,7 @@ def _count_host_calls(monkeypatch) -> list[int]:
     same on a fast or a loaded machine: it says how much host code a step runs, not how fast."""
     import sys
 
-    from medusa_trt.runtime.loop import Scheduler
+    from medusa_trt.runtime.scheduler import Scheduler
 
     calls: list[int] = []
 
