@@ -38,12 +38,6 @@ histograms where this Triton's Python backend has histograms) as Triton custom m
 (``pb_utils.MetricFamily``), labelled with the model's name, on the server's metrics endpoint
 beside Triton's own.
 
-Test hook (off by default): the config.pbtxt parameter ``test_seconds_per_step``
-(``TritonRepoConfig.test_seconds_per_step``), when > 0, replaces the wall clock of deadlines by a
-step clock: a request's time is the engine steps that emitted tokens for it so far times that many
-seconds, so a test knows after how many steps its deadline passes whatever the machine's speed
-(``_Live.elapsed``). Never set by medusa-triton-repo or medusa-serve.
-
 Outside Triton (tests) the module imports without ``triton_python_backend_utils``:
 ``parse_request`` and ``ServeDefaults`` need neither the stub nor an engine.
 """
@@ -69,7 +63,6 @@ except ImportError:  # imported outside Triton's stub (tests of the request pars
     pb_utils = None
 
 CANCEL_POLL_S = 0.2  # how often queued and running requests are checked for client cancellation
-TEST_STEP_CLOCK = "test_seconds_per_step"  # config.pbtxt parameter of the test hook (module doc); absent or 0: the wall clock
 
 
 @dataclass(frozen=True)
@@ -99,18 +92,6 @@ def defaults_from(params: dict[str, str]) -> ServeDefaults:
         request_timeout=float(params.get("request_timeout") or ServeDefaults.request_timeout),
     )
     return defaults.with_limit(defaults.max_tokens_limit)  # a default max_tokens above the limit is refused
-
-
-def step_clock(params: dict[str, str]) -> float:
-    """The test hook's seconds per engine step (module doc); 0.0: deadlines read the wall clock."""
-    text = params.get(TEST_STEP_CLOCK, "").strip()
-    try:
-        seconds = float(text or 0.0)
-    except ValueError:
-        seconds = math.nan  # refused below
-    if not 0 <= seconds < math.inf:
-        raise MedusaError(f"config.pbtxt parameter {TEST_STEP_CLOCK} is {text!r}: use seconds >= 0 (tests only; 0: the wall clock)")
-    return seconds
 
 
 def parse_request(inputs: dict[str, np.ndarray | None], parameters: dict, defaults: ServeDefaults) -> ServeRequest:
@@ -189,7 +170,6 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = model_parameters(config)
         self.defaults = defaults_from(params)
-        self.seconds_per_step = step_clock(params)
         engine = Path(params.get("engine", ""))
         if not params.get("engine"):
             raise MedusaError("config.pbtxt has no 'engine' parameter: write the repository with medusa-triton-repo --engine E")
@@ -229,11 +209,6 @@ class TritonPythonModel:
             f"{runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
             f"max_batch {runtime.max_batch}, max_context {runtime.max_context}"
         )
-        if self.seconds_per_step:  # loud: a server that ignores the wall clock must not pass for a production one
-            pb_utils.Logger.log_warn(
-                f"medusa: test hook {TEST_STEP_CLOCK} {self.seconds_per_step:g}: deadlines count "
-                f"{self.seconds_per_step:g} s per engine step of a request, not the wall clock"
-            )
 
     def execute(self, requests):
         for request in requests:
@@ -249,7 +224,7 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"medusa: request failed: {exc!r}")
                 _send_error(sender, f"internal error: {exc}", "INTERNAL")
                 continue
-            live = _Live(request, handle, sender, arrived, parsed.timeout, self.seconds_per_step)
+            live = _Live(request, handle, sender, arrived, parsed.timeout)
             live.thread = threading.Thread(target=self._forward, args=(live, parsed.stream), name=f"medusa-req-{handle.id}", daemon=True)
             with self._lock:
                 self._live[handle.id] = live
@@ -261,13 +236,11 @@ class TritonPythonModel:
         text, tokens = [], []
         try:
             for event in live.handle:
-                if event.finish_reason != "cancelled":
-                    live.steps += 1  # the test step clock's tick (_Live.elapsed)
-                    if live.past_deadline():  # checked per step too: the watchdog polls every CANCEL_POLL_S,
-                        live.timed_out = True  # longer than a whole short request may take
-                        live.handle.cancel()  # frees the row; what this event holds is past the deadline and not sent
-                        live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
-                        return
+                if event.finish_reason != "cancelled" and live.past_deadline():  # checked per step too: the watchdog
+                    live.timed_out = True  # polls every CANCEL_POLL_S, longer than a whole short request may take
+                    live.handle.cancel()  # frees the row; what this event holds is past the deadline and not sent
+                    live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
+                    return
                 if event.finish_reason == "cancelled" and live.timed_out:  # its deadline passed (_watch)
                     live.send(_response("" if stream else "".join(text), [] if stream else tokens, "timeout"), final=True)
                     return
@@ -399,22 +372,17 @@ class _Live:
     so the final send and the cancellation poll hold ``lock``, and ``done`` is set before the
     final send."""
 
-    def __init__(self, request, handle, sender, arrived: float, timeout: float | None, seconds_per_step: float = 0.0):
+    def __init__(self, request, handle, sender, arrived: float, timeout: float | None):
         self.request, self.handle, self.sender = request, handle, sender
         self.arrived = arrived  # time.monotonic() when the request came
         self.timeout = timeout  # seconds from arrival after which the request ends with "timeout"; None: none
-        self.seconds_per_step = seconds_per_step  # the test hook (module doc); 0.0: the wall clock
-        self.steps = 0  # engine steps whose events reached _forward
         self.timed_out = False
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.done = False
 
     def elapsed(self) -> float:
-        """Seconds since arrival: the wall clock's, or the test step clock's (steps, not time: a
-        request waiting for a row or a slow machine does not bring its deadline closer)."""
-        if self.seconds_per_step:
-            return self.steps * self.seconds_per_step
+        """Seconds since the request arrived."""
         return time.monotonic() - self.arrived
 
     def past_deadline(self) -> bool:

@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_trt.runtime import durable
-from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineFiles, EngineMeta, engine_meta
+from medusa_trt.runtime.engine import ENGINE_SUFFIXES, EngineError, EngineFiles, EngineMeta, check_tree_fits, engine_meta
 from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.serving.schema import TRITON_INPUTS, TRITON_MODEL_NAME, TRITON_OUTPUTS, EngineOptions, ServeDefaults
-from medusa_trt.serving.triton_model import TEST_STEP_CLOCK
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +59,11 @@ class TritonRepoConfig:
     defaults: ServeDefaults = field(default_factory=ServeDefaults)  # of a request that sends none, and the per-request limits
     overwrite: bool = False  # replace an existing model folder of the same name
     copy_engine: bool = False  # copy the engine into <model>/engine/ (self-contained) instead of referencing it relatively
-    # tests only, no CLI flag: > 0 makes the model's deadlines count this many seconds per engine step of a request instead
-    # of reading the wall clock, so a test's deadline passes after a known number of steps (triton_model's module doc)
-    test_seconds_per_step: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "engine", EngineOptions.of(self.engine))  # frozen: set once, here
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
             raise TritonRepoError(f"model name {self.model_name!r} must be a plain folder name")
-        if not 0 <= self.test_seconds_per_step < float("inf"):
-            raise TritonRepoError(
-                f"test_seconds_per_step must be a number of seconds >= 0 (0: the wall clock), got {self.test_seconds_per_step}"
-            )
 
 
 def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
@@ -89,11 +81,10 @@ def _engine(engine: str | os.PathLike) -> tuple[Path, EngineMeta]:
     if files.is_plan and not files.sidecar.is_file():
         raise TritonRepoError(f"TensorRT engine {path} has no metadata sidecar {files.sidecar.name}: build it with medusa-export")
     meta = engine_meta(path)
-    if meta.num_heads and not files.heads.is_file():
-        raise TritonRepoError(
-            f"engine {path} has {meta.num_heads} Medusa heads but its heads graph {files.heads} is missing: "
-            "copy it beside the engine or export again"
-        )
+    try:
+        files.check_heads(meta.num_heads)  # the runtime's own check
+    except EngineError as exc:
+        raise TritonRepoError(str(exc)) from exc
     from medusa_trt.runtime.manifest import check_manifest
 
     check_manifest(files)  # sizes only (the server checks the sha256 sums once at load)
@@ -104,27 +95,15 @@ def check_against_engine(config: TritonRepoConfig, meta: EngineMeta, engine: Pat
     """Refuse, naming the limit and the fix, what the engine cannot serve; the effective
     per-request max_tokens limit."""
     options = config.engine
-    for name, flag in (("max_batch", "--max-batch"), ("max_context", "--max-context")):
-        asked, limit = getattr(options, name), getattr(meta, name)
-        if asked is not None and asked > limit:
-            raise TritonRepoError(
-                f"{flag} {asked} exceeds the engine's {name} {limit} ({engine.name} was exported with "
-                f"{flag} {limit}): pass at most {limit}, or export again with {flag} {asked}"
-            )
-    if options.tree is not None:
-        _check_tree(options.tree, meta)
-    if options.drafters is not None:
-        from medusa_trt.runtime.drafting import DRAFTERS
-
-        unknown = [d for d in options.drafters if d not in DRAFTERS]
-        if unknown:
-            raise TritonRepoError(f"unknown drafter {unknown[0]!r}: use a subset of {', '.join(DRAFTERS)}, or none")
-        if "heads" in options.drafters and not meta.num_heads:
-            raise TritonRepoError(f"--draft heads: {engine.name} has no Medusa heads; drop heads from --draft or export with --heads")
     try:
+        meta.check_limits(options.max_batch, options.max_context, built=EngineFiles.locate(engine).is_plan)  # the runtime's own checks
+        if options.tree is not None:
+            _check_tree(options.tree, meta)
+        if options.drafters is not None:
+            _check_drafters(options.drafters, meta)
         return config.defaults.for_context(options.max_context or meta.max_context).max_tokens_limit
     except MedusaError as exc:
-        raise TritonRepoError(str(exc)) from exc
+        raise TritonRepoError(f"{engine.name}: {exc}") from exc
 
 
 def check_engine_config(config: TritonRepoConfig) -> int:
@@ -135,14 +114,19 @@ def check_engine_config(config: TritonRepoConfig) -> int:
 
 
 def _check_tree(tree: str, meta: EngineMeta) -> None:
-    from medusa_trt.runtime.engine import EngineError, check_tree_fits
     from medusa_trt.runtime.tree import load_tree
 
     compiled = load_tree(tree, max_depth=meta.num_heads)  # InvalidTreeError names the path and the fix
-    try:
-        check_tree_fits(compiled, top_k=meta.top_k, max_tokens=meta.max_tokens)  # the runtime's own check
-    except EngineError as exc:
-        raise TritonRepoError(str(exc)) from exc
+    check_tree_fits(compiled, top_k=meta.top_k, max_tokens=meta.max_tokens)  # the runtime's own check
+
+
+def _check_drafters(drafters: tuple[str, ...], meta: EngineMeta) -> None:
+    """The runtime's own drafter check, without a graph loaded: unknown names are refused, and a drafter
+    this engine cannot run (the heads of an engine without heads) names itself and the fix."""
+    from medusa_trt.runtime.drafting import Drafting, DraftingConfig
+
+    # no heads template here: with heads, one is built when the server loads; without, none can be
+    Drafting(drafters, None, DraftingConfig(), engine_max_nodes=None, available_only=bool(meta.num_heads))
 
 
 def check_repo_path(repo: str | os.PathLike) -> Path:
@@ -178,8 +162,6 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
         "default_top_p": repr(float(defaults.top_p)),
         "chat_template": "auto" if defaults.chat_template is None else str(defaults.chat_template).lower(),
     }
-    if config.test_seconds_per_step:  # written only when set: a production config never names the test hook
-        params[TEST_STEP_CLOCK] = repr(float(config.test_seconds_per_step))
 
     def q(text: str) -> str:  # a protobuf text-format string literal
         return json.dumps(text, ensure_ascii=False)

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import STORY_PROMPTS, medusa_model
+from triton_step_clock_model import install_step_clock
 
 from medusa_trt.runtime.engine import EngineFiles
 from medusa_trt.serving.client import RequestFailed, stream_generate
@@ -36,9 +37,8 @@ from medusa_trt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
 LIMIT = 200  # the security server's max_tokens_limit
 CAP_TIMEOUT = 30.0  # its request_timeout: the longest deadline a request may ask for
-# The deadline tests' servers run the model's test step clock (TritonRepoConfig.test_seconds_per_step): a request's
+# The deadline tests' servers run the served model with a step clock (tests/triton_step_clock_model.py): a request's
 # deadline passes after a known number of engine steps, whatever the machine's speed (CAP_TIMEOUT: 10,000 steps, never)
-STEP_S = 0.003
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,11 @@ def runtime(engine):
 @pytest.fixture(scope="module")
 def server(serving, engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("security-repo")
-    write_triton_repo(
-        TritonRepoConfig(
-            engine=engine,
-            repo=repo,
-            defaults=ServeDefaults(max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT),
-            test_seconds_per_step=STEP_S,
+    install_step_clock(
+        write_triton_repo(
+            TritonRepoConfig(
+                engine=engine, repo=repo, defaults=ServeDefaults(max_tokens=16, max_tokens_limit=LIMIT, request_timeout=CAP_TIMEOUT)
+            )
         )
     )
     log_file = tmp_path_factory.mktemp("security-log") / "tritonserver.log"  # not test_serving's log
@@ -323,8 +322,8 @@ def _assert_sent_steps(chunks, text: str, full, steps: int, stream: bool) -> Non
 @pytest.mark.parametrize("stream", [True, False])
 def test_request_deadline_ends_with_timeout(server, runtime, stream):
     full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=LIMIT, chat_template=False)
-    # 10 ms at STEP_S per step: steps 1-3 (9 ms) are sent, step 4 (12 ms) is past the deadline; checked at every step
-    # (the watchdog alone polls every 0.2 s)
+    # 10 ms at 3 ms a step (triton_step_clock_model.STEP_S): steps 1-3 (9 ms) are sent, step 4 (12 ms) is past the
+    # deadline; checked at every step (the watchdog alone polls every 0.2 s)
     chunks, text = _text(server, STORY_PROMPTS[0], max_tokens=LIMIT, timeout_s=0.01, stream=stream)
     _assert_sent_steps(chunks, text, full, 3, stream)
     with pytest.raises(RequestFailed, match=f"timeout_s 60 exceeds this server's request_timeout of {CAP_TIMEOUT:g} s"):
@@ -332,45 +331,33 @@ def test_request_deadline_ends_with_timeout(server, runtime, stream):
 
 
 def test_server_default_deadline(serving, engine, runtime, tmp_path):
-    write_triton_repo(
-        TritonRepoConfig(
-            engine=engine,
-            repo=tmp_path / "repo",
-            defaults=ServeDefaults(max_tokens=240, request_timeout=0.05),
-            test_seconds_per_step=STEP_S,
+    install_step_clock(
+        write_triton_repo(
+            TritonRepoConfig(engine=engine, repo=tmp_path / "repo", defaults=ServeDefaults(max_tokens=240, request_timeout=0.05))
         )
     )
     full = runtime.generate(STORY_PROMPTS[0], max_new_tokens=240, chat_template=False)
     with TritonServer(ServeConfig(repo=tmp_path / "repo", log_file=tmp_path / "tritonserver.log")) as server:
         chunks, text = _text(server, STORY_PROMPTS[0])  # no timeout_s: the server's deadline
-    _assert_sent_steps(chunks, text, full, 16, stream=True)  # 50 ms at STEP_S per step: 16 steps (48 ms), step 17 (51 ms) is past it
+    _assert_sent_steps(chunks, text, full, 16, stream=True)  # 50 ms at 3 ms a step: 16 steps (48 ms), step 17 (51 ms) is past it
 
 
 def test_deadline_clocks(tmp_path, monkeypatch):
-    """A deadline reads the wall clock from the request's arrival, unless the config names the test step clock (only
-    a config that asks for it does); a bad step is refused where it is written and where it is read."""
-    from medusa_trt.runtime.errors import MedusaError
+    """A deadline reads the wall clock from the request's arrival; the tests' step clock counts the steps that
+    reached the model instead (test_serving checks config.pbtxt's parameters: no clock among them)."""
+    from triton_step_clock_model import StepClockLive
+
     from medusa_trt.serving import triton_model
-    from medusa_trt.serving.triton_model import TEST_STEP_CLOCK, _Live, step_clock
-    from medusa_trt.serving.triton_repo import TritonRepoError, config_pbtxt
+    from medusa_trt.serving.triton_model import _Live
 
-    assert TEST_STEP_CLOCK not in config_pbtxt(TritonRepoConfig(engine="e.onnx", repo=tmp_path), "e.onnx", 16)
-    assert f'"{TEST_STEP_CLOCK}" value: {{ string_value: "0.003" }}' in config_pbtxt(
-        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=STEP_S), "e.onnx", 16
-    )
-    assert (step_clock({}), step_clock({TEST_STEP_CLOCK: ""}), step_clock({TEST_STEP_CLOCK: "0.003"})) == (0.0, 0.0, 0.003)
-    for bad in ("-1", "inf", "nan", "soon"):
-        with pytest.raises(MedusaError, match=f"config.pbtxt parameter {TEST_STEP_CLOCK} is '{bad}': use seconds >= 0"):
-            step_clock({TEST_STEP_CLOCK: bad})
-    with pytest.raises(TritonRepoError, match="test_seconds_per_step must be a number of seconds >= 0"):
-        TritonRepoConfig(engine="e.onnx", repo=tmp_path, test_seconds_per_step=-1.0)
-
-    wall, stepped = _Live(None, None, None, 100.0, 0.01), _Live(None, None, None, 100.0, 0.01, STEP_S)
+    events = [SimpleNamespace(finish_reason=None)] * 3 + [SimpleNamespace(finish_reason="cancelled")]
+    wall, stepped = _Live(None, None, None, 100.0, 0.01), StepClockLive(None, iter(events), None, 100.0, 0.01)
+    assert len(list(stepped.handle)) == 4 and stepped.steps == 3  # a cancellation is no step
     for now, steps, past in ((100.009, 3, (False, False)), (100.01, 4, (True, True)), (1e9, 0, (True, False))):
         monkeypatch.setattr(triton_model, "time", SimpleNamespace(monotonic=lambda now=now: now))  # the model's clock only
-        wall.steps = stepped.steps = steps
+        stepped.steps = steps
         assert (wall.past_deadline(), stepped.past_deadline()) == past, (now, steps)
-    assert not _Live(None, None, None, 100.0, None, STEP_S).past_deadline()  # no deadline
+    assert not StepClockLive(None, iter(()), None, 100.0, None).past_deadline()  # no deadline
 
 
 def test_bad_parameters_get_errors_while_a_good_request_finishes(server, runtime):
@@ -448,11 +435,11 @@ def _fake_engine(folder: Path, **changes) -> Path:
 
 
 REPO_CASES = {
-    "max-batch above the engine's": (["--max-batch", "99"], "--max-batch 99 exceeds the engine's max_batch 4"),
-    "max-context above the engine's": (["--max-context", "100000"], "--max-context 100000 exceeds the engine's max_context 256"),
+    "max-batch above the engine's": (["--max-batch", "99"], "asks for max_batch 99 / max_context 256 but the engine was exported for 4"),
+    "max-context above the engine's": (["--max-context", "100000"], "max_context 100000 but the engine was exported for 4 / 256"),
     "tree needs more proposals": (["--tree", "mc_sim_7b_63"], "needs top-10 proposals per head but the engine's heads give top-2"),
     "tree deeper than the heads": (["--tree", "chain-9"], "heads"),
-    "heads file missing": (["@no-heads"], "heads graph"),
+    "heads file missing": (["@no-heads"], "model.heads.onnx is missing: the engine has 4 heads"),
     "out is a file": (["@out-file"], "exists and is not a folder"),
     "out parent missing": (["@deep-out"], "does not exist; create it first"),
     "limit above the context": (["--max-tokens-limit", "5000"], "--max-tokens-limit 5000 exceeds the context of 256"),
