@@ -142,19 +142,7 @@ class LlamaCppPeer:
     """llama.cpp on one GGUF file: one context of ``context`` tokens, ``threads`` threads for
     prompt and decode alike, greedy sampling (temperature 0, no repetition penalty)."""
 
-    def __init__(
-        self,
-        spec: PeerSpec,
-        *,
-        threads: int | None,
-        context: int,
-        lookup: bool = False,
-        extra_bufts: bool = True,
-        lookup_tokens: int = LOOKUP_TOKENS,
-    ):
-        missing = llama_missing()
-        if missing:
-            raise PeerError(f"--peer {spec.text}: {missing}")
+    def __init__(self, spec: PeerSpec, *, threads: int | None, context: int, lookup: bool = False, extra_bufts: bool = True):
         import contextlib
 
         from llama_cpp import Llama
@@ -163,13 +151,13 @@ class LlamaCppPeer:
         if lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
         self.spec = spec
-        self.mode = f"extra buffer types {'on' if extra_bufts else 'off'}" + (f", lookup {lookup_tokens}" if lookup else "")
-        # prompt lookup evaluates the last token and up to lookup_tokens drafts at once: room for them past the context.
+        self.mode = f"extra buffer types {'on' if extra_bufts else 'off'}" + (f", lookup {LOOKUP_TOKENS}" if lookup else "")
+        # prompt lookup evaluates the last token and up to LOOKUP_TOKENS drafts at once: room for them past the context.
         # It reads every position's logits, which the binding keeps in a buffer of n_batch rows unless logits_all is
         # asked for when the context is made (0.3.x): without it, a sequence past 512 tokens overflows that buffer
-        context += lookup_tokens + 1 if draft is not None else 0
+        context += LOOKUP_TOKENS + 1 if draft is not None else 0
         try:
             with contextlib.nullcontext() if extra_bufts else _NoExtraBuffers(spec.text):
                 self.llm = Llama(
@@ -228,18 +216,7 @@ class OpenVINOPeer:
     threads, greedy decoding, the prompt given as token ids (``TokenizedInputs``: no chat template,
     no tokenizer of its own in the way)."""
 
-    def __init__(
-        self,
-        spec: PeerSpec,
-        *,
-        threads: int | None,
-        context: int,
-        lookup: bool = False,
-        precision: str | None = "f32",
-    ):
-        missing = openvino_missing()
-        if missing:
-            raise PeerError(f"--peer {spec.text}: {missing}")
+    def __init__(self, spec: PeerSpec, *, threads: int | None, context: int, lookup: bool = False, precision: str | None = "f32"):
         import openvino as ov
         import openvino_genai as ovg
 
@@ -345,7 +322,11 @@ def peer_missing(spec: PeerSpec) -> str | None:
 
 
 def load_peer(spec: PeerSpec, *, threads: int | None, context: int) -> Peer:
-    """The peer itself, in this process (bench/peer_process.py calls it in the peer's own)."""
+    """The peer itself, in this process (bench/peer_process.py calls it in the peer's own); ``PeerError``
+    where its runtime cannot be imported here."""
+    missing = peer_missing(spec)
+    if missing:
+        raise PeerError(f"--peer {spec.text}: {missing}")
     return spec.kind.runtime.load(spec, threads=threads, context=context, **spec.kind.options)
 
 

@@ -78,6 +78,17 @@ def write_folder_manifest(folder: str | Path, kind: str) -> Path:
     return _write_listing(folder / FOLDER_MANIFEST, folder, files, kind)
 
 
+def _entries(path: Path, what: str) -> dict:
+    """A manifest's ``files`` table (name -> {size, sha256}); ``EngineError`` "PATH is not a valid WHAT" when unreadable."""
+    try:
+        entries = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{path} is not a valid {what}") from exc
+    if not isinstance(entries, dict):
+        raise EngineError(f"{path} is not a valid {what}")
+    return entries
+
+
 def check_folder_manifest(folder: str | Path) -> bool:
     """Raise ``EngineError`` naming the first file a heads (or FasterDecoding) folder's ``files.json``
     lists that is missing or has another size or sha256; False when the folder has no manifest."""
@@ -85,11 +96,7 @@ def check_folder_manifest(folder: str | Path) -> bool:
     path = folder / FOLDER_MANIFEST
     if not path.is_file():
         return False
-    try:
-        entries = json.loads(path.read_text())["files"]
-        assert isinstance(entries, dict)
-    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as exc:
-        raise EngineError(f"{path} is not a valid manifest: write the folder again") from exc
+    entries = _entries(path, "manifest: write the folder again")
     for name, entry in sorted(entries.items()):
         f = folder / name
         if not f.is_file() or f.stat().st_size != entry.get("size") or sha256(f) != entry.get("sha256"):
@@ -104,11 +111,7 @@ def check_manifest(files: EngineFiles, *, checksums: bool = False) -> bool:
     if not path.is_file():
         log.info("%s has no %s (exported before manifests): its files are not checked", files.step, path.name)
         return False
-    try:
-        entries = json.loads(path.read_text())["files"]
-        assert isinstance(entries, dict)
-    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as exc:
-        raise EngineError(f"{path} is not a valid engine manifest: export the engine again") from exc
+    entries = _entries(path, "engine manifest: export the engine again")
     folder = files.step.parent
     for name, entry in sorted(entries.items()):
         f = folder / name
