@@ -30,7 +30,8 @@ How (polygraphy's loaders over the TensorRT API):
   0) TensorRT must find one fused kernel, and none is certain for fp32 or small head sizes.
 * The TensorRT release the graph needs is read from its ops (``tensorrt_ops.required_tensorrt``: the
   parser imports ``Attention`` from 10.14, ``RMSNormalization`` / ``RotaryEmbedding`` from 10.15, AOT
-  plugins from 10.9); an older TensorRT is refused in one line before anything is built.
+  plugins from 10.9); an older TensorRT is refused in one line before anything is built, and the plans'
+  metadata records it (``EngineMeta.min_tensorrt``), which the TensorRT backend checks when it loads them.
 
 After each build, before anything is moved into place, the plan is compared with its ONNX graph on
 the same inputs (``trt_compare``: polygraphy's Comparator, ONNX Runtime runner against TensorRT
@@ -43,6 +44,7 @@ the ONNX files are written and before any ``.plan`` is.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -53,12 +55,12 @@ from pathlib import Path
 
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.onnx_export import ExportError, make_staging
-from medusa_trt.exporter.tensorrt_ops import parse_version, required_tensorrt
+from medusa_trt.exporter.tensorrt_ops import OP_MIN_TENSORRT, Requirement, required_tensorrt
 from medusa_trt.plugins.tree_attention.aot import TRT_PLUGIN_VERSION
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime import durable
-from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, PAST_KEY, PAST_VALUE, POSITION_IDS, TREE_MASK
-from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.contract import HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, step_shapes
+from medusa_trt.runtime.engine import META_KEY, TENSORRT_BASELINE, EngineFiles, EngineMeta, tensorrt_release
 from medusa_trt.runtime.manifest import engine_file_list, manifest_path, write_manifest
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,6 @@ log = logging.getLogger(__name__)
 ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # the graph's dtype, which a strongly typed network keeps
 # Oldest GPU (compute capability) each precision builds for; TensorRT 10 itself needs Turing (7.5).
 MIN_CAPABILITY = {"fp32": (7, 5), "fp16": (7, 5), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
-MIN_TENSORRT = (10, 0)  # execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks; the graph's ops need more
 INSTALL_HINT = "install TensorRT 10+ and polygraphy (pip install tensorrt polygraphy) on a machine with an NVIDIA GPU and CUDA"
 PLUGIN_MODULE = "medusa_trt.plugins.tree_attention.trt_plugin"
 TIMING_CACHE = "timing.cache"
@@ -127,17 +128,8 @@ def step_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
     tree_nodes = min(len(meta.tree) + 1, tokens)  # root + one node per path
     opt_slots = slots if meta.attention == "plugin" else max(slots // 2, 1)
     kv = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
-
-    ids = ShapeRange((1, 1), (batch, tree_nodes), (batch, tokens))  # (B, T)
-    cache = ShapeRange((0, kv[0], 1, *kv[1:]), (opt_slots, kv[0], batch, *kv[1:]), (slots, kv[0], batch, *kv[1:]))
-    return {
-        INPUT_IDS: ids,
-        POSITION_IDS: ids,
-        TREE_MASK: ShapeRange((1, 1, 1), (batch, tree_nodes, tree_nodes), (batch, tokens, tokens)),
-        CACHE_LENGTHS: ShapeRange((1,), (batch,), (batch,)),
-        PAST_KEY: cache,  # (S, layers, B, Hkv, D)
-        PAST_VALUE: cache,
-    }
+    low, opt, high = step_shapes(1, 1, 0, kv), step_shapes(batch, tree_nodes, opt_slots, kv), step_shapes(batch, tokens, slots, kv)
+    return {name: ShapeRange(low[name], opt[name], high[name]) for name in high}
 
 
 def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
@@ -150,9 +142,9 @@ def heads_profile(meta: EngineMeta) -> dict[str, ShapeRange]:
 
 def check_precision(precision: str, capability: tuple[int, int], tensorrt_version: str) -> None:
     """Raise ``TensorRTBuildError`` if this GPU / TensorRT cannot build ``precision``."""
-    version = tuple(int(p) for p in tensorrt_version.split(".")[:2] if p.isdigit())
-    if version < MIN_TENSORRT:
-        raise TensorRTUnavailableError(f"TensorRT {tensorrt_version} is too old (need {'.'.join(map(str, MIN_TENSORRT))}+): {INSTALL_HINT}")
+    if tensorrt_release(tensorrt_version) < TENSORRT_BASELINE:  # the graph's ops may need more: check_tensorrt_version
+        need = ".".join(map(str, TENSORRT_BASELINE))
+        raise TensorRTUnavailableError(f"TensorRT {tensorrt_version} is too old (need {need}+): {INSTALL_HINT}")
     need = MIN_CAPABILITY[precision]
     if tuple(capability) < need:
         fix = {"bf16": "export with --dtype fp16", "fp8": "quantize the graph to int8 instead, or build on an Ada / Hopper GPU"}
@@ -203,19 +195,22 @@ def prepare_for_tensorrt(proto) -> int:
     return count_nodes(proto)
 
 
-def check_tensorrt_version(tensorrt_version: str, *protos) -> None:
-    """Refuse (``TensorRTUnavailableError``, one line) a TensorRT older than the prepared graphs' ops need."""
+def check_tensorrt_version(tensorrt_version: str, *protos) -> Requirement:
+    """Refuse (``TensorRTUnavailableError``, one line) a TensorRT older than the prepared graphs' ops need;
+    returns what they need (recorded as ``EngineMeta.min_tensorrt``)."""
     need = required_tensorrt(*protos)
-    if parse_version(tensorrt_version) < need.version:
+    if tensorrt_release(tensorrt_version) < need.version:
         raise TensorRTUnavailableError(
             f"TensorRT {tensorrt_version} cannot parse this graph: it needs TensorRT {need.describe()}; "
             "install a newer TensorRT (pip install --upgrade tensorrt)"
         )
+    return need
 
 
 # ----------------------------------------------------------------------------- TensorRT
 
-NATIVE_OPS_OPSET = 23  # from this opset the exporter writes Attention, RMSNormalization and RotaryEmbedding nodes
+NATIVE_OPS_OPSET = 23  # from this opset the exporter writes these nodes (the plugin form all but Attention)
+NATIVE_OPS = ("Attention", "RMSNormalization", "RotaryEmbedding")
 
 
 def preflight(attention: str, opset: int) -> None:
@@ -229,10 +224,13 @@ def preflight(attention: str, opset: int) -> None:
         import tensorrt as trt
     except (ImportError, OSError):
         return
-    floor = max((10, 15) if opset >= NATIVE_OPS_OPSET else (10, 0), (10, 9) if attention == "plugin" else (10, 0))
+    native = max(OP_MIN_TENSORRT["", op] for op in NATIVE_OPS) if opset >= NATIVE_OPS_OPSET else TENSORRT_BASELINE
+    aot = OP_MIN_TENSORRT[TREE_ATTENTION.domain, TREE_ATTENTION.op_type] if attention == "plugin" else TENSORRT_BASELINE
+    floor = max(native, aot)
     version = str(getattr(trt, "__version__", "0"))
-    if parse_version(version) < floor:
-        older = f" or export with --opset {NATIVE_OPS_OPSET - 1}" if opset >= NATIVE_OPS_OPSET and parse_version(version) >= (10, 9) else ""
+    release = tensorrt_release(version)
+    if release < floor:
+        older = f" or export with --opset {NATIVE_OPS_OPSET - 1}" if opset >= NATIVE_OPS_OPSET and release >= (10, 9) else ""
         raise TensorRTUnavailableError(
             f"TensorRT {version} is older than the {'.'.join(map(str, floor))} this export's graph needs (opset {opset}, "
             f"--attention {attention}): install a newer TensorRT (pip install --upgrade tensorrt){older}"
@@ -415,9 +413,10 @@ def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: T
     return EngineFiles.in_folder(folder, ".plan")
 
 
-def _check_graph_needs(trt, src: EngineFiles, proto, meta: EngineMeta) -> None:
+def _check_graph_needs(trt, src: EngineFiles, proto, meta: EngineMeta) -> EngineMeta:
     """The TensorRT release the step (and heads) graph's ops need, against the one installed; and the
-    plugin registered (``--attention plugin``), so either failure is one line before any build."""
+    plugin registered (``--attention plugin``), so either failure is one line before any build. Returns
+    ``meta`` with that release as ``min_tensorrt``: the plans' metadata records it, the backend checks it."""
     import onnx
 
     graphs = [proto] + ([onnx.load(str(src.heads), load_external_data=False)] if meta.num_heads else [])
@@ -427,9 +426,10 @@ def _check_graph_needs(trt, src: EngineFiles, proto, meta: EngineMeta) -> None:
         copy.CopyFrom(graph)
         prepare_for_tensorrt(copy)  # what the parser sees: fallback stripped
         prepared.append(copy)
-    check_tensorrt_version(trt.__version__, *prepared)
+    need = check_tensorrt_version(trt.__version__, *prepared)
     if meta.attention == "plugin":
         _register_plugin()
+    return dataclasses.replace(meta, min_tensorrt=need.release)
 
 
 def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> EngineFiles:
@@ -461,7 +461,7 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
         )
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")
-    _check_graph_needs(trt, src, proto, meta)  # before anything is staged or built
+    meta = _check_graph_needs(trt, src, proto, meta)  # before anything is staged or built
     if src.folder is not None:
         return _build_into_folder(trt, src, meta, proto, config)
     final = EngineFiles.beside(config.plan)  # engine.plan, engine.heads.plan, engine.tokenizer/, .sidecar engine.plan.json

@@ -20,10 +20,9 @@ import logging
 from dataclasses import dataclass
 
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
+from medusa_trt.runtime.engine import TENSORRT_BASELINE as BASELINE  # execute_async_v3, named I/O tensors, int64 I/O, ...
 
 log = logging.getLogger(__name__)
-
-BASELINE = (10, 0)  # execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks
 
 OPS_10_0 = (
     "Abs Add And ArgMax ArgMin Cast Ceil Clip Concat Constant ConstantOfShape Cos CumSum DequantizeLinear Div Einsum Equal "
@@ -50,9 +49,13 @@ class Requirement:
     because: tuple[str, ...]  # the ops needing exactly that version (empty: the baseline)
     unknown: tuple[str, ...]  # ops the table does not list
 
+    @property
+    def release(self) -> str:
+        """The version as EngineMeta.min_tensorrt records it: "10.15"."""
+        return ".".join(map(str, self.version))
+
     def describe(self) -> str:
-        text = ".".join(map(str, self.version))
-        return f"{text} (for {', '.join(self.because)})" if self.because else text
+        return f"{self.release} (for {', '.join(self.because)})" if self.because else self.release
 
 
 def graph_ops(proto) -> set[tuple[str, str]]:
@@ -87,9 +90,3 @@ def required_tensorrt(*protos) -> Requirement:
     if unknown:
         log.warning("ops not in the TensorRT op table (exporter/tensorrt_ops.py), left to the parser: %s", ", ".join(unknown))
     return Requirement(version=version, because=because, unknown=unknown)
-
-
-def parse_version(text: str) -> tuple[int, int]:
-    """(major, minor) of a TensorRT version string such as "10.16.1.11"."""
-    parts = [int(p) for p in text.split(".")[:2] if p.isdigit()]
-    return (parts + [0, 0])[0], (parts + [0, 0])[1]

@@ -25,6 +25,23 @@ LOGITS, HIDDEN, NEXT_IDS, NEW_KEY, NEW_VALUE = STEP_OUTPUTS
 HEAD_TOPK, HEAD_LOGITS = HEADS_OUTPUTS
 
 
+def step_shapes(batch: int, tokens: int, slots: int, kv: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    """Each step input's shape for ``batch`` rows of ``tokens`` new tokens over ``slots`` bound cache slots;
+    ``kv`` is (layers, Hkv, D). The one place these shapes are written: the TensorRT backend sets them per step
+    and allocates for their maximum, the TensorRT build makes its optimization profile of them."""
+    layers, kv_heads, head_dim = kv
+    ids = (batch, tokens)  # (B, T)
+    cache = (slots, layers, batch, kv_heads, head_dim)  # (S, layers, B, Hkv, D): slot-major, the first S slots one block whatever B
+    return {
+        INPUT_IDS: ids,
+        POSITION_IDS: ids,
+        TREE_MASK: (batch, tokens, tokens),  # (B, T, T)
+        CACHE_LENGTHS: (batch,),  # (B,)
+        PAST_KEY: cache,
+        PAST_VALUE: cache,
+    }
+
+
 @dataclass(frozen=True, eq=False)
 class StepOutput:
     """What one verify / prefill step gives the host. Valid until the backend's next ``step``."""

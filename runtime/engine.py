@@ -27,6 +27,15 @@ from medusa_trt.runtime.errors import MedusaError
 
 META_KEY = "medusa_trt"
 FORMAT_VERSION = 1
+# What every TensorRT engine needs (execute_async_v3, named I/O tensors, int64 I/O, strongly typed networks), and
+# what a plan whose metadata records no min_tensorrt (built before the field existed) is taken to need.
+TENSORRT_BASELINE = (10, 0)
+
+
+def tensorrt_release(text: str) -> tuple[int, int]:
+    """(major, minor) of a TensorRT version string such as "10.16.1.11"."""
+    parts = [int(p) for p in str(text).split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
 class EngineError(MedusaError):
@@ -61,6 +70,15 @@ class EngineMeta:
     head_input: str = "hidden"
     draft_vocab: int | None = None  # the heads graph's logits cover token ids 0 .. N-1 only (None: the whole vocabulary)
     key_slots: bool = False  # the step graph takes key_slots [B, T] (runtime/key_slots.py); engines before it append the new keys
+    # the oldest TensorRT ("10.15") whose ONNX parser imports every op of the graphs the plans were built from
+    # (exporter/tensorrt_ops.py), recorded by the TensorRT build; None: not built yet, or built before the field (the
+    # baseline). Not part of the graphs' identity: a built folder's config.json has it, its ONNX graphs do not.
+    min_tensorrt: str | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def tensorrt_floor(self) -> tuple[int, int]:
+        """(major, minor) of the oldest TensorRT this engine's plans build and run with."""
+        return tensorrt_release(self.min_tensorrt) if self.min_tensorrt else TENSORRT_BASELINE
 
     @property
     def reads_roots(self) -> bool:

@@ -278,6 +278,15 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
     config = read_folder_config(work)
     assert config.backend == "tensorrt" and config.files["step_plan"] == "model.plan" and config.files["heads_plan"] == "heads.plan"
     assert config.meta == engine_meta(folder.folder)
+    assert config.meta.min_tensorrt == "10.15" and engine_meta(folder.folder).min_tensorrt is None  # the plans' need, not the graph's
+    import types
+
+    from medusa_trt.runtime.backends.tensorrt_backend import TensorRTBackend
+
+    with monkeypatch.context() as older:  # the folder's plans under a TensorRT older than their graph needs: one line
+        older.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.14.1.48"))
+        with pytest.raises(EngineError, match=r"model.plan needs TensorRT 10.15 or newer \(its graph's ops\), this is TensorRT 10.14.1.48"):
+            TensorRTBackend(work)
     listed = json.loads((work / "files.json").read_text())["files"]
     assert {"model.plan", "heads.plan", "model.onnx", "config.json"} <= set(listed)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "src"]

@@ -103,6 +103,28 @@ def test_step_profile_covers_the_export_limits(attention, opt_slots):
     assert (heads.min, heads.opt, heads.max) == ((1, 64), (4, 64), (4, 64))
 
 
+def test_step_shapes_are_the_profile_and_the_backends_shapes():
+    """contract.step_shapes is the one home of the step inputs' shapes: the profile's min / opt / max are it."""
+    from medusa_trt.runtime.contract import STEP_INPUTS, step_shapes
+
+    shapes = step_shapes(4, 7, 100, (5, 4, 8))
+    assert tuple(shapes) == STEP_INPUTS
+    assert shapes == {
+        "input_ids": (4, 7),
+        "position_ids": (4, 7),
+        "tree_mask": (4, 7, 7),
+        "cache_lengths": (4,),
+        "past_key": (100, 5, 4, 4, 8),  # (S, layers, B, Hkv, D)
+        "past_value": (100, 5, 4, 4, 8),
+    }
+    meta = _meta(attention="plugin")
+    profile = step_profile(meta)
+    kv = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
+    assert {n: r.max for n, r in profile.items()} == step_shapes(meta.max_batch, meta.max_tokens, meta.max_context, kv)
+    assert {n: r.min for n, r in profile.items()} == step_shapes(1, 1, 0, kv)
+    assert {n: r.opt for n, r in profile.items()} == step_shapes(meta.max_batch, len(CUSTOM_TREE) + 1, meta.max_context, kv)
+
+
 def test_precision_checks():
     check_precision("fp16", (7, 5), "10.0.1")
     check_precision("bf16", (8, 0), "10.3.0")
@@ -189,6 +211,70 @@ def test_required_tensorrt_follows_the_graphs_ops():
     assert "TensorRT 10.14.1.48 cannot parse this graph: it needs TensorRT 10.15 (for RMSNormalization)" in message and "\n" not in message
 
 
+def _stand_in_tensorrt(monkeypatch, version: str) -> None:
+    """A ``tensorrt`` module of this version: only its version is read before the CUDA check."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version, __name__="tensorrt"))
+
+
+class _PastTheVersionCheck(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "recorded,version,refused",
+    [("10.15", "10.14.1.48", True), ("10.15", "10.15.1.29", False), ("10.9", "10.9.0", False), (None, "10.0.1", False)],
+    ids=["older", "same", "plugin-form", "recorded-before-the-field"],
+)
+def test_the_backend_refuses_a_tensorrt_older_than_the_plan_needs(tmp_path, monkeypatch, recorded, version, refused):
+    """The build records the graph's minimum TensorRT (EngineMeta.min_tensorrt); loading the plan under an older one is
+    one line. A plan whose metadata predates the field loads as needing the baseline (10.0)."""
+    from medusa_trt.runtime.backends import tensorrt_backend
+
+    plan = tmp_path / "engine.plan"
+    plan.write_bytes(b"serialized engine")
+    raw = json.loads(_meta(attention="plugin", min_tensorrt=recorded).to_json())
+    if recorded is None:
+        del raw["min_tensorrt"]  # written before the field existed
+    EngineFiles.beside(plan).sidecar.write_text(json.dumps(raw))
+    _stand_in_tensorrt(monkeypatch, version)
+
+    def past():
+        raise _PastTheVersionCheck
+
+    monkeypatch.setattr(tensorrt_backend, "_require_cuda", past)
+    if refused:
+        with pytest.raises(EngineError) as error:
+            tensorrt_backend.TensorRTBackend(plan)
+        message = str(error.value)
+        assert f"needs TensorRT 10.15 or newer (its graph's ops), this is TensorRT {version}" in message and "\n" not in message
+    else:
+        with pytest.raises(_PastTheVersionCheck):
+            tensorrt_backend.TensorRTBackend(plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine.plan", "engine.plan.json"]  # nothing written
+
+
+def test_medusa_run_on_a_plan_needing_a_newer_tensorrt_is_one_line(tmp_path, monkeypatch, capsys):
+    from medusa_trt.cli.run import main as run_main
+
+    plan = tmp_path / "engine.plan"
+    plan.write_bytes(b"serialized engine")
+    EngineFiles.beside(plan).sidecar.write_text(_meta(min_tensorrt="10.15").to_json())
+    _stand_in_tensorrt(monkeypatch, "10.14.1.48")
+    assert run_main(["--engine", str(plan), "--prompt", "Hello", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("medusa-run: error: ") and "needs TensorRT 10.15 or newer" in err and "\n" not in err, err
+
+
+def test_min_tensorrt_is_metadata_of_the_build_not_of_the_graph():
+    """A built folder's config.json records it, its ONNX graphs do not: the two still describe one engine."""
+    meta = _meta()
+    built = EngineMeta.from_json(_meta(min_tensorrt="10.15").to_json(), source="config.json")
+    assert built.min_tensorrt == "10.15" and built.tensorrt_floor == (10, 15)
+    assert built == meta and meta.tensorrt_floor == (10, 0)
+
+
 @pytest.fixture(scope="module")
 def exported_graphs(tmp_path_factory, stories_base):
     """The stories model exported as the .plan path exports it, in both attention forms and every dtype."""
@@ -232,6 +318,35 @@ def test_every_exported_op_is_in_the_parser_table(exported_graphs, attention, dt
     need = required_tensorrt(*protos)
     assert need.version == (10, 15) and "RMSNormalization" in need.because, need  # fp16 graphs compute rotary in plain ops
     assert ((SPEC.domain, SPEC.op_type) in ops) == (attention == "plugin") and (("", "Attention") in ops) == (attention == "onnx")
+
+
+@pytest.mark.slow
+def test_a_plan_build_records_the_minimum_tensorrt_in_its_sidecar(exported_graphs, tmp_path, monkeypatch):
+    """build_engines (the builder itself replaced: no TensorRT here) writes the graph's minimum into the plan's
+    metadata, where the backend reads it; an installed TensorRT older than it is refused before anything is built."""
+    import shutil
+
+    from medusa_trt.exporter import tensorrt_build
+    from medusa_trt.runtime.engine import engine_meta
+
+    source = exported_graphs["plugin", "fp16"][0]
+    for path in source.parent.glob("plugin-fp16*"):
+        (shutil.copytree if path.is_dir() else shutil.copy)(path, tmp_path / path.name)
+    onnx_path = tmp_path / source.name
+
+    class Trt:
+        __version__ = "10.14.1.48"
+
+    monkeypatch.setattr(tensorrt_build, "require_tensorrt", lambda path=None: Trt)
+    monkeypatch.setattr(tensorrt_build, "_register_plugin", lambda: None)
+    monkeypatch.setattr(tensorrt_build, "_build_one", lambda trt, src, target, *rest: target.write_bytes(b"plan"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(TensorRTUnavailableError, match="it needs TensorRT 10.15 \\(for RMSNormalization"):
+        tensorrt_build.build_engines(onnx_path, TensorRTConfig(plan=tmp_path / "engine.plan"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    Trt.__version__ = "10.16.1.11"
+    files = tensorrt_build.build_engines(onnx_path, TensorRTConfig(plan=tmp_path / "engine.plan", verify=False))
+    assert engine_meta(files.step).min_tensorrt == "10.15" and engine_meta(onnx_path).min_tensorrt is None
 
 
 def test_plan_config_and_paths(tmp_path):
@@ -397,8 +512,10 @@ def test_cuda_graph_replay_gives_the_same_tokens(built_plans, stories_prompts):
         ("10.8.0", [], "TensorRT 10.8.0 is older than the 10.15 this export's graph needs (opset 23, --attention onnx)"),
         ("10.12.0", ["--attention", "plugin"], "or export with --opset 22"),
         ("10.16.0", ["--attention", "plugin"], "Python plugin API's AOT implementations"),  # a tensorrt without tensorrt.plugin
+        ("10.14.1", ["--backend", "tensorrt"], "TensorRT 10.14.1 is older than the 10.15"),  # an engine folder for TensorRT
+        ("10.16.0", ["--backend", "tensorrt", "--attention", "plugin"], "Python plugin API's AOT implementations"),
     ],
-    ids=["too-old", "too-old-plugin", "no-aot-plugin"],
+    ids=["too-old", "too-old-plugin", "no-aot-plugin", "folder-too-old", "folder-no-aot-plugin"],
 )
 def test_an_installed_tensorrt_that_cannot_build_the_graph_is_one_line_with_nothing_written(version, extra, message, tmp_path, monkeypatch):
     """Checked before the export (exporter.tensorrt_build.preflight): a user with an old TensorRT, or one whose
@@ -408,7 +525,7 @@ def test_an_installed_tensorrt_that_cannot_build_the_graph_is_one_line_with_noth
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version, __name__="tensorrt"))
     monkeypatch.delitem(sys.modules, "tensorrt.plugin", raising=False)
     monkeypatch.delitem(sys.modules, "medusa_trt.plugins.tree_attention.trt_plugin", raising=False)
-    plan = tmp_path / "engine.plan"
-    code, _, err = _cli("--model", STORIES, "--untrained-heads", "2", "--out", plan, "--max-context", "64", *extra)
+    out = tmp_path / ("engine" if "--backend" in extra else "engine.plan")  # --backend tensorrt: an engine folder
+    code, _, err = _cli("--model", STORIES, "--untrained-heads", "2", "--out", out, "--max-context", "64", *extra)
     assert code == 2 and message in err and "\n" not in err, err
     assert list(tmp_path.iterdir()) == []

@@ -1,8 +1,9 @@
 """TensorRT backend: runs the ``.plan`` engines ``medusa-export --out engine.plan`` builds.
 
 Files: ``engine.plan`` (step), ``engine.heads.plan`` (Medusa heads), ``engine.plan.json`` (the
-``EngineMeta`` sidecar), ``engine.tokenizer/``. Needs tensorrt (10+) and a CUDA build of torch;
-both are imported only when this backend is built, never by the lean runtime.
+``EngineMeta`` sidecar), ``engine.tokenizer/``. Needs tensorrt (at least the release the plan's graph
+needs, ``EngineMeta.min_tensorrt``; 10.0 for plans that predate it) and a CUDA build of torch; both are
+imported only when this backend is built, never by the lean runtime.
 
 Buffers are allocated once, in ``__init__``: one flat torch CUDA tensor per I/O tensor of each
 engine, sized for its largest shape (max_batch sequences, max_tokens new tokens, max_context cache
@@ -56,8 +57,9 @@ from medusa_trt.runtime.contract import (
     TREE_MASK,
     Proposals,
     StepOutput,
+    step_shapes,
 )
-from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, engine_meta
+from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, engine_meta, tensorrt_release
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -78,11 +80,25 @@ def _import_tensorrt():
         import tensorrt as trt
     except (ImportError, OSError) as exc:  # the PyPI stub raises either when the libraries are missing
         raise EngineError(f"TensorRT engines need the tensorrt package ({' '.join(str(exc).split())[:120]}): {INSTALL_HINT}") from exc
+    return trt
+
+
+def _require_cuda() -> None:
     import torch
 
     if not torch.cuda.is_available():
         raise EngineError(f"TensorRT engines run on an NVIDIA GPU and torch sees none: {INSTALL_HINT}")
-    return trt
+
+
+def check_tensorrt_release(version: str, meta: EngineMeta, plan: Path) -> None:
+    """Refuse, in one line, a TensorRT older than the one the plan's graph needs (``EngineMeta.min_tensorrt``, recorded
+    by the build; plans built before it was recorded need the baseline): its parser lacks an op the plan holds."""
+    if tensorrt_release(version) < meta.tensorrt_floor:
+        need = ".".join(map(str, meta.tensorrt_floor))
+        raise EngineError(
+            f"{plan} needs TensorRT {need} or newer (its graph's ops), this is TensorRT {version}: "
+            "install a newer TensorRT (pip install --upgrade tensorrt) and build the plan again with it"
+        )
 
 
 def _register_plugin_if_possible() -> None:
@@ -199,7 +215,9 @@ class TensorRTBackend:
 
         self.files = files = EngineFiles.locate(path)
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
-        self.meta = meta = read_plan_meta(files.step)
+        self.meta = meta = read_plan_meta(path)  # a folder: its config.json (files.step would look for model.plan.json)
+        check_tensorrt_release(str(getattr(trt, "__version__", "0")), meta, files.step)
+        _require_cuda()
         self.max_batch, self.max_context = meta.check_limits(max_batch, max_context, built=True)
         if meta.key_slots:
             raise EngineError(
@@ -216,15 +234,7 @@ class TensorRTBackend:
         self.stream = torch.cuda.Stream()
         batch, tokens, slots = self.max_batch, meta.max_tokens, self.max_context
         self.kv_shape = (meta.num_layers, meta.num_kv_heads, meta.head_dim)  # per slot and sequence
-        cache = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-        step_max = {
-            INPUT_IDS: (batch, tokens),
-            POSITION_IDS: (batch, tokens),
-            TREE_MASK: (batch, tokens, tokens),
-            CACHE_LENGTHS: (batch,),
-            PAST_KEY: cache,
-            PAST_VALUE: cache,
-        }
+        step_max = step_shapes(batch, tokens, slots, self.kv_shape)  # the largest step: buffers are allocated for it
         self.step_engine = _Engine(trt, self._runtime, files.step, step_max, STEP_OUTPUTS, self.stream)
         self.heads_engine = None
         files.check_heads(meta.num_heads, fix="build again")
@@ -295,15 +305,7 @@ class TensorRTBackend:
         if tokens > self.max_tokens:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.max_tokens}")
         past = self.max_context if self.whole_cache else int(cache_lengths.max())  # host value: the bound cache length
-        cache = (past, self.kv_shape[0], batch, *self.kv_shape[1:])
-        shapes = {
-            INPUT_IDS: (batch, tokens),
-            POSITION_IDS: (batch, tokens),
-            TREE_MASK: (batch, tokens, tokens),
-            CACHE_LENGTHS: (batch,),
-            PAST_KEY: cache,
-            PAST_VALUE: cache,
-        }
+        shapes = step_shapes(batch, tokens, past, self.kv_shape)
         with torch.cuda.stream(self.stream):
             for name, array in (
                 (INPUT_IDS, input_ids),
