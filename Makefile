@@ -79,9 +79,9 @@ $(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(HEADS)/template.json $(HEADS)/e
 	mkdir -p build
 	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --out $@ --max-batch 4 --max-context 1024
 
-# A few different prompts (assets/demo_prompts.json: code, a summary, a question, a chat turn, one streamed), each
-# drafted and then decoded plainly on the same engine, greedy: the answers' first lines, tokens per step, the speedup
-# over plain decoding, and whether every drafted output equals its plain output (exit 1 if not)
+# A few different prompts (assets/demo_prompts.json: code, a summary, a question, a word problem, a chat turn, one
+# streamed), each drafted and then decoded plainly on the same engine, greedy: the answers' first lines, tokens per
+# step, the speedup over plain decoding, and whether every drafted output equals its plain output (exit 1 if not)
 demo: $(ENGINE)
 	$(VENV)/bin/medusa-demo --engine $(ENGINE) --prompts assets/demo_prompts.json --max-new-tokens 128
 

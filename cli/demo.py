@@ -102,7 +102,7 @@ def _per_step(runs: list[Run]) -> float:
 
 def _first_lines(text: str, lines: int) -> list[str]:
     """The answer's first ``lines`` lines, long ones wrapped at WIDTH characters."""
-    rows = [part for row in text.strip().splitlines() if row.strip() for part in textwrap.wrap(row, WIDTH, drop_whitespace=False) or [""]]
+    rows = [part for row in text.strip().splitlines() if row.strip() for part in textwrap.wrap(row, WIDTH) or [""]]
     shown = [f"  | {row}" for row in rows[:lines]]
     if len(rows) > lines:
         shown.append(f"  | ... ({len(rows) - lines} more lines)")
