@@ -84,3 +84,16 @@ def test_a_bad_prompts_file_is_one_line_before_the_engine_loads(tmp_path, capsys
     code = _demo(tmp_path / "no-engine", tmp_path, prompts)  # no engine there: the file is checked first
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("medusa-demo: error: --prompts ") and message in err[0], err
+
+
+def test_the_shipped_prompts_read():
+    """make demo's own file: one prompt of each kind, names unique, one of them streamed."""
+    from pathlib import Path
+
+    from medusa_trt.cli.demo import read_demo_prompts
+
+    prompts = read_demo_prompts(str(Path(__file__).resolve().parents[1] / "assets" / "demo_prompts.json"))
+    names = [p.name for p in prompts]
+    assert len(set(names)) == len(names) >= 4 and {"code", "summary", "question", "chat"} <= set(names)
+    assert sum(p.stream for p in prompts) == 1
+    assert any(isinstance(p.prompt, list) for p in prompts)  # the chat turn is a conversation
