@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medusa_trt.runtime.backends import BACKENDS
 from medusa_trt.runtime.errors import MedusaError
 
 DEFAULT_MAX_BATCH = 4
@@ -25,7 +26,9 @@ class RuntimeConfig:
         None  # prompt tokens per engine call (bounds the per-step buffers); None: min(64, the engine's tokens per step)
     )
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
-    threads: int | None = None  # onnxruntime intra-op threads; None: its default (physical cores)
+    threads: int | None = None  # onnxruntime intra-op / openvino inference threads; None: its default (physical cores)
+    backend: str | None = None  # ONNX engines: onnxruntime or openvino; None: the engine folder's choice, else onnxruntime
+    precision: str | None = None  # openvino's inference precision: f32 (None) or bf16 (CPUs with AMX or AVX512-BF16)
     cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
     verify_checksums: bool = False  # check every engine file's sha256 against the export's manifest (servers: once at load)
 
@@ -47,6 +50,8 @@ class RuntimeConfig:
                 or not all(is_int(k) and k >= 1 and isinstance(v, (int, float)) and v > 0 for k, v in table.items())
             ):
                 raise MedusaError(f"step_cost must map tokens per step (integers >= 1) to positive costs, got {table!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise MedusaError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("cuda_graph", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise MedusaError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -14,7 +14,7 @@ which ``hf upload``, container mounts and Triton repositories expect)::
 
 ``config.json``::
 
-  {"format": "medusa-trt-engine", "version": 1, "backend": "onnxruntime" | "tensorrt",
+  {"format": "medusa-trt-engine", "version": 1, "backend": "onnxruntime" | "openvino" | "tensorrt",
    "engine": {EngineMeta fields},
    "files": {"step": "model.onnx", "heads": "heads.onnx" | null, "step_plan": ..., "heads_plan": ...,
              "tokenizer": "tokenizer.json", "generation_config": ..., "drafting": "drafting.json"},
@@ -33,19 +33,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.runtime.backends import BACKENDS
 from medusa_trt.runtime.durable import write_text
 from medusa_trt.runtime.engine import FOLDER_CONFIG, EngineError, EngineMeta
 
 FOLDER_FORMAT = "medusa-trt-engine"
 FOLDER_VERSION = 1
-BACKENDS = ("onnxruntime", "tensorrt")
 DRAFTING_FILE = "drafting.json"
 GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
 class FolderConfig:
-    backend: str  # onnxruntime | tensorrt: which graphs MedusaRuntime(DIR) runs
+    backend: str  # onnxruntime | openvino | tensorrt: which backend MedusaRuntime(DIR) runs (tensorrt: the plans)
     meta: EngineMeta
     files: dict  # role -> file name in the folder (None: absent)
     graphs: dict  # "step" / "heads" -> {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}}

@@ -102,7 +102,7 @@ class MedusaRuntime:
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
         self.config = cfg = dataclasses.replace(config or RuntimeConfig(), **overrides)
-        if isinstance(engine, (str, os.PathLike)) and EngineFiles.locate(engine).is_plan:
+        if isinstance(engine, (str, os.PathLike)) and EngineFiles.locate(engine).is_plan and cfg.backend in (None, "tensorrt"):
             self.backend, codec, info = self._tensorrt(engine, cfg)
         elif isinstance(engine, (str, os.PathLike)):
             self.backend, codec, info = self._onnx(engine, cfg)
@@ -190,11 +190,9 @@ class MedusaRuntime:
 
     @staticmethod
     def _onnx(path, cfg: RuntimeConfig):
-        from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
+        from medusa_trt.runtime.backends import open_onnx_backend
 
-        backend = OnnxBackend(
-            path, max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads, checksums=cfg.verify_checksums
-        )
+        backend = open_onnx_backend(path, cfg)  # onnxruntime or openvino (cfg.backend, else the engine folder's choice)
         return backend, FileTextCodec(backend.files.tokenizer), _EngineInfo.from_meta(backend.meta)
 
     @staticmethod

@@ -1,0 +1,258 @@
+"""OpenVINO backend: the engine's own ONNX graphs (model.onnx, heads.onnx) compiled by OpenVINO.
+
+Everything but the engine calls is ``OnnxBackend``'s: this class runs its ``step`` / ``commit`` /
+``relayout`` / ``propose`` over the same ``ort_buffers.HostBuffers`` (the KV cache and every output
+allocated once in host memory, a step binding views of them). What differs is the session under
+them: ``_Session`` gives a compiled OpenVINO model the slice of ONNX Runtime's ``InferenceSession``
+those methods use, and ``_Binding`` turns each IOBinding call into the infer request's tensor for
+that name, over the bound array's memory (``ov.Tensor(..., shared_memory=True)``: no copy in, and
+OpenVINO writes the outputs into the host buffers, so the ``StepOutput`` views stay valid until the
+next step, as the contract says).
+
+Precision: ``"f32"`` (OpenVINO's ``INFERENCE_PRECISION_HINT`` f32, the default) or ``"bf16"`` (weights
+and activations in bfloat16 inside OpenVINO; inputs, cache and outputs stay float32), offered only on
+CPUs with AMX or AVX512-BF16.
+
+Exactness: OpenVINO's CPU attention sums the last, partial block of a key axis in another order than
+a full block, so a token's logits depend on how long the bound key axis is (a verify step binds a
+longer one than the token's plain step). Engines with key slots therefore bind every step's key
+axis rounded up to ``KEY_BLOCK`` slots (the extra slots are masked: attention work only, and the
+buffers hold them), which leaves only the key slots' lane condition (``runtime/key_slots.py``).
+Whether a verify step then gives a token its plain-step logits bit for bit is measured at load on
+the engine itself (``_probe``: the exactness probe of ``runtime/exactness.py`` at each lane count):
+an engine that passes claims exactness per node as on ONNX Runtime; one that does not claims
+nothing, says so in a warning, and ``backend.exact`` is False (drafted output then equals plain
+output to float rounding only). Measured on SmolLM2-135M (AVX-512 CPU, 2 threads): unpadded,
+trees differ from plain steps by up to 5e-5 at every lane count; padded to 64, f32 and bf16 are both
+exact at 16 lanes (bf16's logits are its own, not f32's: exact means drafted = its own plain output).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime import exactness, key_slots
+from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend
+from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
+from medusa_trt.runtime.contract import NEXT_INPUT, SUCCESSORS_OUTPUT
+from medusa_trt.runtime.engine import EngineError, EngineFiles, check_folder_meta, engine_meta
+from medusa_trt.runtime.manifest import check_manifest
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("f32", "bf16")  # INFERENCE_PRECISION_HINT values offered; f32 is the default
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs that run bf16 natively
+DEVICES = ("CPU", "GPU", "NPU")  # OpenVINO device names (only CPU is measured and tested here)
+KEY_BLOCK = 64  # key-slot engines bind their key axis in multiples of this many slots (a multiple of every lane count)
+_PROBED: dict[tuple, tuple[int | None, exactness.Exactness]] = {}  # (step file, precision, device, threads) -> (lanes, result)
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """The CPU runs bfloat16 natively (AMX or AVX512-BF16), read from /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:  # not Linux: no claim
+            return False
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split(":", 1)[-1].split()}
+    return any(flag in flags for flag in BF16_FLAGS)
+
+
+def check_options(precision: str, device: str) -> None:
+    """Refuse option values this machine cannot honour, with the fix."""
+    if precision not in PRECISIONS:
+        raise EngineError(f"openvino precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if device not in DEVICES:
+        raise EngineError(f"openvino device {device!r} is not one of {', '.join(DEVICES)}")
+    if precision == "bf16" and device == "CPU" and not cpu_has_bf16():
+        raise EngineError(
+            f"openvino precision bf16 needs a CPU with AMX or AVX512-BF16 ({platform.processor() or 'this CPU'} has neither): use f32"
+        )
+
+
+class _Binding:
+    """The ONNX Runtime IOBinding calls ``OnnxBackend`` and ``HostBuffers`` make, on one OpenVINO infer
+    request: each bound array becomes the request's tensor of that name over the same memory."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def clear_binding_inputs(self) -> None:  # every step sets all its tensors again
+        pass
+
+    def clear_binding_outputs(self) -> None:
+        pass
+
+    def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
+        import openvino as ov
+
+        self.request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array), shared_memory=True))
+
+    def bind_output(self, name: str, device: str, device_id: int, dtype, shape, address: int) -> None:
+        """An output into host memory at ``address`` (a HostBuffers view, alive as long as the backend)."""
+        import openvino as ov
+
+        assert device == "cpu", device  # HostBuffers binds host memory only
+        shape = tuple(int(n) for n in shape)
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        array = np.frombuffer((ctypes.c_byte * max(nbytes, 1)).from_address(address), dtype=dtype, count=int(np.prod(shape)))
+        self.request.set_tensor(name, ov.Tensor(array.reshape(shape), shared_memory=True))
+
+
+class _PaddedBuffers(HostBuffers):
+    """HostBuffers whose step binds the first ``past`` cache slots rounded up to ``KEY_BLOCK``: every key
+    axis OpenVINO's attention sees is whole blocks, whatever the step's width (see the module docstring)."""
+
+    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+        super().bind_step(io, batch, tokens, -(-past // KEY_BLOCK) * KEY_BLOCK)
+
+
+class _Session:
+    """A compiled OpenVINO model behind the part of ``onnxruntime.InferenceSession`` OnnxBackend uses."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()  # one request: steps run one at a time
+        self.inputs = {i.get_any_name() for i in compiled.inputs}
+        self.outputs = {o.get_any_name() for o in compiled.outputs}
+
+    def io_binding(self) -> _Binding:
+        return _Binding(self.request)
+
+    def run_with_iobinding(self, io: _Binding) -> None:
+        io.request.infer()  # synchronous: the outputs are in the bound buffers when it returns
+
+    def run(self, output_names, feeds: dict) -> list[np.ndarray]:
+        result = self.request.infer(feeds)
+        return [result[o] for o in self.compiled.outputs]
+
+
+class OpenVinoBackend(OnnxBackend):
+    name = "openvino"
+
+    def __init__(
+        self,
+        path,
+        *,
+        max_batch: int | None = None,
+        max_context: int | None = None,
+        threads: int | None = None,
+        precision: str | None = None,
+        device: str = "CPU",
+        checksums: bool = False,
+    ):
+        try:
+            import openvino as ov
+        except ImportError as exc:
+            raise EngineError(f"backend openvino needs the openvino package ({exc}): pip install 'medusa-trt[openvino]'") from exc
+        self.precision = precision = precision or PRECISIONS[0]
+        check_options(precision, device)
+        files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
+        if not files.step.is_file():
+            raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
+        check_manifest(files, checksums=checksums)
+        self.meta = meta = engine_meta(files.step)
+        check_folder_meta(files, meta)
+        self.files = files
+        if meta.dtype not in DTYPES:
+            raise EngineError(f"{files.step} holds {meta.dtype} weights, which this backend does not run: export with --dtype fp32 or fp16")
+        self.dtype = DTYPES[meta.dtype]
+        core = ov.Core()
+        options = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
+        if threads:
+            options["INFERENCE_NUM_THREADS"] = threads
+        self.session = _Session(self._compile(core, files.step, device, options))
+        self.heads_session = None
+        files.check_heads(meta.num_heads)
+        if meta.num_heads:
+            if engine_meta(files.heads) != meta:
+                raise EngineError(
+                    f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
+                    "keep the files of one export together or export again"
+                )
+            self.heads_session = _Session(self._compile(core, files.heads, device, options))
+            if (NEXT_INPUT in self.heads_session.inputs) != meta.reads_roots:
+                raise EngineError(
+                    f"{files.heads} takes inputs {sorted(self.heads_session.inputs)} but the engine says its heads read "
+                    f"{meta.head_input}: export again"
+                )
+        self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
+        self.max_tokens = meta.max_tokens
+        self.successors = meta.successors if SUCCESSORS_OUTPUT in self.session.outputs else 0
+        self.slots = self.max_context + (key_slots.slack(meta.max_tokens) if meta.key_slots else 0)
+        padded = -(-self.slots // KEY_BLOCK) * KEY_BLOCK if meta.key_slots else self.slots  # room for the rounded-up key axis
+        sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=padded, dtype=self.dtype, successors=self.successors)
+        self.buffers = _PaddedBuffers(sizes) if meta.key_slots else HostBuffers(sizes)
+        self.kv_row = sizes.kv_row
+        self._binding = self.session.io_binding()
+        self.key_lanes = None  # set by the probe: the lane count at which verify steps are plain steps here
+        self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
+        if meta.key_slots:
+            self.key_lanes, self.exactness = self._probe((files.step.resolve(), precision, device, threads))
+        log.info(
+            "openvino backend (%s, precision %s): KV cache %.1f MiB, outputs %.1f MiB",
+            device,
+            precision,
+            self.buffers.cache_bytes / 2**20,
+            self.buffers.output_bytes / 2**20,
+        )
+
+    @staticmethod
+    def _compile(core, path: Path, device: str, options: dict):
+        try:
+            return core.compile_model(core.read_model(str(path)), device, options)
+        except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable graphs, unknown devices and ops
+            reason = " ".join(str(exc).split())[:300]
+            raise EngineError(f"OpenVINO cannot compile {path} for {device}: {reason}") from exc
+
+    @property
+    def exact(self) -> bool | None:
+        """Verify steps are plain steps bit for bit on this engine and precision (None: not measured, no claim)."""
+        return None if self.exactness is None else self.exactness.exact
+
+    def _probe(self, key: tuple) -> tuple[int | None, exactness.Exactness]:
+        """The smallest lane count of ``key_slots.LANES`` at which a chain and a branching tree re-score
+        the engine's own plain steps bit for bit (``runtime/exactness.py``), measured once per engine,
+        precision, device and thread count in a process; (None, the failing result) when none does."""
+        if key not in _PROBED:
+            _PROBED[key] = self._measure_lanes()
+            lanes, found = _PROBED[key]
+            if lanes is None:
+                log.warning(
+                    "%s on OpenVINO (%s): a verify step's logits differ from a plain step's by up to %.3g, so drafted output "
+                    "equals plain output to float rounding only (not exact); use the onnxruntime backend "
+                    "for exact drafting",
+                    self.files.step.name,
+                    key[1],
+                    found.max_diff,
+                )
+            else:
+                log.info("openvino key slots at %d lanes: a verify step is a plain step, bit for bit", lanes)
+        return _PROBED[key]
+
+    def _measure_lanes(self) -> tuple[int | None, exactness.Exactness]:
+        limit = self.max_tokens
+        tokens = max(1, min(exactness.TOKENS, limit - 1))  # the tree holds the path and one sibling
+        context = max(1, min(exactness.CONTEXT, limit, self.max_context - tokens - 2))
+        ids = np.random.default_rng(0).integers(0, self.meta.vocab_size, context, dtype=np.int64)  # (C,)
+        self.key_lanes = key_slots.LANES[0]
+        path, plain = exactness.plain_steps(self, ids, tokens)
+        layouts = exactness.layouts(path, self.meta.vocab_size)
+        diffs = exactness.verify_diffs(self, ids, layouts["chain"], plain)  # a chain's slots do not depend on the lanes
+        if max(diffs) > 0.0:  # wider steps sum in another order: no lane count helps
+            return None, exactness.Exactness(False, max(diffs), len(diffs))
+        if "tree" not in layouts:
+            return self.key_lanes, exactness.Exactness(True, 0.0, len(diffs))
+        worst = []
+        for lanes in key_slots.LANES:
+            self.key_lanes = lanes
+            tree = exactness.verify_diffs(self, ids, layouts["tree"], plain)
+            if max(tree) == 0.0:
+                return lanes, exactness.Exactness(True, 0.0, len(diffs) + len(tree))
+            worst.append(max(tree))
+        return None, exactness.Exactness(False, min(worst), len(diffs) + len(tree))

@@ -1,0 +1,146 @@
+"""The OpenVINO backend (runtime/backends/openvino_backend.py): the same engine, the same tokens.
+
+Tokens in, tokens out on stories260K with fitted heads: greedy drafted output on OpenVINO equals ONNX
+Runtime's plain output (f32) with rows refilling (commit, relayout) at batch 1 to 3; bf16 (where the CPU
+has it) equals its own plain output; the load-time probe's verdict is what the steps claim, and an
+inexact engine says so. Bad option values are one typed line. Skips where openvino is not installed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino", reason="openvino not installed (pip install 'medusa-trt[openvino]', or make openvino-peer)")
+
+from medusa_trt.runtime import MedusaRuntime  # noqa: E402
+from medusa_trt.runtime.backends import onnx_backend_name  # noqa: E402
+from medusa_trt.runtime.backends import openvino_backend as ovb  # noqa: E402
+from medusa_trt.runtime.engine import EngineError  # noqa: E402
+from medusa_trt.runtime.errors import MedusaError  # noqa: E402
+from tests.conftest import medusa_model  # noqa: E402
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def engine(stories_base, stories_fitted, export_engine):
+    return export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))  # shared with test_runtime
+
+
+@pytest.fixture(scope="module")
+def onnxruntime_plain(engine, stories_prompts):
+    runtime = MedusaRuntime(engine, max_batch=3, max_context=256, threads=2).plain()
+    return [r.token_ids for r in runtime.generate(stories_prompts[:5], max_new_tokens=NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_drafted_output_equals_onnxruntime_plain_output(engine, stories_prompts, onnxruntime_plain, batch):
+    """f32: 5 prompts over ``batch`` rows (rows finish and refill: commit and relayout), every drafter."""
+    runtime = MedusaRuntime(engine, backend="openvino", max_batch=batch, max_context=256, threads=2)
+    assert runtime.backend.name == "openvino" and runtime.backend.precision == "f32"
+    assert runtime.backend.exact is True, runtime.backend.exactness  # the probe found verify steps = plain steps here
+    results = runtime.generate(stories_prompts[:5], max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in results] == onnxruntime_plain
+    assert max(r.stats.mean_accepted for r in results) > 1  # drafts were accepted on the way
+    plain = runtime.plain().generate(stories_prompts[:5], max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in plain] == onnxruntime_plain
+
+
+def test_bf16_drafted_output_equals_its_own_plain_output(engine, stories_prompts):
+    if not ovb.cpu_has_bf16():
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16: openvino's bf16 precision is refused here")
+    runtime = MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=2, max_context=256, threads=2)
+    assert runtime.backend.precision == "bf16"
+    drafted = runtime.generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
+    plain = runtime.plain().generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
+    if runtime.backend.exact:
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    else:  # no claim: the steps say so, and the load warned
+        assert runtime.backend.exactness.max_diff > 0
+
+
+def test_verify_steps_claim_what_the_probe_found(engine):
+    """A tree step's per-node ``exact`` flags come from the key slots at the probed lane count, and the
+    path's logits then equal the plain steps' logits bit for bit."""
+    from medusa_trt.runtime import exactness
+
+    backend = ovb.OpenVinoBackend(engine, max_batch=1, max_context=256, threads=2)
+    assert backend.key_lanes in (8, 16, 32, 64)
+    ids = np.random.default_rng(7).integers(0, backend.meta.vocab_size, 40, dtype=np.int64)
+    path, plain = exactness.plain_steps(backend, ids, 5)
+    tokens, parents, where = exactness.layouts(path, backend.meta.vocab_size)["tree"]
+    exactness.prefill(backend, ids)
+    out = backend.step(
+        np.array([tokens]), (40 + np.array([0, 1, 1, 2, 3, 4]))[None], _mask(parents)[None], np.array([40])
+    )  # root, sibling, path below the root
+    assert out.exact is not None and out.exact[0, where].all()
+    assert all(np.array_equal(out.logits()[0, i], plain[j]) for j, i in enumerate(where))
+
+
+def _mask(parents: list[int]) -> np.ndarray:
+    mask = np.eye(len(parents), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def test_an_inexact_engine_claims_nothing_and_warns(engine, stories_prompts, monkeypatch, caplog):
+    from medusa_trt.runtime import exactness
+
+    monkeypatch.setattr(ovb, "_PROBED", {})
+    monkeypatch.setattr(exactness, "verify_diffs", lambda *args: [0.5])  # what a backend whose verify steps drift measures
+    with caplog.at_level(logging.WARNING):
+        backend = ovb.OpenVinoBackend(engine, max_batch=1, max_context=256, threads=2)
+    assert backend.exact is False and backend.key_lanes is None and backend.exactness.max_diff == 0.5
+    assert any("not exact" in r.getMessage() for r in caplog.records)
+    tree = np.tri(3, dtype=bool)
+    tree[2, 1] = False  # a sibling of node 1
+    assert backend.step(np.array([[5, 6, 7]]), np.array([[0, 1, 1]]), tree[None], np.array([0])).exact is None
+
+
+def test_engine_folder_chooses_the_backend(stories_base, stories_fitted, engine, tmp_path):
+    """A folder whose config.json says openvino runs on it; ``backend=`` overrides the folder; a loose
+    .onnx runs on onnxruntime unless asked."""
+    import dataclasses
+
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.runtime.engine import EngineFiles
+    from medusa_trt.runtime.engine_folder import read_folder_config, write_folder_config
+    from medusa_trt.runtime.manifest import write_manifest
+
+    assert onnx_backend_name(engine, None) == "onnxruntime" and onnx_backend_name(engine, "openvino") == "openvino"
+    folder = tmp_path / "stories"
+    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-2", max_batch=2, max_context=128))
+    assert onnx_backend_name(folder, None) == "onnxruntime"
+    write_folder_config(folder, dataclasses.replace(read_folder_config(folder), backend="openvino"))
+    write_manifest(EngineFiles.in_folder(folder))  # the export's manifest recorded the old config.json
+    assert MedusaRuntime(folder, threads=2).backend.name == "openvino"
+    assert MedusaRuntime(folder, backend="onnxruntime", threads=2).backend.name == "onnxruntime"
+
+
+def test_bad_options_are_one_typed_line(engine, monkeypatch):
+    cases = [
+        (dict(backend="openvino", precision="fp8"), EngineError, "precision 'fp8' is not one of f32, bf16"),
+        (dict(backend="openvin"), MedusaError, "backend must be one of"),
+        (dict(precision="bf16"), EngineError, "is an openvino option"),
+        (dict(backend="tensorrt"), EngineError, "tensorrt runs .plan engines"),
+    ]
+    for options, kind, message in cases:
+        with pytest.raises(kind, match=message) as info:
+            MedusaRuntime(engine, max_batch=1, max_context=64, **options)
+        assert "\n" not in str(info.value)
+    with pytest.raises(EngineError, match="device 'TPU' is not one of"):
+        ovb.OpenVinoBackend(engine, device="TPU")
+    monkeypatch.setattr(ovb, "cpu_has_bf16", lambda: False)
+    with pytest.raises(EngineError, match="needs a CPU with AMX or AVX512-BF16"):
+        MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=1, max_context=64)
+
+
+def test_bf16_flags_are_read_from_cpuinfo():
+    assert ovb.cpu_has_bf16("processor : 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n")
+    assert ovb.cpu_has_bf16("flags : fpu amx_bf16 amx_tile\n")
+    assert not ovb.cpu_has_bf16("flags : fpu sse avx2 avx512f\nbugs : avx512_bf16\n")
