@@ -101,11 +101,14 @@ constraints:
 	  echo "# Refresh after testing newer releases (docs/testing.md): make constraints"; \
 	  $(PIP) freeze --exclude-editable | sed 's/+cpu$$//' | sort -f; } > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
 
-# Without a GPU (CI): every module the GPU check imports resolves from the package path it builds
-gpu-check-dry: $(STAMP)
-	$(PY) scripts/gpu_preflight.py
+# Without a GPU (CI runs it after make test): what gpu-check runs, on the package path it builds, in a venv holding only
+# the GPU image's packages (build/gpu-venv, made once): every import, the GPU tests skipping cleanly, gpu_bench.py
+# --dry-run to its first CUDA call, the TensorRT step saying it did not run. Report in build/gpu-check-dry/
+gpu-check-dry:
+	bash scripts/gpu_check_dry.sh
 
-# On a GPU machine (no install needed there): GPU tests + a short benchmark, report in build/gpu-check/
+# On a GPU machine (no install needed there): GPU tests, a short benchmark and training run, TensorRT plans of both
+# attention forms where TensorRT is importable; report in build/gpu-check/
 gpu-check:
 	bash scripts/gpu_check.sh
 

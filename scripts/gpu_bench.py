@@ -9,6 +9,10 @@ Then the tree-attention kernel alone: Triton kernel vs the torch reference, one 
 T = 1..64 new tokens over 256 and 4096 committed slots, at SmolLM2 (Hq=9, Hkv=3, D=64) and 1B
 (Hq=32, Hkv=4, D=64) head shapes (median host ms per call, synchronised).
 Writes a JSON report and prints a readable one.
+
+``--dry-run`` (``make gpu-check-dry``, no GPU): the same steps on the CPU at toy sizes (a 2-layer Llama), up to
+the first one that needs CUDA (the kernel timing), where it stops and says so: what runs on the GPU machine
+cannot fail on an import, a renamed function or a changed signature.
 """
 
 from __future__ import annotations
@@ -50,6 +54,16 @@ SHAPES = {
     ),
 }
 
+DRY_RUN_SHAPE = dict(  # --dry-run: the same code at a size two CPU cores run in seconds
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
 ATTENTION_SHAPES = {"smollm2-135m-shaped": (9, 3, 64), "llama-1b-shaped": (32, 4, 64)}  # Hq, Hkv, D
 
 
@@ -64,7 +78,7 @@ def build(shape: str, dtype: torch.dtype, device: str) -> BaseModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, initializer_range=0.05)
+    config = LlamaConfig(**SHAPES.get(shape, DRY_RUN_SHAPE), max_position_embeddings=4096, initializer_range=0.05)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
     return BaseModel(model=model, tokenizer=_NoTokenizer(), name=shape, eos_token_ids=(), is_chat=False)
@@ -154,7 +168,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--dry-run", action="store_true", help="no GPU: every step on the CPU at toy sizes, up to the first CUDA call")
     args = p.parse_args()
+    if args.dry_run:
+        args.device, args.shapes, args.sizes, args.repeats, args.new_tokens = "cpu", ["dry-run"], [1, 2], 2, 12
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: no CUDA GPU found: run this on a GPU machine")
     logging.basicConfig(level=logging.WARNING)
@@ -173,7 +190,9 @@ def main() -> None:
         del base, model, heads
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    if args.device == "cuda" and triton_importable():
+    if args.dry_run:  # everything after this point needs CUDA
+        print("gpu_bench: dry run: stopped at the first CUDA call (tree-attention kernel timing, make_case(device='cuda'))")
+    elif args.device == "cuda" and triton_importable():
         report["tree_attention"] = {
             shape: attention_latency(ATTENTION_SHAPES[shape], [256, 4096], sizes, args.repeats) for shape in args.shapes
         }

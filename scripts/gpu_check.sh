@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check (make gpu-check): every GPU test, a short GPU benchmark, then a short CUDA training
-# run of the heads (scripts/gpu_train_check.py: positions/s), one report folder.
+# The GPU check (make gpu-check): every GPU test, a short GPU benchmark, a short CUDA training run of the heads
+# (scripts/gpu_train_check.py: positions/s), then SmolLM2 built as TensorRT plans in both attention forms with greedy
+# tokens checked against ONNX Runtime and torch (scripts/gpu_trt_check.py; where TensorRT or SmolLM2 is absent it
+# says so in one line and counts as not-run, not failed), one report folder. make gpu-check-dry runs it without a GPU.
 # Runs on a fresh GPU machine with PyTorch, Triton, CUDA and transformers but no network: the
 # package is made importable from the checkout without installing, and missing pure-Python
 # wheels (gguf) are taken from .whl/ when present. Shared test data comes from
@@ -11,8 +13,8 @@ report=${OUT:-build}/gpu-check
 mkdir -p "$report"
 py=${PYTHON:-python3}
 if ! $py -c "import medusa_trt.runtime" 2>/dev/null; then
-  mkdir -p /tmp/medusa-src/medusa_trt
-  for d in cli exporter runtime plugins training serving bench; do ln -sfn "$PWD/$d" "/tmp/medusa-src/medusa_trt/$d"; done
+  # every package pyproject.toml maps, linked by the script the dry run (make gpu-check-dry) builds its path with
+  $py scripts/gpu_preflight.py --link-into /tmp/medusa-src --links-only || exit 2
   export PYTHONPATH="/tmp/medusa-src${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if compgen -G ".whl/*.whl" >/dev/null && ! $py -c "import gguf" 2>/dev/null; then
@@ -36,6 +38,10 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
   echo "== GPU training"
   $py scripts/gpu_train_check.py --out "$report/gpu-train.json"
   train=$?
-  echo "== exit: preflight $preflight, tests $tests, benchmark $bench, training $train"
+  echo "== TensorRT: SmolLM2, both attention forms, greedy tokens against ONNX Runtime and torch"
+  $py scripts/gpu_trt_check.py --out "$report/gpu-trt.json"
+  trt=$?
+  [ "$trt" = 77 ] && trt=not-run  # TensorRT (or SmolLM2) absent here: said in one line above
+  echo "== exit: preflight $preflight, tests $tests, benchmark $bench, training $train, tensorrt $trt"
 } 2>&1 | tee "$report/gpu-report.txt"
-grep -q "== exit: preflight 0, tests 0, benchmark 0, training 0" "$report/gpu-report.txt"
+grep -qE "== exit: preflight 0, tests 0, benchmark 0, training 0, tensorrt (0|not-run)$" "$report/gpu-report.txt"

@@ -7,6 +7,9 @@ package pyproject.toml maps (not a hand-kept list), then imports each module the
 what is missing before any test or benchmark starts. Optional imports (inside ``try``, or the tests'
 ``pytest.importorskip``) are reported but do not fail. Runs on CPU: ``python scripts/gpu_preflight.py``.
 
+``--link-into DIR --links-only`` only builds the package path: ``scripts/gpu_check.sh`` makes its package path
+this way, so the GPU check and its dry run (``make gpu-check-dry``) cannot link different packages.
+
 Exit status: 0 when every required module imports, 2 otherwise.
 """
 
@@ -21,7 +24,14 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("tests/test_gpu.py", "tests/test_gpu_kernel.py", "tests/conftest.py", "scripts/gpu_bench.py", "scripts/gpu_train_check.py")
+CHECKED = (  # every file make gpu-check runs, and what they import at their top
+    "tests/test_gpu.py",
+    "tests/test_gpu_kernel.py",
+    "tests/conftest.py",
+    "scripts/gpu_bench.py",
+    "scripts/gpu_train_check.py",
+    "scripts/gpu_trt_check.py",
+)
 
 
 def package_path(into: Path) -> Path:
@@ -31,9 +41,11 @@ def package_path(into: Path) -> Path:
     top = into / "medusa_trt"
     top.mkdir(parents=True, exist_ok=True)
     for name, folder in dirs.items():
-        link = top / name.split(".", 1)[1]
+        link, target = top / name.split(".", 1)[1], ROOT / folder
+        if link.is_symlink() and link.resolve() != target.resolve():  # left by another checkout
+            link.unlink()
         if not link.exists():
-            link.symlink_to(ROOT / folder, target_is_directory=True)
+            link.symlink_to(target, target_is_directory=True)
     return into
 
 
@@ -69,8 +81,13 @@ def imports_of(path: Path) -> dict[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-into", type=Path, help="folder for the package links (default: a temporary one)")
+    parser.add_argument("--links-only", action="store_true", help="build the package path in --link-into and import nothing")
     args = parser.parse_args(argv)
+    if args.links_only and args.link_into is None:
+        parser.error("--links-only needs --link-into DIR")
     into = package_path(args.link_into or Path(tempfile.mkdtemp(prefix="medusa-src-")))
+    if args.links_only:
+        return 0
     sys.path.insert(0, str(into))
     sys.path.insert(1, str(ROOT / "tests"))
     wanted: dict[str, bool] = {}
