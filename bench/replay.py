@@ -263,7 +263,7 @@ def _run(args: argparse.Namespace) -> int:
             ids, continuation = ids.tolist(), continuation.tolist()
         else:
             ids = runtime.codec.encode(text, chat=runtime.is_chat)
-            if len(ids) + args.max_new_tokens > 1024:
+            if len(ids) + args.max_new_tokens > runtime.max_context:
                 continue  # the runtime's context (the benchmark skips these too)
             out = plain.generate(ids, max_new_tokens=args.max_new_tokens)
             continuation = [int(t) for t in out.token_ids]

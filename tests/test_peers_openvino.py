@@ -9,14 +9,12 @@ transformers<5.6, which .venv's pins exclude).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import STORIES, STORY_PROMPTS, medusa_model
+from helpers import run_bench
 
 from medusa_trt.bench.openvino_models import export_openvino, find_optimum_cli, save_hf_folder
 from medusa_trt.bench.peers import make_peer, openvino_missing, parse_peer
-from medusa_trt.cli.bench import main
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +64,9 @@ def test_openvino_rows_beside_the_engine(openvino_folder, tmp_path, capsys, expo
     if not STORIES.is_file():
         pytest.skip(f"{STORIES} missing")
     engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Once upon a time", "The dog was", "Lily saw a bird. The bird"]))
-    out = tmp_path / "bench.json"
-    argv = ["--engine", str(engine), "--prompts", str(prompts), "--max-new-tokens", "24", "--no-hf", "--threads", "2", "--out", str(out)]
-    argv += ["--peer", f"openvino:{openvino_folder}", "--peer", f"openvino+lookup:{openvino_folder}"]
-    argv += ["--peer", f"openvino-default:{openvino_folder}"]
-    assert main(argv) == 0, capsys.readouterr().err
-    methods = json.loads(out.read_text())["methods"]
+    args = ["--no-hf", "--threads", "2", "--peer", f"openvino:{openvino_folder}", "--peer", f"openvino+lookup:{openvino_folder}"]
+    args += ["--peer", f"openvino-default:{openvino_folder}"]
+    methods = run_bench(tmp_path, [engine], ["Once upon a time", "The dog was", "Lily saw a bird. The bird"], *args)["methods"]
     plain, lookup = methods["openvino[stories-fp32]"], methods["openvino+lookup[stories-fp32]"]
     default = methods["openvino-default[stories-fp32]"]
     for row in (plain, lookup, default):

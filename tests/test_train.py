@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import STORY_STARTS
 
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.data import IGNORE, build_sequences, cache_hidden
@@ -28,26 +29,6 @@ def test_loss_with_decay_on_hand_computed_logits():
     # decay 1: plain sum; a head without any target contributes nothing
     loss, _ = medusa_loss(logits, torch.tensor([[0, IGNORE], [2, IGNORE]]), decay=1.0)
     assert loss.item() == pytest.approx(head1, abs=1e-6)
-
-
-STORY_STARTS = [
-    "Once upon a time",
-    "One day, a little girl",
-    "Tom and his dog",
-    "The sun was shining and",
-    "Lily found a",
-    "There was a big",
-    "Max wanted to",
-    "In the park, the kids",
-    "Sue had a red",
-    "The cat saw a",
-    "Mom said to Ben",
-    "A bird sat on",
-    "The little boat",
-    "Anna liked to",
-    "The old man had",
-    "Tim was sad because",
-]
 
 
 def _config(tmp_path, name="heads", **overrides) -> TrainConfig:

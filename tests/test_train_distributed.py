@@ -26,17 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import STORIES, medusa_model
+from helpers import STORY_STARTS
 
-STARTS = [
-    "Once upon a time",
-    "One day, a little girl",
-    "Tom and his dog",
-    "The sun was shining and",
-    "Lily found a",
-    "There was a big",
-    "Max wanted to",
-    "In the park, the kids",
-]
+STARTS = STORY_STARTS[:8]
 ROOT = Path(__file__).resolve().parents[1]
 
 # medusa-train with a step clock: each optimizer step takes 50 ms more, so a rank can be killed mid-training
