@@ -2,7 +2,7 @@
 
 A token's logits from a verify step equal its logits from a plain (one token) step only if its
 attention adds up the same numbers in the same order. Measured on ONNX Runtime's CPU kernels
-(``scripts/verify_vs_plain.py``, docs/exactness.md) that takes three things of every visible key:
+(``runtime/exactness.py``, docs/exactness.md) that takes three things of every visible key:
 
 1. its index on the key axis is congruent to its position modulo the softmax's lane count: the
    softmax sums a row in vector lanes, so a key's contribution rounds by its index modulo the
@@ -25,7 +25,7 @@ falls back to cache length + i, the layout of engines without the input.
 Masked filler costs attention work only (keys, not tokens through the MLPs): a key axis at most
 lanes times the tree longer than the cache. The lane count and block are properties of ONNX
 Runtime's CPU kernels and of the CPU: a backend measures the lanes once at load (``probe_lanes``),
-and ``scripts/verify_vs_plain.py`` and the tests check the whole claim.
+and ``runtime/exactness.py`` and the tests check the whole claim.
 """
 
 from __future__ import annotations

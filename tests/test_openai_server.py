@@ -71,7 +71,7 @@ CONVERSATION = [
 
 
 # medusa-serve with a step clock: each engine step takes STEP_S more, so a 240-token request of the tiny engine runs
-# for seconds (long enough to hang up on, or to be stopped mid-way) on any machine, as Triton's test_seconds_per_step
+# for seconds (long enough to hang up on, or to be stopped mid-way) on any machine, as tests/triton_step_clock_model.py does for Triton
 STEP_S = 0.02
 SLOW_SERVE = f"""import sys, time
 from medusa_trt.runtime.scheduler import Scheduler

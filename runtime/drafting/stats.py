@@ -11,7 +11,7 @@ tables sit beside each drafter (``heads.HEADS_P_PRIOR``, ``lookup.LOOKUP_PRIOR``
 ``recycle.RECYCLE_TOP_PRIOR``): accepted / tested per key over an offline replay of the 50
 calibration prompts (SmolLM2-135M, the shipped heads, 128 greedy tokens, every drafter; disjoint
 from the training and the benchmark prompts), shrunk towards the previous hand-set value with the
-weight of 8 observations. Rerun: .venv/bin/python scripts/replay_drafts.py --tree
+weight of 8 observations. Rerun: .venv/bin/python -m medusa_trt.bench.replay --tree
 assets/smollm2-135m-medusa/template.json --prompts assets/calibration_prompts.jsonl --every 1
 --draft heads,lookup,recycle --tally tally.json
 """
