@@ -14,7 +14,8 @@ with the lean passes as the exporter's default does (the "after"), then prints:
     alternating order round by round (a disturbance spreads over both), median and best ms, and
     after / before as a ratio;
   * the fp32 one-token step against its floor: the step graph's weight bytes over the memory
-    bandwidth ``--threads`` threads read here (numpy sums over a 1 GiB buffer, one part per thread).
+    bandwidth ``--threads`` threads read here (numpy sums over a 1 GiB buffer, one part per thread;
+    ``--bandwidth`` gives a figure measured another way).
 
 The CPU's name, the thread count and the load average at the start and end are printed beside the
 figures: on a shared machine, read the ratios, not the milliseconds.
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
     p.add_argument("--rounds", type=int, default=15, help="timed steps of each size per engine")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bandwidth", type=float, help="GB/s for the floor, measured elsewhere (default: measured here)")
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     times, same = time_steps(backends, args.context, SIZES, args.rounds)
     exact = probe(backends["after"])  # last: it overwrites the committed context
     floor_bytes = weight_bytes(paths["after"])
-    read = bandwidth(args.threads)
+    read = args.bandwidth * 1e9 if args.bandwidth else bandwidth(args.threads)
     load_end = os.getloadavg()
 
     cpu = cpu_name()

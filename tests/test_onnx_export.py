@@ -95,6 +95,11 @@ def test_int8_engine_runs_and_reports_agreement(tmp_path, capsys, stories_base):
     assert "max abs difference" in stdout
     meta = read_meta(out)
     assert meta.quantization == "int8"
+    import onnx
+
+    ops = [n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node]
+    # lean (exporter/lean.py): the rotary tables shared; the weights stay apart (one int8 scale per weight tensor)
+    assert ops.count("Cos") == ops.count("Sin") == 1 and "Split" not in ops
     result = MedusaRuntime(out).generate("Once upon a time", max_new_tokens=16)
     assert len(result.token_ids) == 16
 
