@@ -10,20 +10,25 @@ check on tiny models and ``scripts/step_graph_report.py`` on the demo engine.
 
   shared   one node for identical computations (same op, same inputs, same attributes): the
            rotary tables once per step instead of twice per layer. Pure data flow, so exact.
+           (ONNX Runtime's own common-subexpression pass does the same at load: the file says
+           what runs, for every reader of the graph.)
   fused    MatMuls by constant weights that read one input become one MatMul over their weights
            side by side and a ``Split`` (``quantize.fuse_matmuls_by_input``): 4 weight matmuls a
            layer instead of 7. Each output element is the same dot product over the same K
            weights in the same order, whatever the columns beside it, so the outputs are bit for
-           bit those of separate matmuls (MLAS splits work by columns and rows, never along K).
+           bit those of separate matmuls (MLAS's threads split rows and columns, not the sum;
+           measured bit for bit on fp32, int8-channel and int4, which fused already).
 
 Standard ops only: the graph stays what every runtime that reads the step graph understands
 (ONNX Runtime, OpenVINO, TensorRT's ONNX parser). ``--quantize int8`` (one activation scale per
 call, per weight tensor) keeps its weights apart: fused, their one scale would span Q, K and V.
 
-Not done here, and why (docs in the report of issue 38): the cache's per-layer ``Gather`` /
-``Transpose`` / ``ScatterElements`` copies come from the slot-major cache layout the step contract
-binds (a per-layer cache input removes them; it changes every backend), and the ``lm_head`` covers
-every node because ``next_ids`` and ``next_topk`` are contract outputs for every node.
+Not done here, and why: the cache's per-layer ``Gather`` / ``Transpose`` / ``ScatterElements``
+copies come from the slot-major cache the step contract binds (a per-layer cache input removes the
+first; it changes every backend: docs/benchmarks.md, "What limits the ratios"); the ``lm_head``
+covers every node because ``next_ids`` and ``next_topk`` are contract outputs of every node; ONNX
+Runtime's ``SkipSimplifiedLayerNormalization`` gives other last bits than ``Add`` +
+``RMSNormalization`` (row-invariant, so verify steps would stay exact) and exists in ONNX Runtime only.
 """
 
 from __future__ import annotations
