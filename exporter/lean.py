@@ -105,19 +105,23 @@ def lean_graph(proto, *, fuse: bool = True) -> LeanReport:
     return LeanReport(shared, fused, before, op_counts(graph))
 
 
-def lean_step_file(path: Path, *, fuse: bool = True) -> LeanReport:
-    """Rewrite the step graph at ``path`` (with its external data, metadata kept) by ``lean_graph``."""
+def lean_step_file(path: Path, *, fuse: bool = True, out: Path | None = None) -> LeanReport:
+    """Rewrite the step graph at ``path`` by ``lean_graph`` (metadata kept): in place, or into a new
+    graph ``out`` (with its own external data file) that must not exist yet."""
     import onnx
 
-    from medusa_trt.exporter.external_data import has_external_data, save_graph
+    from medusa_trt.exporter.external_data import data_path, has_external_data, save_graph
 
     path = Path(path)
     proto = onnx.load(str(path))
     report = lean_graph(proto, fuse=fuse)
     external = has_external_data(path)
-    for f in path.parent.glob(path.name + "*"):  # the graph and its .data: staged files of this export only
-        if f.name in (path.name, path.name + ".data"):
-            f.unlink()
-    save_graph(proto, path, external=external)
+    if out is None:
+        out = path
+        for f in (path, data_path(path)):  # the graph and its .data: staged files of this export only
+            f.unlink(missing_ok=True)
+    elif Path(out).exists() or data_path(out).exists():
+        raise FileExistsError(f"{out} or its data file exists: pass a new path")
+    save_graph(proto, out, external=external)
     log.info(report.describe())
     return report

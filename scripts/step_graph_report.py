@@ -76,16 +76,12 @@ def export(model: str, work: Path, *, context: int) -> dict[str, Path]:
         export_onnx(load_medusa(model), config)
     if not paths["after"].is_file():
         before, after = EngineFiles.beside(paths["before"]), EngineFiles.beside(paths["after"])
-        pairs = [(before.step, after.step), (data_path(before.step), data_path(after.step)), (before.tokenizer, after.tokenizer)]
-        taken = [dst for _, dst in pairs if dst.exists()]
-        if taken:  # never write over files this script did not make in this run
-            raise SystemExit(f"step_graph_report: {taken[0]} exists without {after.step}: pass another --work")
-        for src, dst in pairs:
-            if src.is_dir():
-                shutil.copytree(src, dst)
-            elif src.is_file():
-                shutil.copyfile(src, dst)
-        logging.info("%s: %s", paths["after"], lean_step_file(paths["after"]).describe())
+        for taken in (data_path(after.step), after.tokenizer):  # never write over files this script did not make
+            if taken.exists():
+                raise SystemExit(f"step_graph_report: {taken} exists without {after.step}: pass another --work")
+        logging.info("%s: %s", paths["after"], lean_step_file(before.step, out=after.step).describe())
+        if before.tokenizer.is_dir():
+            shutil.copytree(before.tokenizer, after.tokenizer)
         write_manifest(after)  # the backend checks the files' sizes against it
     return paths
 
