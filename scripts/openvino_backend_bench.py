@@ -3,8 +3,9 @@
     python scripts/openvino_backend_bench.py --engine build/smollm2-135m-medusa \\
         --prompts ../shared/data/spec_bench_dev.jsonl --limit 4 --threads 2 --out build/openvino-backend.json
 
-1. Step cost: one step of 1, 8 and 32 tokens (a chain) over ``--past`` cached tokens, each backend in
-   turn inside every repetition (interleaved, so load on the machine falls on all alike); the median.
+1. Step cost: steps of 1, 8 and 32 tokens (a chain) over ``--past`` cached tokens, each backend in turn
+   inside every repetition (interleaved, so load on the machine falls on all alike); the median of the
+   first step at a width after another width (drafting) and of the next one at the same width (plain).
 2. End to end: plain and drafted greedy decoding of the first ``--limit`` prompts on each backend,
    interleaved per prompt; tokens/s, and agreement: prompts whose output equals ONNX Runtime's plain
    output, and the backend's own plain output (drafting is exact there when all do).
@@ -42,22 +43,25 @@ def backends(engine: str, threads: int, bf16: bool) -> dict[str, MedusaRuntime]:
     return runtimes
 
 
-def step_costs(runtimes: dict[str, MedusaRuntime], past: int, reps: int, seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median ms of one step of each width over ``past`` cached slots (their contents do not matter for time)."""
+def step_costs(runtimes: dict[str, MedusaRuntime], past: int, reps: int, seed: int = 0) -> dict[str, dict[str, dict[int, float]]]:
+    """Median ms of one step of each width over ``past`` cached slots (their contents do not matter for time):
+    ``"switch"`` the first step at a width after another width (drafting changes it every step), ``"steady"``
+    the next one at the same width (plain decoding)."""
     rng = np.random.default_rng(seed)
     vocab = next(iter(runtimes.values())).backend.meta.vocab_size
-    times: dict[str, dict[int, list[float]]] = {name: {t: [] for t in WIDTHS} for name in runtimes}
+    times = {name: {kind: {t: [] for t in WIDTHS} for kind in ("switch", "steady")} for name in runtimes}
     for rep in range(reps + 1):  # the first round warms up
         for t in WIDTHS:
             ids = rng.integers(0, vocab, (1, t), dtype=np.int64)  # (1, T)
             positions = (past + np.arange(t, dtype=np.int64))[None]  # (1, T)
             mask = np.tri(t, dtype=bool)[None]  # (1, T, T)
             for name, rt in runtimes.items():
-                start = time.perf_counter()
-                rt.backend.step(ids, positions, mask, np.array([past]))
-                if rep:
-                    times[name][t].append(time.perf_counter() - start)
-    return {name: {t: 1e3 * statistics.median(v) for t, v in by.items()} for name, by in times.items()}
+                for kind in ("switch", "steady"):
+                    start = time.perf_counter()
+                    rt.backend.step(ids, positions, mask, np.array([past]))
+                    if rep:
+                        times[name][kind][t].append(time.perf_counter() - start)
+    return {name: {k: {t: 1e3 * statistics.median(v) for t, v in by.items()} for k, by in kinds.items()} for name, kinds in times.items()}
 
 
 def end_to_end(runtimes: dict[str, MedusaRuntime], prompts: list[list[int]], max_new_tokens: int) -> dict[str, dict]:
@@ -109,9 +113,12 @@ def main(argv=None) -> int:
     lanes = {name: rt.backend.key_lanes for name, rt in runtimes.items()}
     costs = step_costs(runtimes, args.past, args.reps)
     print(f"step cost, ms (median of {args.reps}, 1 sequence, {args.past} cached, {args.threads} threads); ratio to onnxruntime")
-    for name, by in costs.items():
-        cells = "  ".join(f"T={t}: {ms:7.1f} ({ms / costs['onnxruntime'][t]:.2f})" for t, ms in by.items())
-        print(f"  {name:15s} {cells}   exact: {exact[name]} (lanes {lanes[name]})")
+    for kind in ("steady", "switch"):
+        print(f" {kind}: {'the same width again' if kind == 'steady' else 'the first step after another width'}")
+        for name, kinds in costs.items():
+            by, ort = kinds[kind], costs["onnxruntime"][kind]
+            cells = "  ".join(f"T={t}: {ms:7.1f} ({ms / ort[t]:.2f})" for t, ms in by.items())
+            print(f"  {name:15s} {cells}   exact: {exact[name]} (lanes {lanes[name]})")
     rows = end_to_end(runtimes, ids, args.max_new_tokens)
     base = rows["onnxruntime:plain"]["tok_s"]
     print(f"end to end: {len(ids)} prompts, {args.max_new_tokens} new tokens, greedy")

@@ -39,7 +39,7 @@ import numpy as np
 from medusa_trt.runtime import exactness, key_slots
 from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
-from medusa_trt.runtime.contract import NEXT_INPUT, SUCCESSORS_OUTPUT
+from medusa_trt.runtime.contract import NEXT_INPUT, PAST_KEY, PAST_VALUE, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.engine import EngineError, EngineFiles, check_folder_meta, engine_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("f32", "bf16")  # INFERENCE_PRECISION_HINT values offered; f32 is the default
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs that run bf16 natively
 DEVICES = ("CPU", "GPU", "NPU")  # OpenVINO device names (only CPU is measured and tested here)
+REQUESTS = 8  # infer requests a compiled graph keeps, one per input shape (_Session)
 KEY_BLOCK = 64  # key-slot engines bind their key axis in multiples of this many slots (a multiple of every lane count)
 PROBE_CONTEXTS = (exactness.CONTEXT, 45, 61)  # committed tokens under the probe: a short one can pass at too few lanes
 _PROBED: dict[tuple, tuple[int | None, exactness.Exactness]] = {}  # (step file, precision, device, threads) -> (lanes, result)
@@ -77,12 +78,12 @@ def check_options(precision: str, device: str) -> None:
 
 
 class _Binding:
-    """The ONNX Runtime IOBinding calls ``OnnxBackend`` and ``HostBuffers`` make, for one OpenVINO infer
-    request: inputs are handed over as they are (``share_inputs``: no copy); OpenVINO writes each output
+    """The ONNX Runtime IOBinding calls ``OnnxBackend`` and ``HostBuffers`` make, for one compiled OpenVINO
+    graph: inputs are handed over as they are (``share_inputs``: no copy); OpenVINO writes each output
     into memory of its own, and ``run`` copies it into the host buffer view bound for it."""
 
-    def __init__(self, request):
-        self.request = request
+    def __init__(self, session: _Session):
+        self.session = session
         self.inputs: dict[str, np.ndarray] = {}
         self.outputs: dict[str, np.ndarray] = {}  # name -> the HostBuffers view it lands in
 
@@ -106,7 +107,7 @@ class _Binding:
         """One synchronous inference; then the outputs are in their views. Copying them costs less than binding
         them as the request's output tensors (SmolLM2, one token over 300 cached, 2 threads, interleaved: 78 ms
         against 91; 32 tokens 257 against 265; setting each input tensor by name instead: 152 and 336)."""
-        result = self.request.infer(self.inputs, share_inputs=True, share_outputs=True)
+        result = self.session.request(self.inputs).infer(self.inputs, share_inputs=True, share_outputs=True)
         for name, view in self.outputs.items():
             np.copyto(view, result[name])
 
@@ -120,22 +121,38 @@ class _PaddedBuffers(HostBuffers):
 
 
 class _Session:
-    """A compiled OpenVINO model behind the part of ``onnxruntime.InferenceSession`` OnnxBackend uses."""
+    """A compiled OpenVINO model behind the part of ``onnxruntime.InferenceSession`` OnnxBackend uses.
+
+    One infer request per input shape, the ``REQUESTS`` most recent kept: a request whose input shapes
+    change pays OpenVINO's shape inference and allocations again (SmolLM2, f32, 2 threads: a one-token
+    step right after an 8-token one cost 103 ms on one request, 83 ms on a request of its own; the same
+    width again, about 53). Drafting changes the step's width every step; the key axis changes only
+    every ``KEY_BLOCK`` tokens."""
 
     def __init__(self, compiled):
         self.compiled = compiled
-        self.request = compiled.create_infer_request()  # one request: steps run one at a time
         self.inputs = {i.get_any_name() for i in compiled.inputs}
         self.outputs = {o.get_any_name() for o in compiled.outputs}
+        self._requests: dict[tuple, object] = {}  # input shapes (the cache's aside) -> request, least recent first
+
+    def request(self, feeds: dict[str, np.ndarray]):
+        key = tuple((name, a.shape) for name, a in feeds.items() if name not in (PAST_KEY, PAST_VALUE))
+        request = self._requests.pop(key, None)
+        if request is None:
+            request = self.compiled.create_infer_request()
+        self._requests[key] = request
+        if len(self._requests) > REQUESTS:
+            del self._requests[next(iter(self._requests))]
+        return request
 
     def io_binding(self) -> _Binding:
-        return _Binding(self.request)
+        return _Binding(self)
 
     def run_with_iobinding(self, io: _Binding) -> None:
         io.run()
 
     def run(self, output_names, feeds: dict) -> list[np.ndarray]:
-        result = self.request.infer(feeds, share_inputs=True)  # new input tensors: the last ones may wrap smaller arrays
+        result = self.request(feeds).infer(feeds, share_inputs=True)
         return [result[o] for o in self.compiled.outputs]
 
 
