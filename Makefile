@@ -43,9 +43,11 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 peers: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q $(PIN) $(LLAMA_CPP)
 
-# make test tries it once; a machine where it cannot be built still tests everything else
+# make test tries them once (llama.cpp's binding, OpenVINO's runtime and GenAI: the peers and the openvino backend);
+# a machine where one cannot be installed still tests everything else
 $(VENV)/.peers: $(STAMP)
 	-$(MAKE) peers || echo "llama-cpp-python could not be built here: the --peer runner's tests will skip and say why"
+	-$(MAKE) openvino-peer || echo "openvino could not be installed here: the OpenVINO backend's and peer's tests will skip and say why"
 	touch $@
 
 # OpenVINO peers for medusa-bench --peer openvino:DIR (issue 38): the runtime goes into .venv (make openvino-peer);

@@ -53,6 +53,7 @@ class BenchConfig:
     top_k: int | None = None  # None: SamplingParams.top_k (all tokens)
     seed: int | None = None  # prompt i samples with seed + i (None: SEED)
     acceptance: tuple[str, ...] = ()  # rules of the medusa rows when sampling, one row each (empty: lossless)
+    backends: tuple[str, ...] = ()  # NAME[:PRECISION] each engine runs on, one set of rows each (empty: the engine's own)
 
     def __post_init__(self):
         self._check_ignored()
@@ -100,6 +101,8 @@ class BenchConfig:
     def _check_repeats(self) -> None:
         """Refuse repeated options whose rows would overwrite each other."""
         names = [Path(e).stem for e in self.engines]
+        for text in self.backends:
+            backend_options(text)  # a bad one fails before any engine loads
         drafts = [",".join(d) or "none" for d in self.drafts]
         peers = [p.name for p in self.peer_specs()]
         for what, values in (
@@ -108,6 +111,7 @@ class BenchConfig:
             ("--acceptance", list(self.acceptance)),
             ("--draft", drafts),
             ("--peer", peers),
+            ("--backend", list(self.backends)),
         ):
             repeated = sorted({v for v in values if values.count(v) > 1})
             if repeated:
@@ -141,7 +145,7 @@ def run(config: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     prompts = read_prompts(config.prompts)[:: config.every][: config.limit]
-    engines = [_engine(path, config) for path in config.engines]
+    engines = [_engine(path, backend, config) for path in config.engines for backend in config.backends or [None]]
     first = next(iter(engines[0][2].values()))[0]
     prompts, ids = _fitting(prompts, first, engines, config.max_new_tokens)
     eos = sorted(first.eos)
@@ -167,12 +171,27 @@ def run(config: BenchConfig) -> dict:
     return _report(config, engines, first, len(prompts), rows, plain_of, hf is not None)
 
 
-def _engine(path: str, config: BenchConfig) -> tuple:
-    """(name, (plain runtime, rule), {medusa row name: (runtime, rule)}): the rows of one engine, sharing one session."""
+def backend_options(text: str) -> dict:
+    """``NAME[:PRECISION]`` (``openvino:bf16``) as ``MedusaRuntime`` keywords, or MedusaError naming the fix."""
+    from medusa_trt.runtime.backends import ONNX_BACKENDS
+
+    name, _, precision = text.partition(":")
+    if name not in ONNX_BACKENDS or (precision and name != "openvino"):
+        raise MedusaError(
+            f"--backend {text!r}: use one of {', '.join(ONNX_BACKENDS)}, with :PRECISION (f32, bf16) for openvino only "
+            "(a .plan engine runs on tensorrt by itself)"
+        )
+    return dict(backend=name, precision=precision or None)
+
+
+def _engine(path: str, backend: str | None, config: BenchConfig) -> tuple:
+    """(name, (plain runtime, rule), {medusa row name: (runtime, rule)}): the rows of one engine on one backend
+    (None: the engine's own), sharing one session. Named by the file stem, and ``@backend`` when one is named."""
     from medusa_trt.runtime import MedusaRuntime
 
-    own = MedusaRuntime(path, max_batch=1, threads=config.threads)
-    name = Path(path).stem
+    options = backend_options(backend) if backend else {}
+    own = MedusaRuntime(path, max_batch=1, threads=config.threads, **options)
+    name = Path(path).stem + (f"@{backend}" if backend else "")
     trees, drafts, rules = config.trees or [None], config.drafts or [None], config.rules
     variants = {}
     for tree in trees:

@@ -70,6 +70,13 @@ def build_parser() -> Parser:
     p.add_argument("--lookup-tokens", type=positive_int, help=f"prompt_lookup_num_tokens of the hf-lookup row (default {LOOKUP_TOKENS})")
     p.add_argument("--threads", type=positive_int, help="intra-op threads for ONNX Runtime and torch")
     p.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME[:PRECISION]",
+        help="run every --engine on this backend: onnxruntime, openvino, openvino:bf16 (CPUs with AMX or AVX512-BF16); "
+        "repeat to compare backends side by side, rows named ENGINE@NAME (default: the engine's own)",
+    )
+    p.add_argument(
         "--out",
         help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); default: print the table only, write nothing",
     )
@@ -108,6 +115,7 @@ def bench_config(args) -> bench.BenchConfig:
         top_k=args.top_k,
         seed=args.seed,
         acceptance=tuple(args.acceptance or ()),
+        backends=tuple(args.backend or ()),
     )
 
 

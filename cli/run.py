@@ -80,6 +80,12 @@ def build_parser() -> Parser:
     p.add_argument("--max-batch", type=positive_int, help="default: the engine's, or 4 for --model")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument(
+        "--backend",
+        choices=["onnxruntime", "openvino"],
+        help="what runs an ONNX --engine (default: the engine folder's choice, else onnxruntime)",
+    )
+    p.add_argument("--precision", choices=["f32", "bf16"], help="openvino's precision (default f32; bf16 needs AMX or AVX512-BF16)")
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="skip the sha256 check of the --engine's files against its manifest (sizes are still checked): a faster start",
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             model = args.engine
             if args.no_verify:
                 log.warning("--no-verify: the sha256 sums of %s are not checked (only the file sizes)", args.engine)
+        elif args.backend or args.precision:
+            raise PromptError("--backend / --precision go with --engine; --model runs on torch")
         else:
             from medusa_trt.cli.common import load_model
 
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             drafters=args.draft,
             device=None if args.engine else device,
             verify_checksums=bool(args.engine) and not args.no_verify,
+            backend=args.backend,
+            precision=args.precision,
         )
         runtime = MedusaRuntime(model, config)
         gen = dict(

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.runtime.backends import BACKENDS  # an engine folder's runtime: tensorrt also builds the plans into it
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("onnxruntime", "tensorrt")  # an engine folder's runtime: tensorrt also builds the plans into it
 
 
 @dataclass(frozen=True)

@@ -252,16 +252,14 @@ class MedusaRuntime:
         """(prompt index, result) for each prompt of a list as soon as it finishes, in the order
         they finish (options as ``generate``): rows free up and refill without waiting for the
         slowest of a batch, and a caller can store each result at once (self-distillation)."""
-        _, seqs = self._sequences(prompts, **options)
-        for event in self._run(seqs):
-            if event.finish_reason is not None:
-                yield event.index, seqs[event.index].result()
+        _, seqs = self._sequences(prompts, **options)  # checked here, at the call: not at the first next()
+        return ((e.index, seqs[e.index].result()) for e in self._run(seqs) if e.finish_reason is not None)
 
     def stream(self, prompts, **options) -> Iterator[StreamEvent]:
         """Yield tokens as they are committed, one event per sequence and step (options as ``generate``);
         ``event.index`` is the prompt's position, ``event.finish_reason`` is set on its last event."""
         _, seqs = self._sequences(prompts, hidden=False, **options)  # events carry no hidden states: hidden= is refused
-        yield from self._run(seqs)
+        return self._run(seqs)  # options and prompts checked at the call, not at the first next()
 
     def scheduler(self) -> Scheduler:
         """A fresh loop over this runtime's engine, drafters and tokenizer (the caller holds ``engine_lock``)."""

@@ -8,6 +8,7 @@ inexact engine says so. Bad option values are one typed line. Skips where openvi
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -49,10 +50,12 @@ def test_drafted_output_equals_onnxruntime_plain_output(engine, stories_prompts,
     assert [r.token_ids for r in plain] == onnxruntime_plain
 
 
-def test_bf16_drafted_output_equals_its_own_plain_output(engine, stories_prompts):
+def test_bf16_drafted_output_equals_its_own_plain_output(engine, stories_prompts, caplog):
     if not ovb.cpu_has_bf16():
         pytest.skip("this CPU has neither AMX nor AVX512-BF16: openvino's bf16 precision is refused here")
-    runtime = MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=2, max_context=256, threads=2)
+    with caplog.at_level("WARNING", logger=ovb.__name__):
+        runtime = MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=2, max_context=256, threads=2)
+    assert "output is not the fp32 engine's" in caplog.text  # the inexact mode is said at load
     assert runtime.backend.precision == "bf16"
     drafted = runtime.generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
     plain = runtime.plain().generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
@@ -148,3 +151,33 @@ def test_bf16_flags_are_read_from_cpuinfo():
     assert ovb.cpu_has_bf16("processor : 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n")
     assert ovb.cpu_has_bf16("flags : fpu amx_bf16 amx_tile\n")
     assert not ovb.cpu_has_bf16("flags : fpu sse avx2 avx512f\nbugs : avx512_bf16\n")
+
+
+def test_bench_runs_each_engine_on_each_backend(engine, tmp_path):
+    """``medusa-bench --backend onnxruntime --backend openvino``: one set of rows per backend, named
+    ENGINE@BACKEND, in one interleaved run; every row agrees with the first engine's plain output."""
+    from tests.helpers import run_bench
+
+    report = run_bench(
+        tmp_path, [engine], ["Once upon a time", "Lily saw a bird"], "--no-hf", "--backend", "onnxruntime", "--backend", "openvino"
+    )
+    methods = report["methods"]
+    stem = engine.stem if engine.suffix else engine.name
+    assert set(methods) == {f"{kind}[{stem}@{b}]" for kind in ("plain", "medusa") for b in ("onnxruntime", "openvino")}
+    assert all(m["identical_to_reference"] == 1.0 for m in methods.values()), methods
+
+
+def test_medusa_run_on_openvino(engine, capsys):
+    """``medusa-run --backend openvino`` decodes what ONNX Runtime decodes; --backend with --model is one line."""
+    from medusa_trt.cli.run import main
+
+    common = ["--engine", str(engine), "--prompt", "Once upon a time", "--max-new-tokens", "12", "--json"]
+    decoded = []
+    for backend in (["--backend", "openvino"], []):
+        assert main([*common, *backend]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        decoded.append((record["text"], record["token_ids"]))
+    assert decoded[0] == decoded[1] and decoded[0][1]
+    assert main(["--model", "stories260K", "--prompt", "x", "--backend", "openvino"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backend / --precision go with --engine" in err[0]

@@ -111,6 +111,21 @@ def test_empty_prompt_and_bad_budget(toy):
         runtime.generate([1], max_new_tokens=0)
 
 
+def test_stream_and_completed_check_their_options_at_the_call(toy):
+    """Bad options or prompts raise when ``stream`` / ``completed`` are called, before any iteration,
+    as ``generate`` does: a server that checks a request before answering it sees the error there."""
+    runtime = MedusaRuntime(toy, tree="chain-2", **HEADS_ONLY)
+    for method in (runtime.stream, runtime.completed):
+        with pytest.raises(TypeError, match="max_new_token"):
+            method([1], max_new_token=4)
+        with pytest.raises(PromptError, match="max_new_tokens"):
+            method([1], max_new_tokens=0)
+        with pytest.raises(PromptError, match="empty"):
+            method([[1], []])
+    with pytest.raises(TypeError, match="hidden"):
+        runtime.stream([1], hidden=True)
+
+
 def test_tree_deeper_than_heads_is_refused(toy):
     with pytest.raises(InvalidTreeError, match="needs 5 heads"):
         MedusaRuntime(toy, tree="chain-5")

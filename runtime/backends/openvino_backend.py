@@ -224,6 +224,14 @@ class OpenVinoBackend(OnnxBackend):
         self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
         if meta.key_slots:
             self.key_lanes, self.exactness = self._probe((files.step.resolve(), precision, device, threads))
+        if precision != "f32":  # an inexact mode is said, never silent
+            log.warning(
+                "openvino precision %s: the model computes in %s, so its output is not the %s engine's (a near tie can "
+                "flip a token); drafting stays exact against this backend's own plain decoding only where the probe says so",
+                precision,
+                precision,
+                meta.dtype,
+            )
         log.info(
             "openvino backend (%s, precision %s): KV cache %.1f MiB, outputs %.1f MiB",
             device,
