@@ -87,7 +87,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    cluster = None
+    cluster, ended = None, False
     try:
         import torch
 
@@ -135,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         if teacher is not None:
             teacher.check_tokenizer(base)
         metrics = run(base, config, restart=args.restart, generate_only=args.generate_only, precompute=args.precompute, cluster=cluster)
+        ended = True
     except USER_ERRORS as exc:
         return fail("medusa-train", exc)
     finally:
         if cluster is not None:
-            cluster.stop()
+            cluster.stop(together=ended)
     if not cluster.main:
         return 0
     if args.generate_only or args.precompute:

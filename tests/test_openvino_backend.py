@@ -50,19 +50,19 @@ def test_drafted_output_equals_onnxruntime_plain_output(engine, stories_prompts,
     assert [r.token_ids for r in plain] == onnxruntime_plain
 
 
-def test_bf16_drafted_output_equals_its_own_plain_output(engine, stories_prompts, caplog):
+def test_bf16_decodes_and_claims_no_exactness(engine, stories_prompts, caplog):
     if not ovb.cpu_has_bf16():
         pytest.skip("this CPU has neither AMX nor AVX512-BF16: openvino's bf16 precision is refused here")
     with caplog.at_level("WARNING", logger=ovb.__name__):
         runtime = MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=2, max_context=256, threads=2)
-    assert "output is not the fp32 engine's" in caplog.text  # the inexact mode is said at load
+    assert "output is not the fp32 engine's" in caplog.text and "(not exact)" in caplog.text  # said at load
+    # no claim: on 29 dev prompts a bf16 engine that passed the lane probe drafted other text than its own plain
+    # output on one (docs/bench-backends.json), so bf16 never claims verify steps are plain steps
+    assert runtime.backend.exact is False
     assert runtime.backend.precision == "bf16"
     drafted = runtime.generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
     plain = runtime.plain().generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)
-    if runtime.backend.exact:
-        assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
-    else:  # no claim: the steps say so, and the load warned
-        assert runtime.backend.exactness.max_diff > 0
+    assert len(drafted) == len(plain) == 3 and all(r.token_ids for r in drafted)  # it decodes; equal to rounding only
 
 
 def test_verify_steps_claim_what_the_probe_found(engine):

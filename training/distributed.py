@@ -143,12 +143,17 @@ class Cluster:
             raise TrainError(box[0])
         return result
 
-    def stop(self) -> None:
-        """Leave the process group (the end of a run)."""
+    def stop(self, *, together: bool = False) -> None:
+        """Leave the process group (the end of a run). ``together``: every rank reached the end, so they
+        meet at a barrier first, and no rank tears its connections down while another still uses them (gloo
+        then aborts the slower rank's process). After an error on one rank there is no barrier: the others
+        would wait for it."""
         if self.distributed:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if together:
+                    dist.barrier()
                 dist.destroy_process_group()
 
 

@@ -24,13 +24,15 @@ an engine that passes claims exactness per node as on ONNX Runtime; one that doe
 nothing, says so in a warning, and ``backend.exact`` is False (drafted output then equals plain
 output to float rounding only). Measured on SmolLM2-135M (AVX-512 CPU, 2 threads): unpadded,
 trees differ from plain steps by up to 5e-5 at every lane count; padded to 64, f32 is exact at 16
-lanes and bf16 at 8 (bf16's logits are its own, not f32's: exact means drafted = its own plain output).
+lanes. bf16 claims nothing: its probe passed at 8 lanes, yet on 29 dev prompts one drafted output
+differed from its own plain output, so the probe does not cover it (a warning says so at load).
 
-Speed (scripts/openvino_backend_bench.py, SmolLM2-135M, AMD EPYC with AVX512-BF16, 2 threads, a machine
-shared with other work, one interleaved run): a one-token step over 300 cached tokens takes 0.76x ONNX
-Runtime's time at f32 and 0.51x at bf16 (32 tokens: 0.60x, 0.50x); end to end over 8 dev prompts, plain
-decoding runs 1.28x (f32) and 1.68x (bf16) ONNX Runtime's tokens/s, drafted 1.50x and 1.82x (ONNX Runtime
-drafted: 1.28x); f32 output equals ONNX Runtime's on 8/8 prompts, bf16 on 5/8, each drafted = its own plain.
+Speed, on a quiet machine (``medusa-bench --backend onnxruntime --backend openvino --backend openvino:bf16``,
+docs/bench-backends.json: SmolLM2-135M fp32, AMD EPYC with AVX512-BF16 and no AMX, 2 threads, 29 dev
+prompts, 128 greedy tokens): plain 33.4 tok/s on OpenVINO f32 and 43.0 on bf16 against ONNX Runtime's
+45.1, drafted 41.5 / 45.5 against 61.8. It does not pay on this CPU; it stays an option (f32 output equals
+ONNX Runtime's on 29/29 prompts) for CPUs and devices where OpenVINO is the faster runtime. (A run of
+8 prompts on the machine loaded by other work had found it faster, 1.28x plain: contention, not the code.)
 """
 
 from __future__ import annotations
@@ -222,12 +224,14 @@ class OpenVinoBackend(OnnxBackend):
         self._binding = self.session.io_binding()
         self.key_lanes = None  # set by the probe: the lane count at which verify steps are plain steps here
         self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
-        if meta.key_slots:
+        if meta.key_slots and precision == "f32":
             self.key_lanes, self.exactness = self._probe((files.step.resolve(), precision, device, threads))
+        elif meta.key_slots:  # no claim: a bf16 engine passed the probe, then drafted other text than its plain decoding
+            self.exactness = exactness.Exactness(False, float("nan"), 0)
         if precision != "f32":  # an inexact mode is said, never silent
             log.warning(
-                "openvino precision %s: the model computes in %s, so its output is not the %s engine's (a near tie can "
-                "flip a token); drafting stays exact against this backend's own plain decoding only where the probe says so",
+                "openvino precision %s: the model computes in %s, so its output is not the %s engine's, and drafted output "
+                "equals this backend's own plain output to rounding only (not exact): use precision f32 for exact drafting",
                 precision,
                 precision,
                 meta.dtype,
