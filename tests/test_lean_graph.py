@@ -9,6 +9,9 @@ against ``transformers`` is ``test_greedy_identity.py``'s and ``test_architectur
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import STORIES, medusa_model
@@ -126,3 +129,59 @@ def test_share_identical_merges_repeats_only():
     assert share_identical(graph) == 2
     assert [n.output[0] for n in graph.node] == ["c1", "s1", "m1", "c3", "d1", "d2", "a", "y"]
     assert list(graph.node[-1].input) == ["a", "m1"]
+
+
+def _step_profile():
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))  # it imports step_graph_report beside it, as when run
+    try:
+        spec = importlib.util.spec_from_file_location("step_profile", scripts / "step_profile.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+    return module
+
+
+def test_step_profile_streamed_bytes_leave_out_row_lookups(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.zeros((50, 8), np.float32), "table")  # read by Gather only: one row a token
+    weight = numpy_helper.from_array(np.zeros((8, 6), np.float32), "weight")  # read whole by a MatMul
+    tied = numpy_helper.from_array(np.zeros((8, 3), np.float32), "tied")  # a Gather and a MatMul: read whole
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["rows"]),
+        helper.make_node("Gather", ["tied", "ids"], ["unused"]),
+        helper.make_node("MatMul", ["rows", "weight"], ["y"]),
+        helper.make_node("MatMul", ["rows", "tied"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z")],
+        [table, weight, tied],
+    )
+    path = tmp_path / "model.onnx"
+    save(helper.make_model(graph), str(path), save_as_external_data=True, size_threshold=0)
+    assert _step_profile().streamed_bytes(path) == (8 * 6 + 8 * 3) * 4
+
+
+def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys):
+    profile = _step_profile()
+    out = tmp_path / "profile.json"
+    argv = ["--engine", str(engines[True]), "--context", "20", "--tokens", "1", "--tokens", "4", "--rounds", "3", "--bandwidth", "10"]
+    assert profile.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["engines"][str(engines[True])]
+    for tokens, trace in report["trace"].items():
+        kinds = trace["kinds_ms"]
+        assert set(kinds) == set(profile.ORDER)
+        assert kinds["weight matmuls"] > 0 and kinds["attention"] > 0 and kinds["cache and layout copies"] > 0, (tokens, kinds)
+        assert sum(kinds.values()) == pytest.approx(trace["run_ms"], rel=1e-6)  # every traced microsecond in one kind
+        assert trace["nodes"] > 10 * read_meta(engines[True]).num_layers
+    assert report["floor_ms"] == pytest.approx(report["streamed_bytes"] / 10e9 * 1e3)
+    printed = capsys.readouterr().out
+    assert "one-token step" in printed and "weight matmuls" in printed

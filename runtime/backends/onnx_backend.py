@@ -95,9 +95,12 @@ class OnnxBackend:
         threads: int | None = None,
         checksums: bool = False,
         buffers: str = "auto",
+        profile: str | None = None,
     ):
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
         options, heads_options = _session_options(threads, spin=True), _session_options(threads, spin=False)
+        if profile:  # ONNX Runtime's per-node trace of the step session (scripts/step_profile.py): self.session.end_profiling()
+            options.enable_profiling, options.profile_file_prefix = True, profile
         providers = providers or default_providers()
         if not files.step.is_file():
             raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
