@@ -9,10 +9,13 @@ For each engine (its step graph on the ONNX Runtime backend the loop uses, batch
 
   * times ``--rounds`` steps of each ``--tokens`` size (chained tokens) with the plain backend, median and best;
   * runs as many again with ONNX Runtime's profiler on (a second session: the trace costs time of its own) and
-    splits the traced step into kinds of op: weight matmuls (and their activation quantizers), cache and
-    layout copies (the per-layer cache ``Gather``, ``Transpose``, ``Reshape``, ``ScatterElements``, ``Split``, ...),
-    attention, the rest (norms, rotary, activations, the argmax / top-k) and the time between kernels (the
-    executor: the traced run's length less its kernels);
+    splits the traced step into kinds of op: weight matmuls (the matmul kernels: ``MatMul``, ``MatMulNBits``,
+    ``MatMulInteger``, ...), cache and layout copies (the per-layer cache ``Gather``, ``Transpose``, ``Reshape``,
+    ``ScatterElements``, ``Split``, ...), attention, the rest (norms, rotary, activations, the argmax / top-k, and
+    int8-channel's per-row activation quantizers, built of elementwise ops) and the time between kernels (the
+    executor: the traced run's length less its kernels). The trace has a cost of its own in every node, some of
+    it inside the kernels' times: it is printed (a traced step less a plain one, a node), and the shares of
+    graphs of many small nodes are read with it in mind;
   * the one-token step against its floor: the bytes of the weights the step reads whole (initializers read
     by any op but a row lookup, ``Gather``: the embedding table reads one row a token) over the memory
     bandwidth ``--threads`` threads read here (``step_graph_report.bandwidth``).
@@ -116,9 +119,10 @@ def traced(path: Path, threads: int, context: int, rounds: int, tokens: int, wor
     runs = sorted((e for e in trace if e.get("name") == "model_run"), key=lambda e: e["ts"])[-rounds:]
     first = runs[0]["ts"]
     kernels = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= first]
-    by_op = collections.Counter()
+    by_op, count = collections.Counter(), collections.Counter()
     for e in kernels:
         by_op[e["args"]["op_name"]] += e["dur"]
+        count[KINDS.get(e["args"]["op_name"], "other")] += 1
     by_kind = collections.Counter()
     for op, us in by_op.items():
         by_kind[KINDS.get(op, "other")] += us
@@ -129,6 +133,7 @@ def traced(path: Path, threads: int, context: int, rounds: int, tokens: int, wor
         "kinds_ms": {k: by_kind[k] / per for k in ORDER},
         "ops_ms": {op: us / per for op, us in by_op.most_common()},
         "nodes": round(len(kernels) / len(runs)),
+        "kind_nodes": {k: round(count[k] / len(runs)) for k in ORDER if k != "between kernels"},
     }
 
 
@@ -162,11 +167,13 @@ def main(argv=None) -> int:
             work = Path(tmp) / engine.name
             work.mkdir()
             trace = {t: traced(engine, args.threads, args.context, args.rounds, t, work) for t in sizes}
-            floor = streamed_bytes(step)
+            floor, first = streamed_bytes(step), trace[sizes[0]]
             report[str(engine)] = {
                 "median_ms": {t: statistics.median(v) * 1e3 for t, v in times.items()},
                 "best_ms": {t: min(v) * 1e3 for t, v in times.items()},
                 "trace": trace,
+                # what the trace adds a node: a traced step less a plain one, over its nodes (the smallest size)
+                "trace_us_per_node": (first["run_ms"] - statistics.median(times[sizes[0]]) * 1e3) * 1e3 / first["nodes"],
                 "streamed_bytes": floor,
                 "floor_ms": floor / read * 1e3,
             }
@@ -180,10 +187,12 @@ def main(argv=None) -> int:
     for engine, r in report.items():
         for t in sizes:
             tr = r["trace"][t]
-            shares = " | ".join(f"{tr['kinds_ms'][k]:.1f} ({100 * tr['kinds_ms'][k] / tr['run_ms']:.0f} %)" for k in ORDER)
+            nodes = {**tr["kind_nodes"], "between kernels": tr["nodes"]}
+            shares = " | ".join(f"{tr['kinds_ms'][k]:.1f} ({100 * tr['kinds_ms'][k] / tr['run_ms']:.0f} %, {nodes[k]})" for k in ORDER)
             step = f"{r['median_ms'][t]:.1f} / {r['best_ms'][t]:.1f}"
             print(f"| {Path(engine).name} | {t} | {step} | {tr['run_ms']:.1f} | {shares} | {tr['nodes']} |")
-    print()
+    print("\n(ms a traced step (share, nodes); the trace's own cost a node, in the kinds and between them:", end="")
+    print(",".join(f" {Path(e).name} {r['trace_us_per_node']:.1f} us" for e, r in report.items()) + ")\n")
     for engine, r in report.items():
         if 1 in sizes:
             print(

@@ -182,6 +182,7 @@ def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys)
         assert kinds["weight matmuls"] > 0 and kinds["attention"] > 0 and kinds["cache and layout copies"] > 0, (tokens, kinds)
         assert sum(kinds.values()) == pytest.approx(trace["run_ms"], rel=1e-6)  # every traced microsecond in one kind
         assert trace["nodes"] > 10 * read_meta(engines[True]).num_layers
+        assert sum(trace["kind_nodes"].values()) == trace["nodes"]  # every node in one kind
     assert report["floor_ms"] == pytest.approx(report["streamed_bytes"] / 10e9 * 1e3)
     printed = capsys.readouterr().out
     assert "one-token step" in printed and "weight matmuls" in printed
