@@ -89,11 +89,11 @@ def per_layer_graph(step: Path, out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for data in step.parent.glob(step.name + ".data"):  # the weights, shared: a hard link beside the new graph
         link = out.parent / data.name  # (ONNX Runtime refuses external data that a symbolic link leads out of the folder)
-        if not link.exists():
-            try:
-                os.link(data, link)
-            except OSError:  # another file system: a copy
-                shutil.copyfile(data, link)
+        link.unlink(missing_ok=True)  # --work is this script's: a link of an earlier run may be another engine's
+        try:
+            os.link(data, link)
+        except OSError:  # another file system: a copy
+            shutil.copyfile(data, link)
     onnx.save(model, str(out))
     return layers
 
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     for engine in args.engine:
         step = EngineFiles.locate(engine).onnx.step
         meta = read_meta(step)
-        rewritten = args.work / engine.name / "model.onnx"
+        rewritten = args.work / step.parent.name / "model.onnx"  # the engine folder's name
         layers = per_layer_graph(step, rewritten)
         sessions = {"stacked": session(step, args.threads), "per_layer": session(rewritten, args.threads)}
         calls = {(c, t): feeds(meta, layers, c, t, rng) for c, t in cases}

@@ -186,3 +186,31 @@ def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys)
     assert report["floor_ms"] == pytest.approx(report["streamed_bytes"] / 10e9 * 1e3)
     printed = capsys.readouterr().out
     assert "one-token step" in printed and "weight matmuls" in printed
+
+
+def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_path):
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("cache_layout_ab", scripts / "cache_layout_ab.py")
+        ab = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ab)
+    finally:
+        sys.path.remove(str(scripts))
+    out = tmp_path / "ab.json"
+    argv = ["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--tokens", "3"]
+    assert ab.main([*argv, "--rounds", "1", "--out", str(out)]) == 0  # 1: the rewritten graph's outputs differ
+    report = json.loads(out.read_text())["engines"][str(engines[True])]
+    assert report["same_outputs"] is True
+    assert set(report["median_ms"]["per_layer"]) == {"20 cached, 1 tokens", "20 cached, 3 tokens"}
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "work" / engines[True].parent.name / "model.onnx"), load_external_data=False).graph
+    layers = read_meta(engines[True]).num_layers
+    assert sorted(i.name for i in graph.input if i.name.startswith("past_")) == sorted(
+        f"{n}.{layer}" for n in ("past_key", "past_value") for layer in range(layers)
+    )
+    assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("past_")]
