@@ -33,7 +33,19 @@ import numpy as np
 from step_graph_report import cpu_name
 
 CACHE = ("past_key", "past_value")
+MARK = ".cache-layout-ab"  # in each folder this script makes: the only folders it writes into
 BURST = 5  # timed steps in a row on one graph, after one untimed: a decoding loop's steps follow each other
+
+
+def claim(folder: Path, engine: Path) -> None:
+    """Make ``folder`` this script's, or find it so: never the engine's own folder, never a folder it did not make
+    (it replaces files there)."""
+    if folder.resolve() == engine.resolve():
+        raise SystemExit(f"cache_layout_ab: --work puts the rewritten graph in the engine's own folder {engine}: pass another --work")
+    if folder.exists() and not (folder / MARK).is_file():
+        raise SystemExit(f"cache_layout_ab: {folder} exists and this script did not make it: pass another --work")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARK).touch()
 
 
 def per_layer_graph(step: Path, out: Path) -> int:
@@ -86,10 +98,10 @@ def per_layer_graph(step: Path, out: Path) -> int:
         new_inputs += [helper.make_tensor_value_info(f"{i.name}.{layer}", i.type.tensor_type.elem_type, per) for layer in range(layers)]
     del graph.input[:]
     graph.input.extend(new_inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    claim(out.parent, step.parent)
     for data in step.parent.glob(step.name + ".data"):  # the weights, shared: a hard link beside the new graph
         link = out.parent / data.name  # (ONNX Runtime refuses external data that a symbolic link leads out of the folder)
-        link.unlink(missing_ok=True)  # --work is this script's: a link of an earlier run may be another engine's
+        link.unlink(missing_ok=True)  # a folder this script made: a link of an earlier run may be another engine's
         try:
             os.link(data, link)
         except OSError:  # another file system: a copy

@@ -132,18 +132,7 @@ def test_share_identical_merges_repeats_only():
 
 
 def _step_profile():
-    import importlib.util
-    import sys
-
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))  # it imports step_graph_report beside it, as when run
-    try:
-        spec = importlib.util.spec_from_file_location("step_profile", scripts / "step_profile.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(scripts))
-    return module
+    return _script("step_profile")
 
 
 def test_step_profile_streamed_bytes_leave_out_row_lookups(tmp_path):
@@ -188,18 +177,23 @@ def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys)
     assert "one-token step" in printed and "weight matmuls" in printed
 
 
-def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_path):
+def _script(name: str):
     import importlib.util
     import sys
 
     scripts = Path(__file__).resolve().parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))
+    sys.path.insert(0, str(scripts))  # it imports step_graph_report beside it, as when run
     try:
-        spec = importlib.util.spec_from_file_location("cache_layout_ab", scripts / "cache_layout_ab.py")
-        ab = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ab)
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(scripts))
+    return module
+
+
+def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_path):
+    ab = _script("cache_layout_ab")
     out = tmp_path / "ab.json"
     argv = ["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--tokens", "3"]
     assert ab.main([*argv, "--rounds", "1", "--out", str(out)]) == 0  # 1: the rewritten graph's outputs differ
@@ -214,3 +208,18 @@ def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_pat
         f"{n}.{layer}" for n in ("past_key", "past_value") for layer in range(layers)
     )
     assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("past_")]
+
+
+def test_cache_layout_ab_never_writes_into_a_folder_it_did_not_make(engines, tmp_path):
+    ab = _script("cache_layout_ab")
+    engine = engines[True].parent
+    before = {f.name: f.stat().st_mtime_ns for f in engine.iterdir()}
+    with pytest.raises(SystemExit, match="engine's own folder"):  # --work whose folder of that name is the engine's
+        ab.main(["--engine", str(engines[True]), "--work", str(engine.parent), "--context", "20", "--tokens", "1", "--rounds", "1"])
+    assert {f.name: f.stat().st_mtime_ns for f in engine.iterdir()} == before
+    theirs = tmp_path / "work" / engine.name
+    theirs.mkdir(parents=True)
+    (theirs / "model.onnx.data").write_text("a user's file")
+    with pytest.raises(SystemExit, match="did not make it"):
+        ab.main(["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--rounds", "1"])
+    assert (theirs / "model.onnx.data").read_text() == "a user's file" and sorted(p.name for p in theirs.iterdir()) == ["model.onnx.data"]
