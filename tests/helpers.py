@@ -1,10 +1,14 @@
-"""What the benchmark and training tests share beside conftest's fixtures: a prompts file, a medusa-bench
-run, and story openings for heads to learn on."""
+"""What the tests share beside conftest's fixtures: a prompts file, a medusa-bench run, story openings for
+heads to learn on, and a script of scripts/ loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # openings the TinyStories model (stories260K) continues: its continuations are what its heads can learn
 STORY_STARTS = [
@@ -43,3 +47,16 @@ def run_bench(folder: Path, engines: list, texts: list[str], *args: str, new_tok
     argv += ["--prompts", str(prompts_file(folder, texts)), "--max-new-tokens", str(new_tokens), "--out", str(out), *args]
     assert main(argv) == 0, "medusa-bench failed: its error is in the captured stderr"
     return json.loads(out.read_text())
+
+
+def script(name: str):
+    """scripts/NAME.py as a module (the scripts are checkout tooling, not package modules), with scripts/ on the
+    import path while it loads, as when it is run: a script may import the one beside it."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module

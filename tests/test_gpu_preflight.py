@@ -9,15 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_preflight.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_preflight", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("gpu_preflight")
 
 
 def test_every_import_of_the_gpu_check_resolves_here(tmp_path):

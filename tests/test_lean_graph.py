@@ -10,11 +10,11 @@ against ``transformers`` is ``test_greedy_identity.py``'s and ``test_architectur
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import STORIES, medusa_model
+from helpers import script
 
 from medusa_trt.exporter.lean import op_counts, share_identical
 from medusa_trt.runtime.engine import EngineFiles, read_meta
@@ -131,10 +131,6 @@ def test_share_identical_merges_repeats_only():
     assert list(graph.node[-1].input) == ["a", "m1"]
 
 
-def _step_profile():
-    return _script("step_profile")
-
-
 def test_step_profile_streamed_bytes_leave_out_row_lookups(tmp_path):
     from onnx import TensorProto, helper, numpy_helper, save
 
@@ -156,11 +152,11 @@ def test_step_profile_streamed_bytes_leave_out_row_lookups(tmp_path):
     )
     path = tmp_path / "model.onnx"
     save(helper.make_model(graph), str(path), save_as_external_data=True, size_threshold=0)
-    assert _step_profile().streamed_bytes(path) == (8 * 6 + 8 * 3) * 4
+    assert script("step_profile").streamed_bytes(path) == (8 * 6 + 8 * 3) * 4
 
 
 def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys):
-    profile = _step_profile()
+    profile = script("step_profile")
     out = tmp_path / "profile.json"
     argv = ["--engine", str(engines[True]), "--context", "20", "--tokens", "1", "--tokens", "4", "--rounds", "3", "--bandwidth", "10"]
     assert profile.main([*argv, "--out", str(out)]) == 0
@@ -177,23 +173,8 @@ def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys)
     assert "one-token step" in printed and "weight matmuls" in printed
 
 
-def _script(name: str):
-    import importlib.util
-    import sys
-
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))  # it imports step_graph_report beside it, as when run
-    try:
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(scripts))
-    return module
-
-
 def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_path):
-    ab = _script("cache_layout_ab")
+    ab = script("cache_layout_ab")
     out = tmp_path / "ab.json"
     argv = ["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--tokens", "3"]
     assert ab.main([*argv, "--rounds", "1", "--out", str(out)]) == 0  # 1: the rewritten graph's outputs differ
@@ -211,7 +192,7 @@ def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_pat
 
 
 def test_cache_layout_ab_never_writes_into_a_folder_it_did_not_make(engines, tmp_path):
-    ab = _script("cache_layout_ab")
+    ab = script("cache_layout_ab")
     engine = engines[True].parent
     before = {f.name: f.stat().st_mtime_ns for f in engine.iterdir()}
     with pytest.raises(SystemExit, match="engine's own folder"):  # --work whose folder of that name is the engine's

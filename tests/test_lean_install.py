@@ -9,7 +9,6 @@ decodes the same tokens, through ``medusa-run`` and ``medusa-bench`` too, as the
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import STORY_PROMPTS, medusa_model
+from helpers import script
 
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.runtime import MedusaRuntime
@@ -100,15 +100,7 @@ def test_onnx_path_imports_no_export_frameworks(stories_engine, prompts_file, tm
 # ----------------------------------------------------------------- the lean venv
 
 
-def _load_report_script():
-    """scripts/lean_report.py builds the lean venv for the report too: one way to build it."""
-    spec = importlib.util.spec_from_file_location("lean_report", REPO / "scripts" / "lean_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lean_report = _load_report_script()
+lean_report = script("lean_report")  # scripts/lean_report.py builds the lean venv for the report too: one way to build it
 
 
 @pytest.fixture(scope="module")
