@@ -164,6 +164,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from medusa_trt.runtime.engine import EngineFiles, read_meta
 
+    for engine in args.engine:
+        if not engine.exists():
+            p.error(f"{engine} does not exist: pass an engine folder medusa-export wrote")
+
     cases = [(c, t) for c in args.context or (300, 900) for t in args.tokens or (1, 8)]  # (context, tokens) of a step
     load_start = os.getloadavg()
     rng = np.random.default_rng(0)
