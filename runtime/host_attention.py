@@ -1,0 +1,143 @@
+"""Tree attention on the host, over the committed cache where it lies (``host_attention.c``).
+
+A step graph copies each layer's bound cache three times (the layer's ``Gather`` out of the stacked
+slot-major input, the ``Transpose`` to head-major, the key scatter) before its ``Attention`` reads it;
+the copies grow with the context. This kernel reads the cache in place and the step's own keys from
+where the graph left them, and is exact by construction: a query sums its visible keys in position
+order with the same instructions wherever a key comes from, so a verify step equals plain steps bit
+for bit without key slots (``host_attention.c`` says why). ``runtime/step_segments.py`` cuts a step
+graph at its attentions so that this kernel can run between the pieces.
+
+The C source ships in the package and is compiled once per machine with the system C compiler
+(``cc``, or ``$CC``) into ``$MEDUSA_TRT_CACHE`` (default ``~/.cache/medusa-trt``), named by the
+source's hash and the CPU, built for the CPU it runs on (``-march=native``): the compiled file is
+never shared between machines. Without a compiler ``load`` raises ``HostAttentionUnavailable``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime.errors import MedusaError
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_attention.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-ffp-contract=fast")  # never -ffast-math: the order is the promise
+
+
+class HostAttentionUnavailable(MedusaError):
+    """The kernel could not be built or loaded here (no C compiler, or it failed)."""
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEDUSA_TRT_CACHE") or Path.home() / ".cache" / "medusa-trt")
+
+
+def library_path() -> Path:
+    """Where this source, built for this CPU, lives once compiled."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu().encode()).hexdigest()[:16]
+    return cache_dir() / f"host_attention-{key}.so"
+
+
+def build(target: Path) -> Path:
+    """Compile the kernel to ``target`` (written to a temporary file beside it, then renamed)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise HostAttentionUnavailable("host attention needs a C compiler: install one (apt-get install gcc) or set CC")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise HostAttentionUnavailable(f"building {SOURCE.name} with {compiler} failed: {done.stderr.strip()[:300]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("host attention built: %s", target)
+    return target
+
+
+@dataclass(frozen=True)
+class Shapes:
+    heads: int  # query heads Hq
+    kv_heads: int  # key/value heads Hkv (Hq a multiple of it)
+    head_dim: int  # D
+    scale: float  # score scale, usually D ** -0.5
+
+
+class HostAttention:
+    """The compiled kernel; ``__call__`` runs one layer of one step."""
+
+    def __init__(self, path: Path | None = None):
+        path = path or library_path()
+        if not path.is_file():
+            build(path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise HostAttentionUnavailable(f"cannot load {path}: {exc}; delete it to rebuild") from exc
+        fn = lib.medusa_tree_attention
+        fn.restype = ctypes.c_int
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, p]
+        self._fn = fn
+        self._scratch = np.zeros(0, dtype=np.float32)
+
+    def __call__(
+        self,
+        shapes: Shapes,
+        q: int,  # address of float32 [B, Hq, T, D]
+        k: int,  # address of float32 [B, Hkv, T, D]
+        v: int,  # address of float32 [B, Hkv, T, D]
+        cache_k: np.ndarray,  # float32 (S, ..., B, Hkv, D): the layer's slots, strided (a view of the cache)
+        cache_v: np.ndarray,
+        mask: np.ndarray,  # uint8/bool [B, T, T]
+        lengths: np.ndarray,  # int64 [B]
+        out: int,  # address of float32 [B, T, Hq * D]
+        batch: int,
+        tokens: int,
+    ) -> None:
+        for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+            if c.dtype != np.float32 or c.strides[-1] != 4 or c.strides[-2] != 4 * shapes.head_dim:
+                raise ValueError(f"{name}: float32 (S, B, Hkv, D) with contiguous heads, got {c.dtype} strides {c.strides}")
+        if mask.dtype not in (np.uint8, np.bool_) or not mask.flags.c_contiguous or mask.shape != (batch, tokens, tokens):
+            raise ValueError(f"mask: contiguous uint8/bool {(batch, tokens, tokens)}, got {mask.dtype} {mask.shape}")
+        if lengths.dtype != np.int64 or not lengths.flags.c_contiguous or lengths.shape != (batch,):
+            raise ValueError(f"lengths: contiguous int64 ({batch},), got {lengths.dtype} {lengths.shape}")
+        need = int(lengths.max()) + tokens
+        if self._scratch.size < need:
+            self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
+        slot_stride, row_stride = cache_k.strides[0] // 4, cache_k.strides[-3] // 4
+        if cache_v.strides != cache_k.strides:
+            raise ValueError("cache_k and cache_v: one layout")
+        rc = self._fn(
+            batch, tokens, shapes.heads, shapes.kv_heads, shapes.head_dim, shapes.scale,
+            q, k, v, cache_k.ctypes.data, cache_v.ctypes.data, slot_stride, row_stride,
+            mask.ctypes.data, lengths.ctypes.data, out, self._scratch.ctypes.data,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"host attention: {shapes.heads} query heads are not a multiple of {shapes.kv_heads} key/value heads")
