@@ -16,7 +16,7 @@
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
  *   out     [B, T, Hq * D]
- *   scratch float, at least max(lengths) + T elements
+ *   scratch float, at least (Hq / Hkv) * T * (max(lengths) + T) elements
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  */
 #include <math.h>
@@ -46,43 +46,47 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                           int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
                           float *scratch) {
     if (Hkv <= 0 || Hq % Hkv != 0) return 1;
-    const int groups = Hq / Hkv;
+    const int groups = Hq / Hkv, rows = groups * T; /* the queries of one key/value head: row g * T + i */
     for (int b = 0; b < B; b++) {
-        const int64_t length = lengths[b];
-        for (int h = 0; h < Hq; h++) {
-            const int kv = h / groups;
+        const int64_t length = lengths[b], width = length + T; /* scratch: rows x width scores */
+        const uint8_t *seen = mask + (int64_t)b * T * T;
+        for (int kv = 0; kv < Hkv; kv++) {
             const float *kb = cache_k + b * row_stride + (int64_t)kv * D;
             const float *vb = cache_v + b * row_stride + (int64_t)kv * D;
             const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D;
             const float *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
-            for (int i = 0; i < T; i++) {
-                const float *qi = q + ((int64_t)(b * Hq + h) * T + i) * D;
-                const uint8_t *seen = mask + ((int64_t)b * T + i) * T;
-                float *o = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
-                int64_t n = 0;
-                float top = -INFINITY;
-                for (int64_t s = 0; s < length; s++) {
-                    float x = dot(qi, kb + s * slot_stride, D) * scale;
-                    scratch[n++] = x;
-                    if (x > top) top = x;
-                }
-                for (int j = 0; j < T; j++) {
-                    if (!seen[j]) continue;
-                    float x = dot(qi, kn + (int64_t)j * D, D) * scale;
-                    scratch[n++] = x;
-                    if (x > top) top = x;
-                }
-                float total = 0.0f;
-                for (int64_t m = 0; m < n; m++) {
-                    scratch[m] = expf(scratch[m] - top);
-                    total += scratch[m];
-                }
-                const float inv = n ? 1.0f / total : 0.0f;
-                memset(o, 0, sizeof(float) * D);
-                n = 0;
-                for (int64_t s = 0; s < length; s++) add_scaled(o, vb + s * slot_stride, scratch[n++] * inv, D);
+            const float *qh = q + ((int64_t)(b * Hq + kv * groups) * T) * D; /* rows x D, contiguous */
+            /* scores: the cache's keys, each read once for every row, then each row's own visible nodes */
+            for (int64_t s = 0; s < length; s++)
+                for (int r = 0; r < rows; r++) scratch[r * width + s] = dot(qh + (int64_t)r * D, kb + s * slot_stride, D) * scale;
+            for (int r = 0; r < rows; r++) {
+                const int i = r % T;
+                float *row = scratch + r * width;
+                int64_t n = length;
                 for (int j = 0; j < T; j++)
-                    if (seen[j]) add_scaled(o, vn + (int64_t)j * D, scratch[n++] * inv, D);
+                    if (seen[i * T + j]) row[n++] = dot(qh + (int64_t)r * D, kn + (int64_t)j * D, D) * scale;
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t m = 0; m < n; m++) top = row[m] > top ? row[m] : top;
+                for (int64_t m = 0; m < n; m++) total += (row[m] = expf(row[m] - top));
+                const float inv = n ? 1.0f / total : 0.0f;
+                for (int64_t m = 0; m < n; m++) row[m] *= inv;
+                float *o = out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D;
+                memset(o, 0, sizeof(float) * D);
+            }
+            /* values in the same order: the cache's slots, then each row's visible nodes */
+            for (int64_t s = 0; s < length; s++) {
+                const float *vs = vb + s * slot_stride;
+                for (int r = 0; r < rows; r++) {
+                    const int i = r % T;
+                    add_scaled(out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D, vs, scratch[r * width + s], D);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const int i = r % T;
+                float *o = out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D;
+                int64_t n = length;
+                for (int j = 0; j < T; j++)
+                    if (seen[i * T + j]) add_scaled(o, vn + (int64_t)j * D, scratch[r * width + n++], D);
             }
         }
     }

@@ -128,7 +128,7 @@ class HostAttention:
             raise ValueError(f"mask: contiguous uint8/bool {(batch, tokens, tokens)}, got {mask.dtype} {mask.shape}")
         if lengths.dtype != np.int64 or not lengths.flags.c_contiguous or lengths.shape != (batch,):
             raise ValueError(f"lengths: contiguous int64 ({batch},), got {lengths.dtype} {lengths.shape}")
-        need = int(lengths.max()) + tokens
+        need = shapes.heads // shapes.kv_heads * tokens * (int(lengths.max()) + tokens)
         if self._scratch.size < need:
             self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
         slot_stride, row_stride = cache_k.strides[0] // 4, cache_k.strides[-3] // 4
