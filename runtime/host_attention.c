@@ -5,9 +5,10 @@
  * which is depth order for a tree in topological order), with the same instructions whatever the
  * key's origin. A token scored in a verify step therefore sees the same numbers in the same order
  * as when a plain step scores it after its ancestors were committed: its output is bit for bit
- * the same. Scores are dot products summed over the head dimension in LANES partial sums; the
- * softmax sum and the value sum run over the keys one at a time (vectorised over the head
- * dimension only, which no key shares with another).
+ * the same. Every score is one dot product routine (16 lanes over the head dimension, then the
+ * lanes added in one fixed order), every exponential one polynomial, a row's softmax sum a fixed
+ * function of its list of scores, and its value sum runs over its keys one at a time (vectorised
+ * over the head dimension only, which no key shares with another).
  *
  * Layouts (float32, row-major):
  *   q       [B, Hq, T, D]  the step's queries, rotary applied
@@ -16,7 +17,7 @@
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
  *   out     [B, T, Hq * D]
- *   scratch float, at least (Hq / Hkv) * T * (max(lengths) + T) elements
+ *   scratch float, at least 4 * (max(lengths) + T) elements (RB rows of scores)
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  */
 #include <math.h>
@@ -24,21 +25,129 @@
 #include <string.h>
 
 #define LANES 16
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
-/* one compiled copy each: a cache key and a new key go through the same instructions */
-__attribute__((noinline)) static float dot(const float *a, const float *b, int n) {
-    float part[LANES] = {0};
+static inline vec load(const float *p) {
+    vec x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+typedef float half __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float quarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
+
+static inline float lanes_sum(vec x) { /* one fixed order: lane l + 8 onto l, then l + 4, l + 2, l + 1 */
+    half lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    half h = lo + hi;
+    quarter a, b;
+    memcpy(&a, &h, sizeof a);
+    memcpy(&b, (const char *)&h + sizeof a, sizeof b);
+    quarter f = a + b;
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+static inline float dot(const float *q, const float *k, int n) {
+    vec acc = {0};
     int d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
-    for (int l = 0; d < n; d++, l++) part[l] += a[d] * b[d];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    for (; d + LANES <= n; d += LANES) acc += load(q + d) * load(k + d);
+    float s = lanes_sum(acc);
+    for (; d < n; d++) s += q[d] * k[d];
+    return s;
+}
+
+static inline void add_scaled(float *restrict acc, const float *restrict v, float p, int n) {
+    for (int d = 0; d < n; d++) acc[d] += p * v[d];
+}
+
+/* e^x for x <= 0 (x - max of a row), one polynomial whatever the lane: 2^n e^r, |r| <= ln2 / 2 */
+static void exp_row(float *x, int64_t n) {
+    for (int64_t m = 0; m < n; m++) {
+        float v = x[m] < -87.0f ? -87.0f : x[m];
+        float k = (v * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(v / ln 2) */
+        float r = (v - k * 0.693145752f) - k * 1.42860677e-6f;
+        float p = 1.0f / 720.0f;
+        p = p * r + 1.0f / 120.0f;
+        p = p * r + 1.0f / 24.0f;
+        p = p * r + 1.0f / 6.0f;
+        p = p * r + 0.5f;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        int32_t bits = ((int32_t)k + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        x[m] = p * scale;
+    }
+}
+
+static float row_sum(const float *x, int64_t n) { /* LANES partial sums by index, then the lanes in one order */
+    float part[LANES] = {0};
+    int64_t m = 0;
+    for (; m + LANES <= n; m += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += x[m + l];
+    for (int l = 0; m < n; m++, l++) part[l] += x[m];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
     return part[0];
 }
 
-__attribute__((noinline)) static void add_scaled(float *acc, const float *v, float p, int n) {
-    for (int d = 0; d < n; d++) acc[d] += p * v[d];
+#define AHEAD 8 /* slots prefetched ahead: in a stacked cache a layer's slots lie a whole layer-stack apart */
+#define RB 4    /* rows (query heads x nodes of one key/value head) that share each key they read */
+#define MAXV 8  /* head dimensions up to MAXV * LANES keep a block's value sums in registers */
+
+static inline void prefetch(const float *p, int n) { /* every cache line of one head's row */
+    for (int d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(p + d);
+}
+
+/* Scores of nr <= RB rows against n keys at base + s * stride: scratch rows dst[r][s]. */
+static inline __attribute__((always_inline)) void score_keys(const float *const *qr, int nr, const float *base,
+                                                             int64_t stride, int64_t n, float *const *dst,
+                                                             float scale, const int D) {
+    for (int64_t s = 0; s < n; s++) {
+        const float *ks = base + s * stride;
+        if (s + AHEAD < n) prefetch(ks + AHEAD * stride, D);
+        for (int r = 0; r < nr; r++) dst[r][s] = dot(qr[r], ks, D) * scale;
+    }
+}
+
+/* o[r] = sum over the cache's n slots of p[r][s] v_s, then over the row's visible nodes, in that order. */
+static inline __attribute__((always_inline)) void sum_values(float *const *o, int nr, const float *base,
+                                                             int64_t stride, int64_t n, const float *const *p,
+                                                             const float *vn, const uint8_t *const *seen, int T,
+                                                             const int D) {
+    if (D % LANES == 0 && D / LANES <= MAXV) { /* the sums in registers across the slots */
+        const int nv = D / LANES;
+        vec acc[RB][MAXV];
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nv; c++) acc[r][c] = (vec){0};
+        for (int64_t s = 0; s < n; s++) {
+            const float *vs = base + s * stride;
+            if (s + AHEAD < n) prefetch(vs + AHEAD * stride, D);
+            for (int r = 0; r < nr; r++) {
+                const float w = p[r][s];
+                for (int c = 0; c < nv; c++) acc[r][c] += w * load(vs + c * LANES);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            int64_t m = n;
+            for (int j = 0; j < T; j++)
+                if (seen[r][j]) {
+                    const float w = p[r][m++];
+                    for (int c = 0; c < nv; c++) acc[r][c] += w * load(vn + (int64_t)j * D + c * LANES);
+                }
+            for (int c = 0; c < nv; c++) memcpy(o[r] + c * LANES, &acc[r][c], sizeof(vec));
+        }
+        return;
+    }
+    for (int r = 0; r < nr; r++) memset(o[r], 0, sizeof(float) * D);
+    for (int64_t s = 0; s < n; s++)
+        for (int r = 0; r < nr; r++) add_scaled(o[r], base + s * stride, p[r][s], D);
+    for (int r = 0; r < nr; r++) {
+        int64_t m = n;
+        for (int j = 0; j < T; j++)
+            if (seen[r][j]) add_scaled(o[r], vn + (int64_t)j * D, p[r][m++], D);
+    }
 }
 
 int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
@@ -46,47 +155,45 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                           int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
                           float *scratch) {
     if (Hkv <= 0 || Hq % Hkv != 0) return 1;
-    const int groups = Hq / Hkv, rows = groups * T; /* the queries of one key/value head: row g * T + i */
+    const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
+    const float *qrow[RB];
+    float *orow[RB], *prow[RB];
+    const uint8_t *srow[RB];
     for (int b = 0; b < B; b++) {
-        const int64_t length = lengths[b], width = length + T; /* scratch: rows x width scores */
-        const uint8_t *seen = mask + (int64_t)b * T * T;
+        const int64_t length = lengths[b], width = length + T; /* scratch: one row of scores a query */
         for (int kv = 0; kv < Hkv; kv++) {
-            const float *kb = cache_k + b * row_stride + (int64_t)kv * D;
-            const float *vb = cache_v + b * row_stride + (int64_t)kv * D;
-            const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D;
-            const float *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
-            const float *qh = q + ((int64_t)(b * Hq + kv * groups) * T) * D; /* rows x D, contiguous */
-            /* scores: the cache's keys, each read once for every row, then each row's own visible nodes */
-            for (int64_t s = 0; s < length; s++)
-                for (int r = 0; r < rows; r++) scratch[r * width + s] = dot(qh + (int64_t)r * D, kb + s * slot_stride, D) * scale;
-            for (int r = 0; r < rows; r++) {
-                const int i = r % T;
-                float *row = scratch + r * width;
-                int64_t n = length;
-                for (int j = 0; j < T; j++)
-                    if (seen[i * T + j]) row[n++] = dot(qh + (int64_t)r * D, kn + (int64_t)j * D, D) * scale;
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t m = 0; m < n; m++) top = row[m] > top ? row[m] : top;
-                for (int64_t m = 0; m < n; m++) total += (row[m] = expf(row[m] - top));
-                const float inv = n ? 1.0f / total : 0.0f;
-                for (int64_t m = 0; m < n; m++) row[m] *= inv;
-                float *o = out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D;
-                memset(o, 0, sizeof(float) * D);
-            }
-            /* values in the same order: the cache's slots, then each row's visible nodes */
-            for (int64_t s = 0; s < length; s++) {
-                const float *vs = vb + s * slot_stride;
-                for (int r = 0; r < rows; r++) {
-                    const int i = r % T;
-                    add_scaled(out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D, vs, scratch[r * width + s], D);
+            const float *kb = cache_k + b * row_stride + (int64_t)kv * D, *vb = cache_v + b * row_stride + (int64_t)kv * D;
+            const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
+            for (int first = 0; first < per_kv; first += RB) {
+                const int nr = per_kv - first < RB ? per_kv - first : RB;
+                for (int x = 0; x < nr; x++) {
+                    const int r = first + x, h = kv * groups + r / T, i = r % T;
+                    qrow[x] = q + ((int64_t)(b * Hq + h) * T + i) * D;
+                    orow[x] = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
+                    prow[x] = scratch + (int64_t)x * width;
+                    srow[x] = mask + ((int64_t)b * T + i) * T;
                 }
-            }
-            for (int r = 0; r < rows; r++) {
-                const int i = r % T;
-                float *o = out + ((int64_t)b * T + i) * Hq * D + (int64_t)(kv * groups + r / T) * D;
-                int64_t n = length;
-                for (int j = 0; j < T; j++)
-                    if (seen[i * T + j]) add_scaled(o, vn + (int64_t)j * D, scratch[r * width + n++], D);
+                if (D == 64)
+                    score_keys(qrow, nr, kb, slot_stride, length, prow, scale, 64);
+                else
+                    score_keys(qrow, nr, kb, slot_stride, length, prow, scale, D);
+                for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
+                    float *row = prow[x];
+                    int64_t n = length;
+                    for (int j = 0; j < T; j++)
+                        if (srow[x][j]) row[n++] = dot(qrow[x], kn + (int64_t)j * D, D) * scale;
+                    float top = -INFINITY;
+                    for (int64_t m = 0; m < n; m++) top = row[m] > top ? row[m] : top;
+                    for (int64_t m = 0; m < n; m++) row[m] -= top;
+                    exp_row(row, n);
+                    const float inv = n ? 1.0f / row_sum(row, n) : 0.0f;
+                    for (int64_t m = 0; m < n; m++) row[m] *= inv;
+                }
+                const float *const *pr = (const float *const *)prow;
+                if (D == 64)
+                    sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, 64);
+                else
+                    sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, D);
             }
         }
     }

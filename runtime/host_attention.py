@@ -107,6 +107,19 @@ class HostAttention:
         self._fn = fn
         self._scratch = np.zeros(0, dtype=np.float32)
 
+    def scratch(self, batch_max_length: int, tokens: int) -> int:
+        """The address of a scratch buffer large enough for a step of ``tokens`` over ``batch_max_length`` slots."""
+        need = 4 * (batch_max_length + tokens)  # host_attention.c's RB rows of scores
+        if self._scratch.size < need:
+            self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
+        return self._scratch.ctypes.data
+
+    def raw(self, *args) -> int:
+        """The C function itself, addresses and strides given (``SegmentedStep``'s hot path; ``__call__`` checks
+        its arguments): (B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride, mask,
+        lengths, out, scratch); strides in floats; returns non-zero on bad head counts."""
+        return self._fn(*args)
+
     def __call__(
         self,
         shapes: Shapes,
@@ -128,16 +141,14 @@ class HostAttention:
             raise ValueError(f"mask: contiguous uint8/bool {(batch, tokens, tokens)}, got {mask.dtype} {mask.shape}")
         if lengths.dtype != np.int64 or not lengths.flags.c_contiguous or lengths.shape != (batch,):
             raise ValueError(f"lengths: contiguous int64 ({batch},), got {lengths.dtype} {lengths.shape}")
-        need = shapes.heads // shapes.kv_heads * tokens * (int(lengths.max()) + tokens)
-        if self._scratch.size < need:
-            self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
+        scratch = self.scratch(int(lengths.max()), tokens)
         slot_stride, row_stride = cache_k.strides[0] // 4, cache_k.strides[-3] // 4
         if cache_v.strides != cache_k.strides:
             raise ValueError("cache_k and cache_v: one layout")
         rc = self._fn(
             batch, tokens, shapes.heads, shapes.kv_heads, shapes.head_dim, shapes.scale,
             q, k, v, cache_k.ctypes.data, cache_v.ctypes.data, slot_stride, row_stride,
-            mask.ctypes.data, lengths.ctypes.data, out, self._scratch.ctypes.data,
+            mask.ctypes.data, lengths.ctypes.data, out, scratch,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"host attention: {shapes.heads} query heads are not a multiple of {shapes.kv_heads} key/value heads")

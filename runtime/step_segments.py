@@ -222,14 +222,22 @@ class SegmentedStep:
         """(the step's outputs by name, as numpy arrays; per layer (key, value) [B, Hkv, T, D] numpy arrays)."""
         import numpy as np
 
-        from medusa_trt.runtime.host_attention import Shapes
-
         batch, tokens = feed["input_ids"].shape
         mask = np.ascontiguousarray(feed["tree_mask"]).astype(np.uint8, copy=False)
         lengths = np.ascontiguousarray(feed["cache_lengths"], dtype=np.int64)
+        past_key, past_value = feed["past_key"], feed["past_value"]  # (S, layers, B, Hkv, D) float32
+        if past_key.dtype != np.float32 or past_key.strides != past_value.strides or past_key.strides[-1] != 4:
+            raise ValueError("past_key / past_value: float32 (S, layers, B, Hkv, D) of one layout, heads contiguous")
+        head_dim = past_key.shape[-1]
+        if past_key.strides[-2] != 4 * head_dim:
+            raise ValueError("past_key / past_value: each slot's heads contiguous")
         outs = self._out.get((batch, tokens))
         if outs is None:  # one buffer per layer and step shape, allocated once
-            outs = self._out[(batch, tokens)] = [np.zeros((batch, tokens, 0), np.float32) for lay in self.plan.layers]
+            outs = self._out[(batch, tokens)] = [np.zeros((batch, tokens, lay.heads * head_dim), np.float32) for lay in self.plan.layers]
+        slot, layer_bytes, row = past_key.strides[0] // 4, past_key.strides[1], past_key.strides[2] // 4
+        key_base, value_base = past_key.ctypes.data, past_value.ctypes.data
+        fixed = (mask.ctypes.data, lengths.ctypes.data)
+        scratch = self.kernel.scratch(int(lengths.max()), tokens)
         values: dict = {}
         layers = self.plan.layers
         for s, (session, io, segment) in enumerate(zip(self.sessions, self.bindings, self.plan.segments)):
@@ -246,14 +254,14 @@ class SegmentedStep:
             values.update(zip(segment.outputs, io.get_outputs()))
             if s < len(layers):
                 lay = layers[s]
-                q = values[lay.query]
-                head_dim = q.shape()[-1]
-                if outs[s].shape[-1] != lay.heads * head_dim:
-                    outs[s] = np.zeros((batch, tokens, lay.heads * head_dim), np.float32)
-                shapes = Shapes(lay.heads, lay.kv_heads, head_dim, lay.scale)
-                key, value = values[lay.key].data_ptr(), values[lay.value].data_ptr()
-                cache = (feed["past_key"][:, s], feed["past_value"][:, s])  # (S, B, Hkv, D) views: read in place
-                self.kernel(shapes, q.data_ptr(), key, value, *cache, mask, lengths, outs[s].ctypes.data, batch, tokens)
+                offset = s * layer_bytes  # the layer's slots, read where they lie
+                rc = self.kernel.raw(
+                    batch, tokens, lay.heads, lay.kv_heads, head_dim, lay.scale,
+                    values[lay.query].data_ptr(), values[lay.key].data_ptr(), values[lay.value].data_ptr(),
+                    key_base + offset, value_base + offset, slot, row, *fixed, outs[s].ctypes.data, scratch,
+                )  # fmt: skip
+                if rc:
+                    raise ValueError(f"layer {s}: {lay.heads} query heads are not a multiple of {lay.kv_heads} key/value heads")
         result = {name: values[name].numpy() for name in self.plan.outputs}
         cache = [(values[lay.key].numpy(), values[lay.value].numpy()) for lay in layers]
         return result, cache
