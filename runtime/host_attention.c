@@ -5,8 +5,9 @@
  * which is depth order for a tree in topological order), with the same instructions whatever the
  * key's origin. A token scored in a verify step therefore sees the same numbers in the same order
  * as when a plain step scores it after its ancestors were committed: its output is bit for bit
- * the same. Every score is one dot product routine (16 lanes over the head dimension, then the
- * lanes added in one fixed order), every exponential one polynomial, a row's softmax sum a fixed
+ * the same. Every score comes from one routine (16 lanes over the head dimension, then the lanes
+ * added in one fixed order; on AVX-512 16 keys a pass, their lane sums in one butterfly that adds
+ * each key's lanes in the same order), every exponential one polynomial, a row's softmax sum a fixed
  * function of its list of scores, and its value sum runs over its keys one at a time (vectorised
  * over the head dimension only, which no key shares with another).
  *
@@ -17,7 +18,7 @@
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
  *   out     [B, T, Hq * D]
- *   scratch float, at least 4 * (max(lengths) + T) elements (RB rows of scores)
+ *   scratch float, at least 4 * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores)
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  */
 #include <math.h>
@@ -81,6 +82,18 @@ static void exp_row(float *x, int64_t n) {
     }
 }
 
+static float row_max(const float *x, int64_t n) { /* order-free: lanes of partial maxima */
+    float part[LANES];
+    for (int l = 0; l < LANES; l++) part[l] = -INFINITY;
+    int64_t m = 0;
+    for (; m + LANES <= n; m += LANES)
+        for (int l = 0; l < LANES; l++) part[l] = x[m + l] > part[l] ? x[m + l] : part[l];
+    for (int l = 0; m < n; m++, l++) part[l] = x[m] > part[l] ? x[m] : part[l];
+    float top = -INFINITY;
+    for (int l = 0; l < LANES; l++) top = part[l] > top ? part[l] : top;
+    return top;
+}
+
 static float row_sum(const float *x, int64_t n) { /* LANES partial sums by index, then the lanes in one order */
     float part[LANES] = {0};
     int64_t m = 0;
@@ -100,10 +113,81 @@ static inline void prefetch(const float *p, int n) { /* every cache line of one 
     for (int d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(p + d);
 }
 
-/* Scores of nr <= RB rows against n keys at base + s * stride: scratch rows dst[r][s]. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TILE 16
+#define TILE_OR_1 TILE /* keys scored together: one FMA chain a key, then the 16 lane sums in one butterfly */
+#define MAXD 256
+
+static int lane_of[TILE]; /* the butterfly's output lane of key j */
+
+/* The 16 sums of acc[j]'s lanes, key j's in lane lane_of[j]: the same adds in the same order for every key. */
+static inline __m512 butterfly(__m512 *acc) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+static void find_lanes(void) {
+    if (lane_of[1]) return;
+    __m512 acc[TILE];
+    for (int j = 0; j < TILE; j++) acc[j] = _mm512_set1_ps((float)j);
+    float out[TILE];
+    _mm512_storeu_ps(out, butterfly(acc));
+    for (int l = 0; l < TILE; l++) lane_of[(int)(out[l] / TILE + 0.5f)] = l;
+}
+
+/* Scores of one query row against count <= 16 keys at keys + j * stride (zero-filled tile when fewer). */
+static inline void score_tile(const float *qr, const float *keys, int64_t stride, int count, float *dst, float scale,
+                              const int D) {
+    float tile[TILE * MAXD];
+    if (count < TILE) {
+        memset(tile, 0, sizeof(float) * TILE * D);
+        for (int j = 0; j < count; j++) memcpy(tile + j * D, keys + j * stride, sizeof(float) * D);
+        keys = tile;
+        stride = D;
+    }
+    __m512 acc[TILE];
+    for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += LANES) {
+        const __m512 qv = _mm512_loadu_ps(qr + d);
+        for (int j = 0; j < TILE; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + j * stride + d), acc[j]);
+    }
+    float sums[TILE];
+    _mm512_storeu_ps(sums, _mm512_mul_ps(butterfly(acc), _mm512_set1_ps(scale)));
+    for (int j = 0; j < count; j++) dst[j] = sums[lane_of[j]];
+}
+#define TILED(D) ((D) % LANES == 0 && (D) <= MAXD)
+#else
+#define TILED(D) 0
+#define TILE_OR_1 1
+static inline void score_tile(const float *qr, const float *keys, int64_t stride, int count, float *dst, float scale,
+                              const int D) {
+    (void)qr, (void)keys, (void)stride, (void)count, (void)dst, (void)scale, (void)D;
+}
+static void find_lanes(void) {}
+#endif
+
+/* Scores of nr <= RB rows against n keys at base + s * stride: dst[r][s]. One routine scores every key a
+ * row sees, cached or new (TILED: 16 keys a pass; else one dot product a key). */
 static inline __attribute__((always_inline)) void score_keys(const float *const *qr, int nr, const float *base,
                                                              int64_t stride, int64_t n, float *const *dst,
                                                              float scale, const int D) {
+    if (TILED(D)) {
+        for (int64_t s = 0; s < n; s += TILE_OR_1) {
+            const int count = n - s < TILE_OR_1 ? (int)(n - s) : TILE_OR_1;
+            for (int j = 0; j < count && s + TILE_OR_1 + j < n; j++) prefetch(base + (s + TILE_OR_1 + j) * stride, D);
+            for (int r = 0; r < nr; r++) score_tile(qr[r], base + s * stride, stride, count, dst[r] + s, scale, D);
+        }
+        return;
+    }
     for (int64_t s = 0; s < n; s++) {
         const float *ks = base + s * stride;
         if (s + AHEAD < n) prefetch(ks + AHEAD * stride, D);
@@ -155,6 +239,7 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                           int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
                           float *scratch) {
     if (Hkv <= 0 || Hq % Hkv != 0) return 1;
+    find_lanes();
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
     const float *qrow[RB];
     float *orow[RB], *prow[RB];
@@ -170,20 +255,25 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                     const int r = first + x, h = kv * groups + r / T, i = r % T;
                     qrow[x] = q + ((int64_t)(b * Hq + h) * T + i) * D;
                     orow[x] = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
-                    prow[x] = scratch + (int64_t)x * width;
+                    prow[x] = scratch + (int64_t)x * (width + T);
                     srow[x] = mask + ((int64_t)b * T + i) * T;
                 }
                 if (D == 64)
                     score_keys(qrow, nr, kb, slot_stride, length, prow, scale, 64);
                 else
                     score_keys(qrow, nr, kb, slot_stride, length, prow, scale, D);
+                float *fresh[RB]; /* scores of the step's own nodes, after the row's cache scores */
+                for (int x = 0; x < nr; x++) fresh[x] = prow[x] + width;
+                if (D == 64)
+                    score_keys(qrow, nr, kn, 64, T, fresh, scale, 64);
+                else
+                    score_keys(qrow, nr, kn, D, T, fresh, scale, D);
                 for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
                     float *row = prow[x];
                     int64_t n = length;
                     for (int j = 0; j < T; j++)
-                        if (srow[x][j]) row[n++] = dot(qrow[x], kn + (int64_t)j * D, D) * scale;
-                    float top = -INFINITY;
-                    for (int64_t m = 0; m < n; m++) top = row[m] > top ? row[m] : top;
+                        if (srow[x][j]) row[n++] = fresh[x][j];
+                    const float top = row_max(row, n);
                     for (int64_t m = 0; m < n; m++) row[m] -= top;
                     exp_row(row, n);
                     const float inv = n ? 1.0f / row_sum(row, n) : 0.0f;

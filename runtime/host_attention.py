@@ -109,7 +109,7 @@ class HostAttention:
 
     def scratch(self, batch_max_length: int, tokens: int) -> int:
         """The address of a scratch buffer large enough for a step of ``tokens`` over ``batch_max_length`` slots."""
-        need = 4 * (batch_max_length + tokens)  # host_attention.c's RB rows of scores
+        need = 4 * (batch_max_length + 2 * tokens)  # host_attention.c's RB rows of scores
         if self._scratch.size < need:
             self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
         return self._scratch.ctypes.data
