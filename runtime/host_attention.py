@@ -41,14 +41,15 @@ class HostAttentionUnavailable(MedusaError):
     """The kernel could not be built or loaded here (no C compiler, or it failed)."""
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """This machine's CPU as /proc/cpuinfo names it (the benchmark scripts print it beside every figure)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or "unknown CPU"
 
 
 def cache_dir() -> Path:
@@ -57,7 +58,7 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     """Where this source, built for this CPU, lives once compiled."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_name().encode()).hexdigest()[:16]
     return cache_dir() / f"host_attention-{key}.so"
 
 

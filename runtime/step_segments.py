@@ -156,6 +156,7 @@ def cut(model) -> Segments:
     def info(name):  # what shape inference found (its rank at least), else a float tensor of unknown shape
         return declared[name] if name in declared else helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
 
+    order = {id(n): k for k, n in enumerate(keep)}
     segments = []
     for s in range(len(layers) + 1):
         nodes = [n for n in keep if node_seg.get(id(n)) == s]
@@ -169,7 +170,6 @@ def cut(model) -> Segments:
             seen.add(id(node))
             folded.append(node)
             wanted += [i for i in node.input if i in constant and i not in inits]
-        order = {id(n): k for k, n in enumerate(keep)}
         body = sorted(folded + nodes, key=lambda n: order[id(n)])
         produced = {o for n in body for o in n.output}
         used = [i for n in body for i in n.input if i]

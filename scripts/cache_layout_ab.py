@@ -152,6 +152,20 @@ def feeds(meta, layers: int, context: int, tokens: int, rng) -> tuple[dict, dict
     return stacked, per_layer
 
 
+def write_report(out: Path, threads: int, load: tuple[float, float], report: dict, argv) -> None:
+    """An A/B's figures as JSON at ``out`` (durably): the CPU, threads, load average, each engine's figures, the command."""
+    from medusa_trt.runtime.durable import write_text
+
+    payload = {
+        "cpu": cpu_name(),
+        "threads": threads,
+        "load_average": list(load),
+        "engines": report,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    }
+    write_text(out, json.dumps(payload, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", type=Path, action="append", required=True, help="an engine folder (repeat)")
@@ -214,16 +228,7 @@ def main(argv=None) -> int:
             same = "yes" if r["same_outputs"] else "NO"
             print(f"| {Path(engine).name} | {c} | {t} | {s:.2f} / {sb:.2f} | {q:.2f} / {qb:.2f} | {q / s:.3f} | {same} |")
     if args.out:
-        from medusa_trt.runtime.durable import write_text
-
-        payload = {
-            "cpu": cpu_name(),
-            "threads": args.threads,
-            "load_average": [load_start[0], load_end[0]],
-            "engines": report,
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        }
-        write_text(args.out, json.dumps(payload, indent=1) + "\n")
+        write_report(args.out, args.threads, (load_start[0], load_end[0]), report, argv)
     return 0 if all(r["same_outputs"] for r in report.values()) else 1
 
 

@@ -16,7 +16,6 @@ forms, each a burst of steps after one untimed. The runtime is untouched: this m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from cache_layout_ab import BURST, bind, feeds, key
+from cache_layout_ab import BURST, bind, feeds, key, write_report
 from step_graph_report import cpu_name
 
 
@@ -121,16 +120,7 @@ def main(argv=None) -> int:
             d = r["against_graph"][key(c, t)]["max_logit_diff"]
             print(f"| {Path(engine).name} | {c} | {t} | {g:.2f} | {h:.2f} ({h / g:.2f}) | {s:.2f} ({s / g:.2f}) | {d:.2g} |")
     if args.out:
-        from medusa_trt.runtime.durable import write_text
-
-        payload = {
-            "cpu": cpu_name(),
-            "threads": args.threads,
-            "load_average": [load_start[0], load_end[0]],
-            "engines": report,
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        }
-        write_text(args.out, json.dumps(payload, indent=1) + "\n")
+        write_report(args.out, args.threads, (load_start[0], load_end[0]), report, argv)
     return 0
 
 

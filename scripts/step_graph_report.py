@@ -35,21 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.runtime.host_attention import cpu_name  # the scripts beside this one import it from here too
+
 SIZES = (1, 2, 4, 8, 16, 32)
 ENGINES = ("before", "after")
 BANDWIDTH_BYTES = 2**30  # the buffer the bandwidth probe reads (far past any CPU cache)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def export(model: str, work: Path, *, context: int) -> dict[str, Path]:
