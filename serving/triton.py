@@ -451,9 +451,13 @@ class TritonServer:
             if code is not None:
                 raise ServeError(f"tritonserver exited with status {code} while loading {', '.join(models)}: {self._why()}")
             try:
+                # ready means every endpoint answers: tritonserver binds the metrics port after HTTP's
                 with opener.open(f"{self.http_url}/v2/health/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
+                    ready = response.status == 200
+                if ready:
+                    with opener.open(self.metrics_url, timeout=2) as response:
+                        if response.status == 200:
+                            return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
