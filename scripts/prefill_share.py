@@ -80,8 +80,10 @@ def run(args) -> Report:
     if not ids:
         raise MedusaError(f"no prompt leaves room for --max-new-tokens {args.max_new_tokens} in the engines' context: lower it")
     eos = frozenset(first.eos)
-    peers = [PeerProcess(s, threads=args.threads, context=first.max_context, vocab_size=first.backend.meta.vocab_size) for s in specs]
+    peers = []
     try:
+        for spec in specs:  # each in a worker process of its own, closed below whatever happens
+            peers.append(PeerProcess(spec, threads=args.threads, context=first.max_context, vocab_size=first.backend.meta.vocab_size))
         rows = [Row(name, mode="plain" if args.plain else "default drafting") for name, _ in engines]
         rows += [Row(s.text, mode=getattr(p, "mode", "")) for s, p in zip(specs, peers)]
         for _, rt in engines:  # warm-up: first calls pay one-time costs
