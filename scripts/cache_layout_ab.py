@@ -21,7 +21,6 @@ of the change only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from step_graph_report import cpu_name
+from step_graph_report import cpu_name, write_report
 
 CACHE = ("past_key", "past_value")
 MARK = ".cache-layout-ab"  # in each folder this script makes: the only folders it writes into
@@ -152,35 +151,29 @@ def feeds(meta, layers: int, context: int, tokens: int, rng) -> tuple[dict, dict
     return stacked, per_layer
 
 
-def write_report(out: Path, threads: int, load: tuple[float, float], report: dict, argv) -> None:
-    """An A/B's figures as JSON at ``out`` (durably): the CPU, threads, load average, each engine's figures, the command."""
-    from medusa_trt.runtime.durable import write_text
-
-    payload = {
-        "cpu": cpu_name(),
-        "threads": threads,
-        "load_average": list(load),
-        "engines": report,
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-    }
-    write_text(out, json.dumps(payload, indent=1) + "\n")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_ab(description: str, argv, *, rounds: int, extra=()) -> argparse.Namespace:
+    """The command line the step A/B scripts share (engines, contexts, step sizes, rounds, threads, --out) and
+    ``extra`` (name, keywords) arguments; an engine that does not exist is a one-line error, exit 2."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--engine", type=Path, action="append", required=True, help="an engine folder (repeat)")
-    p.add_argument("--work", type=Path, default=Path("build/cache-layout-ab"), help="where the rewritten graphs go")
+    for name, keywords in extra:
+        p.add_argument(name, **keywords)
     p.add_argument("--context", type=int, action="append", help="committed tokens before a step (repeat; default 300 and 900)")
     p.add_argument("--tokens", type=int, action="append", help="tokens a step scores (repeat; default 1 and 8)")
-    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
-    from medusa_trt.runtime.engine import EngineFiles, read_meta
-
     for engine in args.engine:
         if not engine.exists():
             p.error(f"{engine} does not exist: pass an engine folder medusa-export wrote")
+    return args
+
+
+def main(argv=None) -> int:
+    work = ("--work", dict(type=Path, default=Path("build/cache-layout-ab"), help="where the rewritten graphs go"))
+    args = parse_ab(__doc__.split("\n\n")[0], argv, rounds=60, extra=[work])
+    from medusa_trt.runtime.engine import EngineFiles, read_meta
 
     cases = [(c, t) for c in args.context or (300, 900) for t in args.tokens or (1, 8)]  # (context, tokens) of a step
     load_start = os.getloadavg()
@@ -228,7 +221,7 @@ def main(argv=None) -> int:
             same = "yes" if r["same_outputs"] else "NO"
             print(f"| {Path(engine).name} | {c} | {t} | {s:.2f} / {sb:.2f} | {q:.2f} / {qb:.2f} | {q / s:.3f} | {same} |")
     if args.out:
-        write_report(args.out, args.threads, (load_start[0], load_end[0]), report, argv)
+        write_report(args.out, args.threads, (load_start[0], load_end[0]), argv, engines=report)
     return 0 if all(r["same_outputs"] for r in report.values()) else 1
 
 

@@ -16,14 +16,13 @@ prefill ms per prompt token, prefill's share of the end-to-end time, end-to-end 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_trt.runtime.host_attention import cpu_name
+from step_graph_report import cpu_name, write_report
 
 log = logging.getLogger("prefill_share")
 
@@ -144,18 +143,8 @@ def main(argv=None) -> int:
             f"{f['end_to_end_tok_s']} | {f['decode_tok_s']} |"
         )
     if args.out:
-        from medusa_trt.runtime.durable import write_text
-
-        payload = {
-            "cpu": cpu_name(),
-            "threads": args.threads,
-            "load_average": [load, os.getloadavg()],
-            "prompts": report.prompts,
-            "max_new_tokens": args.max_new_tokens,
-            "rows": figures,
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        }
-        write_text(args.out, json.dumps(payload, indent=1) + "\n")
+        end = os.getloadavg()
+        write_report(args.out, args.threads, (load, end), argv, prompts=report.prompts, max_new_tokens=args.max_new_tokens, rows=figures)
     return 0
 
 

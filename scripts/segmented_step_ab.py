@@ -15,7 +15,6 @@ forms, each a burst of steps after one untimed. The runtime is untouched: this m
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -23,8 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from cache_layout_ab import BURST, bind, feeds, key, write_report
-from step_graph_report import cpu_name
+from cache_layout_ab import BURST, bind, feeds, key, parse_ab
+from step_graph_report import cpu_name, write_report
 
 
 class Skipped:
@@ -38,17 +37,7 @@ class Skipped:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", type=Path, action="append", required=True, help="an engine folder (repeat)")
-    p.add_argument("--context", type=int, action="append", help="committed tokens before a step (repeat; default 300 and 900)")
-    p.add_argument("--tokens", type=int, action="append", help="tokens a step scores (repeat; default 1 and 8)")
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
-    args = p.parse_args(argv)
-    for engine in args.engine:
-        if not engine.exists():
-            p.error(f"{engine} does not exist: pass an engine folder medusa-export wrote")
+    args = parse_ab(__doc__.split("\n\n")[0], argv, rounds=30)
     import onnx
     import onnxruntime as ort
 
@@ -120,7 +109,7 @@ def main(argv=None) -> int:
             d = r["against_graph"][key(c, t)]["max_logit_diff"]
             print(f"| {Path(engine).name} | {c} | {t} | {g:.2f} | {h:.2f} ({h / g:.2f}) | {s:.2f} ({s / g:.2f}) | {d:.2g} |")
     if args.out:
-        write_report(args.out, args.threads, (load_start[0], load_end[0]), report, argv)
+        write_report(args.out, args.threads, (load_start[0], load_end[0]), argv, engines=report)
     return 0
 
 

@@ -194,20 +194,22 @@ def main(argv=None) -> int:
         med, best = table[1]["median_ms"][n] / floor_ms, table[1]["best_ms"][n] / floor_ms
         print(f"one-token step {n}: {med:.2f}x the floor (median), {best:.2f}x (best)")
     if args.out:
-        report = {
-            "cpu": cpu,
-            "threads": args.threads,
-            "load_average": [load_start[0], load_end[0]],
-            "context": args.context,
-            "op_counts": counts,
-            "same_outputs": same,
-            "verify_equals_plain": exact.to_json(),
-            "steps": table,
-            "floor": {"weight_bytes": floor_bytes, "bytes_per_second": read, "ms": floor_ms},
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        }
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_report(
+            args.out, args.threads, (load_start[0], load_end[0]), argv,
+            context=args.context, op_counts=counts, same_outputs=same, verify_equals_plain=exact.to_json(), steps=table,
+            floor={"weight_bytes": floor_bytes, "bytes_per_second": read, "ms": floor_ms},
+        )  # fmt: skip
     return 0
+
+
+def write_report(out: Path, threads: int, load, argv, **figures) -> None:
+    """A study's figures as JSON at ``out``, durably (whole or not at all): the CPU, threads, load average,
+    ``figures`` in their order, then the command that made them (the scripts beside this one write theirs here)."""
+    from medusa_trt.runtime.durable import write_text
+
+    command = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+    payload = {"cpu": cpu_name(), "threads": threads, "load_average": list(load), **figures, "command": command}
+    write_text(out, json.dumps(payload, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from step_graph_report import bandwidth, cpu_name, prefill
+from step_graph_report import bandwidth, cpu_name, prefill, write_report
 
 KINDS = {  # op type -> kind of work; anything not named is "other"
     **dict.fromkeys(
@@ -200,18 +200,9 @@ def main(argv=None) -> int:
                 f"one-token step {r['median_ms'][1] / r['floor_ms']:.2f}x it (median), {r['best_ms'][1] / r['floor_ms']:.2f}x (best)"
             )
     if args.out:
-        payload = {
-            "cpu": cpu_name(),
-            "threads": args.threads,
-            "load_average": [load_start[0], load_end[0]],
-            "context": args.context,
-            "bytes_per_second": read,
-            "engines": report,
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        }
-        from medusa_trt.runtime.durable import write_text
-
-        write_text(args.out, json.dumps(payload, indent=1) + "\n")  # whole or not at all
+        write_report(
+            args.out, args.threads, (load_start[0], load_end[0]), argv, context=args.context, bytes_per_second=read, engines=report
+        )  # whole or not at all
     return 0
 
 
