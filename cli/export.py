@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="append the new keys after the cache as engines before key slots did: a verify step then equals a plain "
         "step to float rounding only (default for ONNX Runtime engines: key slots, bit for bit; TensorRT: appended)",
     )
+    p.add_argument(
+        "--no-logits-gate",
+        action="store_true",
+        help="compute the lm_head on every step, as engines before the gate did (default for ONNX Runtime engines: a "
+        "prompt's chunks before its last skip it; same output, docs/benchmarks.md; TensorRT: always computed)",
+    )
     p.add_argument("--opset", type=int, default=BuildConfig.opset)
     p.add_argument(
         "--successors",
@@ -145,6 +151,7 @@ def build_config(args) -> BuildConfig:
         dtype=args.dtype,
         attention=args.attention,
         key_slots=not args.no_key_slots,
+        logits_gate=not args.no_logits_gate,
         opset=args.opset,
         successors=args.successors,
         draft_vocab=args.draft_vocab,

@@ -43,6 +43,7 @@ class BuildConfig:
     dtype: str = "fp32"  # fp32 | fp16 | bf16 (.plan only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     key_slots: bool = True  # ONNX Runtime engines with standard attention: a verify step equals a plain step bit for bit
+    logits_gate: bool = True  # ONNX Runtime engines with standard attention: the lm_head behind an If (exporter/logits_gate.py)
     opset: int = 23
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's top-k output (0: none)
     draft_vocab: int | None = None  # None: the heads folder's export.json, else the whole vocabulary
@@ -184,6 +185,7 @@ def export_config(config: BuildConfig, plan: BuildPlan):
         step_cost=read_step_cost(config.step_cost) if config.step_cost else None,
         draft_vocab=chosen.draft_vocab,
         key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,
+        gate_logits=onnx_runtime and config.attention == "onnx" and config.logits_gate,  # TensorRT: the plans from the ungated graph
         measure_cost=onnx_runtime,
     )
 

@@ -26,7 +26,8 @@ call, per weight tensor) keeps its weights apart: fused, their one scale would s
 Not done here, and why: the cache's per-layer ``Gather`` / ``Transpose`` / ``ScatterElements``
 copies come from the slot-major cache the step contract binds (a per-layer cache input removes the
 first; it changes every backend: docs/benchmarks.md, "What limits the ratios"); the ``lm_head``
-covers every node because ``next_ids`` and ``next_topk`` are contract outputs of every node; ONNX
+covers every node of a step because ``next_ids`` and ``next_topk`` are contract outputs of every node
+(a step whose outputs no one reads skips it whole: ``exporter/logits_gate.py``, after quantization); ONNX
 Runtime's ``SkipSimplifiedLayerNormalization`` gives other last bits than ``Add`` +
 ``RMSNormalization`` (row-invariant, so verify steps would stay exact) and exists in ONNX Runtime only.
 """

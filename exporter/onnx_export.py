@@ -104,6 +104,9 @@ class ExportConfig:
     # the standard-form step graph rewritten by exporter/lean.py (shared rotary tables, fused weight matmuls): the same
     # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
     lean: bool = True
+    # the lm_head behind an If on an optional logits_wanted input (exporter/logits_gate.py), so prompt chunks whose
+    # logits no one reads skip it; None: yes for the standard attention on ONNX Runtime (a .plan's build passes False)
+    gate_logits: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
@@ -119,6 +122,8 @@ class ExportConfig:
             object.__setattr__(self, "quantize", QuantizeConfig(self.quantize))  # an unknown mode fails here
         if self.key_slots is None:
             object.__setattr__(self, "key_slots", self.attention == "onnx")
+        if self.gate_logits is None:
+            object.__setattr__(self, "gate_logits", self.attention == "onnx")
         if self.key_slots and self.attention != "onnx":
             raise ExportError("key slots are a form of the standard attention: drop --attention plugin or --key-slots")
         if self.quantize and self.attention != "onnx":
@@ -385,6 +390,10 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
             if config.quantize:
                 bar.set_postfix_str(f"quantizing {config.quantize.mode}")
                 quantize_engine(staged, meta, config.quantize)
+            if config.gate_logits:  # after every rewrite of the graph: the gate moves their final nodes
+                from medusa_trt.exporter.logits_gate import gate_logits_file
+
+                gate_logits_file(staged.step)
             bar.update()
             if config.verify:
                 bar.set_postfix_str("verifying")

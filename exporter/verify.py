@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa_trt.exporter.logits_gate import GATED_OUTPUTS
 from medusa_trt.runtime import key_slots
+from medusa_trt.runtime.backends.onnx_backend import is_gated, with_gate
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
     HEADS_INPUTS,
@@ -30,6 +32,7 @@ from medusa_trt.runtime.contract import (
     INPUT_IDS,
     KEY_SLOTS_INPUT,
     LOGITS,
+    LOGITS_WANTED_INPUT,
     NEW_KEY,
     NEW_VALUE,
     NEXT_IDS,
@@ -180,6 +183,8 @@ def verify_engine(
     gen = np.random.default_rng(0)
 
     scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
+    gated = not isinstance(session, ReferenceSession) and is_gated(session)  # bf16 graphs are for TensorRT: never gated
+    last: list[dict] = []  # the feeds of the last run
 
     def run(ids, positions, mask, lengths, past_key, past_value):
         feeds = {
@@ -192,7 +197,8 @@ def verify_engine(
         }
         if scattered:  # the new keys go to slots of the view: pad it to hold them
             key_slots.add_to_feeds(feeds)
-        ours = dict(zip(names, session.run(None, feeds)))
+        last[:] = [with_gate(session, feeds) if gated else feeds]  # a gated graph's logits, which every check below reads
+        ours = dict(zip(names, session.run(None, last[0])))
         theirs = model(*(to_torch(v, device) for v in feeds.values()))
         return ours, dict(zip(STEP_OUTPUTS, theirs))
 
@@ -225,6 +231,8 @@ def verify_engine(
         if not (picked >= kth - 1e-6).all():
             raise VerificationError(f"{files.step.name}: {SUCCESSORS_OUTPUT} does not hold the top-{k} logits: export again")
     diffs["tree hidden"] = _diff(theirs[HIDDEN], ours[HIDDEN])
+    if gated:
+        _check_gate(files, session, names, last[0], ours)
     session = None  # the step graph's weights go before the heads graph's come
     if model.num_heads:
         diffs["head logits"] = _heads_diff(model, files, tree, ours, draft_vocab)
@@ -237,6 +245,17 @@ def verify_engine(
             f"({', '.join(f'{k} {v:.2e}' for k, v in diffs.items())}); export with --no-verify to keep it anyway"
         )
     return diffs
+
+
+def _check_gate(files: EngineFiles, session, names: list[str], feeds: dict, ours: dict[str, np.ndarray]) -> None:
+    """A gated step graph (exporter/logits_gate.py) run with ``logits_wanted`` False must give the other outputs of
+    its run with the default, ``ours``, bit for bit, and empty gated ones."""
+    skipped = dict(zip(names, session.run(None, feeds | {LOGITS_WANTED_INPUT: np.array(False)})))
+    for name, got in skipped.items():
+        if name in GATED_OUTPUTS and got.size:
+            raise VerificationError(f"{files.step.name}: {name} was computed with {LOGITS_WANTED_INPUT} False: export again")
+        if name not in GATED_OUTPUTS and not np.array_equal(got, ours[name]):
+            raise VerificationError(f"{files.step.name}: {name} changes with {LOGITS_WANTED_INPUT} False: export again")
 
 
 def _heads_diff(model, files: EngineFiles, tree: CompiledTree, ours: dict[str, np.ndarray], draft_vocab: int | None) -> float:

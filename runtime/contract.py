@@ -15,6 +15,7 @@ STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_
 STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
 KEY_SLOTS_INPUT = "key_slots"  # optional int64 (B, T): where each new key sits on the attention's key axis (runtime/key_slots.py)
 SUCCESSORS_OUTPUT = "next_topk"  # optional (B, W, k) int64: the base model's top-k after each node (engines since successors)
+LOGITS_WANTED_INPUT = "logits_wanted"  # optional bool scalar (default True): False skips the lm_head (exporter/logits_gate.py)
 DEFAULT_SUCCESSORS = 8  # its k unless medusa-export --successors says otherwise
 HEADS_INPUTS = ("hidden",)
 NEXT_INPUT = "root_ids"  # int64 (B,): the next token, a second input of next-token-aware heads' graphs
@@ -71,6 +72,16 @@ class StepOutput:
         return self._hidden_rows(np.asarray(rows), np.asarray(nodes))
 
 
+def without_logits(batch: int, hidden_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> StepOutput:
+    """What a step run with ``logits=False`` gives: no argmax (an empty (B, 0) array), no top-k, no logits
+    (reading them raises); the hidden states where the backend kept them."""
+
+    def unread(*_):
+        raise RuntimeError("this step ran with logits=False: its logits were not computed (pass logits=True to read them)")
+
+    return StepOutput(np.zeros((batch, 0), dtype=np.int64), None, unread, unread, hidden_rows)
+
+
 @dataclass(frozen=True, eq=False)
 class Proposals:
     """The Medusa heads at one node per row. Valid until the backend's next ``propose``."""
@@ -91,9 +102,14 @@ class Backend(Protocol):
     max_context: int  # cache slots per row
     max_tokens: int | None  # most new tokens one step takes (None: no limit)
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+    def step(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
+    ) -> StepOutput:
         """Score (B, W) new tokens at ``position_ids`` over each row's first ``cache_lengths`` slots
-        under ``tree_mask`` (B, W, W); keeps their K/V (uncommitted) and hidden states."""
+        under ``tree_mask`` (B, W, W); keeps their K/V (uncommitted) and hidden states. ``logits`` False:
+        the caller reads nothing but the K/V (a prompt chunk before the last); a backend may then skip
+        the ``lm_head`` and return ``without_logits`` (one whose graph has ``LOGITS_WANTED_INPUT``), or
+        compute everything as usual."""
         ...
 
     def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:

@@ -132,6 +132,7 @@ class StepPlan:
     draws: dict  # row -> Draws of the row's sampled drafts (None: none)
     prefill: dict  # row -> prompt tokens this step, for prefill rows
     started: float  # perf_counter when drafting began (host overhead accounting)
+    logits: bool = True  # False: every row is a prompt chunk before its last, so nothing but the K/V is read
 
 
 class Scheduler:
@@ -220,7 +221,7 @@ class Scheduler:
             return
         plan = self._draft()
         tick = time.perf_counter()
-        out = self.backend.step(plan.ids, plan.positions, plan.mask, plan.lengths)  # verify
+        out = self.backend.step(plan.ids, plan.positions, plan.mask, plan.lengths, logits=plan.logits)  # verify
         verify = time.perf_counter() - tick
         verdicts = self._accept(plan, out)
         yield from self._commit(plan, out, verdicts, verify)
@@ -266,7 +267,9 @@ class Scheduler:
             ids[b, :n] = rows[b].request.prompt[done : done + n]
             positions[b] = lengths[b] + np.minimum(np.arange(width), n - 1)
             mask[b, :n, :n] = np.tril(np.ones((n, n), dtype=bool))
-        return StepPlan(ids, positions, mask, lengths, trees, draws, prefill, started)
+        # a row reads the step's outputs when it decodes or its prompt ends here (the first token, the successors)
+        reads = bool(trees) or any(self._prefilled[b] + n == len(rows[b].request.prompt) for b, n in prefill.items())
+        return StepPlan(ids, positions, mask, lengths, trees, draws, prefill, started, logits=reads)
 
     def _tree(self, b: int) -> tuple[StepTree | Candidates, Draws | None]:
         """Draft: the proposers' candidates merged below row ``b``'s root; a sampled row's tree under its

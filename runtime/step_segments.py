@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from medusa_trt.runtime.contract import LOGITS_WANTED_INPUT
 from medusa_trt.runtime.errors import MedusaError
 
+WANTED = np.array(True)  # a gated graph's logits_wanted (exporter/logits_gate.py)
 CACHE_OUTPUTS = ("new_key", "new_value")  # the graph's stacks of the step's keys: the segments hand them over per layer
 
 
@@ -111,6 +115,8 @@ def cut(model) -> Segments:
     import onnx
     from onnx import helper
 
+    from medusa_trt.exporter.logits_gate import node_reads  # inputs and a branch's outer-scope reads (the logits gate's If)
+
     graph = model.graph
     layers = _layers(graph)
     outputs = tuple(o.name for o in graph.output if o.name not in CACHE_OUTPUTS)
@@ -120,29 +126,29 @@ def cut(model) -> Segments:
     for node in reversed(graph.node):  # what the outputs and the kernels read; the kernels' outputs are theirs
         if any(o in need for o in node.output) and not any(o in kernel_out for o in node.output):
             keep.append(node)
-            need.update(i for i in node.input if i)
+            need.update(node_reads(node))
     keep.reverse()
     inits = {i.name: i for i in graph.initializer}
-    constant = set(inits)
+    constant = set(inits) - {i.name for i in graph.input}  # an input's initializer is its default, not a constant
     producer = {}
     for node in keep:
         for o in node.output:
             producer[o] = node
-        if all(i in constant for i in node.input if i):
+        if all(i in constant for i in node_reads(node)):
             constant.update(node.output)
     seg_of = {i.name: 0 for i in graph.input} | kernel_out
     node_seg = {}
     for node in keep:
         if node.output[0] in constant:
             continue
-        s = max([seg_of[i] for i in node.input if i and i not in constant] + [0])
+        s = max([seg_of[i] for i in node_reads(node) if i not in constant] + [0])
         node_seg[id(node)] = s
         for o in node.output:
             seg_of[o] = s
     read_in: dict[str, set[int]] = {}
     for node in keep:
         if id(node) in node_seg:
-            for i in node.input:
+            for i in node_reads(node):
                 read_in.setdefault(i, set()).add(node_seg[id(node)])
     for i, layer in enumerate(layers):  # the kernel of layer i runs after segment i
         for t in (layer.query, layer.key, layer.value):
@@ -160,7 +166,7 @@ def cut(model) -> Segments:
     segments = []
     for s in range(len(layers) + 1):
         nodes = [n for n in keep if node_seg.get(id(n)) == s]
-        wanted = [i for n in nodes for i in n.input if i in constant and i not in inits]
+        wanted = [i for n in nodes for i in node_reads(n) if i in constant and i not in inits]
         folded, seen = [], set()
         while wanted:  # the constant subgraphs this segment reads, copied in
             t = wanted.pop()
@@ -169,10 +175,10 @@ def cut(model) -> Segments:
                 continue
             seen.add(id(node))
             folded.append(node)
-            wanted += [i for i in node.input if i in constant and i not in inits]
+            wanted += [i for i in node_reads(node) if i in constant and i not in inits]
         body = sorted(folded + nodes, key=lambda n: order[id(n)])
         produced = {o for n in body for o in n.output}
-        used = [i for n in body for i in n.input if i]
+        used = [i for n in body for i in node_reads(n)]
         ins = sorted({t for t in used if t not in produced and t not in inits})
         outs = sorted(t for t in produced if t in outputs or any(r > s for r in read_in.get(t, ())))
         weights = [inits[t] for t in sorted(set(used)) if t in inits]
@@ -239,6 +245,7 @@ class SegmentedStep:
         fixed = (mask.ctypes.data, lengths.ctypes.data)
         scratch = self.kernel.scratch(int(lengths.max()), tokens)
         values: dict = {}
+        feed = {LOGITS_WANTED_INPUT: WANTED, **feed}  # a gated graph (exporter/logits_gate.py): its logits, as the graph's
         layers = self.plan.layers
         for s, (session, io, segment) in enumerate(zip(self.sessions, self.bindings, self.plan.segments)):
             for name in segment.inputs:

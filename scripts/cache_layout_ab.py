@@ -52,6 +52,8 @@ def per_layer_graph(step: Path, out: Path) -> int:
     import onnx
     from onnx import helper, numpy_helper
 
+    from medusa_trt.exporter.logits_gate import node_reads
+
     model = onnx.load(str(step), load_external_data=False)
     graph = model.graph
     consts = {i.name: i for i in graph.initializer}
@@ -83,7 +85,7 @@ def per_layer_graph(step: Path, out: Path) -> int:
             node.input[i] = rename.get(name, name)
     del graph.node[:]
     graph.node.extend(keep)
-    read = {name for node in keep for name in node.input}
+    read = {name for node in keep for name in node_reads(node)}  # the logits gate's branch reads the lm_head's weight
     unused = [init for init in graph.initializer if init.name not in read]
     for init in unused:  # the Gathers' layer indices
         graph.initializer.remove(init)
@@ -126,8 +128,10 @@ def key(context: int, tokens: int) -> str:
 
 def bind(sess, feed: dict):
     """The step's inputs bound in place and its outputs left to ONNX Runtime on the CPU, as the backend binds them."""
+    from medusa_trt.runtime.backends.onnx_backend import with_gate
+
     io = sess.io_binding()
-    for name, value in feed.items():
+    for name, value in with_gate(sess, feed).items():  # a gated graph's logits computed, as a decoding step's are
         io.bind_cpu_input(name, value)
     for out in sess.get_outputs():
         io.bind_output(out.name, "cpu")

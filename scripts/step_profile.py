@@ -61,10 +61,12 @@ def streamed_bytes(step: Path) -> int:
     import onnx
     from onnx import helper, numpy_helper
 
+    from medusa_trt.exporter.logits_gate import node_reads
+
     model = onnx.load(str(step), load_external_data=False)
     readers = collections.defaultdict(set)
     for node in model.graph.node:
-        for name in node.input:
+        for name in node_reads(node):  # an If's branches too: the logits gate's lm_head (exporter/logits_gate.py)
             readers[name].add(node.op_type)
     total = 0
     for init in model.graph.initializer:

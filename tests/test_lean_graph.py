@@ -36,9 +36,10 @@ def _graph(path):
 
 def _weight_matmuls(graph) -> int:
     weights = {t.name for t in graph.initializer if len(t.dims) == 2}
-    producers = {o: n for n in graph.node for o in n.output}
+    nodes = [*graph.node, *(n for node in graph.node for a in node.attribute if a.HasField("g") for n in a.g.node)]  # the lm_head: in the
+    producers = {o: n for n in nodes for o in n.output}  # logits gate's If (exporter/logits_gate.py)
     count = 0
-    for node in graph.node:
+    for node in nodes:
         if node.op_type != "MatMul":
             continue
         source = producers.get(node.input[1])  # the tied lm_head reads its weight through a Transpose
@@ -61,13 +62,13 @@ def test_one_rotary_table_pair_and_four_weight_matmuls_a_layer(engines):
 def _run(path, feeds: dict) -> list[np.ndarray]:
     import onnxruntime as ort
 
-    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS
+    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, with_gate
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     step = EngineFiles.beside(path).step
     session = ort.InferenceSession(str(step), options, ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
-    return session.run(None, feeds)
+    return session.run(None, with_gate(session, feeds))
 
 
 @pytest.mark.parametrize("tokens,tree", [(12, False), (6, True)], ids=["prefill", "tree"])

@@ -136,6 +136,8 @@ def _prefill_logits(path, ids: np.ndarray) -> np.ndarray:
     """Logits (B, T, V) of one prefill over ``ids`` (B, T) on an empty cache."""
     import onnxruntime as ort
 
+    from medusa_trt.runtime.backends.onnx_backend import with_gate
+
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     meta = read_meta(path)
     batch, tokens = ids.shape
@@ -152,7 +154,7 @@ def _prefill_logits(path, ids: np.ndarray) -> np.ndarray:
     )
     if meta.key_slots:
         feeds["key_slots"] = positions
-    return session.run(["logits"], feeds)[0]
+    return session.run(["logits"], with_gate(session, feeds))[0]
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8-channel"])

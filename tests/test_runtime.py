@@ -298,7 +298,7 @@ class _PermutationEngine:
         self.max_batch, self.max_context = max_batch, max_context
         self.successor = np.random.default_rng(0).permutation(vocab)
 
-    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths, *, logits=True):
         from medusa_trt.runtime.contract import StepOutput
 
         return StepOutput(self.successor[input_ids], None, None, None)

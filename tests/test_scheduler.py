@@ -35,7 +35,7 @@ class _NextEngine:
         self.cached = np.zeros(max_batch, dtype=np.int64)  # (max_batch,) committed slots per row
         self.relayouts: list[tuple[list[int], int, int, int]] = []
 
-    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths, *, logits=True):
         batch = input_ids.shape[0]
         self.cached[:batch][cache_lengths == 0] = 0  # a free row, or a sequence new to it: its old slots are unseen
         assert cache_lengths.tolist() == self.cached[:batch].tolist()

@@ -30,7 +30,7 @@ class SteepBackend:
         self.inner, self.unit, self.heads = inner, unit, heads
         self.meta, self.max_tokens, self.max_context = inner.meta, inner.max_tokens, inner.max_context
 
-    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths, *, logits=True):
         time.sleep(self.unit * (input_ids.shape[0] * input_ids.shape[1]) ** 2)
         return self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
 
@@ -121,7 +121,7 @@ class WidthDependentBackend:
         self.inner = inner
         self.meta, self.max_tokens, self.max_context = inner.meta, inner.max_tokens, inner.max_context
 
-    def step(self, input_ids, position_ids, tree_mask, cache_lengths):
+    def step(self, input_ids, position_ids, tree_mask, cache_lengths, *, logits=True):
         out = self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
         logits = out.logits() + 1e-3 * (input_ids.shape[1] - 1)
         return dataclasses.replace(out, _logits=lambda: logits)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import STORIES, medusa_model
 
+from medusa_trt.runtime.backends.onnx_backend import with_gate
 from medusa_trt.runtime.engine import read_meta
 from medusa_trt.runtime.host_attention import HostAttention, HostAttentionUnavailable
 from medusa_trt.runtime.step_segments import NotSegmentable, SegmentedStep, cut
@@ -79,7 +80,7 @@ def test_the_graphs_numbers(step, segmented):
     ids = rng.integers(0, meta.vocab_size, (2, tokens))
     feed = _feeds(meta, rng, past, ids, mask, _cache(meta, rng, 11 + tokens, 2))
     graph = ort.InferenceSession(str(step), providers=["CPUExecutionProvider"])
-    want = dict(zip([o.name for o in graph.get_outputs()], graph.run(None, feed)))
+    want = dict(zip([o.name for o in graph.get_outputs()], graph.run(None, with_gate(graph, feed))))
     got, new = segmented.run(feed)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-4)
     assert np.array_equal(got["next_ids"], want["next_ids"])

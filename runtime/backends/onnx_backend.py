@@ -26,6 +26,7 @@ from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
     HEADS_INPUTS,
     INPUT_IDS,
+    LOGITS_WANTED_INPUT,
     NEXT_INPUT,
     PAST_KEY,
     PAST_VALUE,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 BUFFERS = ("auto", "host", "device")  # auto: device buffers on the CUDA provider, host buffers otherwise
 _LANES: dict[tuple, int | None] = {}  # key slots' measured lane count per (head_dim, groups, dtype, provider, threads)
+_WANTED = {flag: np.array(flag) for flag in (False, True)}  # the gate's scalar input, made once
 SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in (PAST_KEY, PAST_VALUE))  # from the host; buffers bind the cache
 
 
@@ -72,6 +74,16 @@ def _session_options(threads: int | None, *, spin: bool):
     if not spin:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+def is_gated(session) -> bool:
+    """Whether a step session's graph has the ``logits_wanted`` input (exporter/logits_gate.py)."""
+    return LOGITS_WANTED_INPUT in {i.name for i in session.get_inputs()}
+
+
+def with_gate(session, feeds: dict) -> dict:
+    """``feeds`` of a step graph run, with ``logits_wanted`` True where the graph has that input (its logits computed)."""
+    return feeds | {LOGITS_WANTED_INPUT: _WANTED[True]} if is_gated(session) else feeds
 
 
 def default_providers() -> list[str]:
@@ -144,6 +156,7 @@ class OnnxBackend:
         self.buffers: StepBuffers = self._buffers(buffers, sizes)
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
+        self.gated = self.skips_logits = is_gated(self.session)  # the lm_head behind an If (exporter/logits_gate.py)
         self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
         if meta.key_slots and self.session.get_providers()[0] == "CPUExecutionProvider":  # the probed kernels; no claim elsewhere
             self.key_lanes = self._probe_lanes(files, threads)
@@ -191,8 +204,11 @@ class OnnxBackend:
         """The flat key cache (numpy for host buffers, an OrtValue for device ones)."""
         return self.buffers.key
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
-        """The step contract (``contract.Backend``); outputs are views of the preallocated buffers."""
+    def step(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
+    ) -> StepOutput:
+        """The step contract (``contract.Backend``); outputs are views of the preallocated buffers. ``logits`` False
+        on a gated graph (exporter/logits_gate.py) skips the lm_head and binds none of its outputs."""
         batch, tokens = input_ids.shape
         if tokens > self.meta.max_tokens:
             raise EngineError(f"a step of {tokens} tokens exceeds the engine's max_tokens {self.meta.max_tokens}")
@@ -214,7 +230,10 @@ class OnnxBackend:
         io.clear_binding_outputs()
         for name in small:
             io.bind_cpu_input(name, inputs[name])
-        self.buffers.bind_step(io, batch, tokens, past)  # the first `past` cache slots and every output, in place
+        logits = logits or not self.skips_logits  # computed anyway: bound as always
+        if self.gated:
+            io.bind_cpu_input(LOGITS_WANTED_INPUT, _WANTED[logits])
+        self.buffers.bind_step(io, batch, tokens, past, logits=logits)  # the first `past` cache slots and every output, in place
         self.session.run_with_iobinding(io)
         out = self.buffers.step_output()
         return out if exact is None else dataclasses.replace(out, exact=exact)

@@ -47,7 +47,7 @@ import numpy as np
 from medusa_trt.runtime import exactness, key_slots
 from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
-from medusa_trt.runtime.contract import NEXT_INPUT, PAST_KEY, PAST_VALUE, SUCCESSORS_OUTPUT
+from medusa_trt.runtime.contract import LOGITS_WANTED_INPUT, NEXT_INPUT, PAST_KEY, PAST_VALUE, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.engine import EngineError, EngineFiles, check_folder_meta, engine_meta
 from medusa_trt.runtime.manifest import check_manifest
 
@@ -102,7 +102,7 @@ class _Binding:
         self.outputs = {}
 
     def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
-        self.inputs[name] = np.ascontiguousarray(array)
+        self.inputs[name] = np.require(array, requirements="C")  # a scalar stays 0-d (ascontiguousarray makes it (1,))
 
     def bind_output(self, name: str, device: str, device_id: int, dtype, shape, address: int) -> None:
         """An output into host memory at ``address`` (a HostBuffers view, alive as long as the backend)."""
@@ -120,12 +120,33 @@ class _Binding:
             np.copyto(view, result[name])
 
 
+def _inline_logits_gate(model):
+    """``model`` with a gated step graph's If (exporter/logits_gate.py) replaced by its then branch and without the
+    ``logits_wanted`` input: every step computes its logits. Kept, the If made OpenVINO's bf16 CPU plugin return
+    garbage next_ids (negative token ids) on 5 of 12 short generations of the stories260K engine, fed True or not
+    (0 of 12 ungated). Other graphs are returned as they are."""
+    gate = next((p for p in model.get_parameters() if LOGITS_WANTED_INPUT in p.get_output_tensor(0).get_names()), None)
+    if gate is None:
+        return model
+    gated = [n for n in model.get_ordered_ops() if n.get_type_name() == "If" and n.input_value(0).get_node() == gate]
+    for node in gated:
+        body = node.get_function(0)  # then
+        params, results = body.get_parameters(), body.get_results()
+        for d in node.get_input_descriptions(0):  # the branch's reads from outside: the outer values themselves
+            params[d.body_parameter_index].output(0).replace(node.input_value(d.input_index))
+        for d in node.get_output_descriptions(0):
+            node.output(d.output_index).replace(results[d.body_value_index].input_value(0))
+    model.remove_parameter(gate)
+    model.validate_nodes_and_infer_types()
+    return model
+
+
 class _PaddedBuffers(HostBuffers):
     """HostBuffers whose step binds the first ``past`` cache slots rounded up to ``KEY_BLOCK``: every key
     axis OpenVINO's attention sees is whole blocks, whatever the step's width (see the module docstring)."""
 
-    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
-        super().bind_step(io, batch, tokens, -(-past // KEY_BLOCK) * KEY_BLOCK)
+    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
+        super().bind_step(io, batch, tokens, -(-past // KEY_BLOCK) * KEY_BLOCK, logits=logits)
 
 
 class _Session:
@@ -222,6 +243,7 @@ class OpenVinoBackend(OnnxBackend):
         self.buffers = _PaddedBuffers(sizes) if meta.key_slots else HostBuffers(sizes)
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
+        self.gated = self.skips_logits = False  # a gated graph's If is inlined at compile (_inline_logits_gate)
         self.key_lanes = None  # set by the probe: the lane count at which verify steps are plain steps here
         self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
         if meta.key_slots and precision == "f32":
@@ -247,7 +269,7 @@ class OpenVinoBackend(OnnxBackend):
     @staticmethod
     def _compile(core, path: Path, device: str, options: dict):
         try:
-            return core.compile_model(core.read_model(str(path)), device, options)
+            return core.compile_model(_inline_logits_gate(core.read_model(str(path))), device, options)
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable graphs, unknown devices and ops
             reason = " ".join(str(exc).split())[:300]
             raise EngineError(f"OpenVINO cannot compile {path} for {device}: {reason}") from exc

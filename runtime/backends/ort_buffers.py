@@ -47,12 +47,14 @@ from medusa_trt.runtime.contract import (
     SUCCESSORS_OUTPUT,
     Proposals,
     StepOutput,
+    without_logits,
 )
 from medusa_trt.runtime.engine import EngineMeta
 from medusa_trt.runtime.onnx_proto import ELEM_TYPES, FLOAT, FLOAT16, INT64  # noqa: F401 (FLOAT, FLOAT16: for the GPU tests)
 
 FLOAT_OUTPUTS = (LOGITS, HIDDEN, NEW_KEY, NEW_VALUE)  # stay on the device in DeviceBuffers
 ID_OUTPUTS = (NEXT_IDS, SUCCESSORS_OUTPUT)  # int64, read by the loop every step: bound to host arrays
+GATED = (LOGITS, NEXT_IDS, SUCCESSORS_OUTPUT)  # what a step with logits=False leaves uncomputed (exporter/logits_gate.py)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,11 @@ class BufferSizes:
             shapes[SUCCESSORS_OUTPUT] = (batch, tokens, self.successors)
         return shapes
 
+    def bound_outputs(self, batch: int, tokens: int, logits: bool) -> dict[str, tuple[int, ...]]:
+        """The outputs a step binds: all of them, or without ``GATED`` for a step whose logits no one reads."""
+        shapes = self.output_shapes(batch, tokens)
+        return shapes if logits else {name: shape for name, shape in shapes.items() if name not in GATED}
+
     def output_dtype(self, name: str):
         return np.int64 if name in ID_OUTPUTS else self.dtype
 
@@ -131,9 +138,10 @@ class StepBuffers(Protocol):
     cache_bytes: int
     output_bytes: int
 
-    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
         """Bind past_key / past_value (the first ``past`` slots of the [*, layers, batch, Hkv, D] layout)
-        and every step output for (batch, tokens) on ``io``; the caller binds the small inputs."""
+        and every step output for (batch, tokens) on ``io``; the caller binds the small inputs. ``logits``
+        False: a gated graph's step without its logits outputs (``GATED``), which are then left unbound."""
         ...
 
     def step_output(self) -> StepOutput:
@@ -181,17 +189,19 @@ class HostBuffers:
         shape = self.sizes.cache_shape(batch)
         return flat[: _elements(shape)].reshape(shape)
 
-    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
         io.bind_cpu_input(PAST_KEY, self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
         io.bind_cpu_input(PAST_VALUE, self._layout(self.value, batch)[:past])
-        self._views = {
-            name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in self.sizes.output_shapes(batch, tokens).items()
-        }
+        shapes = self.sizes.bound_outputs(batch, tokens, logits)
+        self._views = {name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in shapes.items()}
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def step_output(self) -> StepOutput:
-        logits, hidden = self._views[LOGITS], self._views[HIDDEN]
+        hidden = self._views[HIDDEN]
+        if LOGITS not in self._views:
+            return without_logits(hidden.shape[0], lambda rows, nodes: hidden[rows, nodes].astype(np.float32))
+        logits = self._views[LOGITS]
         return StepOutput(
             self._views[NEXT_IDS],
             self._views.get(SUCCESSORS_OUTPUT),
@@ -274,11 +284,11 @@ class DeviceBuffers:
         bind = io.bind_output if output else io.bind_input
         bind(name, self.device, self.device_id, dtype, list(shape), value.data_ptr())
 
-    def bind_step(self, io, batch: int, tokens: int, past: int) -> None:
+    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
         s = self.sizes
         self._bind(io, PAST_KEY, self.key, s.cache_shape(batch, past), s.dtype)
         self._bind(io, PAST_VALUE, self.value, s.cache_shape(batch, past), s.dtype)
-        self._shapes = s.output_shapes(batch, tokens)
+        self._shapes = s.bound_outputs(batch, tokens, logits)
         self._host_views = {}
         for name, shape in self._shapes.items():
             if name in self.host:  # ids the loop reads every step: ONNX Runtime copies them to these host arrays
@@ -288,7 +298,11 @@ class DeviceBuffers:
                 self._bind(io, name, self.out[name], shape, s.dtype, output=True)
 
     def step_output(self) -> StepOutput:
-        logits, hidden = (LOGITS, self.out[LOGITS], self._shapes[LOGITS]), (HIDDEN, self.out[HIDDEN], self._shapes[HIDDEN])
+        hidden = (HIDDEN, self.out[HIDDEN], self._shapes[HIDDEN])
+        if LOGITS not in self._shapes:
+            rows = lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32)  # noqa: E731
+            return without_logits(hidden[2][0], rows)
+        logits = (LOGITS, self.out[LOGITS], self._shapes[LOGITS])
         fetched: list[np.ndarray] = []
 
         def all_logits() -> np.ndarray:

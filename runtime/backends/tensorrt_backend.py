@@ -295,10 +295,13 @@ class TensorRTBackend:
 
     # ----------------------------------------------------------------- the step contract
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
+    def step(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
+    ) -> StepOutput:
         """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B] (``contract.Backend``).
 
-        The argmax comes back through pinned memory; logits stay on the device until asked for."""
+        The argmax comes back through pinned memory; logits stay on the device until asked for. A plan
+        computes them whatever ``logits`` says (plans are built from the ungated graph)."""
         import torch
 
         batch, tokens = input_ids.shape

@@ -47,8 +47,11 @@ class TorchBackend:
         return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> StepOutput:
-        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B] (``contract.Backend``)."""
+    def step(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
+    ) -> StepOutput:
+        """input_ids/position_ids int64 [B, T], tree_mask bool [B, T, T], cache_lengths int64 [B] (``contract.Backend``);
+        the model computes its logits whatever ``logits`` says."""
         batch = input_ids.shape[0]
         past = int(cache_lengths.max())  # host value: the view length must be a Python int
         logits, hidden, next_ids, new_key, new_value = self.model(
