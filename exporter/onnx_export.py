@@ -104,7 +104,7 @@ class ExportConfig:
     # the standard-form step graph rewritten by exporter/lean.py (shared rotary tables, fused weight matmuls): the same
     # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
     lean: bool = True
-    # the lm_head behind an If on an optional logits_wanted input (exporter/logits_gate.py), so prompt chunks whose
+    # the lm_head behind an If on a logits_wanted input (exporter/logits_gate.py), so prompt chunks whose
     # logits no one reads skip it; None: yes for the standard attention on ONNX Runtime (a .plan's build passes False)
     gate_logits: bool | None = None
 

@@ -249,7 +249,7 @@ def verify_engine(
 
 def _check_gate(files: EngineFiles, session, names: list[str], feeds: dict, ours: dict[str, np.ndarray]) -> None:
     """A gated step graph (exporter/logits_gate.py) run with ``logits_wanted`` False must give the other outputs of
-    its run with the default, ``ours``, bit for bit, and empty gated ones."""
+    its run with True, ``ours``, bit for bit, and empty gated ones."""
     skipped = dict(zip(names, session.run(None, feeds | {LOGITS_WANTED_INPUT: np.array(False)})))
     for name, got in skipped.items():
         if name in GATED_OUTPUTS and got.size:

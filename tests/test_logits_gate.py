@@ -110,11 +110,12 @@ def test_gated_graph_gives_the_ungated_outputs_bit_for_bit(engines, mode, tokens
             assert np.array_equal(array, skipped[name]), name
 
 
-def test_backend_step_without_logits_keeps_the_cache_bit_for_bit(engines):
+@pytest.mark.parametrize("buffers", ["host", "device"])  # device: ort_buffers.DeviceBuffers' code path, on the CPU provider
+def test_backend_step_without_logits_keeps_the_cache_bit_for_bit(engines, buffers):
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 
     engine = engines["int8-channel", True]
-    backends = [OnnxBackend(engine, max_batch=2, threads=2) for _ in range(2)]
+    backends = [OnnxBackend(engine, max_batch=2, threads=2, buffers=buffers) for _ in range(2)]
     assert all(b.gated for b in backends)
     ids = np.random.default_rng(0).integers(0, read_meta(engine).vocab_size, (2, 10))
     positions, mask = np.broadcast_to(np.arange(10), (2, 10)).copy(), np.broadcast_to(np.tri(10, dtype=bool), (2, 10, 10)).copy()
@@ -128,8 +129,9 @@ def test_backend_step_without_logits_keeps_the_cache_bit_for_bit(engines):
     assert np.array_equal(full.hidden_rows([0, 1], [9, 3]), bare.hidden_rows([0, 1], [9, 3]))
     for b in backends:
         b.commit(np.broadcast_to(np.arange(10), (2, 10)).copy(), np.array([10, 7]), np.zeros(2, np.int64))
-    assert np.array_equal(backends[0].buffers.key, backends[1].buffers.key)
-    assert np.array_equal(backends[0].buffers.value, backends[1].buffers.value)
+    for cache in ("key", "value"):
+        a, b = (getattr(backend.buffers, cache) for backend in backends)
+        assert np.array_equal(*(x.numpy() if hasattr(x, "numpy") else x for x in (a, b))), cache
     nxt = (ids[:, :1], np.array([[10], [7]]), np.ones((2, 1, 1), bool), np.array([10, 7]))
     assert np.array_equal(backends[0].step(*nxt).logits(), backends[1].step(*nxt).logits())  # the next step reads the same cache
 

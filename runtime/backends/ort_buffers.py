@@ -300,8 +300,11 @@ class DeviceBuffers:
     def step_output(self) -> StepOutput:
         hidden = (HIDDEN, self.out[HIDDEN], self._shapes[HIDDEN])
         if LOGITS not in self._shapes:
-            rows = lambda rows, nodes: self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32)  # noqa: E731
-            return without_logits(hidden[2][0], rows)
+
+            def hidden_rows(rows, nodes):
+                return self.ops.rows_to_host(*hidden[1:], self.sizes.dtype, rows, nodes).astype(np.float32)
+
+            return without_logits(hidden[2][0], hidden_rows)
         logits = (LOGITS, self.out[LOGITS], self._shapes[LOGITS])
         fetched: list[np.ndarray] = []
 
