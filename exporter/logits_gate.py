@@ -181,3 +181,43 @@ def gate_logits_file(path: Path) -> GateReport:
         tmp.replace(path)
         log.info(report.describe())
     return report
+
+
+def ungate_logits(proto) -> bool:
+    """Undo ``gate_logits`` in place: the then branch's nodes back in the graph under the outputs' own names, the
+    aliases and the ``logits_wanted`` input gone. For passes that rewrite a whole graph without reading into an If's
+    branches (ONNX Runtime's quantizers drop the weights only a branch reads); they gate it again after. Returns
+    whether ``proto`` was gated."""
+    graph = proto.graph
+    gate = next((n for n in graph.node if n.op_type == "If" and list(n.input) == [LOGITS_WANTED_INPUT]), None)
+    if gate is None:
+        return False
+    then_branch = next(a.g for a in gate.attribute if a.name == "then_branch")
+    rename = {o.name: name for o, name in zip(then_branch.output, gate.output)}  # x_gate_then -> x
+    aliases = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.output[0].endswith("_gate_in")}
+    nodes = []
+    for node in then_branch.node:
+        node.output[:] = [rename.get(o, o) for o in node.output]
+        node.input[:] = [rename.get(i, aliases.get(i, i)) for i in node.input]
+        nodes.append(node)
+    kept = [n for n in graph.node if n is not gate and not (n.op_type == "Identity" and n.output[0] in aliases)]
+    del graph.node[:]
+    graph.node.extend([*kept, *nodes])
+    inputs = [i for i in graph.input if i.name != LOGITS_WANTED_INPUT]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    return True
+
+
+def ungate_logits_file(path: Path) -> bool:
+    """``ungate_logits`` on the step graph file at ``path``, in place (its external weights untouched)."""
+    import onnx
+
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    if not ungate_logits(proto):
+        return False
+    tmp = path.with_name(path.name + ".ungating")
+    onnx.save(proto, str(tmp))
+    tmp.replace(path)
+    return True

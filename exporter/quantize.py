@@ -103,14 +103,21 @@ class QuantizeConfig:
 
 
 def quantize_engine(files: EngineFiles, meta: EngineMeta, config: QuantizeConfig) -> None:
-    """Quantize the graphs of a staged engine in place as ``config`` says (the heads graph when there is one)."""
+    """Quantize the graphs of a staged engine in place as ``config`` says (the heads graph when there is one). A
+    gated step graph (exporter/logits_gate.py: an engine quantized after its export) is quantized ungated, then
+    gated again: the quantizers do not read into an If's branches."""
+    from medusa_trt.exporter.logits_gate import gate_logits_file, ungate_logits_file
+
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every node it skips at INFO
+    gated = ungate_logits_file(files.step)
     if config.mode == "int8":
         dynamic_int8(files.step, meta)
     elif config.mode in NBITS:
         nbits_matmuls(files.step, meta, config)
     elif config.mode == "int8-channel":
         rows_int8(files.step, meta)
+    if gated:
+        gate_logits_file(files.step)
     # heads-int8: the step graph stays fp32
     if not Path(files.heads).is_file():  # no heads: a plain engine
         return

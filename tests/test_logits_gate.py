@@ -241,3 +241,23 @@ def test_openvino_runs_a_gated_engine_with_its_gate_inlined(engines, stories_bas
     prompt = stories_base.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside")
     onnx = MedusaRuntime(engine, RuntimeConfig(threads=2, max_batch=1, prefill_chunk=4)).generate([prompt], max_new_tokens=24)
     assert [r.token_ids for r in runtime.generate([prompt], max_new_tokens=24)] == [r.token_ids for r in onnx]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ungate_gives_back_the_ungated_graph(engines, mode):
+    """``ungate_logits`` (what quantize_engine runs before quantizing a gated engine, then gating it again)."""
+    import onnx
+
+    from medusa_trt.exporter.lean import op_counts
+    from medusa_trt.exporter.logits_gate import ungate_logits
+
+    gated, ungated = _graph(engines[mode, True]), _graph(engines[mode, False])
+    wrapper = onnx.ModelProto()
+    wrapper.graph.CopyFrom(gated)
+    assert ungate_logits(wrapper) and not ungate_logits(wrapper)  # once: then nothing is gated
+    assert op_counts(wrapper.graph) == op_counts(ungated)
+    assert [i.name for i in wrapper.graph.input] == [i.name for i in ungated.input]
+    assert sorted((n.op_type, *n.input, *n.output) for n in wrapper.graph.node) == sorted(
+        (n.op_type, *n.input, *n.output) for n in ungated.node
+    )
+    assert gate_logits(wrapper).gated and op_counts(wrapper.graph) == op_counts(gated)
