@@ -58,7 +58,9 @@ def test_folder_layout_and_config(engines, stories_model):
     assert config["engine"] == json.loads(read_meta(loose.step).to_json()) | {"model": config["engine"]["model"]}
     assert engine_meta(root) == read_meta(folder.step)  # the graph's metadata and config.json agree
     step = config["graphs"]["step"]
-    assert set(step["inputs"]) == {"input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value", "key_slots"}
+    inputs = {"input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value", "key_slots", "logits_wanted"}
+    assert set(step["inputs"]) == inputs
+    assert step["inputs"]["logits_wanted"] == {"dtype": "bool", "shape": []}  # the gate of exporter/logits_gate.py
     assert step["inputs"]["input_ids"] == {"dtype": "int64", "shape": ["batch", "tokens"]}
     assert {"logits", "hidden", "new_key", "new_value"} <= set(step["outputs"])
     assert set(config["graphs"]["heads"]["inputs"]) == {"hidden"}

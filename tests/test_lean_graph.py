@@ -36,8 +36,9 @@ def _graph(path):
 
 def _weight_matmuls(graph) -> int:
     weights = {t.name for t in graph.initializer if len(t.dims) == 2}
-    nodes = [*graph.node, *(n for node in graph.node for a in node.attribute if a.HasField("g") for n in a.g.node)]  # the lm_head: in the
-    producers = {o: n for n in nodes for o in n.output}  # logits gate's If (exporter/logits_gate.py)
+    then = (n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node)  # the lm_head: in the
+    nodes = [*graph.node, *then]  # logits gate's If (exporter/logits_gate.py; its else branch repeats it on zero rows)
+    producers = {o: n for n in nodes for o in n.output}
     count = 0
     for node in nodes:
         if node.op_type != "MatMul":
