@@ -59,7 +59,7 @@ from medusa_trt.exporter.tensorrt_ops import OP_MIN_TENSORRT, Requirement, requi
 from medusa_trt.plugins.tree_attention.aot import TRT_PLUGIN_VERSION
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
 from medusa_trt.runtime import durable
-from medusa_trt.runtime.contract import HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, step_shapes
+from medusa_trt.runtime.contract import HEADS_INPUTS, INPUT_IDS, LOGITS_WANTED_INPUT, NEXT_INPUT, step_shapes
 from medusa_trt.runtime.engine import META_KEY, TENSORRT_BASELINE, EngineFiles, EngineMeta, tensorrt_release
 from medusa_trt.runtime.manifest import engine_file_list, manifest_path, write_manifest
 
@@ -458,6 +458,11 @@ def build_engines(onnx_path: str | os.PathLike, config: TensorRTConfig) -> Engin
         raise TensorRTBuildError(
             f"{onnx_path.name} takes key slots (ONNX Runtime's exact key layout), which the TensorRT backend does not "
             "feed: export it again with --no-key-slots (medusa-export does so for a .plan)"
+        )
+    if any(i.name == LOGITS_WANTED_INPUT for i in proto.graph.input):
+        raise TensorRTBuildError(
+            f"{onnx_path.name} has the logits gate (an If on {LOGITS_WANTED_INPUT}, exporter/logits_gate.py), which the "
+            "TensorRT backend does not feed: export it again with --no-logits-gate (medusa-export does so for a .plan)"
         )
     if meta.dtype not in ENGINE_DTYPES:
         raise TensorRTBuildError(f"engine dtype {meta.dtype} is not one of {', '.join(ENGINE_DTYPES)}")

@@ -250,10 +250,9 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
     from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
     from medusa_trt.runtime.engine_folder import read_folder_config
 
-    # TensorRT builds take the appended layout: no key slots, no ONNX Runtime timing (what medusa-export does for them)
-    folder = export_onnx(
-        stories_model, ExportConfig(out=tmp_path / "src", tree=TREE, max_batch=4, max_context=256, key_slots=False, measure_cost=False)
-    ).files
+    # TensorRT builds take the appended layout and the ungated graph, no ONNX Runtime timing (what medusa-export does for them)
+    plan_form = dict(tree=TREE, max_batch=4, max_context=256, key_slots=False, measure_cost=False)
+    folder = export_onnx(stories_model, ExportConfig(out=tmp_path / "src", gate_logits=False, **plan_form)).files
     work = tmp_path / "eng"
     shutil.copytree(folder.folder, work)
     with pytest.raises(tensorrt_build.TensorRTBuildError, match="--no-key-slots"):
@@ -261,6 +260,10 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
         monkeypatch.setattr(tensorrt_build, "require_tensorrt", lambda path=None: object())
         tensorrt_build.build_engines(keyed.folder, tensorrt_build.TensorRTConfig(plan=keyed.folder / "model.plan"))
     shutil.rmtree(tmp_path / "keyed")
+    with pytest.raises(tensorrt_build.TensorRTBuildError, match="--no-logits-gate"):
+        gated = export_onnx(stories_model, ExportConfig(out=tmp_path / "gated", **plan_form)).files
+        tensorrt_build.build_engines(gated.folder, tensorrt_build.TensorRTConfig(plan=gated.folder / "model.plan"))
+    shutil.rmtree(tmp_path / "gated")
     built = []
 
     def fake_build(trt, onnx_path, target, profile, config, precisions):

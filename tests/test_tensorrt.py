@@ -293,6 +293,7 @@ def exported_graphs(tmp_path_factory, stories_base):
                 attention=attention,
                 dtype=dtype,
                 key_slots=False,
+                gate_logits=False,
                 verify=False,
                 measure_cost=False,
             )
@@ -459,7 +460,7 @@ def built_plans(tmp_path_factory, stories_base, stories_fitted):
         onnx_path = folder / f"{attention}.onnx"
         export_onnx(
             medusa_model(stories_base, stories_fitted),
-            ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention, key_slots=False),
+            ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=256, attention=attention, key_slots=False, gate_logits=False),
         )
         plans[attention] = build_engines(onnx_path, TensorRTConfig(plan=folder / f"{attention}.plan")).step
     return plans

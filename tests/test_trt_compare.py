@@ -55,8 +55,13 @@ needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORR
 def engine(export_engine, stories_base):
     """stories260K with 3 random heads, the custom tree (7 nodes), fp32."""
     return export_engine(
-        "trt-compare", medusa_model(stories_base, random_heads(stories_base, 3)), tree=CUSTOM_TREE, max_context=64, key_slots=False
-    )  # TensorRT builds take the appended layout
+        "trt-compare",
+        medusa_model(stories_base, random_heads(stories_base, 3)),
+        tree=CUSTOM_TREE,
+        max_context=64,
+        key_slots=False,
+        gate_logits=False,
+    )  # TensorRT builds take the appended layout and the ungated graph
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +195,7 @@ def test_built_plan_matches_its_onnx_graph(tmp_path, stories_base, dtype):
     onnx_path = tmp_path / "engine.onnx"
     export_onnx(
         medusa_model(stories_base, random_heads(stories_base, 3)),
-        ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=64, dtype=dtype, verify=False),
+        ExportConfig(out=onnx_path, tree=CUSTOM_TREE, max_context=64, dtype=dtype, verify=False, gate_logits=False),
     )
     compared = []
     files = build_engines(onnx_path, TensorRTConfig(plan=tmp_path / "engine.plan", report=compared.append))
