@@ -105,7 +105,7 @@ class ExportConfig:
     # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
     lean: bool = True
     # the lm_head behind an If on a logits_wanted input (exporter/logits_gate.py), so prompt chunks whose
-    # logits no one reads skip it; None: yes for the standard attention on ONNX Runtime (a .plan's build passes False)
+    # logits no one reads skip it; None: yes for the standard attention in fp32 / fp16 (a .plan's build passes False)
     gate_logits: bool | None = None
 
     def __post_init__(self):
@@ -122,8 +122,8 @@ class ExportConfig:
             object.__setattr__(self, "quantize", QuantizeConfig(self.quantize))  # an unknown mode fails here
         if self.key_slots is None:
             object.__setattr__(self, "key_slots", self.attention == "onnx")
-        if self.gate_logits is None:
-            object.__setattr__(self, "gate_logits", self.attention == "onnx")
+        if self.gate_logits is None:  # bf16 graphs are for TensorRT plans, which build from the ungated graph
+            object.__setattr__(self, "gate_logits", self.attention == "onnx" and self.dtype != "bf16")
         if self.key_slots and self.attention != "onnx":
             raise ExportError("key slots are a form of the standard attention: drop --attention plugin or --key-slots")
         if self.quantize and self.attention != "onnx":

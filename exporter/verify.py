@@ -183,7 +183,7 @@ def verify_engine(
     gen = np.random.default_rng(0)
 
     scattered = KEY_SLOTS_INPUT in {i.name for i in session.get_inputs()}
-    gated = not isinstance(session, ReferenceSession) and is_gated(session)  # bf16 graphs are for TensorRT: never gated
+    gated = is_gated(session)
     last: list[dict] = []  # the feeds of the last run
 
     def run(ids, positions, mask, lengths, past_key, past_value):
