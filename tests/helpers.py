@@ -60,3 +60,36 @@ def script(name: str):
     finally:
         sys.path.remove(str(SCRIPTS))
     return module
+
+
+def step_feeds(meta, tokens: int, *, tree: bool, seed: int) -> dict:
+    """Step graph inputs for a batch of 2 over 9 / 6 cached tokens (random cache): a prompt chunk (causal), or
+    with ``tree`` a branching tree of 6 nodes; key slots right after the cache."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    batch, past = 2, 9
+    mask = np.tri(tokens, dtype=bool)
+    if tree:  # node 2 a sibling of node 1, node 3 its child, node 5 below node 4
+        mask = np.eye(tokens, dtype=bool)
+        for i, parent in enumerate([-1, 0, 0, 2, 1, 4]):
+            if parent >= 0:
+                mask[i] |= mask[parent]
+    depth = mask.sum(axis=1) - 1
+    slots = past + tokens  # the view holds the committed slots and the new keys' (key_slots after them)
+    shape = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
+    return {
+        "input_ids": rng.integers(0, meta.vocab_size, (batch, tokens)),
+        "position_ids": np.broadcast_to(past + depth, (batch, tokens)).copy(),
+        "tree_mask": np.broadcast_to(mask, (batch, tokens, tokens)).copy(),
+        "cache_lengths": np.array([past, past - 3]),
+        "past_key": rng.standard_normal(shape, dtype=np.float32),
+        "past_value": rng.standard_normal(shape, dtype=np.float32),
+        "key_slots": np.broadcast_to(past + np.arange(tokens), (batch, tokens)).copy(),
+    }
+
+
+def graph_nodes(graph) -> list:
+    """A step graph's nodes and those of the logits gate's then branch (its lm_head: exporter/logits_gate.py)."""
+    then = [n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node]
+    return [*graph.node, *then]

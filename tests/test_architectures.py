@@ -20,6 +20,7 @@ import pytest
 import torch
 from architectures import ARCHITECTURES, HYBRIDS, WINDOW, save_fixture
 from conftest import STORIES, assert_greedy_identical, fitted_heads
+from helpers import graph_nodes
 
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter import load_base_model
@@ -140,8 +141,7 @@ def _assert_weights_quantized(path) -> None:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     weights = {i.name for i in graph.initializer if len(i.dims) == 2}
-    then = [n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node]  # the gated lm_head
-    fp32 = [n.name for n in [*graph.node, *then] if n.op_type in ("MatMul", "Gemm") and any(x in weights for x in n.input)]
+    fp32 = [n.name for n in graph_nodes(graph) if n.op_type in ("MatMul", "Gemm") and any(x in weights for x in n.input)]
     assert not fp32, f"weight matmuls left in fp32: {fp32[:5]}"
 
 

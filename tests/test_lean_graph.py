@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 from conftest import STORIES, medusa_model
-from helpers import script
+from helpers import graph_nodes, script, step_feeds
 
 from medusa_trt.exporter.lean import op_counts, share_identical
 from medusa_trt.runtime.engine import EngineFiles, read_meta
@@ -36,8 +36,7 @@ def _graph(path):
 
 def _weight_matmuls(graph) -> int:
     weights = {t.name for t in graph.initializer if len(t.dims) == 2}
-    then = (n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node)  # the lm_head: in the
-    nodes = [*graph.node, *then]  # logits gate's If (exporter/logits_gate.py; its else branch repeats it on zero rows)
+    nodes = graph_nodes(graph)  # the lm_head sits in the logits gate's then branch
     producers = {o: n for n in nodes for o in n.output}
     count = 0
     for node in nodes:
@@ -75,27 +74,7 @@ def _run(path, feeds: dict) -> list[np.ndarray]:
 @pytest.mark.parametrize("tokens,tree", [(12, False), (6, True)], ids=["prefill", "tree"])
 def test_lean_graph_gives_the_traced_graphs_outputs_bit_for_bit(engines, tokens, tree):
     meta = read_meta(engines[True])
-    rng = np.random.default_rng(1)
-    batch, past = 2, 9
-    mask = np.tri(tokens, dtype=bool)
-    if tree:  # node 2 a sibling of node 1, node 3 its child, ...
-        parents = [-1, 0, 0, 2, 1, 4]
-        mask = np.eye(tokens, dtype=bool)
-        for i, p in enumerate(parents):
-            if p >= 0:
-                mask[i] |= mask[p]
-    depth = mask.sum(axis=1) - 1
-    slots = past + tokens  # the view holds the committed slots and the new keys' (key_slots after them)
-    shape = (slots, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-    feeds = {
-        "input_ids": rng.integers(0, meta.vocab_size, (batch, tokens)),
-        "position_ids": np.broadcast_to(past + depth, (batch, tokens)).copy(),
-        "tree_mask": np.broadcast_to(mask, (batch, tokens, tokens)).copy(),
-        "cache_lengths": np.array([past, past - 3]),
-        "past_key": rng.standard_normal(shape, dtype=np.float32),
-        "past_value": rng.standard_normal(shape, dtype=np.float32),
-        "key_slots": np.broadcast_to(past + np.arange(tokens), (batch, tokens)).copy(),
-    }
+    feeds = step_feeds(meta, tokens, tree=tree, seed=1)
     before, after = (_run(engines[lean], feeds) for lean in (False, True))
     assert len(before) == len(after)
     for i, (a, b) in enumerate(zip(before, after)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import STORIES, medusa_model
+from helpers import step_feeds
 
 from medusa_trt.exporter.logits_gate import GATED_OUTPUTS, gate_logits
 from medusa_trt.runtime.contract import LOGITS_WANTED_INPUT
@@ -50,29 +51,6 @@ def _session(path):
     return ort.InferenceSession(step, options, ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
 
 
-def _feeds(meta, tokens: int, *, tree: bool) -> dict[str, np.ndarray]:
-    """A batch of 2 over 9 / 6 cached tokens: a prompt chunk (causal) or a branching tree."""
-    rng = np.random.default_rng(3)
-    batch, past = 2, 9
-    mask = np.tri(tokens, dtype=bool)
-    if tree:  # node 2 a sibling of node 1, node 3 its child, node 5 below node 4
-        mask = np.eye(tokens, dtype=bool)
-        for i, parent in enumerate([-1, 0, 0, 2, 1, 4]):
-            if parent >= 0:
-                mask[i] |= mask[parent]
-    depth = mask.sum(axis=1) - 1
-    shape = (past + tokens, meta.num_layers, batch, meta.num_kv_heads, meta.head_dim)
-    return {
-        "input_ids": rng.integers(0, meta.vocab_size, (batch, tokens)),
-        "position_ids": np.broadcast_to(past + depth, (batch, tokens)).copy(),
-        "tree_mask": np.broadcast_to(mask, (batch, tokens, tokens)).copy(),
-        "cache_lengths": np.array([past, past - 3]),
-        "past_key": rng.standard_normal(shape, dtype=np.float32),
-        "past_value": rng.standard_normal(shape, dtype=np.float32),
-        "key_slots": np.broadcast_to(past + np.arange(tokens), (batch, tokens)).copy(),
-    }
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_only_the_logits_tail_moves_behind_the_gate(engines, mode):
     graph, before = _graph(engines[mode, True]), _graph(engines[mode, False])
@@ -94,7 +72,7 @@ def test_only_the_logits_tail_moves_behind_the_gate(engines, mode):
 @pytest.mark.parametrize("tokens,tree", [(12, False), (6, True)], ids=["chunk", "tree"])
 def test_gated_graph_gives_the_ungated_outputs_bit_for_bit(engines, mode, tokens, tree):
     meta = read_meta(engines[mode, True])
-    feeds = _feeds(meta, tokens, tree=tree)
+    feeds = step_feeds(meta, tokens, tree=tree, seed=3)
     gated, ungated = _session(engines[mode, True]), _session(engines[mode, False])
     names = [o.name for o in ungated.get_outputs()]
     want = dict(zip(names, ungated.run(None, feeds)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import STORIES, STORY_PROMPTS, medusa_model
+from helpers import graph_nodes
 
 from medusa_trt.cli.export import main as export_main
 from medusa_trt.exporter.onnx_export import ExportConfig, ExportError
@@ -44,16 +45,10 @@ def _graph(path):
     return onnx.load(str(path), load_external_data=False).graph
 
 
-def _nodes(graph) -> list:
-    """The graph's nodes and those of the logits gate's then branch (the lm_head: exporter/logits_gate.py)."""
-    then = [n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node]
-    return [*graph.node, *then]
-
-
 def _float_weight_matmuls(graph) -> list[str]:
     """MatMul / Gemm nodes whose weight is a float constant: what a quantizer should have taken."""
     weights = {t.name for t in graph.initializer if t.data_type == 1}  # FLOAT
-    return [n.name for n in _nodes(graph) if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in weights]
+    return [n.name for n in graph_nodes(graph) if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in weights]
 
 
 def test_int4_graphs_hold_matmulnbits(engines):
@@ -67,7 +62,7 @@ def test_int4_graphs_hold_matmulnbits(engines):
         assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, DEFAULT_BLOCK_SIZE, DEFAULT_ACCURACY_LEVEL)
     step = _graph(files.step)
     # 7 weight matmuls per layer, Q / K / V and gate / up fused (fuse_matmuls_by_input): 4 per layer; lm_head
-    assert len([n for n in _nodes(step) if n.op_type == "MatMulNBits"]) == 5 * 4 + 1
+    assert len([n for n in graph_nodes(step) if n.op_type == "MatMulNBits"]) == 5 * 4 + 1
     level1 = [n for n in _graph(EngineFiles.beside(engines["int4-fp32-compute"]).step).node if n.op_type == "MatMulNBits"]
     assert {a.i for n in level1 for a in n.attribute if a.name == "accuracy_level"} == {1}
 
@@ -80,7 +75,7 @@ def test_int8_channel_graphs_have_one_scale_per_output_column(engines):
     for path in (files.step, files.heads):
         graph = _graph(path)
         values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-        matmuls = [n for n in _nodes(graph) if n.op_type == "MatMulInteger"]
+        matmuls = [n for n in graph_nodes(graph) if n.op_type == "MatMulInteger"]
         assert matmuls and not _float_weight_matmuls(graph), path.name
         distinct = []
         for node in matmuls:
@@ -214,7 +209,7 @@ def test_tied_embedding_keeps_its_gather_and_quantizes_lm_head(tmp_path, stories
     assert len(gathers) == 1 and gathers[0].input[0] in floats  # the embedding lookup: float rows
     assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == gathers[0].input[0]]  # folded away
     # 7 weight matmuls a layer, 4 once Q / K / V and gate / up are fused; the lm_head
-    assert len([n for n in _nodes(graph) if n.op_type == "MatMulNBits"]) == 2 * 4 + 1 and not _float_weight_matmuls(graph)
+    assert len([n for n in graph_nodes(graph) if n.op_type == "MatMulNBits"]) == 2 * 4 + 1 and not _float_weight_matmuls(graph)
     ids = np.array([[5, 17, 42, 99]], dtype=np.int64)
     assert np.abs(_prefill_logits(outs[None], ids) - _prefill_logits(outs["int4"], ids)).mean() < LOOSE["int4"][0]
     # a fixed drafting budget: a learnt one follows wall-clock step times, and int4's drafted output can differ from its plain
