@@ -52,7 +52,7 @@ def _producers(graph) -> dict[str, object]:
     return {o: n for n in graph.node for o in n.output if o}
 
 
-def _ancestors(graph, names, producers) -> set[int]:
+def _ancestors(names, producers) -> set[int]:
     """ids of the nodes ``names`` depend on (subgraphs' outer-scope reads included)."""
     seen, stack = set(), list(names)
     while stack:
@@ -132,9 +132,9 @@ def gate_logits(proto) -> GateReport:
     if not gated_names or any(i.name == LOGITS_WANTED_INPUT for i in graph.input):
         return GateReport(0, ())
     producers = _producers(graph)
-    kept = _ancestors(graph, [o for o in outputs if o not in gated_names], producers)
+    kept = _ancestors([o for o in outputs if o not in gated_names], producers)
     constant = _constant(graph)
-    wanted = _ancestors(graph, gated_names, producers)
+    wanted = _ancestors(gated_names, producers)
     moved = [n for n in graph.node if id(n) in wanted and id(n) not in kept and id(n) not in constant]
     if not moved or any(id(producers.get(name)) not in {id(n) for n in moved} for name in gated_names):
         return GateReport(0, ())  # an output computed outside the tail (an input passed through, say): nothing to gate

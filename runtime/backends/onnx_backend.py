@@ -156,7 +156,7 @@ class OnnxBackend:
         self.buffers: StepBuffers = self._buffers(buffers, sizes)
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
-        self.gated = self.skips_logits = is_gated(self.session)  # the lm_head behind an If (exporter/logits_gate.py)
+        self.gated = is_gated(self.session)  # the lm_head behind an If (exporter/logits_gate.py)
         self.key_lanes = None  # key slots' lane count on this machine (runtime/key_slots.py); None: the appended layout
         if meta.key_slots and self.session.get_providers()[0] == "CPUExecutionProvider":  # the probed kernels; no claim elsewhere
             self.key_lanes = self._probe_lanes(files, threads)
@@ -230,7 +230,7 @@ class OnnxBackend:
         io.clear_binding_outputs()
         for name in small:
             io.bind_cpu_input(name, inputs[name])
-        logits = logits or not self.skips_logits  # computed anyway: bound as always
+        logits = logits or not self.gated  # an ungated graph computes them anyway: bound as always
         if self.gated:
             io.bind_cpu_input(LOGITS_WANTED_INPUT, _WANTED[logits])
         self.buffers.bind_step(io, batch, tokens, past, logits=logits)  # the first `past` cache slots and every output, in place

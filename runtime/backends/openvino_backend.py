@@ -243,7 +243,7 @@ class OpenVinoBackend(OnnxBackend):
         self.buffers = _PaddedBuffers(sizes) if meta.key_slots else HostBuffers(sizes)
         self.kv_row = sizes.kv_row
         self._binding = self.session.io_binding()
-        self.gated = self.skips_logits = False  # a gated graph's If is inlined at compile (_inline_logits_gate)
+        self.gated = False  # a gated graph's If is inlined at compile (_inline_logits_gate)
         self.key_lanes = None  # set by the probe: the lane count at which verify steps are plain steps here
         self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
         if meta.key_slots and precision == "f32":
