@@ -93,3 +93,34 @@ def graph_nodes(graph) -> list:
     """A step graph's nodes and those of the logits gate's then branch (its lm_head: exporter/logits_gate.py)."""
     then = [n for node in graph.node for a in node.attribute if a.name == "then_branch" for n in a.g.node]
     return [*graph.node, *then]
+
+
+def row_int8_model(k: int, n: int, seed: int):
+    """(ONNX model, reference): one float ``x`` (B, T, k) @ a random (k, n) weight, quantized as ``rows_int8``
+    quantizes a weight matmul (exporter/quantize.py), and ``reference(x)``, its formula in numpy float32."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from medusa_trt.exporter.quantize import _int8_columns, _row_constants, _row_int8_matmul
+
+    rng = np.random.default_rng(seed)
+    values, scale = _int8_columns(rng.standard_normal((k, n)).astype(np.float32))  # (k, n) int8, (n,)
+    nodes = _row_int8_matmul(helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), "w_int8", "w_int8_scale", k=k)
+    inits = [numpy_helper.from_array(values, "w_int8"), numpy_helper.from_array(scale, "w_int8_scale"), *_row_constants()]
+    graph = helper.make_graph(
+        nodes,
+        "row_int8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "tokens", n])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+    def reference(x):
+        floor = np.float32(np.finfo(np.float32).tiny * 127)  # a normal scale on an all-zero row
+        s = np.maximum(np.abs(x).max(axis=-1, keepdims=True), floor) / np.float32(127)  # (B, T, 1)
+        xq = (np.rint(x / s) + np.float32(128)).astype(np.uint8)  # ties to even, as ONNX Round and QuantizeLinear
+        acc = (xq.astype(np.int32) - 128) @ values.astype(np.int32)  # (B, T, n) exact
+        return acc.astype(np.float32) * s * scale
+
+    return model, reference

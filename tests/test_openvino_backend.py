@@ -181,3 +181,69 @@ def test_medusa_run_on_openvino(engine, capsys):
     assert main(["--model", "stories260K", "--prompt", "x", "--backend", "openvino"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--backend / --precision go with --engine" in err[0]
+
+
+def _ov_compile(model):
+    """``model`` (an ONNX ModelProto) read and compiled as the backend reads an engine's graphs (f32)."""
+    import openvino as ov
+    from openvino.frontend.onnx import ConversionExtension
+
+    core = ov.Core()
+    core.add_extension(ConversionExtension("QuantizeLinear", ovb._quantize_linear))
+    return core.compile_model(core.read_model(model.SerializeToString()), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+
+
+@pytest.mark.parametrize("k", [37, 576])
+def test_row_quantizers_compile_to_onnxruntimes_integers(k):
+    """The int8 row quantizer of int8-channel and heads-int8 graphs (one QuantizeLinear a row, a block as wide as the
+    row, which OpenVINO's ONNX reader refuses on its own) runs on OpenVINO f32: the quantized row and the integer
+    product are ONNX Runtime's bytes; the output is within float rounding of them (OpenVINO multiplies the two scales
+    in another order where nothing reads between them, as it did before the QuantizeLinear)."""
+    import onnxruntime as ort
+    from helpers import row_int8_model
+    from onnx import TensorProto, helper
+
+    model, reference = row_int8_model(k, 24, seed=k)
+    for name, kind in (("mm_rowq_xq", TensorProto.UINT8), ("mm_rowq_acc", TensorProto.INT32)):
+        model.graph.output.append(helper.make_tensor_value_info(name, kind, None))
+    x = (np.random.default_rng(2).standard_normal((2, 7, k)) * 3).astype(np.float32)
+    x[1, 3] = 0.0
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.array_equal(want[0], reference(x))
+    got = {port.get_any_name(): value for port, value in _ov_compile(model)({"x": x}).items()}
+    assert np.array_equal(got["mm_rowq_xq"], want[1]) and np.array_equal(got["mm_rowq_acc"], want[2])
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-6, atol=0)
+
+
+def _quantize_model(x_shape, scale, zero_point, **attrs):
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(zero_point, "zero")]
+    node = helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["y"], **attrs)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.UINT8, None)]
+    graph = helper.make_graph([node], "q", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+@pytest.mark.parametrize("form", ["per tensor", "per axis 0", "per axis 1"])
+def test_other_quantize_linear_forms_translate_as_onnx_says(form):
+    """The translation replaces OpenVINO's own for every QuantizeLinear: per-tensor and per-axis scales keep their meaning."""
+    import onnxruntime as ort
+
+    x = (np.random.default_rng(3).standard_normal((4, 6)) * 20).astype(np.float32)
+    rng = np.random.default_rng(4)
+    scale, zero, attrs = {
+        "per tensor": (np.float32(0.3), np.uint8(100), {}),
+        "per axis 0": (rng.uniform(0.1, 1, 4).astype(np.float32), rng.integers(0, 255, 4).astype(np.uint8), {"axis": 0}),
+        "per axis 1": (rng.uniform(0.1, 1, 6).astype(np.float32), rng.integers(0, 255, 6).astype(np.uint8), {"axis": 1}),
+    }[form]
+    model = _quantize_model([4, 6], np.asarray(scale), np.asarray(zero), **attrs)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(_ov_compile(model)({"x": x})[0], want)
+
+
+def test_blocks_smaller_than_their_axis_are_refused():
+    model = _quantize_model([4, 6], np.ones((4, 2), np.float32), np.zeros((4, 2), np.uint8), axis=1, block_size=3)
+    with pytest.raises(RuntimeError, match="blocks of 3 along an axis of 6"):
+        _ov_compile(model)

@@ -294,3 +294,25 @@ def test_matmuls_reading_one_input_fuse_into_one():
     after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
     for a, b in zip(before, after):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [37, 576])
+def test_row_quantizer_is_its_formula_bit_for_bit(k):
+    """The int8 row quantizer (one QuantizeLinear a row, since it replaced Div / Round / Add / Cast) gives the
+    bytes of its formula: max|x| / 127 a row, round half to even, offset 128, the integer product, the two scales.
+    Rows of ties (x / s exactly k + 0.5), an all-zero row, batch rows, odd widths."""
+    import onnxruntime as ort
+    from helpers import row_int8_model
+
+    model, reference = row_int8_model(k, 24, seed=k)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((3, 5, k)) * 4).astype(np.float32)  # (B, T, k)
+    x[0, 1] = 0.0  # no division by zero: the scale's floor
+    x[1, 2, :3] = [127.0, 2.5, -0.5]  # scale 1: 2.5 and -0.5 are ties (to 2 and -0)
+    x[1, 2, 3:] = np.clip(x[1, 2, 3:], -100, 100)
+    nodes = [n.op_type for n in model.graph.node]
+    assert "QuantizeLinear" in nodes and "Round" not in nodes
+    for rows in (x, x[:1, :1], x[:, :0]):  # every size: a plain step, a batch, an empty chunk
+        got = session.run(None, {"x": rows})[0]
+        assert got.shape == rows.shape[:2] + (24,) and np.array_equal(got, reference(rows)), rows.shape

@@ -141,6 +141,43 @@ def _inline_logits_gate(model):
     return model
 
 
+def _quantize_linear(node) -> list:
+    """OpenVINO's translation of ONNX ``QuantizeLinear`` as its formula, saturate(round(x / scale) + zero point) with
+    ties to even: the int8 row quantizers of exporter/quantize.py (``rows_int8``) are a ``QuantizeLinear`` whose one
+    block is a whole row (a (..., 1) scale), which OpenVINO 2026.4's ONNX reader refuses ("Conversion is failed for:
+    QuantizeLinear-23"), and its per-axis form over rows broadcasts the scale along the wrong axis. Scales that
+    broadcast against x as they are (per tensor, or a block the size of the last axis) and per-axis scales are
+    taken; blocks smaller than their axis are refused by name."""
+    import openvino.opset13 as ops
+
+    x, scale = node.get_input(0), node.get_input(1)
+    zero_point = node.get_input(2) if node.get_input_size() > 2 else None
+    axis, block = node.get_attribute("axis", 1), node.get_attribute("block_size", 0)
+    shape, scale_shape = x.get_partial_shape(), scale.get_partial_shape()
+    rank = shape.rank.get_length() if shape.rank.is_static else None
+    if block:  # a (..., 1) scale: one block a row (an axis whose length is not known yet is taken to be the block)
+        dim = shape[axis] if rank is not None else None
+        if dim is not None and dim.is_static and dim.get_length() != block:
+            raise RuntimeError(f"QuantizeLinear with blocks of {block} along an axis of {dim.get_length()}: not translated")
+    elif scale_shape.rank.is_static and scale_shape.rank.get_length() == 1 and rank is not None and rank > 1:  # per axis
+        shape = ops.constant(np.array([-1 if i == axis % rank else 1 for i in range(rank)], dtype=np.int64))
+        scale = ops.reshape(scale, shape, special_zero=False)
+        zero_point = None if zero_point is None else ops.reshape(zero_point, shape, special_zero=False)
+    kind = zero_point.get_element_type() if zero_point is not None else _ov_type(node.get_attribute("output_dtype", 2))
+    low, high = (-128, 127) if kind.get_type_name() == "i8" else (0, 255)
+    q = ops.round(ops.divide(x, scale), "half_to_even")
+    if zero_point is not None:
+        q = ops.add(q, ops.convert(zero_point, x.get_element_type()))
+    return [ops.convert(ops.clamp(q, low, high), kind).output(0)]
+
+
+def _ov_type(onnx_type: int):
+    """The OpenVINO element type of an ONNX 8-bit type number (2 uint8, 3 int8)."""
+    import openvino as ov
+
+    return {2: ov.Type.u8, 3: ov.Type.i8}[onnx_type]
+
+
 class _PaddedBuffers(HostBuffers):
     """HostBuffers whose step binds the first ``past`` cache slots rounded up to ``KEY_BLOCK``: every key
     axis OpenVINO's attention sees is whole blocks, whatever the step's width (see the module docstring)."""
@@ -216,6 +253,9 @@ class OpenVinoBackend(OnnxBackend):
             raise EngineError(f"{files.step} holds {meta.dtype} weights, which this backend does not run: export with --dtype fp32 or fp16")
         self.dtype = DTYPES[meta.dtype]
         core = ov.Core()
+        from openvino.frontend.onnx import ConversionExtension
+
+        core.add_extension(ConversionExtension("QuantizeLinear", _quantize_linear))  # the row quantizers
         options = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
         if threads:
             options["INFERENCE_NUM_THREADS"] = threads
