@@ -185,3 +185,32 @@ def test_cache_layout_ab_never_writes_into_a_folder_it_did_not_make(engines, tmp
     with pytest.raises(SystemExit, match="did not make it"):
         ab.main(["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--rounds", "1"])
     assert (theirs / "model.onnx.data").read_text() == "a user's file" and sorted(p.name for p in theirs.iterdir()) == ["model.onnx.data"]
+
+
+def test_engine_step_ab_times_engines_side_by_side(engines, tmp_path, capsys):
+    """scripts/engine_step_ab.py: the lean and the unrewritten engine give the same outputs at every size (the lean
+    rewrite is exact), each size timed on both, the figures written as JSON."""
+    ab = script("engine_step_ab")
+    out = tmp_path / "ab.json"
+    argv = ["--engine", f"before={engines[False]}", "--engine", f"after={engines[True]}", "--context", "20"]
+    assert ab.main([*argv, "--tokens", "1", "--tokens", "4", "--rounds", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_outputs"] == {"1": True, "4": True}
+    assert set(report["steps"]) == {"1", "4"} and all(len(s["median_ms"]) == 2 for s in report["steps"].values())
+    assert report["nodes"]["after"] < report["nodes"]["before"]  # the lean graph shares and fuses nodes
+    assert "same outputs bit for bit at every size: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--engine", "only=x"], "pass two or more --engine"),
+        (["--engine", "a=/no/such", "--engine", "b=/no/such/2"], "does not exist"),
+        (["--engine", "nameless"], "is not NAME=PATH"),
+    ],
+)
+def test_engine_step_ab_bad_arguments_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        script("engine_step_ab").main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err

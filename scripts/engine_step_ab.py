@@ -1,0 +1,90 @@
+"""Two or more exported engines' steps side by side, in one run: the same chain steps after the same committed
+context, the engines alternating step by step (their order flipping every round), and whether their outputs are
+the same bit for bit at every size. For a graph change (a rewrite, a quantizer form) on engines that should
+compute the same numbers, not for a benchmark of generation (that is ``medusa-bench``).
+
+    .venv/bin/python scripts/engine_step_ab.py --engine before=OLD_ENGINE --engine after=build/smollm2-int8-channel \\
+        --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 40 --out docs/row-quantizer-ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from step_graph_report import cpu_name, op_counts, prefill, time_steps, write_report
+
+log = logging.getLogger("engine_step_ab")
+
+
+def parse_engine(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--engine {text!r} is not NAME=PATH: pass e.g. before=build/old-engine")
+    return name, Path(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", type=parse_engine, action="append", required=True, help="NAME=PATH of an engine (repeat; 2 or more)")
+    p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
+    p.add_argument("--tokens", type=int, action="append", help="tokens a timed step scores (repeat; default 1, 8, 16, 64)")
+    p.add_argument("--rounds", type=int, default=40, help="timed steps of each size per engine")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = p.parse_args(argv)
+    engines = dict(args.engine)
+    if len(engines) < 2:
+        p.error("pass two or more --engine NAME=PATH with distinct names")
+    for name, path in engines.items():
+        if not path.exists():
+            p.error(f"--engine {name}={path} does not exist: pass an engine medusa-export wrote")
+    sizes = tuple(args.tokens or (1, 8, 16, 64))
+    if args.context < 1 or args.rounds < 1 or min(sizes) < 1:
+        p.error("--context, --rounds and --tokens must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    from medusa_trt.runtime.errors import MedusaError
+
+    load_start = os.getloadavg()
+    try:
+        backends = {name: OnnxBackend(path, max_batch=1, threads=args.threads) for name, path in engines.items()}
+        first = next(iter(backends.values()))
+        if max(sizes) > (first.max_tokens or max(sizes)) or args.context + max(sizes) > first.max_context:
+            raise MedusaError(f"--tokens up to {first.max_tokens} and --context + --tokens up to {first.max_context}: lower them")
+        context_ids = (np.arange(args.context, dtype=np.int64) * 7919 + 11) % first.meta.vocab_size  # (C,) any ids
+        for backend in backends.values():
+            prefill(backend, context_ids)
+        times, same = time_steps(backends, args.context, sizes, args.rounds)
+    except MedusaError as exc:
+        p.exit(2, f"engine_step_ab: error: {exc}\n")
+    load_end = os.getloadavg()
+    names = list(backends)
+    nodes = {name: sum(op_counts(b.files.step).values()) for name, b in backends.items()}  # the step graph's nodes
+    print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
+    print(f"steps over {args.context} cached tokens, ms (median / best of {args.rounds}); nodes {nodes}")
+    print(f"same outputs bit for bit at every size: {'yes' if all(same.values()) else 'NO: ' + str(same)}\n")
+    print("| tokens | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+    print("| --- " * (2 * len(names)) + "|")
+    table = {}
+    for t in sizes:
+        med = {n: statistics.median(times[n][t]) * 1e3 for n in names}
+        best = {n: min(times[n][t]) * 1e3 for n in names}
+        table[t] = {"median_ms": med, "best_ms": best}
+        cells = [f"{med[n]:.2f} / {best[n]:.2f}" for n in names] + [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
+        print(f"| {t} | " + " | ".join(cells) + " |")
+    if args.out:
+        write_report(
+            args.out, args.threads, (load_start[0], load_end[0]), argv,
+            context=args.context, engines={n: str(p) for n, p in engines.items()}, nodes=nodes, same_outputs=same, steps=table,
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
