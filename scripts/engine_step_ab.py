@@ -1,10 +1,10 @@
 """Two or more exported engines' steps side by side, in one run: the same chain steps after the same committed
-context, the engines alternating step by step (their order flipping every round), and whether their outputs are
+context, the engines taking turns (a few steps each, their order flipping every round), and whether their outputs are
 the same bit for bit at every size. For a graph change (a rewrite, a quantizer form) on engines that should
 compute the same numbers, not for a benchmark of generation (that is ``medusa-bench``).
 
     .venv/bin/python scripts/engine_step_ab.py --engine before=OLD_ENGINE --engine after=build/smollm2-int8-channel \\
-        --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 40 --out docs/row-quantizer-ab.json
+        --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 20 --out docs/row-quantizer-ab.json
 """
 
 from __future__ import annotations
@@ -14,12 +14,39 @@ import logging
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
-from step_graph_report import cpu_name, op_counts, prefill, time_steps, write_report
+from step_graph_report import cpu_name, op_counts, prefill, write_report
 
 log = logging.getLogger("engine_step_ab")
+BURST = 4  # steps an engine takes in a row, the first untimed: the others' thread pools have stopped spinning by then
+
+
+def time_steps(backends: dict, context: int, sizes, rounds: int) -> tuple[dict, dict]:
+    """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the engines' outputs
+    identical}. Each round every engine takes ``BURST`` steps of each size in a row (its order flipping each round),
+    the first of them untimed: an engine's ONNX Runtime pool spins on a core for a while after its step, which an
+    engine stepping right after another would pay for."""
+    names = list(backends)
+    calls, same = {}, {}
+    for t in sizes:
+        ids = (np.arange(t, dtype=np.int64) * 131 + 7)[None] % backends[names[0]].meta.vocab_size  # (1, T)
+        calls[t] = (ids, (context + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([context]))
+        outs = {name: b.step(*calls[t]) for name, b in backends.items()}
+        first = outs[names[0]]
+        same[t] = all(np.array_equal(first.logits(), outs[n].logits()) and np.array_equal(first.argmax, outs[n].argmax) for n in names)
+    times = {name: {t: [] for t in sizes} for name in names}
+    for round_ in range(rounds):
+        for t in sizes:
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                backends[name].step(*calls[t])
+                for _ in range(BURST - 1):
+                    start = time.perf_counter()
+                    backends[name].step(*calls[t])
+                    times[name][t].append(time.perf_counter() - start)
+    return times, same
 
 
 def parse_engine(text: str) -> tuple[str, Path]:
@@ -34,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", type=parse_engine, action="append", required=True, help="NAME=PATH of an engine (repeat; 2 or more)")
     p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
     p.add_argument("--tokens", type=int, action="append", help="tokens a timed step scores (repeat; default 1, 8, 16, 64)")
-    p.add_argument("--rounds", type=int, default=40, help="timed steps of each size per engine")
+    p.add_argument("--rounds", type=int, default=20, help=f"rounds; an engine takes {BURST - 1} timed steps of each size a round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
@@ -67,7 +94,7 @@ def main(argv=None) -> int:
     names = list(backends)
     nodes = {name: sum(op_counts(b.files.step).values()) for name, b in backends.items()}  # the step graph's nodes
     print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
-    print(f"steps over {args.context} cached tokens, ms (median / best of {args.rounds}); nodes {nodes}")
+    print(f"steps over {args.context} cached tokens, ms (median / best of {args.rounds * (BURST - 1)}); nodes {nodes}")
     print(f"same outputs bit for bit at every size: {'yes' if all(same.values()) else 'NO: ' + str(same)}\n")
     print("| tokens | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
     print("| --- " * (2 * len(names)) + "|")

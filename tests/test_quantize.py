@@ -87,6 +87,9 @@ def test_int8_channel_graphs_have_one_scale_per_output_column(engines):
             assert len(scales) == 1 and scales[0].shape == (weight.shape[1],), node.name  # (N,): one per output column
             distinct.append(np.unique(scales[0]).size)
         assert max(distinct) > 1  # columns really scaled apart (a head's all-zero block has one scale)
+    step = [n.op_type for n in graph_nodes(_graph(files.step))]
+    # the row quantizers of the same rows (batch, tokens) share one zero-point tensor
+    assert 1 <= step.count("ConstantOfShape") <= 2 < step.count("QuantizeLinear") == step.count("MatMulInteger")
 
 
 @pytest.fixture(scope="module")
