@@ -216,31 +216,44 @@ def test_row_quantizers_compile_to_onnxruntimes_integers(k):
 
 
 def _quantize_model(x_shape, scale, zero_point, **attrs):
+    """One QuantizeLinear over x (``zero_point`` None: without one, its output type from ``output_dtype``)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    inits = [numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(zero_point, "zero")]
-    node = helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["y"], **attrs)
+    inits = [numpy_helper.from_array(scale, "scale")] + ([] if zero_point is None else [numpy_helper.from_array(zero_point, "zero")])
+    node = helper.make_node("QuantizeLinear", ["x", "scale"] + ([] if zero_point is None else ["zero"]), ["y"], **attrs)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.UINT8, None)]
+    kind = helper.np_dtype_to_tensor_dtype(zero_point.dtype) if zero_point is not None else attrs.get("output_dtype", TensorProto.UINT8)
+    outputs = [helper.make_tensor_value_info("y", kind, None)]
     graph = helper.make_graph([node], "q", inputs, outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
-@pytest.mark.parametrize("form", ["per tensor", "per axis 0", "per axis 1"])
+@pytest.mark.parametrize("form", ["per tensor", "per axis 0", "per axis 1", "int8 zero point", "int8, no zero point"])
 def test_other_quantize_linear_forms_translate_as_onnx_says(form):
-    """The translation replaces OpenVINO's own for every QuantizeLinear: per-tensor and per-axis scales keep their meaning."""
+    """The translation replaces OpenVINO's own for every QuantizeLinear: per-tensor and per-axis scales keep their
+    meaning, and int8 outputs saturate at -128 / 127 (the values span far past both ranges)."""
     import onnxruntime as ort
 
-    x = (np.random.default_rng(3).standard_normal((4, 6)) * 20).astype(np.float32)
+    x = (np.random.default_rng(3).standard_normal((4, 6)) * 60).astype(np.float32)
     rng = np.random.default_rng(4)
     scale, zero, attrs = {
         "per tensor": (np.float32(0.3), np.uint8(100), {}),
         "per axis 0": (rng.uniform(0.1, 1, 4).astype(np.float32), rng.integers(0, 255, 4).astype(np.uint8), {"axis": 0}),
         "per axis 1": (rng.uniform(0.1, 1, 6).astype(np.float32), rng.integers(0, 255, 6).astype(np.uint8), {"axis": 1}),
+        "int8 zero point": (np.float32(0.5), np.int8(-3), {}),
+        "int8, no zero point": (np.float32(0.5), None, {"output_dtype": 3}),
     }[form]
-    model = _quantize_model([4, 6], np.asarray(scale), np.asarray(zero), **attrs)
+    model = _quantize_model([4, 6], np.asarray(scale), None if zero is None else np.asarray(zero), **attrs)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    assert np.array_equal(_ov_compile(model)({"x": x})[0], want)
+    got = _ov_compile(model)({"x": x})[0]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert want.min() in (0, -128) and want.max() in (255, 127)  # saturated both ways
+
+
+def test_wider_quantize_linear_outputs_are_refused():
+    model = _quantize_model([4, 6], np.asarray(np.float32(0.5)), np.asarray(np.int16(0)))
+    with pytest.raises(RuntimeError, match="QuantizeLinear to i16: not translated"):
+        _ov_compile(model)
 
 
 def test_blocks_smaller_than_their_axis_are_refused():

@@ -59,6 +59,8 @@ DEVICES = ("CPU", "GPU", "NPU")  # OpenVINO device names (only CPU is measured a
 REQUESTS = 8  # infer requests a compiled graph keeps, one per input shape (_Session)
 KEY_BLOCK = 64  # key-slot engines bind their key axis in multiples of this many slots (a multiple of every lane count)
 PROBE_CONTEXTS = (exactness.CONTEXT, 45, 61)  # committed tokens under the probe: a short one can pass at too few lanes
+ONNX_8BIT = {2: "u8", 3: "i8"}  # ONNX tensor type numbers of QuantizeLinear's 8-bit outputs -> OpenVINO type names
+RANGES = {"u8": (0, 255), "i8": (-128, 127)}  # what _quantize_linear saturates to
 _PROBED: dict[tuple, tuple[int | None, exactness.Exactness]] = {}  # (step file, precision, device, threads) -> (lanes, result)
 
 
@@ -160,22 +162,17 @@ def _quantize_linear(node) -> list:
         if dim is not None and dim.is_static and dim.get_length() != block:
             raise RuntimeError(f"QuantizeLinear with blocks of {block} along an axis of {dim.get_length()}: not translated")
     elif scale_shape.rank.is_static and scale_shape.rank.get_length() == 1 and rank is not None and rank > 1:  # per axis
-        shape = ops.constant(np.array([-1 if i == axis % rank else 1 for i in range(rank)], dtype=np.int64))
-        scale = ops.reshape(scale, shape, special_zero=False)
-        zero_point = None if zero_point is None else ops.reshape(zero_point, shape, special_zero=False)
-    kind = zero_point.get_element_type() if zero_point is not None else _ov_type(node.get_attribute("output_dtype", 2))
-    low, high = (-128, 127) if kind.get_type_name() == "i8" else (0, 255)
+        along = ops.constant(np.array([-1 if i == axis % rank else 1 for i in range(rank)], dtype=np.int64))
+        scale = ops.reshape(scale, along, special_zero=False)
+        zero_point = None if zero_point is None else ops.reshape(zero_point, along, special_zero=False)
+    kind = zero_point.get_element_type().get_type_name() if zero_point is not None else ONNX_8BIT.get(node.get_attribute("output_dtype", 2))
+    if kind not in RANGES:
+        raise RuntimeError(f"QuantizeLinear to {kind or 'a type other than int8 / uint8'}: not translated")
+    low, high = RANGES[kind]
     q = ops.round(ops.divide(x, scale), "half_to_even")
     if zero_point is not None:
         q = ops.add(q, ops.convert(zero_point, x.get_element_type()))
     return [ops.convert(ops.clamp(q, low, high), kind).output(0)]
-
-
-def _ov_type(onnx_type: int):
-    """The OpenVINO element type of an ONNX 8-bit type number (2 uint8, 3 int8)."""
-    import openvino as ov
-
-    return {2: ov.Type.u8, 3: ov.Type.i8}[onnx_type]
 
 
 class _PaddedBuffers(HostBuffers):
