@@ -14,39 +14,13 @@ import logging
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-from step_graph_report import cpu_name, op_counts, prefill, write_report
+from step_graph_report import cpu_name, op_counts, prefill, time_steps, write_report
 
 log = logging.getLogger("engine_step_ab")
 BURST = 4  # steps an engine takes in a row, the first untimed: the others' thread pools have stopped spinning by then
-
-
-def time_steps(backends: dict, context: int, sizes, rounds: int) -> tuple[dict, dict]:
-    """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the engines' outputs
-    identical}. Each round every engine takes ``BURST`` steps of each size in a row (its order flipping each round),
-    the first of them untimed: an engine's ONNX Runtime pool spins on a core for a while after its step, which an
-    engine stepping right after another would pay for."""
-    names = list(backends)
-    calls, same = {}, {}
-    for t in sizes:
-        ids = (np.arange(t, dtype=np.int64) * 131 + 7)[None] % backends[names[0]].meta.vocab_size  # (1, T)
-        calls[t] = (ids, (context + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([context]))
-        outs = {name: b.step(*calls[t]) for name, b in backends.items()}
-        first = outs[names[0]]
-        same[t] = all(np.array_equal(first.logits(), outs[n].logits()) and np.array_equal(first.argmax, outs[n].argmax) for n in names)
-    times = {name: {t: [] for t in sizes} for name in names}
-    for round_ in range(rounds):
-        for t in sizes:
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                backends[name].step(*calls[t])
-                for _ in range(BURST - 1):
-                    start = time.perf_counter()
-                    backends[name].step(*calls[t])
-                    times[name][t].append(time.perf_counter() - start)
-    return times, same
 
 
 def parse_engine(text: str) -> tuple[str, Path]:
@@ -87,7 +61,7 @@ def main(argv=None) -> int:
         context_ids = (np.arange(args.context, dtype=np.int64) * 7919 + 11) % first.meta.vocab_size  # (C,) any ids
         for backend in backends.values():
             prefill(backend, context_ids)
-        times, same = time_steps(backends, args.context, sizes, args.rounds)
+        times, same = time_steps(backends, args.context, sizes, args.rounds, burst=BURST)
     except MedusaError as exc:
         p.exit(2, f"engine_step_ab: error: {exc}\n")
     load_end = os.getloadavg()

@@ -117,10 +117,12 @@ def prefill(backend, ids: np.ndarray) -> None:
         backend.commit(np.arange(t)[None], np.array([t]), np.array([start]))
 
 
-def time_steps(backends: dict, context: int, sizes, rounds: int) -> tuple[dict, dict]:
+def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1) -> tuple[dict, dict]:
     """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the
     engines' outputs identical}. Round by round every size on every engine, the engines' order
-    flipping each round, so a passing disturbance spreads over all of them."""
+    flipping each round, so a passing disturbance spreads over all of them. ``burst`` > 1: each turn
+    is that many steps in a row, the first untimed (an engine's ONNX Runtime pool spins on a core for
+    a while after its step, which an engine stepping right after it pays for)."""
     names = list(backends)
     calls, same = {}, {}
     for t in sizes:
@@ -133,9 +135,12 @@ def time_steps(backends: dict, context: int, sizes, rounds: int) -> tuple[dict, 
     for round_ in range(rounds):
         for t in sizes:
             for name in names if round_ % 2 == 0 else names[::-1]:
-                start = time.perf_counter()
-                backends[name].step(*calls[t])
-                times[name][t].append(time.perf_counter() - start)
+                if burst > 1:
+                    backends[name].step(*calls[t])
+                for _ in range(max(burst - 1, 1)):
+                    start = time.perf_counter()
+                    backends[name].step(*calls[t])
+                    times[name][t].append(time.perf_counter() - start)
     return times, same
 
 

@@ -303,7 +303,7 @@ def test_matmuls_reading_one_input_fuse_into_one():
 def test_row_quantizer_is_its_formula_bit_for_bit(k):
     """The int8 row quantizer (one QuantizeLinear a row, since it replaced Div / Round / Add / Cast) gives the
     bytes of its formula: max|x| / 127 a row, round half to even, offset 128, the integer product, the two scales.
-    Rows of ties (x / s exactly k + 0.5), an all-zero row, batch rows, odd widths."""
+    Rows of ties (x / s exactly n + 0.5), an all-zero row, batch rows, odd widths."""
     import onnxruntime as ort
     from helpers import row_int8_model
 
