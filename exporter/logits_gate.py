@@ -168,17 +168,24 @@ def gate_logits(proto) -> GateReport:
     return GateReport(len(moved), gated_names)
 
 
-def gate_logits_file(path: Path) -> GateReport:
-    """``gate_logits`` on the step graph file at ``path``, in place (its external weights untouched)."""
+def _rewrite_file(path: Path, rewrite, changed=bool):
+    """``rewrite(proto)`` on the graph file at ``path`` (its external weights untouched), written back whole
+    (``runtime/durable.py``) where ``changed(result)`` says it changed the graph; returns the result."""
     import onnx
 
-    path = Path(path)
+    from medusa_trt.runtime import durable
+
     proto = onnx.load(str(path), load_external_data=False)
-    report = gate_logits(proto)
+    result = rewrite(proto)
+    if changed(result):
+        durable.write_bytes(path, proto.SerializeToString())
+    return result
+
+
+def gate_logits_file(path: Path) -> GateReport:
+    """``gate_logits`` on the step graph file at ``path``, in place."""
+    report = _rewrite_file(Path(path), gate_logits, changed=lambda r: r.gated > 0)
     if report.gated:
-        tmp = path.with_name(path.name + ".gating")
-        onnx.save(proto, str(tmp))
-        tmp.replace(path)
         log.info(report.describe())
     return report
 
@@ -210,14 +217,5 @@ def ungate_logits(proto) -> bool:
 
 
 def ungate_logits_file(path: Path) -> bool:
-    """``ungate_logits`` on the step graph file at ``path``, in place (its external weights untouched)."""
-    import onnx
-
-    path = Path(path)
-    proto = onnx.load(str(path), load_external_data=False)
-    if not ungate_logits(proto):
-        return False
-    tmp = path.with_name(path.name + ".ungating")
-    onnx.save(proto, str(tmp))
-    tmp.replace(path)
-    return True
+    """``ungate_logits`` on the step graph file at ``path``, in place."""
+    return _rewrite_file(Path(path), ungate_logits)
