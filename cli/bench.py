@@ -73,7 +73,7 @@ def build_parser() -> Parser:
         "--backend",
         action="append",
         metavar="NAME[:PRECISION]",
-        help="run every --engine on this backend: onnxruntime, openvino, openvino:bf16 (CPUs with AMX or AVX512-BF16); "
+        help="run every --engine on this backend: onnxruntime, openvino, openvino:bf16 (CPUs with AMX or AVX512-BF16), native; "
         "repeat to compare backends side by side, rows named ENGINE@NAME (default: the engine's own)",
     )
     p.add_argument(

@@ -34,6 +34,7 @@ from medusa_trt.cli.common import (
     sampling_kwargs,
     setup_logging,
 )
+from medusa_trt.runtime.backends import ONNX_BACKENDS
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.text import PromptError
 
@@ -81,8 +82,9 @@ def build_parser() -> Parser:
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument(
         "--backend",
-        choices=["onnxruntime", "openvino"],
-        help="what runs an ONNX --engine (default: the engine folder's choice, else onnxruntime)",
+        choices=ONNX_BACKENDS,
+        help="what runs an ONNX --engine (default: the engine folder's choice, else onnxruntime); native: this project's "
+        "own C step (fp32 Llama-pattern engines)",
     )
     p.add_argument("--precision", choices=["f32", "bf16"], help="openvino's precision (default f32; bf16 needs AMX or AVX512-BF16)")
     p.add_argument(

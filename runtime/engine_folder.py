@@ -14,7 +14,7 @@ which ``hf upload``, container mounts and Triton repositories expect)::
 
 ``config.json``::
 
-  {"format": "medusa-trt-engine", "version": 1, "backend": "onnxruntime" | "openvino" | "tensorrt",
+  {"format": "medusa-trt-engine", "version": 1, "backend": "onnxruntime" | "openvino" | "native" | "tensorrt",
    "engine": {EngineMeta fields},
    "files": {"step": "model.onnx", "heads": "heads.onnx" | null, "step_plan": ..., "heads_plan": ...,
              "tokenizer": "tokenizer.json", "generation_config": ..., "drafting": "drafting.json"},
@@ -45,7 +45,7 @@ GENERATION_CONFIG = "generation_config.json"
 
 @dataclass(frozen=True)
 class FolderConfig:
-    backend: str  # onnxruntime | openvino | tensorrt: which backend MedusaRuntime(DIR) runs (tensorrt: the plans)
+    backend: str  # onnxruntime | openvino | native | tensorrt: which backend MedusaRuntime(DIR) runs (tensorrt: the plans)
     meta: EngineMeta
     files: dict  # role -> file name in the folder (None: absent)
     graphs: dict  # "step" / "heads" -> {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}}

@@ -56,29 +56,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEDUSA_TRT_CACHE") or Path.home() / ".cache" / "medusa-trt")
 
 
-def library_path() -> Path:
-    """Where this source, built for this CPU, lives once compiled."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_name().encode()).hexdigest()[:16]
-    return cache_dir() / f"host_attention-{key}.so"
+def library_path(sources: tuple[Path, ...] = (SOURCE,), flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where these sources, built with ``flags`` for this CPU, live once compiled (named after the first)."""
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode() + cpu_name().encode()).hexdigest()[:16]
+    return cache_dir() / f"{sources[0].stem}-{key}.so"
 
 
-def build(target: Path) -> Path:
-    """Compile the kernel to ``target`` (written to a temporary file beside it, then renamed)."""
+def build(target: Path, sources: tuple[Path, ...] = (SOURCE,), flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile ``sources`` into one shared library at ``target`` (written to a temporary file beside it, then renamed)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise HostAttentionUnavailable("host attention needs a C compiler: install one (apt-get install gcc) or set CC")
+        raise HostAttentionUnavailable(f"{sources[0].name} needs a C compiler: install one (apt-get install gcc) or set CC")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise HostAttentionUnavailable(f"building {SOURCE.name} with {compiler} failed: {done.stderr.strip()[:300]}")
+            raise HostAttentionUnavailable(f"building {sources[0].name} with {compiler} failed: {done.stderr.strip()[:300]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("host attention built: %s", target)
+    log.info("%s built: %s", sources[0].name, target)
     return target
 
 

@@ -7,7 +7,7 @@ at one node per row, a ``Proposals`` with the top-k ids on the host).
 
 from __future__ import annotations
 
-ONNX_BACKENDS = ("onnxruntime", "openvino")  # backends that run an engine's ONNX graphs; onnxruntime is the default
+ONNX_BACKENDS = ("onnxruntime", "openvino", "native")  # backends that run an engine's ONNX graphs; onnxruntime is the default
 BACKENDS = (*ONNX_BACKENDS, "tensorrt")  # what RuntimeConfig.backend names
 
 
@@ -42,6 +42,10 @@ def open_onnx_backend(path, cfg):
         from medusa_trt.runtime.engine import EngineError
 
         raise EngineError(f"precision {cfg.precision!r} is an openvino option: pass backend='openvino' with it, or drop it")
+    if name == "native":  # fp32 Llama-pattern step graphs computed by runtime/native_step.c
+        from medusa_trt.runtime.backends.native_backend import NativeBackend
+
+        return NativeBackend(path, **limits)
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend  # onnxruntime only on this path
 
     return OnnxBackend(path, **limits)

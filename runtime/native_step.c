@@ -1,0 +1,257 @@
+/* One step of a Llama-pattern decoder on the host: the whole step contract in one call, no graph executor.
+ *
+ * Compiled together with host_attention.c (its medusa_tree_attention is the attention here) by
+ * runtime/native_step.py, which reads the weights out of an engine's step graph and packs them.
+ *
+ * Batch-invariant, so exact by construction: every number a row's output depends on is computed by the
+ * same instructions in the same order whatever else shares the step (other rows, other tree nodes, the
+ * step's width), which is what makes a verify step's logits a plain step's bit for bit:
+ *   - a matmul output y[m, n] is one chain of multiply-adds over k = 0..K-1 in one lane of a vector of 16
+ *     outputs; the tiling (how many rows, which thread) only decides which chains run side by side;
+ *   - a norm, the rotary embedding, the activation and the residual adds work on one row at a time;
+ *   - the attention adds a query's visible keys in position order (host_attention.c).
+ *
+ * Layouts (float32, row-major; M = B * T rows, row m = b * T + t):
+ *   packed weight (K -> N): N / 64 blocks of [K][64], then ceil((N % 64) / 16) blocks of [K][16] (the last one
+ *                           zero-padded past N)
+ *   past_k, past_v: (S, L, B, Hkv, D), the committed cache (S bound slots)
+ *   new_k, new_v:   (T, L, B, Hkv, D), the step's keys and values, every layer
+ *   hidden: (M, H) the final norm's output; logits (M, V); next_ids (M); topk (M, k)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                          const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                          int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                          float *scratch);
+
+#define W 16 /* outputs a vector holds */
+typedef float vec16 __attribute__((vector_size(W * sizeof(float))));
+#define ROWS 6 /* input rows a tile multiplies against one block of weights */
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, pad;
+    float eps, scale;
+    const float *inv_freq;   /* (D / 2) */
+    const float *embed;      /* (V, H) */
+    const float *norm_final; /* (H) */
+    const float *lm_head;    /* packed H -> V */
+    const float *const *norm_in, *const *norm_post;       /* L x (H) */
+    const float *const *qkv, *const *o, *const *gate_up, *const *down; /* L x packed */
+} model_t;
+
+typedef struct { /* scratch, sized for the most rows a step has */
+    float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (M, D) cos then sin */
+} work_t;
+
+static inline vec16 vload(const float *p) {
+    vec16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void vstore(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
+
+/* rows x[0..mb) (stride K) times one packed block of nv vectors: y[i, j * 16 + l] (stride N); the last vector
+ * stores its first `last` lanes only (a block padded past N) */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t K, const float *restrict w,
+                                                       float *restrict y, int64_t N, const int nv, const int mb,
+                                                       const int last) {
+    vec16 acc[ROWS][4];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = (vec16){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = w + k * nv * W;
+        vec16 wv[4];
+        for (int j = 0; j < nv; j++) wv[j] = vload(wk + j * W);
+        for (int i = 0; i < mb; i++) {
+            const float xs = x[i * K + k];
+            const vec16 xv = {xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs};
+            for (int j = 0; j < nv; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nv; j++) {
+            if (j == nv - 1 && last < W)
+                memcpy(y + i * N + j * W, &acc[i][j], last * sizeof(float));
+            else
+                vstore(y + i * N + j * W, acc[i][j]);
+        }
+}
+
+#define TILE_CASES(NV)                                                                                                 \
+    switch (M - m) {                                                                                                   \
+    case 1: tile(x + m * K, K, w, y + m * N, N, NV, 1, last); break;                                                   \
+    case 2: tile(x + m * K, K, w, y + m * N, N, NV, 2, last); break;                                                   \
+    case 3: tile(x + m * K, K, w, y + m * N, N, NV, 3, last); break;                                                   \
+    case 4: tile(x + m * K, K, w, y + m * N, N, NV, 4, last); break;                                                   \
+    case 5: tile(x + m * K, K, w, y + m * N, N, NV, 5, last); break;                                                   \
+    }
+
+static void block_rows(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int nv, int last) {
+    int64_t m = 0;
+    if (nv == 4) {
+        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, 4, ROWS, last);
+        TILE_CASES(4)
+    } else {
+        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, 1, ROWS, last);
+        TILE_CASES(1)
+    }
+}
+
+/* y (M, N) = x (M, K) @ the packed weight */
+static void matmul(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
+    const int64_t wide = N / 64, narrow = (N % 64 + W - 1) / W;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < wide + narrow; b++) {
+        if (b < wide) {
+            block_rows(x, M, K, w + b * K * 64, y + b * 64, N, 4, W);
+        } else {
+            const int64_t first = wide * 64 + (b - wide) * W; /* the block's first output */
+            const int last = N - first < W ? (int)(N - first) : W;
+            block_rows(x, M, K, w + wide * K * 64 + (b - wide) * K * W, y + first, N, 1, last);
+        }
+    }
+}
+
+/* the lanes of x added in one fixed order */
+static inline float lanes_total(vec16 x) {
+    float part[W];
+    memcpy(part, &x, sizeof part);
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    return part[0];
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * weight, one row at a time */
+static void rms_norm(const float *x, int64_t M, int64_t H, const float *weight, float eps, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * H;
+        vec16 acc = {0};
+        int64_t d = 0;
+        for (; d + W <= H; d += W) {
+            vec16 v = vload(r + d);
+            acc += v * v;
+        }
+        float s = lanes_total(acc);
+        for (; d < H; d++) s += r[d] * r[d];
+        const float inv = 1.0f / sqrtf(s / (float)H + eps);
+        for (d = 0; d < H; d++) y[m * H + d] = r[d] * inv * weight[d];
+    }
+}
+
+/* the cos and sin of position pos times each frequency: rot = (cos[D / 2], sin[D / 2]) */
+static void rope_table(int D, int64_t pos, const float *inv_freq, float *rot) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float f = (float)pos * inv_freq[i];
+        rot[i] = cosf(f);
+        rot[half + i] = sinf(f);
+    }
+}
+
+/* rotate_half rotary embedding of one head vector (D) with its row's table, into out */
+static void rope(const float *x, int D, const float *rot, float *out) {
+    const int half = D / 2;
+    const float *c = rot, *s = rot + half;
+    for (int i = 0; i < half; i++) {
+        out[i] = x[i] * c[i] - x[i + half] * s[i];
+        out[i + half] = x[i + half] * c[i] + x[i] * s[i];
+    }
+}
+
+/* best first; a tie keeps the lower index first (ONNX ArgMax / TopK) */
+static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
+    float best[64];
+    int64_t idx[64];
+    int n = 0;
+    for (int64_t j = 0; j < V; j++) {
+        const float s = row[j];
+        if (n == k && !(s > best[k - 1])) continue;
+        int p = n < k ? n++ : k - 1;
+        while (p > 0 && s > best[p - 1]) {
+            best[p] = best[p - 1];
+            idx[p] = idx[p - 1];
+            p--;
+        }
+        best[p] = s;
+        idx[p] = j;
+    }
+    for (int i = 0; i < k; i++) ids[i] = i < n ? idx[i] : 0;
+}
+
+int medusa_native_threads(int threads) {
+#ifdef _OPENMP
+    if (threads > 0) omp_set_num_threads(threads);
+    return omp_get_max_threads();
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+/* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64). */
+int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
+                       const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v,
+                       float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids, int64_t *topk,
+                       int k) {
+    const int64_t M = (int64_t)B * T, H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
+    const int64_t L = md->layers, I = md->inter, V = md->vocab, QKV = (Hq + 2 * Hkv) * D;
+    const int64_t row_stride = Hkv * D, layer_stride = B * Hkv * D, slot_stride = L * layer_stride;
+    if (Hkv <= 0 || Hq % Hkv != 0 || D % 2 != 0 || k < 0 || k > 64) return 1;
+    float *x = wk->x;
+    for (int64_t m = 0; m < M; m++) {
+        if (ids[m] < 0 || ids[m] >= V) return 2;
+        memcpy(x + m * H, md->embed + ids[m] * H, H * sizeof(float));
+        rope_table(D, pos[m], md->inv_freq, wk->rot + m * D);
+    }
+    for (int64_t l = 0; l < L; l++) {
+        rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
+        matmul(wk->h, M, H, md->qkv[l], wk->qkv, QKV);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                const float *r = wk->qkv + (b * T + t) * QKV;
+                const float *rot = wk->rot + (b * T + t) * D;
+                for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, rot, wk->q + ((b * Hq + h) * T + t) * D);
+                for (int64_t h = 0; h < Hkv; h++) {
+                    float *kk = wk->k + ((b * Hkv + h) * T + t) * D, *vv = wk->v + ((b * Hkv + h) * T + t) * D;
+                    rope(r + (Hq + h) * D, D, rot, kk);
+                    memcpy(vv, r + (Hq + Hkv + h) * D, D * sizeof(float));
+                    const int64_t at = t * L * layer_stride + l * layer_stride + b * row_stride + h * D;
+                    memcpy(new_k + at, kk, D * sizeof(float));
+                    memcpy(new_v + at, vv, D * sizeof(float));
+                }
+            }
+        if (medusa_tree_attention(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
+                                  past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
+                                  wk->att_scratch))
+            return 1;
+        matmul(wk->attn, M, Hq * D, md->o[l], wk->h, H);
+        for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
+        rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
+        matmul(wk->h, M, H, md->gate_up[l], wk->gu, 2 * I);
+        for (int64_t m = 0; m < M; m++) {
+            const float *g = wk->gu + m * 2 * I, *u = g + I;
+            float *a = wk->act + m * I;
+            for (int64_t e = 0; e < I; e++) a[e] = g[e] * (1.0f / (1.0f + expf(-g[e]))) * u[e];
+        }
+        matmul(wk->act, M, I, md->down[l], wk->h, H);
+        for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
+    }
+    rms_norm(x, M, H, md->norm_final, md->eps, hidden);
+    if (logits == NULL) return 0;
+    matmul(hidden, M, H, md->lm_head, logits, V);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        int64_t first[1];
+        top_k(logits + m * V, V, 1, first);
+        next_ids[m] = first[0];
+        if (k) top_k(logits + m * V, V, k, topk + m * k);
+    }
+    return 0;
+}

@@ -1,0 +1,368 @@
+"""The step of an fp32 Llama-pattern engine run by one C function (``native_step.c``), not by a graph runtime.
+
+``read_weights`` reads the weights out of the engine's own step graph and refuses, by name, any graph
+that is not the pattern the C code computes: per layer RMSNorm, one fused q/k/v MatMul, rotate-half
+rotary embedding, attention, output MatMul, residual Add, RMSNorm, one fused gate/up MatMul, SiLU gate,
+down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Anything
+else (biases, q/k norms, soft-capping, sliding windows, other activations, quantized matmuls) is
+refused at load, never approximated: an engine that generates other text than its model is the worst
+failure this project can have. The engine's model type must be one whose layers were checked against it.
+
+``NativeStep`` packs the weights once (``pack``: blocks of 64 outputs, each block's K rows contiguous)
+and runs a step into caller-owned outputs. The C code is batch-invariant (``native_step.c`` says how),
+so a verify step gives each node its plain-step logits bit for bit without key slots.
+
+Built like ``host_attention.py`` (whose kernel is its attention): compiled once per machine with the
+system C compiler and OpenMP into ``$MEDUSA_TRT_CACHE``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime import host_attention
+from medusa_trt.runtime.engine import EngineError
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("native_step.c"), host_attention.SOURCE)
+FLAGS = (*host_attention.FLAGS, "-fopenmp")
+BLOCK, VECTOR = 64, 16  # outputs per packed block (native_step.c), and per vector
+MAX_TOPK = 64  # most successors native_step.c ranks
+MODEL_TYPES = ("llama", "mistral")  # EngineMeta.architecture values whose layers are the pattern (read_weights checks the graph too)
+# every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
+OPS = frozenset(
+    "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
+    "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If".split()
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    hidden: int  # H
+    heads: int  # Hq
+    kv_heads: int  # Hkv
+    head_dim: int  # D
+    inter: int  # I, the MLP's width
+    vocab: int  # V
+    eps: float
+    scale: float  # the attention's score scale
+
+
+@dataclass(frozen=True)
+class Weights:
+    dims: Dims
+    inv_freq: np.ndarray  # (D / 2)
+    embed: np.ndarray  # (V, H)
+    norm_in: list[np.ndarray]  # L x (H)
+    qkv: list[np.ndarray]  # L x (H, (Hq + 2 Hkv) D)
+    o: list[np.ndarray]  # L x (Hq D, H)
+    norm_post: list[np.ndarray]
+    gate_up: list[np.ndarray]  # L x (H, 2 I): gate then up
+    down: list[np.ndarray]  # L x (I, H)
+    norm_final: np.ndarray  # (H)
+    lm_head: np.ndarray  # (H, V)
+
+
+def _unsupported(path: Path, what: str) -> EngineError:
+    return EngineError(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine")
+
+
+def check_architecture(path: Path, architecture: str) -> None:
+    """Refuse model types whose layers were never checked against the pattern (the graph is read strictly too)."""
+    if architecture not in MODEL_TYPES:
+        raise _unsupported(path, f"model type {architecture!r} is not one of {', '.join(MODEL_TYPES)}")
+
+
+class _Graph:
+    """The step graph's nodes, producers, consumers and initializers (arrays read on demand)."""
+
+    def __init__(self, path: Path):
+        try:
+            import onnx
+            from onnx import numpy_helper
+        except ImportError as exc:
+            raise EngineError(
+                f"backend native reads the engine's weights with the onnx package ({exc}): pip install 'medusa-trt[native]'"
+            ) from exc
+
+        self.path = path
+        model = onnx.load(str(path))  # with its external weights
+        self.nodes = list(model.graph.node)
+        self.init = {t.name: t for t in model.graph.initializer}
+        self.to_array = numpy_helper.to_array
+        self.consumers: dict[str, list] = {}
+        self.producer = {}
+        for node in self.nodes:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+            for name in node.output:
+                self.producer[name] = node
+        self.outputs = {o.name for o in model.graph.output}
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self.init:
+            raise _unsupported(self.path, f"{name} is computed, not a weight")
+        return self.to_array(self.init[name])
+
+    def only(self, tensor: str, op: str):
+        """The one node that reads ``tensor``, which must be an ``op``."""
+        readers = [n for n in self.consumers.get(tensor, []) if n.op_type != "Identity"]
+        if len(readers) != 1 or readers[0].op_type != op:
+            found = ", ".join(n.op_type for n in readers) or "nothing"
+            raise _unsupported(self.path, f"{tensor} is read by {found} where the pattern has one {op}")
+        return readers[0]
+
+    def weight_of(self, node) -> np.ndarray:
+        """A MatMul's (K, N) weight: its second input, an initializer or the Transpose of one (a tied lm_head)."""
+        name = node.input[1]
+        source = self.producer.get(name)
+        if source is not None and source.op_type == "Transpose" and list(_attr(source, "perm", [])) == [1, 0]:
+            return np.ascontiguousarray(self.array(source.input[0]).T, dtype=np.float32)
+        return self.array(name).astype(np.float32, copy=False)
+
+
+def _attr(node, name: str, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _mask_root(g: _Graph, tensor: str) -> str:
+    """Where an attention's mask comes from, past the per-layer reshapes."""
+    while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze"):
+        tensor = node.input[0]
+    return tensor
+
+
+def read_weights(step: Path, architecture: str) -> Weights:
+    """The weights of the step graph at ``step``, checked against the pattern ``native_step.c`` computes."""
+    check_architecture(step, architecture)
+    g = _Graph(step)
+    ops = Counter(n.op_type for n in g.nodes)
+    if extra := sorted(set(ops) - OPS):
+        raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (an fp32 graph of the Llama pattern has none)")
+    norms = [n for n in g.nodes if n.op_type == "RMSNormalization"]
+    attentions = [n for n in g.nodes if n.op_type == "Attention"]
+    rotaries = [n for n in g.nodes if n.op_type == "RotaryEmbedding"]
+    layers = len(attentions)
+    counts = {"RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers, "Add": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}
+    for op, want in counts.items():
+        if ops[op] != want:
+            raise _unsupported(step, f"{ops[op]} {op} nodes for {layers} layers (the pattern has {want})")
+    eps = {float(_attr(n, "epsilon", 1e-5)) for n in norms}
+    if len(eps) != 1:
+        raise _unsupported(step, f"norms with different epsilons {sorted(eps)}")
+    scales = {float(_attr(n, "scale", 0.0)) for n in attentions}
+    if len(scales) != 1 or 0.0 in scales:
+        raise _unsupported(step, "attentions without one explicit score scale")
+    if len({_mask_root(g, n.input[3]) for n in attentions}) != 1:  # a sliding window's layers read a mask of their own
+        raise _unsupported(step, "layers that read different attention masks (a sliding window)")
+    for n in attentions:
+        if len(n.input) != 4 or _attr(n, "softcap", 0.0) or _attr(n, "is_causal", 0) or _attr(n, "qk_matmul_output_mode", 0):
+            raise _unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
+    for n in rotaries:
+        if _attr(n, "interleaved", 0) or _attr(n, "rotary_embedding_dim", 0):
+            raise _unsupported(step, "an interleaved or partial rotary embedding")
+    heads, kv_heads = int(_attr(rotaries[0], "num_heads")), int(_attr(rotaries[1], "num_heads"))
+    cos = g.producer[rotaries[0].input[1]]
+    freq = g.producer.get(cos.input[0])
+    if cos.op_type != "Cos" or freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init:
+        raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+    inv_freq = g.array(freq.input[1]).astype(np.float32).reshape(-1)
+
+    gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    if len(gather) != 1:
+        raise _unsupported(step, "no token embedding Gather of input_ids")
+    embed = g.array(gather[0].input[0]).astype(np.float32)
+    x = gather[0].output[0]
+    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down")}
+    for layer in range(layers):
+        norm = norms[2 * layer]
+        if norm.input[0] != x:
+            raise _unsupported(step, f"layer {layer}'s first norm does not read the residual stream")
+        w["norm_in"].append(g.array(norm.input[1]).astype(np.float32))
+        mm = g.only(norm.output[0], "MatMul")
+        w["qkv"].append(g.weight_of(mm))
+        split = g.only(mm.output[0], "Split")
+        widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
+        attention = attentions[layer]
+        out = attention.output[0]
+        for op in ("Reshape", "Transpose", "Reshape"):
+            out = g.only(out, op).output[0]
+        o = g.only(out, "MatMul")
+        w["o"].append(g.weight_of(o))
+        add = g.only(o.output[0], "Add")
+        if x not in add.input:
+            raise _unsupported(step, f"layer {layer}'s attention output is not added to the residual stream")
+        x = add.output[0]
+        post = norms[2 * layer + 1]
+        if post.input[0] != x:
+            raise _unsupported(step, f"layer {layer}'s second norm does not read the residual stream")
+        w["norm_post"].append(g.array(post.input[1]).astype(np.float32))
+        gu = g.only(post.output[0], "MatMul")
+        w["gate_up"].append(g.weight_of(gu))
+        halves = g.only(gu.output[0], "Split")
+        gate, up = halves.output
+        sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
+        silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
+        if sig is None or silu is None or sig.output[0] not in silu.input or len(g.consumers[gate]) != 2:
+            raise _unsupported(step, f"layer {layer}'s MLP gate is not SiLU")
+        prod = g.only(silu.output[0], "Mul")
+        if up not in prod.input:
+            raise _unsupported(step, f"layer {layer}'s MLP does not multiply SiLU(gate) by up")
+        down = g.only(prod.output[0], "MatMul")
+        w["down"].append(g.weight_of(down))
+        add = g.only(down.output[0], "Add")
+        if x not in add.input:
+            raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
+        x = add.output[0]
+        dims_qkv = (w["qkv"][-1].shape[1], w["gate_up"][-1].shape[1])
+        if widths is not None and len(widths) != 3:
+            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul {len(widths)} ways")
+    final = norms[-1]
+    if final.input[0] != x or final.output[0] != "hidden":
+        raise _unsupported(step, "the final norm is not the graph's hidden output")
+    lm = _lm_head(g, step)
+    hidden = embed.shape[1]
+    head_dim = w["o"][0].shape[0] // heads
+    dims = Dims(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=w["down"][0].shape[0],
+        vocab=embed.shape[0],
+        eps=eps.pop(),
+        scale=scales.pop(),
+    )
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    if dims_qkv != (qkv_width, 2 * dims.inter) or inv_freq.size != head_dim // 2 or lm.shape != (hidden, dims.vocab):
+        raise _unsupported(step, "weight shapes that do not fit one another")
+    return Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
+                   g.array(final.input[1]).astype(np.float32), lm)  # fmt: skip
+
+
+def _lm_head(g: _Graph, step: Path) -> np.ndarray:
+    """The lm_head's weight: the MatMul reading ``hidden``, in the graph or in the logits gate's then branch."""
+    readers = [n for n in g.nodes if n.op_type == "MatMul" and n.input[0] in ("hidden", "hidden_gate_in")]
+    if not readers:
+        for node in g.nodes:
+            if node.op_type == "If":
+                then = next(a.g for a in node.attribute if a.name == "then_branch")
+                readers += [n for n in then.node if n.op_type == "MatMul" and n.input[0].startswith("hidden")]
+    if len(readers) != 1:
+        raise _unsupported(step, f"{len(readers)} lm_head MatMuls read hidden (the pattern has one)")
+    return g.weight_of(readers[0])
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """A (K, N) weight in native_step.c's layout: N // 64 blocks of (K, 64), then the rest in blocks of (K, 16), the
+    last one zero-padded past N."""
+    k, n = w.shape
+    wide = n // BLOCK * BLOCK
+    parts = [w[:, :wide].reshape(k, -1, BLOCK).transpose(1, 0, 2).reshape(-1)]
+    if wide < n:
+        rest = np.zeros((k, -(-(n - wide) // VECTOR) * VECTOR), dtype=np.float32)
+        rest[:, : n - wide] = w[:, wide:]
+        parts.append(rest.reshape(k, -1, VECTOR).transpose(1, 0, 2).reshape(-1))
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+_TABLE = ctypes.POINTER(ctypes.c_void_p)  # a C array of pointers, one a layer
+
+
+class _Model(ctypes.Structure):  # native_step.c's model_t
+    _fields_ = [
+        *((n, ctypes.c_int32) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "pad")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((n, ctypes.c_void_p) for n in ("inv_freq", "embed", "norm_final", "lm_head")),
+        *((n, _TABLE) for n in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down")),
+    ]
+
+
+class _Work(ctypes.Structure):  # native_step.c's work_t
+    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch")]
+
+
+class NativeStep:
+    """The packed weights, the compiled step and its scratch for up to ``rows`` rows (batch x tokens) over
+    ``slots`` cache slots a row."""
+
+    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, library: Path | None = None):
+        path = library or host_attention.library_path(SOURCES, FLAGS)
+        if not path.is_file():
+            host_attention.build(path, SOURCES, FLAGS)
+        lib = ctypes.CDLL(str(path))
+        self._fn = lib.medusa_native_step
+        self._fn.restype = ctypes.c_int
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._fn.argtypes = [p, p, i, i, p, p, p, p, p, p, p, p, p, p, p, p, i]
+        lib.medusa_native_threads.restype = ctypes.c_int
+        self.threads = lib.medusa_native_threads(threads or 0)
+        self.dims = d = weights.dims
+        self._keep = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
+        mats = {k: [pack(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
+        self._keep += [m for ms in mats.values() for m in ms]
+        lm = pack(weights.lm_head)
+        self._keep.append(lm)
+
+        def table(arrays):
+            t = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+            self._keep.append(t)
+            return ctypes.cast(t, ctypes.POINTER(ctypes.c_void_p))
+
+        self._model = _Model(
+            d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab, 0, d.eps, d.scale,
+            weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, lm.ctypes.data,
+            table(weights.norm_in), table(weights.norm_post), *(table(mats[k]) for k in ("qkv", "o", "gate_up", "down")),
+        )  # fmt: skip
+        qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
+        sizes = dict(x=d.hidden, h=d.hidden, qkv=qkv, q=d.heads * d.head_dim, k=d.kv_heads * d.head_dim,
+                     v=d.kv_heads * d.head_dim, attn=d.heads * d.head_dim, gu=2 * d.inter, act=d.inter, rot=d.head_dim)  # fmt: skip
+        self._work_arrays = {k: np.zeros(rows * n, dtype=np.float32) for k, n in sizes.items()}
+        self._work_arrays["att_scratch"] = np.zeros(4 * (slots + 2 * rows), dtype=np.float32)  # host_attention.c's RB rows
+        self._work = _Work(**{k: a.ctypes.data for k, a in self._work_arrays.items()})
+        self.rows, self.slots = rows, slots
+
+    def __call__(
+        self,
+        input_ids: np.ndarray,  # int64 (B, T)
+        position_ids: np.ndarray,  # int64 (B, T)
+        tree_mask: np.ndarray,  # bool (B, T, T)
+        cache_lengths: np.ndarray,  # int64 (B)
+        past_key: np.ndarray,  # float32 (S, L, B, Hkv, D), contiguous
+        past_value: np.ndarray,
+        new_key: np.ndarray,  # float32 (T, L, B, Hkv, D), written
+        new_value: np.ndarray,
+        hidden: np.ndarray,  # float32 (B, T, H), written
+        logits: np.ndarray | None,  # float32 (B, T, V), written (None: the lm_head is skipped)
+        next_ids: np.ndarray | None,  # int64 (B, T)
+        next_topk: np.ndarray | None,  # int64 (B, T, k)
+    ) -> None:
+        batch, tokens = input_ids.shape
+        if batch * tokens > self.rows or int(cache_lengths.max()) > self.slots:
+            raise EngineError(f"a step of {batch} x {tokens} tokens exceeds what backend native was sized for ({self.rows} rows)")
+        k = 0 if next_topk is None else next_topk.shape[-1]
+        addr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+        rc = self._fn(
+            ctypes.byref(self._model), ctypes.byref(self._work), batch, tokens,
+            addr(input_ids), addr(position_ids), addr(tree_mask), addr(cache_lengths), addr(past_key), addr(past_value),
+            addr(new_key), addr(new_value), addr(hidden), addr(logits), addr(next_ids), addr(next_topk), k,
+        )  # fmt: skip
+        if rc == 2:
+            raise EngineError(f"input_ids outside the vocabulary (0..{self.dims.vocab - 1})")
+        if rc != 0:
+            raise EngineError(f"backend native: bad step shapes ({self.dims}, top-k {k})")

@@ -1,0 +1,154 @@
+"""The native backend (runtime/native_step.c behind runtime/backends/native_backend.py): verify steps are plain
+steps bit for bit, a row's numbers do not depend on the rows beside it, its logits are ONNX Runtime's to float
+rounding, and graphs that are not the pattern it computes are refused by name. Greedy identity against
+transformers on every tree, batch, heads kind and tiny architecture is in test_greedy_identity.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import medusa_model
+
+from medusa_trt.runtime import MedusaRuntime, exactness, native_step
+from medusa_trt.runtime.backends.native_backend import NativeBackend
+from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+from medusa_trt.runtime.engine import EngineError
+
+
+@pytest.fixture(scope="module")
+def engine(stories_base, stories_fitted, export_engine):
+    return export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))  # shared with test_runtime
+
+
+@pytest.fixture(scope="module")
+def native(engine):
+    return NativeBackend(engine, max_batch=4, max_context=256, threads=2)
+
+
+def _chain(n: int) -> np.ndarray:
+    return np.tril(np.ones((n, n), dtype=bool))
+
+
+@pytest.mark.parametrize("context", [1, 24, 45, 61])
+def test_verify_steps_are_plain_steps_bit_for_bit(native, context):
+    """A chain and a tree with a sibling before the path re-score the plain steps' tokens with their plain logits, bit for
+    bit, without key slots, at every cache length (the lanes of any vector width land differently at each)."""
+    rng = np.random.default_rng(context)
+    ids = rng.integers(0, native.meta.vocab_size, context, dtype=np.int64)
+    path, plain = exactness.plain_steps(native, ids, 5)
+    for name, layout in exactness.layouts(path, native.meta.vocab_size).items():
+        assert exactness.verify_diffs(native, ids, layout, plain) == [0.0] * len(path), name
+    assert native.exact is True
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(native):
+    """Row 0 alone, then beside three other rows of other lengths and widths: the same logits and keys, bit for bit."""
+    rng = np.random.default_rng(1)
+    vocab, width = native.meta.vocab_size, 6
+    prompts = [rng.integers(0, vocab, n, dtype=np.int64) for n in (30, 11, 52, 7)]
+    tree = _chain(width)
+    tree[3, 1:3] = False  # node 3 a sibling branch from node 0
+
+    # batch 1: prefill then a tree step
+    p0 = prompts[0]
+    native.step(p0[None], np.arange(len(p0))[None], _chain(len(p0))[None], np.array([0]))
+    native.commit(np.arange(len(p0))[None], np.array([len(p0)]), np.array([0]))
+    nodes = rng.integers(0, vocab, width, dtype=np.int64)
+    depth = tree.sum(-1) - 1
+    alone = native.step(nodes[None], (len(p0) + depth)[None], tree[None], np.array([len(p0)]))
+    alone_logits, alone_key = alone.logits()[0].copy(), native.buffers._views["new_key"][:, :, 0].copy()
+    # batch 4: the same prefills, row by row in one prefill step of padded chains, then the same tree on row 0
+    lengths = np.array([len(p) for p in prompts])
+    longest = int(lengths.max())
+    ids = np.zeros((4, longest), dtype=np.int64)
+    mask = np.zeros((4, longest, longest), dtype=bool)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+        mask[b, : len(p), : len(p)] = _chain(len(p))
+        mask[b, len(p) :, len(p) :] = np.eye(longest - len(p), dtype=bool)  # padding sees itself only, never committed
+    native.step(ids, np.tile(np.arange(longest), (4, 1)), mask, np.zeros(4, dtype=np.int64))
+    native.commit(np.tile(np.arange(longest), (4, 1)), lengths, np.zeros(4, dtype=np.int64))
+    batch_nodes = rng.integers(0, vocab, (4, width), dtype=np.int64)
+    batch_nodes[0] = nodes
+    positions = lengths[:, None] + depth[None]
+    out = native.step(batch_nodes, positions, np.broadcast_to(tree, (4, width, width)).copy(), lengths)
+    assert np.array_equal(out.logits()[0], alone_logits)
+    assert np.array_equal(native.buffers._views["new_key"][:, :, 0], alone_key)
+
+
+def test_logits_are_onnxruntimes_to_float_rounding(engine, native):
+    """The same model: a 20-token prompt's logits within float rounding of ONNX Runtime's, the same top tokens."""
+    ids = np.random.default_rng(2).integers(0, native.meta.vocab_size, (1, 20), dtype=np.int64)
+    args = (ids, np.arange(20)[None], _chain(20)[None], np.array([0]))
+    ours = native.step(*args)
+    ours_logits, ours_top = ours.logits().copy(), ours.topk.copy()
+    ort = OnnxBackend(engine, max_batch=1, max_context=256, threads=2).step(*args)
+    assert np.abs(ours_logits - ort.logits()).max() < 1e-3 * max(1.0, np.abs(ort.logits()).max())
+    assert np.array_equal(ours.argmax, ort.argmax) and np.array_equal(ours_top[..., :3], ort.topk[..., :3])
+
+
+def test_drafted_output_equals_its_plain_output(engine, stories_prompts):
+    """Every drafter, 5 prompts over 3 rows (rows finish and refill): drafted = plain, with drafts accepted."""
+    runtime = MedusaRuntime(engine, backend="native", max_batch=3, max_context=256, threads=2)
+    assert runtime.backend.name == "native"
+    drafted = runtime.generate(stories_prompts[:5], max_new_tokens=32)
+    plain = runtime.plain().generate(stories_prompts[:5], max_new_tokens=32)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert max(r.stats.mean_accepted for r in drafted) > 1
+
+
+def test_the_lm_head_is_skipped_when_no_logits_are_read(native):
+    ids = np.arange(1, 9, dtype=np.int64)[None]
+    out = native.step(ids, np.arange(8)[None], _chain(8)[None], np.array([0]), logits=False)
+    assert out.argmax.shape == (1, 0)
+    with pytest.raises(RuntimeError, match="logits=False"):
+        out.logits()
+    assert out.hidden_rows(np.array([0]), np.array([7])).shape == (1, native.meta.hidden_size)
+
+
+def test_pack_lays_out_blocks_of_64_then_16():
+    """A (K, N) weight packed: block b of 64 outputs holds rows k = 0..K-1 of its 64 columns; then blocks of 16, the
+    last zero-padded."""
+    k, n = 3, 64 + 20
+    w = np.arange(k * n, dtype=np.float32).reshape(k, n)
+    packed = native_step.pack(w)
+    assert packed.size == k * 64 + 2 * k * 16
+    assert np.array_equal(packed[: k * 64].reshape(k, 64), w[:, :64])
+    tail = packed[k * 64 :].reshape(2, k, 16)
+    assert np.array_equal(tail[0], w[:, 64:80]) and np.array_equal(tail[1, :, :4], w[:, 80:]) and not tail[1, :, 4:].any()
+
+
+def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
+    """q/k/v biases (Qwen2's graph, read as if it were a Llama), quantized matmuls, another model type: one line each."""
+    from medusa_trt.exporter import load_base_model
+    from tests.conftest import random_heads
+
+    qwen2 = load_base_model(tiny_model_dir("qwen2"))
+    path = export_engine("tiny-qwen2-random", medusa_model(qwen2, random_heads(qwen2)))
+    with pytest.raises(EngineError, match=r"backend native cannot run .*: \d+ Add nodes for 2 layers \(the pattern has 4\)"):
+        native_step.read_weights(path, "llama")
+    with pytest.raises(EngineError, match="model type 'qwen2' is not one of llama, mistral; use backend onnxruntime"):
+        NativeBackend(path)
+    quantized = export_engine("stories-fitted-int8-channel", medusa_model(stories_base, stories_fitted), quantize="int8-channel")
+    with pytest.raises(EngineError, match=r"its step graph has .*MatMulInteger.* nodes") as info:
+        NativeBackend(quantized)
+    assert "\n" not in str(info.value)
+
+
+def test_medusa_run_on_native(engine, export_engine, stories_base, stories_fitted, capsys):
+    """``medusa-run --backend native`` decodes what ONNX Runtime decodes here; a graph it cannot run is one line, exit 2."""
+    from medusa_trt.cli.run import main
+
+    common = ["--prompt", "Once upon a time", "--max-new-tokens", "12", "--json"]
+    decoded = []
+    for backend in (["--backend", "native"], []):
+        assert main(["--engine", str(engine), *common, *backend]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        decoded.append(record["token_ids"])
+    assert decoded[0] == decoded[1] and decoded[0]
+    quantized = export_engine("stories-fitted-int8-channel", medusa_model(stories_base, stories_fitted), quantize="int8-channel")
+    assert main(["--engine", str(quantized), *common, "--backend", "native"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "use backend onnxruntime" in err[0]
