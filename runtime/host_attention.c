@@ -18,12 +18,16 @@
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
  *   out     [B, T, Hq * D]
- *   scratch float, at least 4 * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores)
+ *   scratch float, at least 4 * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
+ *           the OpenMP threads where this file is built with OpenMP (its tasks then run in parallel, each a thread's)
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -234,6 +238,14 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
     }
 }
 
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                           const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
                           int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
@@ -241,51 +253,56 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
     if (Hkv <= 0 || Hq % Hkv != 0) return 1;
     find_lanes();
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
-    const float *qrow[RB];
-    float *orow[RB], *prow[RB];
-    const uint8_t *srow[RB];
-    for (int b = 0; b < B; b++) {
+    const int blocks = (per_kv + RB - 1) / RB;
+    int64_t longest = 0;
+    for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    const int64_t per_thread = (int64_t)RB * (longest + 2 * T); /* each thread's rows of scores */
+    /* tasks: RB rows of one key/value head of one sequence; each writes its own rows of out (threads only where the
+     * file is built with OpenMP: native_step.c's build) */
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < (int64_t)B * Hkv * blocks; task++) {
+        const int b = (int)(task / ((int64_t)Hkv * blocks)), kv = (int)(task / blocks % Hkv), first = (int)(task % blocks) * RB;
+        float *mine = scratch + thread_index() * per_thread;
+        const float *qrow[RB];
+        float *orow[RB], *prow[RB];
+        const uint8_t *srow[RB];
         const int64_t length = lengths[b], width = length + T; /* scratch: one row of scores a query */
-        for (int kv = 0; kv < Hkv; kv++) {
-            const float *kb = cache_k + b * row_stride + (int64_t)kv * D, *vb = cache_v + b * row_stride + (int64_t)kv * D;
-            const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
-            for (int first = 0; first < per_kv; first += RB) {
-                const int nr = per_kv - first < RB ? per_kv - first : RB;
-                for (int x = 0; x < nr; x++) {
-                    const int r = first + x, h = kv * groups + r / T, i = r % T;
-                    qrow[x] = q + ((int64_t)(b * Hq + h) * T + i) * D;
-                    orow[x] = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
-                    prow[x] = scratch + (int64_t)x * (width + T);
-                    srow[x] = mask + ((int64_t)b * T + i) * T;
-                }
-                if (D == 64)
-                    score_keys(qrow, nr, kb, slot_stride, length, prow, scale, 64);
-                else
-                    score_keys(qrow, nr, kb, slot_stride, length, prow, scale, D);
-                float *fresh[RB]; /* scores of the step's own nodes, after the row's cache scores */
-                for (int x = 0; x < nr; x++) fresh[x] = prow[x] + width;
-                if (D == 64)
-                    score_keys(qrow, nr, kn, 64, T, fresh, scale, 64);
-                else
-                    score_keys(qrow, nr, kn, D, T, fresh, scale, D);
-                for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
-                    float *row = prow[x];
-                    int64_t n = length;
-                    for (int j = 0; j < T; j++)
-                        if (srow[x][j]) row[n++] = fresh[x][j];
-                    const float top = row_max(row, n);
-                    for (int64_t m = 0; m < n; m++) row[m] -= top;
-                    exp_row(row, n);
-                    const float inv = n ? 1.0f / row_sum(row, n) : 0.0f;
-                    for (int64_t m = 0; m < n; m++) row[m] *= inv;
-                }
-                const float *const *pr = (const float *const *)prow;
-                if (D == 64)
-                    sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, 64);
-                else
-                    sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, D);
-            }
+        const float *kb = cache_k + b * row_stride + (int64_t)kv * D, *vb = cache_v + b * row_stride + (int64_t)kv * D;
+        const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
+        const int nr = per_kv - first < RB ? per_kv - first : RB;
+        for (int x = 0; x < nr; x++) {
+            const int r = first + x, h = kv * groups + r / T, i = r % T;
+            qrow[x] = q + ((int64_t)(b * Hq + h) * T + i) * D;
+            orow[x] = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
+            prow[x] = mine + (int64_t)x * (width + T);
+            srow[x] = mask + ((int64_t)b * T + i) * T;
         }
+        if (D == 64)
+            score_keys(qrow, nr, kb, slot_stride, length, prow, scale, 64);
+        else
+            score_keys(qrow, nr, kb, slot_stride, length, prow, scale, D);
+        float *fresh[RB]; /* scores of the step's own nodes, after the row's cache scores */
+        for (int x = 0; x < nr; x++) fresh[x] = prow[x] + width;
+        if (D == 64)
+            score_keys(qrow, nr, kn, 64, T, fresh, scale, 64);
+        else
+            score_keys(qrow, nr, kn, D, T, fresh, scale, D);
+        for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
+            float *row = prow[x];
+            int64_t n = length;
+            for (int j = 0; j < T; j++)
+                if (srow[x][j]) row[n++] = fresh[x][j];
+            const float top = row_max(row, n);
+            for (int64_t m = 0; m < n; m++) row[m] -= top;
+            exp_row(row, n);
+            const float inv = n ? 1.0f / row_sum(row, n) : 0.0f;
+            for (int64_t m = 0; m < n; m++) row[m] *= inv;
+        }
+        const float *const *pr = (const float *const *)prow;
+        if (D == 64)
+            sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, 64);
+        else
+            sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, D);
     }
     return 0;
 }

@@ -12,7 +12,7 @@
  *   - the attention adds a query's visible keys in position order (host_attention.c).
  *
  * Layouts (float32, row-major; M = B * T rows, row m = b * T + t):
- *   packed weight (K -> N): N / 64 blocks of [K][64], then ceil((N % 64) / 16) blocks of [K][16] (the last one
+ *   packed weight (K -> N): N / 32 blocks of [K][32], then ceil((N % 32) / 16) blocks of [K][16] (the last one
  *                           zero-padded past N)
  *   past_k, past_v: (S, L, B, Hkv, D), the committed cache (S bound slots)
  *   new_k, new_v:   (T, L, B, Hkv, D), the step's keys and values, every layer
@@ -30,9 +30,11 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                           int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
                           float *scratch);
 
-#define W 16 /* outputs a vector holds */
+#define W 16     /* outputs a vector holds */
+#define BLOCK 32 /* outputs a packed block holds: two vectors (N = 576 is 18 blocks, even work for two threads) */
+#define NV (BLOCK / W)
 typedef float vec16 __attribute__((vector_size(W * sizeof(float))));
-#define ROWS 6 /* input rows a tile multiplies against one block of weights */
+#define ROWS 8 /* input rows a tile multiplies against one block of weights: 16 accumulators */
 
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, pad;
@@ -62,12 +64,12 @@ static inline void vstore(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
 static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t K, const float *restrict w,
                                                        float *restrict y, int64_t N, const int nv, const int mb,
                                                        const int last) {
-    vec16 acc[ROWS][4];
+    vec16 acc[ROWS][NV];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nv; j++) acc[i][j] = (vec16){0};
     for (int64_t k = 0; k < K; k++) {
         const float *wk = w + k * nv * W;
-        vec16 wv[4];
+        vec16 wv[NV];
         for (int j = 0; j < nv; j++) wv[j] = vload(wk + j * W);
         for (int i = 0; i < mb; i++) {
             const float xs = x[i * K + k];
@@ -91,13 +93,15 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
     case 3: tile(x + m * K, K, w, y + m * N, N, NV, 3, last); break;                                                   \
     case 4: tile(x + m * K, K, w, y + m * N, N, NV, 4, last); break;                                                   \
     case 5: tile(x + m * K, K, w, y + m * N, N, NV, 5, last); break;                                                   \
+    case 6: tile(x + m * K, K, w, y + m * N, N, NV, 6, last); break;                                                   \
+    case 7: tile(x + m * K, K, w, y + m * N, N, NV, 7, last); break;                                                   \
     }
 
 static void block_rows(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int nv, int last) {
     int64_t m = 0;
-    if (nv == 4) {
-        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, 4, ROWS, last);
-        TILE_CASES(4)
+    if (nv == NV) {
+        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, NV, ROWS, last);
+        TILE_CASES(NV)
     } else {
         for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, 1, ROWS, last);
         TILE_CASES(1)
@@ -106,15 +110,15 @@ static void block_rows(const float *x, int64_t M, int64_t K, const float *w, flo
 
 /* y (M, N) = x (M, K) @ the packed weight */
 static void matmul(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
-    const int64_t wide = N / 64, narrow = (N % 64 + W - 1) / W;
+    const int64_t wide = N / BLOCK, narrow = (N % BLOCK + W - 1) / W;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < wide + narrow; b++) {
         if (b < wide) {
-            block_rows(x, M, K, w + b * K * 64, y + b * 64, N, 4, W);
+            block_rows(x, M, K, w + b * K * BLOCK, y + b * BLOCK, N, NV, W);
         } else {
-            const int64_t first = wide * 64 + (b - wide) * W; /* the block's first output */
+            const int64_t first = wide * BLOCK + (b - wide) * W; /* the block's first output */
             const int last = N - first < W ? (int)(N - first) : W;
-            block_rows(x, M, K, w + wide * K * 64 + (b - wide) * K * W, y + first, N, 1, last);
+            block_rows(x, M, K, w + wide * K * BLOCK + (b - wide) * K * W, y + first, N, 1, last);
         }
     }
 }
@@ -162,6 +166,40 @@ static void rope(const float *x, int D, const float *rot, float *out) {
     for (int i = 0; i < half; i++) {
         out[i] = x[i] * c[i] - x[i + half] * s[i];
         out[i + half] = x[i + half] * c[i] + x[i] * s[i];
+    }
+}
+
+typedef int32_t ivec16 __attribute__((vector_size(W * sizeof(int32_t))));
+
+/* e^v, one polynomial (host_attention.c's, over the whole float range): 2^n e^r, |r| <= ln2 / 2 */
+static inline vec16 exp16(vec16 v) {
+    const vec16 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f,
+                      -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const vec16 hi = -lo;
+    ivec16 below = v < lo, above = v > hi; /* lanes of -1 where true */
+    v = (vec16)(((ivec16)v & ~below) | ((ivec16)lo & below));
+    v = (vec16)(((ivec16)v & ~above) | ((ivec16)hi & above));
+    const vec16 k = (v * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(v / ln 2) */
+    const vec16 r = (v - k * 0.693145752f) - k * 1.42860677e-6f;
+    vec16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const ivec16 bits = (__builtin_convertvector(k, ivec16) + 127) << 23;
+    return p * (vec16)bits;
+}
+
+/* a = gate * sigmoid(gate) * up over one row of I; the tail (I % 16) padded through the same vector code */
+static void silu_row(const float *g, const float *u, float *a, int64_t I) {
+    for (int64_t e = 0; e < I; e += W) {
+        vec16 gv = {0}, uv = {0};
+        const int64_t n = I - e < W ? I - e : W;
+        memcpy(&gv, g + e, n * sizeof(float));
+        memcpy(&uv, u + e, n * sizeof(float));
+        const vec16 out = gv * (1.0f / (1.0f + exp16(-gv))) * uv;
+        memcpy(a + e, &out, n * sizeof(float));
     }
 }
 
@@ -235,11 +273,8 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
         matmul(wk->h, M, H, md->gate_up[l], wk->gu, 2 * I);
-        for (int64_t m = 0; m < M; m++) {
-            const float *g = wk->gu + m * 2 * I, *u = g + I;
-            float *a = wk->act + m * I;
-            for (int64_t e = 0; e < I; e++) a[e] = g[e] * (1.0f / (1.0f + expf(-g[e]))) * u[e];
-        }
+#pragma omp parallel for schedule(static) if (M > 1)
+        for (int64_t m = 0; m < M; m++) silu_row(wk->gu + m * 2 * I, wk->gu + m * 2 * I + I, wk->act + m * I, I);
         matmul(wk->act, M, I, md->down[l], wk->h, H);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
     }

@@ -8,7 +8,7 @@ else (biases, q/k norms, soft-capping, sliding windows, other activations, quant
 refused at load, never approximated: an engine that generates other text than its model is the worst
 failure this project can have. The engine's model type must be one whose layers were checked against it.
 
-``NativeStep`` packs the weights once (``pack``: blocks of 64 outputs, each block's K rows contiguous)
+``NativeStep`` packs the weights once (``pack``: blocks of 32 outputs, each block's K rows contiguous)
 and runs a step into caller-owned outputs. The C code is batch-invariant (``native_step.c`` says how),
 so a verify step gives each node its plain-step logits bit for bit without key slots.
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("native_step.c"), host_attention.SOURCE)
 FLAGS = (*host_attention.FLAGS, "-fopenmp")
-BLOCK, VECTOR = 64, 16  # outputs per packed block (native_step.c), and per vector
+BLOCK, VECTOR = 32, 16  # outputs per packed block (native_step.c's BLOCK), and per vector
 MAX_TOPK = 64  # most successors native_step.c ranks
 MODEL_TYPES = ("llama", "mistral")  # EngineMeta.architecture values whose layers are the pattern (read_weights checks the graph too)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
@@ -268,7 +268,7 @@ def _lm_head(g: _Graph, step: Path) -> np.ndarray:
 
 
 def pack(w: np.ndarray) -> np.ndarray:
-    """A (K, N) weight in native_step.c's layout: N // 64 blocks of (K, 64), then the rest in blocks of (K, 16), the
+    """A (K, N) weight in native_step.c's layout: N // 32 blocks of (K, 32), then the rest in blocks of (K, 16), the
     last one zero-padded past N."""
     k, n = w.shape
     wide = n // BLOCK * BLOCK
@@ -333,7 +333,8 @@ class NativeStep:
         sizes = dict(x=d.hidden, h=d.hidden, qkv=qkv, q=d.heads * d.head_dim, k=d.kv_heads * d.head_dim,
                      v=d.kv_heads * d.head_dim, attn=d.heads * d.head_dim, gu=2 * d.inter, act=d.inter, rot=d.head_dim)  # fmt: skip
         self._work_arrays = {k: np.zeros(rows * n, dtype=np.float32) for k, n in sizes.items()}
-        self._work_arrays["att_scratch"] = np.zeros(4 * (slots + 2 * rows), dtype=np.float32)  # host_attention.c's RB rows
+        # host_attention.c's RB rows of scores, one set a thread
+        self._work_arrays["att_scratch"] = np.zeros(self.threads * 4 * (slots + 2 * rows), dtype=np.float32)
         self._work = _Work(**{k: a.ctypes.data for k, a in self._work_arrays.items()})
         self.rows, self.slots = rows, slots
 

@@ -108,15 +108,16 @@ def test_the_lm_head_is_skipped_when_no_logits_are_read(native):
     assert out.hidden_rows(np.array([0]), np.array([7])).shape == (1, native.meta.hidden_size)
 
 
-def test_pack_lays_out_blocks_of_64_then_16():
-    """A (K, N) weight packed: block b of 64 outputs holds rows k = 0..K-1 of its 64 columns; then blocks of 16, the
+def test_pack_lays_out_blocks_of_32_then_16():
+    """A (K, N) weight packed: block b of 32 outputs holds rows k = 0..K-1 of its 32 columns; then blocks of 16, the
     last zero-padded."""
     k, n = 3, 64 + 20
     w = np.arange(k * n, dtype=np.float32).reshape(k, n)
     packed = native_step.pack(w)
-    assert packed.size == k * 64 + 2 * k * 16
-    assert np.array_equal(packed[: k * 64].reshape(k, 64), w[:, :64])
-    tail = packed[k * 64 :].reshape(2, k, 16)
+    assert native_step.BLOCK == 32 and packed.size == 2 * k * 32 + 2 * k * 16
+    blocks = packed[: 2 * k * 32].reshape(2, k, 32)
+    assert np.array_equal(blocks[0], w[:, :32]) and np.array_equal(blocks[1], w[:, 32:64])
+    tail = packed[2 * k * 32 :].reshape(2, k, 16)
     assert np.array_equal(tail[0], w[:, 64:80]) and np.array_equal(tail[1, :, :4], w[:, 80:]) and not tail[1, :, 4:].any()
 
 
