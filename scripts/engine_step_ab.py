@@ -17,44 +17,62 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from step_graph_report import cpu_name, op_counts, prefill, time_steps, write_report
+from step_graph_report import bandwidth, cpu_name, op_counts, prefill, time_steps, weight_bytes, write_report
 
 log = logging.getLogger("engine_step_ab")
 BURST = 4  # steps an engine takes in a row, the first untimed: the others' thread pools have stopped spinning by then
 
 
-def parse_engine(text: str) -> tuple[str, Path]:
+BACKENDS = ("onnxruntime", "native")  # what @BACKEND names
+
+
+def parse_engine(text: str) -> tuple[str, tuple[Path, str]]:
     name, sep, path = text.partition("=")
+    path, _, backend = path.partition("@")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--engine {text!r} is not NAME=PATH: pass e.g. before=build/old-engine")
-    return name, Path(path)
+        raise argparse.ArgumentTypeError(f"--engine {text!r} is not NAME=PATH[@BACKEND]: pass e.g. before=build/old-engine")
+    if (backend or BACKENDS[0]) not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"--engine {text!r}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    return name, (Path(path), backend or BACKENDS[0])
+
+
+def open_backend(path: Path, backend: str, threads: int):
+    if backend == "native":
+        from medusa_trt.runtime.backends.native_backend import NativeBackend
+
+        return NativeBackend(path, max_batch=1, threads=threads)
+    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+
+    return OnnxBackend(path, max_batch=1, threads=threads)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", type=parse_engine, action="append", required=True, help="NAME=PATH of an engine (repeat; 2 or more)")
+    p.add_argument(
+        "--engine", type=parse_engine, action="append", required=True, help="NAME=PATH[@BACKEND] of an engine (repeat; 2 or more)"
+    )
     p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
     p.add_argument("--tokens", type=int, action="append", help="tokens a timed step scores (repeat; default 1, 8, 16, 64)")
     p.add_argument("--rounds", type=int, default=20, help=f"rounds; an engine takes {BURST - 1} timed steps of each size a round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--floor", action="store_true", help="also measure the bandwidth here and print each step against the floor")
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     engines = dict(args.engine)
     if len(engines) < 2:
         p.error("pass two or more --engine NAME=PATH with distinct names")
-    for name, path in engines.items():
+    for name, (path, _) in engines.items():
         if not path.exists():
             p.error(f"--engine {name}={path} does not exist: pass an engine medusa-export wrote")
     sizes = tuple(args.tokens or (1, 8, 16, 64))
     if args.context < 1 or args.rounds < 1 or min(sizes) < 1:
         p.error("--context, --rounds and --tokens must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
     from medusa_trt.runtime.errors import MedusaError
 
     load_start = os.getloadavg()
     try:
-        backends = {name: OnnxBackend(path, max_batch=1, threads=args.threads) for name, path in engines.items()}
+        backends = {name: open_backend(path, backend, args.threads) for name, (path, backend) in engines.items()}
         first = next(iter(backends.values()))
         if max(sizes) > (first.max_tokens or max(sizes)) or args.context + max(sizes) > first.max_context:
             raise MedusaError(f"--tokens up to {first.max_tokens} and --context + --tokens up to {first.max_context}: lower them")
@@ -65,6 +83,11 @@ def main(argv=None) -> int:
     except MedusaError as exc:
         p.exit(2, f"engine_step_ab: error: {exc}\n")
     load_end = os.getloadavg()
+    floor = None
+    if args.floor:  # the first engine's weights read once at the bandwidth measured now, after the timed steps
+        read = bandwidth(args.threads)
+        floor = {"weight_bytes": weight_bytes(backends[next(iter(backends))].files.step), "bytes_per_s": read}
+        floor["ms"] = floor["weight_bytes"] / read * 1e3
     names = list(backends)
     nodes = {name: sum(op_counts(b.files.step).values()) for name, b in backends.items()}  # the step graph's nodes
     print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
@@ -79,10 +102,16 @@ def main(argv=None) -> int:
         table[t] = {"median_ms": med, "best_ms": best}
         cells = [f"{med[n]:.2f} / {best[n]:.2f}" for n in names] + [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
         print(f"| {t} | " + " | ".join(cells) + " |")
+    if floor:
+        one = table.get(1)
+        print(f"\nfloor: {floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s = {floor['ms']:.2f} ms")
+        if one:
+            print("one-token step / floor (median): " + ", ".join(f"{n} {one['median_ms'][n] / floor['ms']:.2f}x" for n in names))
     if args.out:
         write_report(
             args.out, args.threads, (load_start[0], load_end[0]), argv,
-            context=args.context, engines={n: str(p) for n, p in engines.items()}, nodes=nodes, same_outputs=same, steps=table,
+            context=args.context, engines={n: f"{p}@{b}" for n, (p, b) in engines.items()}, nodes=nodes, same_outputs=same,
+            steps=table, floor=floor,
         )  # fmt: skip
     return 0
 

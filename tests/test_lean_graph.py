@@ -207,6 +207,7 @@ def test_engine_step_ab_times_engines_side_by_side(engines, tmp_path, capsys):
         (["--engine", "only=x"], "pass two or more --engine"),
         (["--engine", "a=/no/such", "--engine", "b=/no/such/2"], "does not exist"),
         (["--engine", "nameless"], "is not NAME=PATH"),
+        (["--engine", "a=x@tensorrt"], "backend 'tensorrt' is not one of onnxruntime, native"),
     ],
 )
 def test_engine_step_ab_bad_arguments_are_one_line(argv, message, capsys):

@@ -153,3 +153,17 @@ def test_medusa_run_on_native(engine, export_engine, stories_base, stories_fitte
     assert main(["--engine", str(quantized), *common, "--backend", "native"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "backend native cannot run" in err[0] and "use backend onnxruntime" in err[0]
+
+
+def test_engine_step_ab_times_both_backends_against_the_floor(engine, tmp_path, capsys):
+    """scripts/engine_step_ab.py ``NAME=PATH@native`` beside ONNX Runtime on the same engine, with the floor."""
+    from tests.helpers import script
+
+    out = tmp_path / "ab.json"
+    argv = ["--engine", f"ort={engine}", "--engine", f"native={engine}@native", "--context", "20", "--tokens", "1", "--tokens", "4"]
+    assert script("engine_step_ab").main([*argv, "--rounds", "2", "--floor", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["engines"] == {"ort": f"{engine}@onnxruntime", "native": f"{engine}@native"}
+    assert set(report["steps"]) == {"1", "4"} and all(set(s["median_ms"]) == {"ort", "native"} for s in report["steps"].values())
+    assert report["floor"]["weight_bytes"] > 0 and report["floor"]["ms"] > 0
+    assert "one-token step / floor (median): ort " in capsys.readouterr().out
