@@ -84,7 +84,7 @@ def build_parser() -> Parser:
         "--backend",
         choices=ONNX_BACKENDS,
         help="what runs an ONNX --engine (default: the engine folder's choice, else onnxruntime); native: this project's "
-        "own C step (fp32 Llama-pattern engines)",
+        "own C step (fp32 and int8-channel Llama-pattern engines)",
     )
     p.add_argument("--precision", choices=["f32", "bf16"], help="openvino's precision (default f32; bf16 needs AMX or AVX512-BF16)")
     p.add_argument(

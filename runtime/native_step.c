@@ -11,9 +11,14 @@
  *   - a norm, the rotary embedding, the activation and the residual adds work on one row at a time;
  *   - the attention adds a query's visible keys in position order (host_attention.c).
  *
+ *   - an int8 matmul (an int8-channel engine's) quantizes each row on its own (its max |x|), and its integer sums
+ *     are exact in any order; the float epilogue is per element, in the graph's order.
+ *
  * Layouts (float32, row-major; M = B * T rows, row m = b * T + t):
- *   packed weight (K -> N): N / 32 blocks of [K][32], then ceil((N % 32) / 16) blocks of [K][16] (the last one
- *                           zero-padded past N)
+ *   fp32 linear (K -> N): N / 32 blocks of [K][32], then ceil((N % 32) / 16) blocks of [K][16] (the last one
+ *                         zero-padded past N)
+ *   int8 linear (K -> N): ceil(N / 32) blocks of [Kpad / 4][32][4] int8 (K padded to a multiple of 4 and N to one of
+ *                         32 with zeros), beside its (N) column scales and (N) 128 x column sums
  *   past_k, past_v: (S, L, B, Hkv, D), the committed cache (S bound slots)
  *   new_k, new_v:   (T, L, B, Hkv, D), the step's keys and values, every layer
  *   hidden: (M, H) the final norm's output; logits (M, V); next_ids (M); topk (M, k)
@@ -37,18 +42,28 @@ typedef float vec16 __attribute__((vector_size(W * sizeof(float))));
 #define ROWS 8 /* input rows a tile multiplies against one block of weights: 16 accumulators */
 
 typedef struct {
+    int32_t int8, k, n, kpad; /* int8 0: fp32 packed weights; 1: rows quantized to uint8 x int8 columns */
+    const void *w;
+    const float *scale;     /* int8: (N) column scales */
+    const int32_t *colsum;  /* int8: (N) 128 x sum over k of w[k, n] (the rows' zero point, taken out) */
+    float tiny, divisor;    /* int8: a row's scale is max(max |x|, tiny) / divisor */
+} linear_t;
+
+typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, pad;
     float eps, scale;
     const float *inv_freq;   /* (D / 2) */
     const float *embed;      /* (V, H) */
     const float *norm_final; /* (H) */
-    const float *lm_head;    /* packed H -> V */
-    const float *const *norm_in, *const *norm_post;       /* L x (H) */
-    const float *const *qkv, *const *o, *const *gate_up, *const *down; /* L x packed */
+    const linear_t *lm_head; /* H -> V */
+    const float *const *norm_in, *const *norm_post;                            /* L x (H) */
+    const linear_t *const *qkv, *const *o, *const *gate_up, *const *down;      /* L x linear */
 } model_t;
 
 typedef struct { /* scratch, sized for the most rows a step has */
     float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (M, D) cos then sin */
+    uint8_t *xq; /* (M, the widest Kpad): int8 linears' quantized rows */
+    float *xs;   /* (M): their scales */
 } work_t;
 
 static inline vec16 vload(const float *p) {
@@ -108,8 +123,8 @@ static void block_rows(const float *x, int64_t M, int64_t K, const float *w, flo
     }
 }
 
-/* y (M, N) = x (M, K) @ the packed weight */
-static void matmul(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
+/* y (M, N) = x (M, K) @ the packed fp32 weight */
+static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
     const int64_t wide = N / BLOCK, narrow = (N % BLOCK + W - 1) / W;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < wide + narrow; b++) {
@@ -121,6 +136,90 @@ static void matmul(const float *x, int64_t M, int64_t K, const float *w, float *
             block_rows(x, M, K, w + wide * K * BLOCK + (b - wide) * K * W, y + first, N, 1, last);
         }
     }
+}
+
+typedef int32_t ivec16 __attribute__((vector_size(W * sizeof(int32_t))));
+
+/* acc[i][j] += the int8 block's 4 k's of 16 outputs (vector j) times row i's 4 uint8 values there */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
+    return (ivec16)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(quad), _mm512_loadu_si512(w));
+}
+#else
+static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
+    uint8_t a[4];
+    memcpy(a, &quad, 4);
+    for (int l = 0; l < W; l++)
+        acc[l] += a[0] * w[4 * l] + a[1] * w[4 * l + 1] + a[2] * w[4 * l + 2] + a[3] * w[4 * l + 3];
+    return acc;
+}
+#endif
+
+static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restrict xq, int64_t kpad, const int8_t *restrict w,
+                                                          ivec16 (*acc)[NV], const int mb) {
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (ivec16){0};
+    for (int64_t k = 0; k < kpad; k += 4) {
+        const int8_t *wk = w + k * BLOCK;
+        for (int i = 0; i < mb; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * kpad + k, 4);
+            for (int j = 0; j < NV; j++) acc[i][j] = dot4(acc[i][j], quad, wk + j * W * 4);
+        }
+    }
+}
+
+/* y = ((float)(sum_k q[m, k] w[k, n] - 128 sum_k w[k, n]) * row scale) * column scale: MatMulInteger, Cast, Mul, Mul */
+static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
+    const int64_t K = L->k, N = L->n, kpad = L->kpad, blocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) { /* QuantizeLinear: saturate(round_half_even(x / scale) + 128) */
+        const float *r = x + m * K;
+        float top = 0.0f;
+        for (int64_t e = 0; e < K; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
+        const float s = (top > L->tiny ? top : L->tiny) / L->divisor;
+        uint8_t *q = wk->xq + m * kpad;
+        for (int64_t e = 0; e < K; e++) {
+            const float v = nearbyintf(r[e] / s) + 128.0f;
+            q[e] = (uint8_t)(v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v);
+        }
+        for (int64_t e = K; e < kpad; e++) q[e] = 128;
+        wk->xs[m] = s;
+    }
+    const int8_t *w = (const int8_t *)L->w;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        ivec16 acc[ROWS][NV];
+        const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
+        for (int64_t m = 0; m < M; m += ROWS) {
+            const int mb = M - m < ROWS ? (int)(M - m) : ROWS;
+            switch (mb) {
+            case 1: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 1); break;
+            case 2: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 2); break;
+            case 3: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 3); break;
+            case 4: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 4); break;
+            case 5: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 5); break;
+            case 6: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 6); break;
+            case 7: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 7); break;
+            default: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, ROWS); break;
+            }
+            for (int i = 0; i < mb; i++) {
+                int32_t sums[BLOCK];
+                memcpy(sums, acc[i], sizeof sums);
+                float *out = y + (m + i) * N + first;
+                for (int64_t e = 0; e < width; e++)
+                    out[e] = ((float)(sums[e] - L->colsum[first + e]) * wk->xs[m + i]) * L->scale[first + e];
+            }
+        }
+    }
+}
+
+static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
+    if (L->int8)
+        matmul_i8(L, x, M, y, wk);
+    else
+        matmul_f32(x, M, L->k, (const float *)L->w, y, L->n);
 }
 
 /* the lanes of x added in one fixed order */
@@ -168,8 +267,6 @@ static void rope(const float *x, int D, const float *rot, float *out) {
         out[i + half] = x[i + half] * c[i] + x[i] * s[i];
     }
 }
-
-typedef int32_t ivec16 __attribute__((vector_size(W * sizeof(int32_t))));
 
 /* e^v, one polynomial (host_attention.c's, over the whole float range): 2^n e^r, |r| <= ln2 / 2 */
 static inline vec16 exp16(vec16 v) {
@@ -223,6 +320,12 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
     for (int i = 0; i < k; i++) ids[i] = i < n ? idx[i] : 0;
 }
 
+/* One linear alone (tests): y (M, N) = x (M, K) through it */
+int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y) {
+    matmul(L, x, M, y, wk);
+    return 0;
+}
+
 int medusa_native_threads(int threads) {
 #ifdef _OPENMP
     if (threads > 0) omp_set_num_threads(threads);
@@ -250,7 +353,7 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
     }
     for (int64_t l = 0; l < L; l++) {
         rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
-        matmul(wk->h, M, H, md->qkv[l], wk->qkv, QKV);
+        matmul(md->qkv[l], wk->h, M, wk->qkv, wk);
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) {
                 const float *r = wk->qkv + (b * T + t) * QKV;
@@ -269,18 +372,18 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
                                   past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
                                   wk->att_scratch))
             return 1;
-        matmul(wk->attn, M, Hq * D, md->o[l], wk->h, H);
+        matmul(md->o[l], wk->attn, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
-        matmul(wk->h, M, H, md->gate_up[l], wk->gu, 2 * I);
+        matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
 #pragma omp parallel for schedule(static) if (M > 1)
         for (int64_t m = 0; m < M; m++) silu_row(wk->gu + m * 2 * I, wk->gu + m * 2 * I + I, wk->act + m * I, I);
-        matmul(wk->act, M, I, md->down[l], wk->h, H);
+        matmul(md->down[l], wk->act, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);
     if (logits == NULL) return 0;
-    matmul(hidden, M, H, md->lm_head, logits, V);
+    matmul(md->lm_head, hidden, M, logits, wk);
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         int64_t first[1];

@@ -1,11 +1,12 @@
-"""The step of an fp32 Llama-pattern engine run by one C function (``native_step.c``), not by a graph runtime.
+"""The step of a Llama-pattern engine run by one C function (``native_step.c``), not by a graph runtime.
 
 ``read_weights`` reads the weights out of the engine's own step graph and refuses, by name, any graph
 that is not the pattern the C code computes: per layer RMSNorm, one fused q/k/v MatMul, rotate-half
 rotary embedding, attention, output MatMul, residual Add, RMSNorm, one fused gate/up MatMul, SiLU gate,
-down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Anything
-else (biases, q/k norms, soft-capping, sliding windows, other activations, quantized matmuls) is
-refused at load, never approximated: an engine that generates other text than its model is the worst
+down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each
+weight matmul is fp32 or int8-channel's row-quantized int8 (``Graph.linear``). Anything else (biases,
+q/k norms, soft-capping, sliding windows, other activations, other quantizers) is refused at load,
+never approximated: an engine that generates other text than its model is the worst
 failure this project can have. The engine's model type must be one whose layers were checked against it.
 
 ``NativeStep`` packs the weights once (``pack``: blocks of 32 outputs, each block's K rows contiguous)
@@ -39,7 +40,8 @@ MODEL_TYPES = ("llama", "mistral")  # EngineMeta.architecture values whose layer
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
-    "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If".split()
+    "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If "
+    "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger".split()  # the last line: int8-channel's matmuls
 )
 
 
@@ -57,18 +59,37 @@ class Dims:
 
 
 @dataclass(frozen=True)
+class Linear:
+    """One weight matmul, (K, N): fp32, or int8 columns with per-row uint8 activations (an int8-channel engine's
+    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128)."""
+
+    weight: np.ndarray  # (K, N) float32, or int8
+    scale: np.ndarray | None = None  # int8: (N) float32 column scales
+    tiny: float = 0.0  # int8: the floor of a row's max |x|
+    divisor: float = 127.0  # int8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    @property
+    def int8(self) -> bool:
+        return self.weight.dtype == np.int8
+
+
+@dataclass(frozen=True)
 class Weights:
     dims: Dims
     inv_freq: np.ndarray  # (D / 2)
     embed: np.ndarray  # (V, H)
     norm_in: list[np.ndarray]  # L x (H)
-    qkv: list[np.ndarray]  # L x (H, (Hq + 2 Hkv) D)
-    o: list[np.ndarray]  # L x (Hq D, H)
+    qkv: list[Linear]  # L x (H, (Hq + 2 Hkv) D)
+    o: list[Linear]  # L x (Hq D, H)
     norm_post: list[np.ndarray]
-    gate_up: list[np.ndarray]  # L x (H, 2 I): gate then up
-    down: list[np.ndarray]  # L x (I, H)
+    gate_up: list[Linear]  # L x (H, 2 I): gate then up
+    down: list[Linear]  # L x (I, H)
     norm_final: np.ndarray  # (H)
-    lm_head: np.ndarray  # (H, V)
+    lm_head: Linear  # (H, V)
 
 
 def _unsupported(path: Path, what: str) -> EngineError:
@@ -95,9 +116,21 @@ class _Graph:
 
         self.path = path
         model = onnx.load(str(path))  # with its external weights
-        self.nodes = list(model.graph.node)
         self.init = {t.name: t for t in model.graph.initializer}
         self.to_array = numpy_helper.to_array
+        self.outputs = {o.name for o in model.graph.output}
+        self._index(list(model.graph.node))
+
+    def branch(self, nodes) -> _Graph:
+        """The same graph's initializers over a subgraph's nodes (an If branch)."""
+        sub = object.__new__(_Graph)
+        sub.path, sub.init, sub.to_array, sub.outputs = self.path, self.init, self.to_array, set()
+        sub._index(list(nodes))
+        sub.producer = self.producer | sub.producer  # the branch reads outer values (a tied lm_head's Transpose)
+        return sub
+
+    def _index(self, nodes) -> None:
+        self.nodes = nodes
         self.consumers: dict[str, list] = {}
         self.producer = {}
         for node in self.nodes:
@@ -105,7 +138,6 @@ class _Graph:
                 self.consumers.setdefault(name, []).append(node)
             for name in node.output:
                 self.producer[name] = node
-        self.outputs = {o.name for o in model.graph.output}
 
     def array(self, name: str) -> np.ndarray:
         if name not in self.init:
@@ -127,6 +159,37 @@ class _Graph:
         if source is not None and source.op_type == "Transpose" and list(_attr(source, "perm", [])) == [1, 0]:
             return np.ascontiguousarray(self.array(source.input[0]).T, dtype=np.float32)
         return self.array(name).astype(np.float32, copy=False)
+
+    def scalar(self, name: str) -> float:
+        return float(self.array(name).reshape(-1)[0])
+
+    def linear(self, x: str) -> tuple[Linear, str]:
+        """The weight matmul reading ``x`` and its output: a MatMul, or the int8 row quantizer chain of
+        exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul)."""
+        readers = sorted((n for n in self.consumers.get(x, []) if n.op_type != "Identity"), key=lambda n: n.op_type)
+        kinds = [n.op_type for n in readers]
+        if kinds == ["MatMul"]:
+            return Linear(self.weight_of(readers[0])), readers[0].output[0]
+        if kinds != ["Abs", "QuantizeLinear"]:
+            raise _unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
+        top = self.only(self.only(readers[0].output[0], "ReduceMax").output[0], "Max")
+        div = self.only(top.output[0], "Div")
+        quant = readers[1]
+        if list(self.array(self.producer[top.input[0]].input[1]).reshape(-1)) != [-1] or quant.input[1] != div.output[0]:
+            raise _unsupported(self.path, f"{x}'s quantizer is not one scale a row")
+        zero = self.producer.get(quant.input[2]) if len(quant.input) > 2 else None
+        zero_value = _attr(zero, "value") if zero is not None and zero.op_type == "ConstantOfShape" else None
+        matmul = self.only(quant.output[0], "MatMulInteger")
+        if zero_value is None or int(self.to_array(zero_value).reshape(-1)[0]) != 128 or self.scalar(matmul.input[2]) != 128:
+            raise _unsupported(self.path, f"{x}'s quantizer has another zero point than 128")
+        weight = self.array(matmul.input[1])
+        cast = self.only(matmul.output[0], "Cast")
+        row = self.only(cast.output[0], "Mul")
+        column = self.only(row.output[0], "Mul")
+        if weight.dtype != np.int8 or div.output[0] not in row.input:
+            raise _unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
+        scale = self.array(column.input[1]).astype(np.float32).reshape(-1)
+        return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
 
 
 def _attr(node, name: str, default=None):
@@ -192,17 +255,17 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if norm.input[0] != x:
             raise _unsupported(step, f"layer {layer}'s first norm does not read the residual stream")
         w["norm_in"].append(g.array(norm.input[1]).astype(np.float32))
-        mm = g.only(norm.output[0], "MatMul")
-        w["qkv"].append(g.weight_of(mm))
-        split = g.only(mm.output[0], "Split")
+        qkv, out = g.linear(norm.output[0])
+        w["qkv"].append(qkv)
+        split = g.only(out, "Split")
         widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
         attention = attentions[layer]
         out = attention.output[0]
         for op in ("Reshape", "Transpose", "Reshape"):
             out = g.only(out, op).output[0]
-        o = g.only(out, "MatMul")
-        w["o"].append(g.weight_of(o))
-        add = g.only(o.output[0], "Add")
+        o, out = g.linear(out)
+        w["o"].append(o)
+        add = g.only(out, "Add")
         if x not in add.input:
             raise _unsupported(step, f"layer {layer}'s attention output is not added to the residual stream")
         x = add.output[0]
@@ -210,9 +273,9 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if post.input[0] != x:
             raise _unsupported(step, f"layer {layer}'s second norm does not read the residual stream")
         w["norm_post"].append(g.array(post.input[1]).astype(np.float32))
-        gu = g.only(post.output[0], "MatMul")
-        w["gate_up"].append(g.weight_of(gu))
-        halves = g.only(gu.output[0], "Split")
+        gu, out = g.linear(post.output[0])
+        w["gate_up"].append(gu)
+        halves = g.only(out, "Split")
         gate, up = halves.output
         sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
         silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
@@ -221,9 +284,9 @@ def read_weights(step: Path, architecture: str) -> Weights:
         prod = g.only(silu.output[0], "Mul")
         if up not in prod.input:
             raise _unsupported(step, f"layer {layer}'s MLP does not multiply SiLU(gate) by up")
-        down = g.only(prod.output[0], "MatMul")
-        w["down"].append(g.weight_of(down))
-        add = g.only(down.output[0], "Add")
+        down, out = g.linear(prod.output[0])
+        w["down"].append(down)
+        add = g.only(out, "Add")
         if x not in add.input:
             raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
         x = add.output[0]
@@ -254,17 +317,19 @@ def read_weights(step: Path, architecture: str) -> Weights:
                    g.array(final.input[1]).astype(np.float32), lm)  # fmt: skip
 
 
-def _lm_head(g: _Graph, step: Path) -> np.ndarray:
-    """The lm_head's weight: the MatMul reading ``hidden``, in the graph or in the logits gate's then branch."""
-    readers = [n for n in g.nodes if n.op_type == "MatMul" and n.input[0] in ("hidden", "hidden_gate_in")]
-    if not readers:
-        for node in g.nodes:
-            if node.op_type == "If":
-                then = next(a.g for a in node.attribute if a.name == "then_branch")
-                readers += [n for n in then.node if n.op_type == "MatMul" and n.input[0].startswith("hidden")]
-    if len(readers) != 1:
-        raise _unsupported(step, f"{len(readers)} lm_head MatMuls read hidden (the pattern has one)")
-    return g.weight_of(readers[0])
+def _lm_head(g: _Graph, step: Path) -> Linear:
+    """The lm_head: the weight matmul reading ``hidden``, in the graph or in the logits gate's then branch (which
+    reads it through an Identity)."""
+    gates = [n for n in g.nodes if n.op_type == "If"]
+    if not gates:
+        return g.linear("hidden")[0]
+    if len(gates) != 1 or g.producer.get(gates[0].input[0]) is not None:
+        raise _unsupported(step, "an If other than the logits gate")
+    then = g.branch(next(a.g for a in gates[0].attribute if a.name == "then_branch").node)
+    identity = [n for n in g.consumers.get("hidden", []) if n.op_type == "Identity"]
+    if len(identity) != 1:
+        raise _unsupported(step, "a logits gate that does not read hidden")
+    return then.linear(identity[0].output[0])[0]
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -278,6 +343,26 @@ def pack(w: np.ndarray) -> np.ndarray:
         rest[:, : n - wide] = w[:, wide:]
         parts.append(rest.reshape(k, -1, VECTOR).transpose(1, 0, 2).reshape(-1))
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def pack_int8(w: np.ndarray) -> np.ndarray:
+    """A (K, N) int8 weight in native_step.c's layout: ceil(N / 32) blocks of (Kpad / 4, 32, 4), K padded to a
+    multiple of 4 and N to one of 32 with zeros: each output's 4 consecutive k's side by side (one VNNI dot)."""
+    k, n = w.shape
+    kpad, npad = -(-k // 4) * 4, -(-n // BLOCK) * BLOCK
+    padded = np.zeros((kpad, npad), dtype=np.int8)
+    padded[:k, :n] = w
+    blocks = padded.reshape(kpad // 4, 4, npad // BLOCK, BLOCK).transpose(2, 0, 3, 1)  # (blocks, K / 4, 32, 4)
+    return np.ascontiguousarray(blocks).reshape(-1)
+
+
+class _Linear(ctypes.Structure):  # native_step.c's linear_t
+    _fields_ = [
+        *((n, ctypes.c_int32) for n in ("int8", "k", "n", "kpad")),
+        *((n, ctypes.c_void_p) for n in ("w", "scale", "colsum")),
+        ("tiny", ctypes.c_float),
+        ("divisor", ctypes.c_float),
+    ]
 
 
 _TABLE = ctypes.POINTER(ctypes.c_void_p)  # a C array of pointers, one a layer
@@ -294,7 +379,31 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
 
 
 class _Work(ctypes.Structure):  # native_step.c's work_t
-    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch")]
+    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch", "xq", "xs")]
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL:
+    """The compiled step (built on first use for this machine; ``path``: a build of one's own)."""
+    path = path or host_attention.library_path(SOURCES, FLAGS)
+    if not path.is_file():
+        host_attention.build(path, SOURCES, FLAGS)
+    return ctypes.CDLL(str(path))
+
+
+def run_linear(m: Linear, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """``x`` (..., K) through one weight matmul as the step computes it: (..., N) float32 (tests, checks)."""
+    lib = load_library()
+    lib.medusa_native_threads(threads or 0)
+    k, n = m.shape
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
+    y = np.zeros((rows.shape[0], n), dtype=np.float32)
+    keep = []
+    view = NativeStep._linear_view(m, keep)
+    xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
+    work = _Work(xq=xq.ctypes.data, xs=xs.ctypes.data)
+    lib.medusa_native_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data)
+    return y.reshape(*np.shape(x)[:-1], n)
 
 
 class NativeStep:
@@ -302,10 +411,8 @@ class NativeStep:
     ``slots`` cache slots a row."""
 
     def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, library: Path | None = None):
-        path = library or host_attention.library_path(SOURCES, FLAGS)
-        if not path.is_file():
-            host_attention.build(path, SOURCES, FLAGS)
-        lib = ctypes.CDLL(str(path))
+        lib = load_library(library)
+        self._lib = lib
         self._fn = lib.medusa_native_step
         self._fn.restype = ctypes.c_int
         p, i = ctypes.c_void_p, ctypes.c_int
@@ -313,21 +420,20 @@ class NativeStep:
         lib.medusa_native_threads.restype = ctypes.c_int
         self.threads = lib.medusa_native_threads(threads or 0)
         self.dims = d = weights.dims
-        self._keep = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
-        mats = {k: [pack(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
-        self._keep += [m for ms in mats.values() for m in ms]
-        lm = pack(weights.lm_head)
-        self._keep.append(lm)
+        self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
+        linears = {k: [self._linear(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
+        lm = self._linear(weights.lm_head)
+        self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
 
-        def table(arrays):
-            t = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+        def table(items):
+            t = (ctypes.c_void_p * len(items))(*(a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a) for a in items))
             self._keep.append(t)
-            return ctypes.cast(t, ctypes.POINTER(ctypes.c_void_p))
+            return ctypes.cast(t, _TABLE)
 
         self._model = _Model(
             d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab, 0, d.eps, d.scale,
-            weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, lm.ctypes.data,
-            table(weights.norm_in), table(weights.norm_post), *(table(mats[k]) for k in ("qkv", "o", "gate_up", "down")),
+            weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, ctypes.addressof(lm),
+            table(weights.norm_in), table(weights.norm_post), *(table(linears[k]) for k in ("qkv", "o", "gate_up", "down")),
         )  # fmt: skip
         qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
         sizes = dict(x=d.hidden, h=d.hidden, qkv=qkv, q=d.heads * d.head_dim, k=d.kv_heads * d.head_dim,
@@ -335,8 +441,31 @@ class NativeStep:
         self._work_arrays = {k: np.zeros(rows * n, dtype=np.float32) for k, n in sizes.items()}
         # host_attention.c's RB rows of scores, one set a thread
         self._work_arrays["att_scratch"] = np.zeros(self.threads * 4 * (slots + 2 * rows), dtype=np.float32)
+        widest = max(-(-k // 4) * 4 for k in (d.hidden, d.heads * d.head_dim, d.inter))  # the int8 linears' padded K
+        self._work_arrays["xq"] = np.zeros(rows * widest, dtype=np.uint8)
+        self._work_arrays["xs"] = np.zeros(rows, dtype=np.float32)
         self._work = _Work(**{k: a.ctypes.data for k, a in self._work_arrays.items()})
         self.rows, self.slots = rows, slots
+
+    def _linear(self, m: Linear) -> _Linear:
+        return self._linear_view(m, self._keep)
+
+    @staticmethod
+    def _linear_view(m: Linear, keep: list) -> _Linear:
+        """The C view of one weight matmul, its packed arrays kept alive in ``keep``."""
+        k, n = m.shape
+        if not m.int8:
+            packed = pack(m.weight)
+            keep.append(packed)
+            view = _Linear(0, k, n, k, packed.ctypes.data, None, None, 0.0, 1.0)
+        else:
+            packed = pack_int8(m.weight)
+            colsum = (128 * m.weight.astype(np.int32).sum(axis=0)).astype(np.int32)  # (N): the rows' zero point, taken out
+            scale = np.ascontiguousarray(m.scale, dtype=np.float32)
+            keep += [packed, colsum, scale]
+            view = _Linear(1, k, n, -(-k // 4) * 4, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, m.tiny, m.divisor)
+        keep.append(view)
+        return view
 
     def __call__(
         self,

@@ -1,7 +1,8 @@
 """The native backend (runtime/native_step.c behind runtime/backends/native_backend.py): verify steps are plain
-steps bit for bit, a row's numbers do not depend on the rows beside it, its logits are ONNX Runtime's to float
-rounding, and graphs that are not the pattern it computes are refused by name. Greedy identity against
-transformers on every tree, batch, heads kind and tiny architecture is in test_greedy_identity.py."""
+steps bit for bit (fp32 and int8-channel engines), a row's numbers do not depend on the rows beside it, its logits
+are ONNX Runtime's to float rounding, an int8-channel matmul is ONNX Runtime's bit for bit, and graphs that are not
+the pattern it computes are refused by name. Greedy identity against transformers on every tree, batch, heads kind
+and tiny architecture is in test_greedy_identity.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def engine(stories_base, stories_fitted, export_engine):
 @pytest.fixture(scope="module")
 def native(engine):
     return NativeBackend(engine, max_batch=4, max_context=256, threads=2)
+
+
+@pytest.fixture(scope="module")
+def int8_engine(stories_base, stories_fitted, export_engine):
+    return export_engine("stories-fitted-int8-channel", medusa_model(stories_base, stories_fitted), quantize="int8-channel")
 
 
 def _chain(n: int) -> np.ndarray:
@@ -89,6 +95,51 @@ def test_logits_are_onnxruntimes_to_float_rounding(engine, native):
     assert np.array_equal(ours.argmax, ort.argmax) and np.array_equal(ours_top[..., :3], ort.topk[..., :3])
 
 
+@pytest.mark.parametrize("context", [1, 37])
+def test_int8_channel_verify_steps_are_plain_steps_bit_for_bit(int8_engine, context):
+    """int8-channel: each row quantized on its own, integer sums exact, so a tree re-scores plain steps bit for bit."""
+    backend = NativeBackend(int8_engine, max_batch=1, max_context=256, threads=2)
+    ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
+    path, plain = exactness.plain_steps(backend, ids, 5)
+    for name, layout in exactness.layouts(path, backend.meta.vocab_size).items():
+        assert exactness.verify_diffs(backend, ids, layout, plain) == [0.0] * len(path), name
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (64, 172), (30, 17)])
+def test_an_int8_channel_matmul_is_onnxruntimes_bit_for_bit(shape):
+    """One row-quantized int8 matmul (exporter/quantize.py's rows_int8) through the C kernel and through ONNX Runtime:
+    the same floats, whatever K and N (padded to the kernel's blocks) and however many rows."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from tests.helpers import row_int8_model
+
+    k, n = shape
+    model, reference = row_int8_model(k, n, seed=k)
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    linear = native_step.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(n)
+    for rows in (1, 3, 13):
+        x = (rng.standard_normal((1, rows, k)) * rng.uniform(0.01, 10)).astype(np.float32)
+        x[0, 0, : k // 3] = 0.0  # a row with zeros, and (rows 1) one all zero below
+        if rows > 1:
+            x[0, 1] = 0.0
+        ours = native_step.run_linear(linear, x)
+        assert np.array_equal(ours, session.run(None, {"x": x})[0]), (shape, rows)
+        assert np.array_equal(ours, reference(x))
+
+
+def test_an_fp32_matmul_is_one_chain_a_output():
+    """An fp32 weight matmul: the product to float rounding, and each row's outputs the same alone or among others."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((70, 50)).astype(np.float32)
+    x = rng.standard_normal((11, 70)).astype(np.float32)
+    ours = native_step.run_linear(native_step.Linear(w), x)
+    assert np.abs(ours - x @ w).max() < 1e-4
+    assert all(np.array_equal(native_step.run_linear(native_step.Linear(w), x[i : i + 1])[0], ours[i]) for i in range(11))
+
+
 def test_drafted_output_equals_its_plain_output(engine, stories_prompts):
     """Every drafter, 5 prompts over 3 rows (rows finish and refill): drafted = plain, with drafts accepted."""
     runtime = MedusaRuntime(engine, backend="native", max_batch=3, max_context=256, threads=2)
@@ -121,8 +172,16 @@ def test_pack_lays_out_blocks_of_32_then_16():
     assert np.array_equal(tail[0], w[:, 64:80]) and np.array_equal(tail[1, :, :4], w[:, 80:]) and not tail[1, :, 4:].any()
 
 
+def test_int8_channel_drafted_output_equals_its_plain_output(int8_engine, stories_prompts):
+    runtime = MedusaRuntime(int8_engine, backend="native", max_batch=2, max_context=256, threads=2)
+    drafted = runtime.generate(stories_prompts[:3], max_new_tokens=32)
+    plain = runtime.plain().generate(stories_prompts[:3], max_new_tokens=32)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert max(r.stats.mean_accepted for r in drafted) > 1
+
+
 def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
-    """q/k/v biases (Qwen2's graph, read as if it were a Llama), quantized matmuls, another model type: one line each."""
+    """q/k/v biases (Qwen2's graph, read as if it were a Llama), other quantizers, another model type: one line each."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
 
@@ -132,8 +191,8 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
         native_step.read_weights(path, "llama")
     with pytest.raises(EngineError, match="model type 'qwen2' is not one of llama, mistral; use backend onnxruntime"):
         NativeBackend(path)
-    quantized = export_engine("stories-fitted-int8-channel", medusa_model(stories_base, stories_fitted), quantize="int8-channel")
-    with pytest.raises(EngineError, match=r"its step graph has .*MatMulInteger.* nodes") as info:
+    quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
+    with pytest.raises(EngineError, match=r"its step graph has .*MatMulNBits.* nodes") as info:
         NativeBackend(quantized)
     assert "\n" not in str(info.value)
 
@@ -149,7 +208,7 @@ def test_medusa_run_on_native(engine, export_engine, stories_base, stories_fitte
         record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         decoded.append(record["token_ids"])
     assert decoded[0] == decoded[1] and decoded[0]
-    quantized = export_engine("stories-fitted-int8-channel", medusa_model(stories_base, stories_fitted), quantize="int8-channel")
+    quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
     assert main(["--engine", str(quantized), *common, "--backend", "native"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "backend native cannot run" in err[0] and "use backend onnxruntime" in err[0]
@@ -167,3 +226,42 @@ def test_engine_step_ab_times_both_backends_against_the_floor(engine, tmp_path, 
     assert set(report["steps"]) == {"1", "4"} and all(set(s["median_ms"]) == {"ort", "native"} for s in report["steps"].values())
     assert report["floor"]["weight_bytes"] > 0 and report["floor"]["ms"] > 0
     assert "one-token step / floor (median): ort " in capsys.readouterr().out
+
+
+def test_an_engine_folder_exported_for_native(stories_base, stories_fitted, tmp_path):
+    """``--backend native``: config.json says native, drafting.json's step cost and exactness were measured on it, and
+    MedusaRuntime(DIR) runs it; on another backend the folder's table is not that backend's, which learns its own."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.runtime.engine_folder import read_drafting, read_folder_config
+
+    folder = tmp_path / "stories-native"
+    export_onnx(
+        medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-2", max_batch=2, max_context=128, backend="native")
+    )
+    assert read_folder_config(folder).backend == "native"
+    drafting = read_drafting(folder)
+    assert drafting["exactness"]["verify_equals_plain"] is True and drafting["step_cost"]["1"] == 1.0
+    runtime = MedusaRuntime(folder, threads=2)
+    assert runtime.backend.name == "native" and runtime._folder_step_cost is not None
+    assert MedusaRuntime(folder, backend="onnxruntime", threads=2)._folder_step_cost is None
+
+
+def test_export_refuses_native_with_another_quantizer(tmp_path, capsys):
+    from medusa_trt.cli.export import main
+    from tests.conftest import STORIES
+
+    out = tmp_path / "engine"
+    assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backend native runs fp32 and int8-channel step graphs, not --quantize int4" in err[0]
+    assert not out.exists()
+
+
+def test_without_the_onnx_package_the_fix_is_named(engine, monkeypatch):
+    """The lean install (ONNX Runtime only) has no onnx package to read weights with: one line naming the extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    with pytest.raises(EngineError, match=r"pip install 'medusa-trt\[native\]'") as info:
+        NativeBackend(engine)
+    assert "\n" not in str(info.value)

@@ -1,4 +1,4 @@
-"""Native backend: the step of an fp32 Llama-pattern engine computed by ``runtime/native_step.c``.
+"""Native backend: the step of a Llama-pattern engine (fp32 or int8-channel) computed by ``runtime/native_step.c``.
 
 Everything but the step is ``OnnxBackend``'s: this class keeps its ``commit`` / ``relayout`` / ``propose``
 over the same ``ort_buffers.HostBuffers`` (the KV cache, slot-major, and every output allocated once in
@@ -12,8 +12,9 @@ logits its plain step gives it, bit for bit, whatever the tree; the engine's key
 and not used. Its output is not ONNX Runtime's bit for bit (other summation orders): it is the same
 model to float rounding, so plain and drafted output agree with ONNX Runtime's except at near-ties.
 
-Only fp32 step graphs of the Llama pattern run here (``native_step.read_weights`` refuses others by
-name); the weights are read from the engine's own ``model.onnx`` and packed once at load.
+Only step graphs of the Llama pattern run here, with fp32 matmuls or int8-channel's (int8 columns, one scale a row,
+whose integer products are exact: each such matmul gives ONNX Runtime's outputs bit for bit); ``native_step.read_weights``
+refuses others by name. The weights are read from the engine's own ``model.onnx`` and packed once at load.
 """
 
 from __future__ import annotations
