@@ -141,6 +141,11 @@ def plan(config: BuildConfig) -> BuildPlan:
     else:
         tensorrt = None
     onnx_out = out if folder else onnx_beside(out) if tensorrt else out
+    if config.backend == "native" and (config.dtype != "fp32" or config.quantize not in (None, "none", "int8-channel")):
+        raise ExportError(
+            f"--backend native runs fp32 and int8-channel step graphs, not --quantize {config.quantize} / --dtype {config.dtype}: "
+            "drop them, pass --quantize int8-channel, or choose --backend onnxruntime"
+        )
     if tensorrt is None and config.dtype == "bf16":
         raise ExportError(
             "--dtype bf16 is for TensorRT engines (--out *.plan): ONNX Runtime's CPU provider has no bf16 kernels; use fp32 or fp16"
@@ -187,6 +192,7 @@ def export_config(config: BuildConfig, plan: BuildPlan):
         key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,
         gate_logits=onnx_runtime and config.attention == "onnx" and config.logits_gate,  # TensorRT: the plans from the ungated graph
         measure_cost=onnx_runtime,
+        backend=config.backend if onnx_runtime and config.backend else "onnxruntime",
     )
 
 

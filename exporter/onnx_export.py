@@ -101,6 +101,8 @@ class ExportConfig:
     key_slots: bool | None = None
     # an engine folder without step_cost: time the exported engine here (runtime/step_cost.py) and record its own curve
     measure_cost: bool = True
+    # an engine folder's runtime (its config.json "backend"): what MedusaRuntime(DIR) runs and what the cost is timed on
+    backend: str = "onnxruntime"
     # the standard-form step graph rewritten by exporter/lean.py (shared rotary tables, fused weight matmuls): the same
     # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
     lean: bool = True
@@ -413,10 +415,12 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         if folder:
             from medusa_trt.exporter.engine_folder import write_folder_files
 
-            write_folder_files(model, staged, meta, tree, step_cost=config.step_cost)
+            write_folder_files(model, staged, meta, tree, step_cost=config.step_cost, backend=config.backend)
             if config.step_cost is None and config.measure_cost and config.dtype in ("fp32", "fp16"):
                 cost, exactness = _measure_cost(staged)
-                write_folder_files(model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads, exactness=exactness)
+                write_folder_files(
+                    model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads, exactness=exactness, backend=config.backend
+                )
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         if folder:
@@ -432,14 +436,15 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
 
 
 def _measure_cost(staged: EngineFiles):
-    """The staged engine's own step-cost curve on this machine (ONNX Runtime, batch 1), and whether
-    its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.py``)."""
-    from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
+    """The staged engine's own step-cost curve on this machine (batch 1, on the backend its config.json names), and
+    whether its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.py``)."""
+    from medusa_trt.runtime.backends import open_onnx_backend
+    from medusa_trt.runtime.config import RuntimeConfig
     from medusa_trt.runtime.exactness import probe
     from medusa_trt.runtime.step_cost import measure
 
     log.info("timing the engine's verify steps for the drafting budget (drafting.json step_cost)")
-    backend = OnnxBackend(staged.folder, max_batch=1)
+    backend = open_onnx_backend(staged.folder, RuntimeConfig(max_batch=1))
     cost = measure(backend, top_k=backend.meta.top_k)
     exactness = probe(backend)
     if exactness.exact:

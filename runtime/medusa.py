@@ -65,13 +65,19 @@ class _EngineInfo:
         return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat, meta.expansion)
 
 
-def _folder_step_cost(files: EngineFiles | None) -> tuple[dict | None, float]:
+def _folder_step_cost(files: EngineFiles | None, backend: str) -> tuple[dict | None, float]:
     """The step-cost table an engine folder's drafting.json records and its heads call's cost,
-    both relative to a one-token step ((None, 0): none, or not a folder); warns when the folder
-    records that its verify steps are not its plain steps (``runtime/exactness.py``)."""
+    both relative to a one-token step ((None, 0): none, or not a folder, or measured on another backend than
+    ``backend``, which then learns its own online); warns when the folder records that its verify steps are not
+    its plain steps (``runtime/exactness.py``)."""
     if files is None or files.folder is None:
         return None, 0.0
-    from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
+    from medusa_trt.runtime.engine_folder import read_drafting, read_folder_config, step_cost_table
+
+    measured_on = read_folder_config(files.folder).backend
+    if measured_on != backend:
+        log.info("%s's step cost was measured on %s: the drafting budget learns %s's online", files.folder, measured_on, backend)
+        return None, 0.0
 
     raw = read_drafting(files.folder)
     try:
@@ -114,7 +120,7 @@ class MedusaRuntime:
                 "pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa"
             )
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
-        self._folder_step_cost, self._heads_cost = _folder_step_cost(getattr(self.backend, "files", None))
+        self._folder_step_cost, self._heads_cost = _folder_step_cost(getattr(self.backend, "files", None), self.backend.name)
         self.num_heads = info.num_heads
         if cfg.tree is not None:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)
