@@ -129,6 +129,21 @@ def test_engine_folder_chooses_the_backend(stories_base, stories_fitted, engine,
     assert MedusaRuntime(folder, backend="onnxruntime", threads=2).backend.name == "onnxruntime"
 
 
+def test_a_folder_exported_for_openvino_says_so(stories_base, stories_fitted, tmp_path):
+    """``--backend openvino``: config.json names it (it used to say onnxruntime), MedusaRuntime(DIR) runs on it, and
+    the step cost recorded beside it was measured there (the runtime uses it on openvino only)."""
+    from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
+    from medusa_trt.runtime.engine_folder import read_drafting, read_folder_config
+
+    folder = tmp_path / "stories-openvino"
+    config = ExportConfig(out=folder, tree="chain-2", max_batch=2, max_context=128, backend="openvino")
+    export_onnx(medusa_model(stories_base, stories_fitted), config)
+    assert read_folder_config(folder).backend == "openvino" and read_drafting(folder)["step_cost"]
+    runtime = MedusaRuntime(folder, threads=2)
+    assert runtime.backend.name == "openvino" and runtime._folder_step_cost is not None
+    assert MedusaRuntime(folder, backend="onnxruntime", threads=2)._folder_step_cost is None
+
+
 def test_bad_options_are_one_typed_line(engine, monkeypatch):
     cases = [
         (dict(backend="openvino", precision="fp8"), EngineError, "precision 'fp8' is not one of f32, bf16"),
