@@ -26,7 +26,7 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime import native_step
-from medusa_trt.runtime.backends.onnx_backend import _WANTED, OnnxBackend, _session_options
+from medusa_trt.runtime.backends.onnx_backend import _WANTED, OnnxBackend, _session_options, checked_files, open_heads
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
@@ -37,7 +37,6 @@ from medusa_trt.runtime.contract import (
     NEW_KEY,
     NEW_VALUE,
     NEXT_IDS,
-    NEXT_INPUT,
     PAST_KEY,
     PAST_VALUE,
     POSITION_IDS,
@@ -45,8 +44,7 @@ from medusa_trt.runtime.contract import (
     TREE_MASK,
     StepOutput,
 )
-from medusa_trt.runtime.engine import EngineError, EngineFiles, check_folder_meta, engine_meta, open_session, read_meta
-from medusa_trt.runtime.manifest import check_manifest
+from medusa_trt.runtime.engine import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +103,7 @@ class NativeBackend(OnnxBackend):
         threads: int | None = None,
         checksums: bool = False,
     ):
-        files = EngineFiles.locate(path).onnx
-        if not files.step.is_file():
-            raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
-        check_manifest(files, checksums=checksums)
-        self.meta = meta = engine_meta(files.step)
-        check_folder_meta(files, meta)
-        self.files = files
+        self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
         if meta.dtype != "fp32":
             raise EngineError(f"backend native runs fp32 engines; {files.step} holds {meta.dtype} weights: use backend onnxruntime")
         self.dtype = np.float32
@@ -123,17 +115,7 @@ class NativeBackend(OnnxBackend):
         self.session = _Session(
             native_step.NativeStep(weights, rows=self.max_batch * self.max_tokens, slots=self.max_context, threads=threads)
         )
-        self.heads_session = None
-        files.check_heads(meta.num_heads)
-        if meta.num_heads:
-            self.heads_session = open_session(files.heads, _session_options(threads, spin=False), ["CPUExecutionProvider"])
-            if read_meta(files.heads, self.heads_session) != meta:
-                raise EngineError(
-                    f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
-                    "keep the files of one export together or export again"
-                )
-            if (NEXT_INPUT in {i.name for i in self.heads_session.get_inputs()}) != meta.reads_roots:
-                raise EngineError(f"{files.heads} does not take the inputs its engine says its heads read: export again")
+        self.heads_session = open_heads(files, meta, _session_options(threads, spin=False), ["CPUExecutionProvider"])
         self.successors = min(meta.successors, native_step.MAX_TOPK)
         self.slots = self.max_context  # no key slots: no slack past the context
         sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=self.slots, dtype=self.dtype, successors=self.successors)

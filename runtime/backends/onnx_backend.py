@@ -37,7 +37,7 @@ from medusa_trt.runtime.contract import (
     Proposals,
     StepOutput,
 )
-from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, open_session, read_meta
+from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, engine_meta, open_session, read_meta
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,37 @@ def with_gate(session, feeds: dict) -> dict:
     return feeds | {LOGITS_WANTED_INPUT: _WANTED[True]} if is_gated(session) else feeds
 
 
+def checked_files(path, *, checksums: bool) -> tuple[EngineFiles, EngineMeta]:
+    """An ONNX engine's files and metadata for a backend that opens its graphs itself (OpenVINO, native): the step
+    graph there, the files' sizes (sha256 too with ``checksums``) against the manifest, the metadata read from the
+    step graph and checked against a folder's config.json."""
+    files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
+    if not files.step.is_file():
+        raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
+    check_manifest(files, checksums=checksums)
+    meta = engine_meta(files.step)
+    check_folder_meta(files, meta)
+    return files, meta
+
+
+def open_heads(files: EngineFiles, meta: EngineMeta, options, providers):
+    """The heads graph's ONNX Runtime session (None: the engine has no heads), checked against the step graph's
+    metadata and the inputs the engine says its heads read."""
+    files.check_heads(meta.num_heads)
+    if not meta.num_heads:
+        return None
+    session = open_session(files.heads, options, providers)
+    if read_meta(files.heads, session) != meta:
+        raise EngineError(
+            f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
+            "keep the files of one export together or export again"
+        )
+    inputs = {i.name for i in session.get_inputs()}
+    if (NEXT_INPUT in inputs) != meta.reads_roots:
+        raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read {meta.head_input}: export again")
+    return session
+
+
 def default_providers() -> list[str]:
     """CUDA when onnxruntime-gpu is installed and sees a GPU, else CPU."""
     import onnxruntime as ort
@@ -122,21 +153,7 @@ class OnnxBackend:
         check_folder_meta(files, self.meta)
         meta = self.meta
         self.files = files
-        self.heads_session = None
-        files.check_heads(meta.num_heads)
-        if meta.num_heads:
-            self.heads_session = open_session(files.heads, heads_options, providers)
-            heads_meta = read_meta(files.heads, self.heads_session)
-            if heads_meta != meta:
-                raise EngineError(
-                    f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
-                    "keep the files of one export together or export again"
-                )
-            inputs = {i.name for i in self.heads_session.get_inputs()}
-            if (NEXT_INPUT in inputs) != meta.reads_roots:
-                raise EngineError(
-                    f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read {meta.head_input}: export again"
-                )
+        self.heads_session = open_heads(files, meta, heads_options, providers)
         self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
         if meta.dtype not in DTYPES:

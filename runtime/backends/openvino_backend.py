@@ -45,11 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime import exactness, key_slots
-from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend
+from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend, checked_files
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.contract import LOGITS_WANTED_INPUT, NEXT_INPUT, PAST_KEY, PAST_VALUE, SUCCESSORS_OUTPUT
-from medusa_trt.runtime.engine import EngineError, EngineFiles, check_folder_meta, engine_meta
-from medusa_trt.runtime.manifest import check_manifest
+from medusa_trt.runtime.engine import EngineError, engine_meta
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +238,7 @@ class OpenVinoBackend(OnnxBackend):
             raise EngineError(f"backend openvino needs the openvino package ({exc}): pip install 'medusa-trt[openvino]'") from exc
         self.precision = precision = precision or PRECISIONS[0]
         check_options(precision, device)
-        files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
-        if not files.step.is_file():
-            raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
-        check_manifest(files, checksums=checksums)
-        self.meta = meta = engine_meta(files.step)
-        check_folder_meta(files, meta)
-        self.files = files
+        self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
         if meta.dtype not in DTYPES:
             raise EngineError(f"{files.step} holds {meta.dtype} weights, which this backend does not run: export with --dtype fp32 or fp16")
         self.dtype = DTYPES[meta.dtype]
