@@ -4,7 +4,7 @@
 that is not the pattern the C code computes: per layer RMSNorm, one fused q/k/v MatMul, rotate-half
 rotary embedding, attention, output MatMul, residual Add, RMSNorm, one fused gate/up MatMul, SiLU gate,
 down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each
-weight matmul is fp32 or int8-channel's row-quantized int8 (``Graph.linear``). Anything else (biases,
+weight matmul is fp32 or int8-channel's row-quantized int8 (``_Graph.linear``). Anything else (biases,
 q/k norms, soft-capping, sliding windows, other activations, other quantizers) is refused at load,
 never approximated: an engine that generates other text than its model is the worst
 failure this project can have. The engine's model type must be one whose layers were checked against it.
@@ -237,6 +237,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
     for n in rotaries:
         if _attr(n, "interleaved", 0) or _attr(n, "rotary_embedding_dim", 0):
             raise _unsupported(step, "an interleaved or partial rotary embedding")
+    if len({(n.input[1], n.input[2]) for n in rotaries}) != 1:  # one table for every layer (no local / global bases)
+        raise _unsupported(step, "layers with rotary tables of their own")
     heads, kv_heads = int(_attr(rotaries[0], "num_heads")), int(_attr(rotaries[1], "num_heads"))
     cos = g.producer[rotaries[0].input[1]]
     freq = g.producer.get(cos.input[0])
@@ -291,8 +293,9 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
         x = add.output[0]
         dims_qkv = (w["qkv"][-1].shape[1], w["gate_up"][-1].shape[1])
-        if widths is not None and len(widths) != 3:
-            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul {len(widths)} ways")
+        q_width = w["o"][-1].shape[0]  # Hq D
+        if widths is None or widths != [q_width, (dims_qkv[0] - q_width) // 2, (dims_qkv[0] - q_width) // 2]:
+            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {widths}, not into q, k, v in that order")
     final = norms[-1]
     if final.input[0] != x or final.output[0] != "hidden":
         raise _unsupported(step, "the final norm is not the graph's hidden output")
