@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import medusa_model
 
-from medusa_trt.runtime import MedusaRuntime, exactness, native_step
+from medusa_trt.runtime import MedusaRuntime, exactness, native_step, native_weights
 from medusa_trt.runtime.backends.native_backend import NativeBackend
 from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 from medusa_trt.runtime.engine import EngineError
@@ -117,7 +117,7 @@ def test_an_int8_channel_matmul_is_onnxruntimes_bit_for_bit(shape):
     k, n = shape
     model, reference = row_int8_model(k, n, seed=k)
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    linear = native_step.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
+    linear = native_weights.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(n)
     for rows in (1, 3, 13):
@@ -135,9 +135,9 @@ def test_an_fp32_matmul_is_one_chain_a_output():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((70, 50)).astype(np.float32)
     x = rng.standard_normal((11, 70)).astype(np.float32)
-    ours = native_step.run_linear(native_step.Linear(w), x)
+    ours = native_step.run_linear(native_weights.Linear(w), x)
     assert np.abs(ours - x @ w).max() < 1e-4
-    assert all(np.array_equal(native_step.run_linear(native_step.Linear(w), x[i : i + 1])[0], ours[i]) for i in range(11))
+    assert all(np.array_equal(native_step.run_linear(native_weights.Linear(w), x[i : i + 1])[0], ours[i]) for i in range(11))
 
 
 def test_drafted_output_equals_its_plain_output(engine, stories_prompts):
@@ -188,7 +188,7 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
     qwen2 = load_base_model(tiny_model_dir("qwen2"))
     path = export_engine("tiny-qwen2-random", medusa_model(qwen2, random_heads(qwen2)))
     with pytest.raises(EngineError, match=r"backend native cannot run .*: \d+ Add nodes for 2 layers \(the pattern has 4\)"):
-        native_step.read_weights(path, "llama")
+        native_weights.read_weights(path, "llama")
     with pytest.raises(EngineError, match="model type 'qwen2' is not one of llama, mistral; use backend onnxruntime"):
         NativeBackend(path)
     quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")

@@ -13,7 +13,7 @@ and not used. Its output is not ONNX Runtime's bit for bit (other summation orde
 model to float rounding, so plain and drafted output agree with ONNX Runtime's except at near-ties.
 
 Only step graphs of the Llama pattern run here, with fp32 matmuls or int8-channel's (int8 columns, one scale a row,
-whose integer products are exact: each such matmul gives ONNX Runtime's outputs bit for bit); ``native_step.read_weights``
+whose integer products are exact: each such matmul gives ONNX Runtime's outputs bit for bit); ``native_weights.read_weights``
 refuses others by name. The weights are read from the engine's own ``model.onnx`` and packed once at load.
 """
 
@@ -25,7 +25,7 @@ import logging
 
 import numpy as np
 
-from medusa_trt.runtime import native_step
+from medusa_trt.runtime import native_step, native_weights
 from medusa_trt.runtime.backends.onnx_backend import _WANTED, OnnxBackend, _session_options, checked_files, open_heads
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.contract import (
@@ -109,7 +109,7 @@ class NativeBackend(OnnxBackend):
         self.dtype = np.float32
         self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
         self.max_tokens = meta.max_tokens
-        weights = native_step.read_weights(files.step, meta.architecture)
+        weights = native_weights.read_weights(files.step, meta.architecture)
         if weights.dims.vocab != meta.vocab_size or weights.dims.layers != meta.num_layers:
             raise EngineError(f"{files.step}'s weights do not match its metadata: export again")
         self.session = _Session(

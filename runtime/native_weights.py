@@ -1,0 +1,319 @@
+"""The weights of a Llama-pattern step graph, read out of the engine's ONNX file and checked against the pattern
+``native_step.c`` computes.
+
+``read_weights`` refuses, by name, any graph that is not that pattern: per layer RMSNorm, one fused q/k/v MatMul,
+rotate-half rotary embedding, attention, output MatMul, residual Add, RMSNorm, one fused gate/up MatMul, SiLU gate,
+down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each weight matmul is
+fp32 or int8-channel's row-quantized int8 (``_Graph.linear``). Anything else (biases, q/k norms, soft-capping,
+sliding windows, other activations, other quantizers) is refused at load, never approximated: an engine that
+generates other text than its model is the worst failure this project can have. The engine's model type must be
+one whose layers were checked against it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime.engine import EngineError
+
+MODEL_TYPES = ("llama", "mistral")  # EngineMeta.architecture values whose layers are the pattern (read_weights checks the graph too)
+# every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
+OPS = frozenset(
+    "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
+    "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If "
+    "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger".split()  # the last line: int8-channel's matmuls
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    hidden: int  # H
+    heads: int  # Hq
+    kv_heads: int  # Hkv
+    head_dim: int  # D
+    inter: int  # I, the MLP's width
+    vocab: int  # V
+    eps: float
+    scale: float  # the attention's score scale
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One weight matmul, (K, N): fp32, or int8 columns with per-row uint8 activations (an int8-channel engine's
+    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128)."""
+
+    weight: np.ndarray  # (K, N) float32, or int8
+    scale: np.ndarray | None = None  # int8: (N) float32 column scales
+    tiny: float = 0.0  # int8: the floor of a row's max |x|
+    divisor: float = 127.0  # int8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    @property
+    def int8(self) -> bool:
+        return self.weight.dtype == np.int8
+
+
+@dataclass(frozen=True)
+class Weights:
+    dims: Dims
+    inv_freq: np.ndarray  # (D / 2)
+    embed: np.ndarray  # (V, H)
+    norm_in: list[np.ndarray]  # L x (H)
+    qkv: list[Linear]  # L x (H, (Hq + 2 Hkv) D)
+    o: list[Linear]  # L x (Hq D, H)
+    norm_post: list[np.ndarray]
+    gate_up: list[Linear]  # L x (H, 2 I): gate then up
+    down: list[Linear]  # L x (I, H)
+    norm_final: np.ndarray  # (H)
+    lm_head: Linear  # (H, V)
+
+
+def _unsupported(path: Path, what: str) -> EngineError:
+    return EngineError(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine")
+
+
+def check_architecture(path: Path, architecture: str) -> None:
+    """Refuse model types whose layers were never checked against the pattern (the graph is read strictly too)."""
+    if architecture not in MODEL_TYPES:
+        raise _unsupported(path, f"model type {architecture!r} is not one of {', '.join(MODEL_TYPES)}")
+
+
+class _Graph:
+    """The step graph's nodes, producers, consumers and initializers (arrays read on demand)."""
+
+    def __init__(self, path: Path):
+        try:
+            import onnx
+            from onnx import numpy_helper
+        except ImportError as exc:
+            raise EngineError(
+                f"backend native reads the engine's weights with the onnx package ({exc}): pip install 'medusa-trt[native]'"
+            ) from exc
+
+        self.path = path
+        model = onnx.load(str(path))  # with its external weights
+        self.init = {t.name: t for t in model.graph.initializer}
+        self.to_array = numpy_helper.to_array
+        self.outputs = {o.name for o in model.graph.output}
+        self._index(list(model.graph.node))
+
+    def branch(self, nodes) -> _Graph:
+        """The same graph's initializers over a subgraph's nodes (an If branch)."""
+        sub = object.__new__(_Graph)
+        sub.path, sub.init, sub.to_array, sub.outputs = self.path, self.init, self.to_array, set()
+        sub._index(list(nodes))
+        sub.producer = self.producer | sub.producer  # the branch reads outer values (a tied lm_head's Transpose)
+        return sub
+
+    def _index(self, nodes) -> None:
+        self.nodes = nodes
+        self.consumers: dict[str, list] = {}
+        self.producer = {}
+        for node in self.nodes:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+            for name in node.output:
+                self.producer[name] = node
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self.init:
+            raise _unsupported(self.path, f"{name} is computed, not a weight")
+        return self.to_array(self.init[name])
+
+    def only(self, tensor: str, op: str):
+        """The one node that reads ``tensor``, which must be an ``op``."""
+        readers = [n for n in self.consumers.get(tensor, []) if n.op_type != "Identity"]
+        if len(readers) != 1 or readers[0].op_type != op:
+            found = ", ".join(n.op_type for n in readers) or "nothing"
+            raise _unsupported(self.path, f"{tensor} is read by {found} where the pattern has one {op}")
+        return readers[0]
+
+    def weight_of(self, node) -> np.ndarray:
+        """A MatMul's (K, N) weight: its second input, an initializer or the Transpose of one (a tied lm_head)."""
+        name = node.input[1]
+        source = self.producer.get(name)
+        if source is not None and source.op_type == "Transpose" and list(_attr(source, "perm", [])) == [1, 0]:
+            return np.ascontiguousarray(self.array(source.input[0]).T, dtype=np.float32)
+        return self.array(name).astype(np.float32, copy=False)
+
+    def scalar(self, name: str) -> float:
+        return float(self.array(name).reshape(-1)[0])
+
+    def linear(self, x: str) -> tuple[Linear, str]:
+        """The weight matmul reading ``x`` and its output: a MatMul, or the int8 row quantizer chain of
+        exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul)."""
+        readers = sorted((n for n in self.consumers.get(x, []) if n.op_type != "Identity"), key=lambda n: n.op_type)
+        kinds = [n.op_type for n in readers]
+        if kinds == ["MatMul"]:
+            return Linear(self.weight_of(readers[0])), readers[0].output[0]
+        if kinds != ["Abs", "QuantizeLinear"]:
+            raise _unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
+        top = self.only(self.only(readers[0].output[0], "ReduceMax").output[0], "Max")
+        div = self.only(top.output[0], "Div")
+        quant = readers[1]
+        if list(self.array(self.producer[top.input[0]].input[1]).reshape(-1)) != [-1] or quant.input[1] != div.output[0]:
+            raise _unsupported(self.path, f"{x}'s quantizer is not one scale a row")
+        zero = self.producer.get(quant.input[2]) if len(quant.input) > 2 else None
+        zero_value = _attr(zero, "value") if zero is not None and zero.op_type == "ConstantOfShape" else None
+        matmul = self.only(quant.output[0], "MatMulInteger")
+        if zero_value is None or int(self.to_array(zero_value).reshape(-1)[0]) != 128 or self.scalar(matmul.input[2]) != 128:
+            raise _unsupported(self.path, f"{x}'s quantizer has another zero point than 128")
+        weight = self.array(matmul.input[1])
+        cast = self.only(matmul.output[0], "Cast")
+        row = self.only(cast.output[0], "Mul")
+        column = self.only(row.output[0], "Mul")
+        if weight.dtype != np.int8 or div.output[0] not in row.input:
+            raise _unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
+        scale = self.array(column.input[1]).astype(np.float32).reshape(-1)
+        return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
+
+
+def _attr(node, name: str, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _mask_root(g: _Graph, tensor: str) -> str:
+    """Where an attention's mask comes from, past the per-layer reshapes."""
+    while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze"):
+        tensor = node.input[0]
+    return tensor
+
+
+def read_weights(step: Path, architecture: str) -> Weights:
+    """The weights of the step graph at ``step``, checked against the pattern ``native_step.c`` computes."""
+    check_architecture(step, architecture)
+    g = _Graph(step)
+    ops = Counter(n.op_type for n in g.nodes)
+    if extra := sorted(set(ops) - OPS):
+        raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (an fp32 graph of the Llama pattern has none)")
+    norms = [n for n in g.nodes if n.op_type == "RMSNormalization"]
+    attentions = [n for n in g.nodes if n.op_type == "Attention"]
+    rotaries = [n for n in g.nodes if n.op_type == "RotaryEmbedding"]
+    layers = len(attentions)
+    counts = {"RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers, "Add": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}
+    for op, want in counts.items():
+        if ops[op] != want:
+            raise _unsupported(step, f"{ops[op]} {op} nodes for {layers} layers (the pattern has {want})")
+    eps = {float(_attr(n, "epsilon", 1e-5)) for n in norms}
+    if len(eps) != 1:
+        raise _unsupported(step, f"norms with different epsilons {sorted(eps)}")
+    scales = {float(_attr(n, "scale", 0.0)) for n in attentions}
+    if len(scales) != 1 or 0.0 in scales:
+        raise _unsupported(step, "attentions without one explicit score scale")
+    if len({_mask_root(g, n.input[3]) for n in attentions}) != 1:  # a sliding window's layers read a mask of their own
+        raise _unsupported(step, "layers that read different attention masks (a sliding window)")
+    for n in attentions:
+        if len(n.input) != 4 or _attr(n, "softcap", 0.0) or _attr(n, "is_causal", 0) or _attr(n, "qk_matmul_output_mode", 0):
+            raise _unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
+    for n in rotaries:
+        if _attr(n, "interleaved", 0) or _attr(n, "rotary_embedding_dim", 0):
+            raise _unsupported(step, "an interleaved or partial rotary embedding")
+    if len({(n.input[1], n.input[2]) for n in rotaries}) != 1:  # one table for every layer (no local / global bases)
+        raise _unsupported(step, "layers with rotary tables of their own")
+    heads, kv_heads = int(_attr(rotaries[0], "num_heads")), int(_attr(rotaries[1], "num_heads"))
+    cos = g.producer[rotaries[0].input[1]]
+    freq = g.producer.get(cos.input[0])
+    if cos.op_type != "Cos" or freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init:
+        raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+    inv_freq = g.array(freq.input[1]).astype(np.float32).reshape(-1)
+
+    gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    if len(gather) != 1:
+        raise _unsupported(step, "no token embedding Gather of input_ids")
+    embed = g.array(gather[0].input[0]).astype(np.float32)
+    x = gather[0].output[0]
+    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down")}
+    for layer in range(layers):
+        norm = norms[2 * layer]
+        if norm.input[0] != x:
+            raise _unsupported(step, f"layer {layer}'s first norm does not read the residual stream")
+        w["norm_in"].append(g.array(norm.input[1]).astype(np.float32))
+        qkv, out = g.linear(norm.output[0])
+        w["qkv"].append(qkv)
+        split = g.only(out, "Split")
+        widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
+        attention = attentions[layer]
+        out = attention.output[0]
+        for op in ("Reshape", "Transpose", "Reshape"):
+            out = g.only(out, op).output[0]
+        o, out = g.linear(out)
+        w["o"].append(o)
+        add = g.only(out, "Add")
+        if x not in add.input:
+            raise _unsupported(step, f"layer {layer}'s attention output is not added to the residual stream")
+        x = add.output[0]
+        post = norms[2 * layer + 1]
+        if post.input[0] != x:
+            raise _unsupported(step, f"layer {layer}'s second norm does not read the residual stream")
+        w["norm_post"].append(g.array(post.input[1]).astype(np.float32))
+        gu, out = g.linear(post.output[0])
+        w["gate_up"].append(gu)
+        halves = g.only(out, "Split")
+        gate, up = halves.output
+        sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
+        silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
+        if sig is None or silu is None or sig.output[0] not in silu.input or len(g.consumers[gate]) != 2:
+            raise _unsupported(step, f"layer {layer}'s MLP gate is not SiLU")
+        prod = g.only(silu.output[0], "Mul")
+        if up not in prod.input:
+            raise _unsupported(step, f"layer {layer}'s MLP does not multiply SiLU(gate) by up")
+        down, out = g.linear(prod.output[0])
+        w["down"].append(down)
+        add = g.only(out, "Add")
+        if x not in add.input:
+            raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
+        x = add.output[0]
+        dims_qkv = (w["qkv"][-1].shape[1], w["gate_up"][-1].shape[1])
+        q_width = w["o"][-1].shape[0]  # Hq D
+        if widths is None or widths != [q_width, (dims_qkv[0] - q_width) // 2, (dims_qkv[0] - q_width) // 2]:
+            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {widths}, not into q, k, v in that order")
+    final = norms[-1]
+    if final.input[0] != x or final.output[0] != "hidden":
+        raise _unsupported(step, "the final norm is not the graph's hidden output")
+    lm = _lm_head(g, step)
+    hidden = embed.shape[1]
+    head_dim = w["o"][0].shape[0] // heads
+    dims = Dims(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=w["down"][0].shape[0],
+        vocab=embed.shape[0],
+        eps=eps.pop(),
+        scale=scales.pop(),
+    )
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    if dims_qkv != (qkv_width, 2 * dims.inter) or inv_freq.size != head_dim // 2 or lm.shape != (hidden, dims.vocab):
+        raise _unsupported(step, "weight shapes that do not fit one another")
+    return Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
+                   g.array(final.input[1]).astype(np.float32), lm)  # fmt: skip
+
+
+def _lm_head(g: _Graph, step: Path) -> Linear:
+    """The lm_head: the weight matmul reading ``hidden``, in the graph or in the logits gate's then branch (which
+    reads it through an Identity)."""
+    gates = [n for n in g.nodes if n.op_type == "If"]
+    if not gates:
+        return g.linear("hidden")[0]
+    if len(gates) != 1 or g.producer.get(gates[0].input[0]) is not None:
+        raise _unsupported(step, "an If other than the logits gate")
+    then = g.branch(next(a.g for a in gates[0].attribute if a.name == "then_branch").node)
+    identity = [n for n in g.consumers.get("hidden", []) if n.op_type == "Identity"]
+    if len(identity) != 1:
+        raise _unsupported(step, "a logits gate that does not read hidden")
+    return then.linear(identity[0].output[0])[0]
