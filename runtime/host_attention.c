@@ -246,20 +246,29 @@ static inline int thread_index(void) {
 #endif
 }
 
-int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
-                          const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                          int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                          float *scratch) {
+/* The scratch (floats) a step of T nodes a row over at most `longest` committed slots needs on `threads` threads */
+int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads) {
+    (void)B;
+    return (int64_t)threads * RB * (longest + 2 * (int64_t)T);
+}
+
+/* The kernel on `threads` threads (OpenMP's num_threads: never more, whatever thread calls), with a scratch of
+ * scratch_floats floats (checked: 2 where too small) */
+int medusa_tree_attention_threads(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                                  const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                                  int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                                  float *scratch, int64_t scratch_floats, int threads) {
     if (Hkv <= 0 || Hq % Hkv != 0) return 1;
     find_lanes();
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
     const int blocks = (per_kv + RB - 1) / RB;
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
     const int64_t per_thread = (int64_t)RB * (longest + 2 * T); /* each thread's rows of scores */
     /* tasks: RB rows of one key/value head of one sequence; each writes its own rows of out (threads only where the
      * file is built with OpenMP: native_step.c's build) */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < (int64_t)B * Hkv * blocks; task++) {
         const int b = (int)(task / ((int64_t)Hkv * blocks)), kv = (int)(task / blocks % Hkv), first = (int)(task % blocks) * RB;
         float *mine = scratch + thread_index() * per_thread;
@@ -305,4 +314,15 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
             sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, D);
     }
     return 0;
+}
+
+/* One thread, the scratch sized by the caller for it (host_attention.py's HostAttention) */
+int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                          const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                          int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                          float *scratch) {
+    int64_t longest = 0;
+    for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    return medusa_tree_attention_threads(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
+                                         mask, lengths, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), 1);
 }

@@ -8,37 +8,22 @@ order with the same instructions wherever a key comes from, so a verify step equ
 for bit without key slots (``host_attention.c`` says why). ``runtime/step_segments.py`` cuts a step
 graph at its attentions so that this kernel can run between the pieces.
 
-The C source ships in the package and is compiled once per machine with the system C compiler
-(``cc``, or ``$CC``) into ``$MEDUSA_TRT_CACHE`` (default ``~/.cache/medusa-trt``), named by the
-source's hash and the CPU, built for the CPU it runs on (``-march=native``): the compiled file is
-never shared between machines. Without a compiler ``load`` raises ``HostAttentionUnavailable``.
+The kernel is compiled into the native step's library (``native_library``: built with the package, for the best
+instruction set the CPU runs); here it runs on one thread.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.errors import MedusaError
-
-log = logging.getLogger(__name__)
+from medusa_trt.runtime import native_library
 
 SOURCE = Path(__file__).with_name("host_attention.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-ffp-contract=fast")  # never -ffast-math: the order is the promise
-
-
-class HostAttentionUnavailable(MedusaError):
-    """The kernel could not be built or loaded here (no C compiler, or it failed)."""
 
 
 def cpu_name() -> str:
@@ -52,36 +37,6 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEDUSA_TRT_CACHE") or Path.home() / ".cache" / "medusa-trt")
-
-
-def library_path(sources: tuple[Path, ...] = (SOURCE,), flags: tuple[str, ...] = FLAGS) -> Path:
-    """Where these sources, built with ``flags`` for this CPU, live once compiled (named after the first)."""
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode() + cpu_name().encode()).hexdigest()[:16]
-    return cache_dir() / f"{sources[0].stem}-{key}.so"
-
-
-def build(target: Path, sources: tuple[Path, ...] = (SOURCE,), flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile ``sources`` into one shared library at ``target`` (written to a temporary file beside it, then renamed)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise HostAttentionUnavailable(f"{sources[0].name} needs a C compiler: install one (apt-get install gcc) or set CC")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise HostAttentionUnavailable(f"building {sources[0].name} with {compiler} failed: {done.stderr.strip()[:300]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("%s built: %s", sources[0].name, target)
-    return target
-
-
 @dataclass(frozen=True)
 class Shapes:
     heads: int  # query heads Hq
@@ -93,15 +48,8 @@ class Shapes:
 class HostAttention:
     """The compiled kernel; ``__call__`` runs one layer of one step."""
 
-    def __init__(self, path: Path | None = None):
-        path = path or library_path()
-        if not path.is_file():
-            build(path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise HostAttentionUnavailable(f"cannot load {path}: {exc}; delete it to rebuild") from exc
-        fn = lib.medusa_tree_attention
+    def __init__(self):
+        fn = native_library.load().cdll.medusa_tree_attention  # NativeUnavailable where the library cannot be had
         fn.restype = ctypes.c_int
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, p]

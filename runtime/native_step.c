@@ -30,16 +30,41 @@
 #include <omp.h>
 #endif
 
-int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
-                          const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                          int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                          float *scratch);
+#include "native_simd.h"
 
-#define W 16     /* outputs a vector holds */
-#define BLOCK 32 /* outputs a packed block holds: two vectors (N = 576 is 18 blocks, even work for two threads) */
-#define NV (BLOCK / W)
+/* host_attention.c's kernel on `threads` threads, its scratch `scratch_floats` long (checked there) */
+int medusa_tree_attention_threads(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                                  const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                                  int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                                  float *scratch, int64_t scratch_floats, int threads);
+int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads);
+
+/* error codes of the exported functions (runtime/native_step.py names them) */
+enum { OK = 0, BAD_SHAPE = 1, BAD_TOKEN = 2, BAD_LENGTH = 3, TOO_LARGE = 4, BAD_MODEL = 5, BAD_WORK = 6 };
+
+#define W 16     /* outputs a generic vector (vec16) holds */
+#define BLOCK 32 /* outputs a packed block holds (N = 576 is 18 blocks, even work for two threads) */
+#define NARROW 16 /* outputs a narrow block holds (the N % 32 rest, the last one zero-padded) */
 typedef float vec16 __attribute__((vector_size(W * sizeof(float))));
-#define ROWS 8 /* input rows a tile multiplies against one block of weights: 16 accumulators */
+#define MAX_TOPK 64
+
+/* A tile: ROWS input rows times PANEL vectors of one packed block's outputs, ROWS x PANEL accumulators in registers. */
+#if VF == 16
+#define PANEL 2 /* 32 outputs: a wide block */
+#define ROWS 8
+#elif VF == 8
+#define PANEL 2 /* 16 outputs: half a wide block (16 ymm registers: 12 sums, 2 weights, 1 input) */
+#define ROWS 6
+#elif VF == 4 && defined(__aarch64__)
+#define PANEL 4 /* 16 outputs (32 NEON registers: 16 sums) */
+#define ROWS 4
+#elif VF == 4
+#define PANEL 2 /* 8 outputs (16 xmm registers) */
+#define ROWS 6
+#else
+#define PANEL 4
+#define ROWS 4
+#endif
 
 typedef struct {
     int32_t int8, k, n, kpad; /* int8 0: fp32 packed weights; 1: rows quantized to uint8 x int8 columns */
@@ -60,7 +85,9 @@ typedef struct {
     const linear_t *const *qkv, *const *o, *const *gate_up, *const *down;      /* L x linear */
 } model_t;
 
-typedef struct { /* scratch, sized for the most rows a step has */
+typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
+    int64_t rows, slots, threads; /* the most rows (batch x tokens) and cache slots a step may have; its threads */
+    int64_t att_floats;           /* att_scratch's length */
     float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (M, D) cos then sin */
     uint8_t *xq; /* (M, the widest Kpad): int8 linears' quantized rows */
     float *xs;   /* (M): their scales */
@@ -72,77 +99,84 @@ static inline vec16 vload(const float *p) {
     return x;
 }
 
-static inline void vstore(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
-
-/* rows x[0..mb) (stride K) times one packed block of nv vectors: y[i, j * 16 + l] (stride N); the last vector
- * stores its first `last` lanes only (a block padded past N) */
+/* rows x[0..mb) (stride K) times nv vectors of a packed block (stride ws floats a k): y[i, j * VF + l] (stride N),
+ * the first `valid` outputs stored. Output (i, c) is one chain of fused multiply-adds over k = 0..K-1 in one lane,
+ * whatever mb, nv or the thread: the tiling only decides which chains run side by side. */
 static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t K, const float *restrict w,
-                                                       float *restrict y, int64_t N, const int nv, const int mb,
-                                                       const int last) {
-    vec16 acc[ROWS][NV];
+                                                       int64_t ws, float *restrict y, int64_t N, const int nv,
+                                                       const int mb, const int valid) {
+    vf acc[ROWS][PANEL];
     for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nv; j++) acc[i][j] = (vec16){0};
+        for (int j = 0; j < nv; j++) acc[i][j] = vf_zero();
     for (int64_t k = 0; k < K; k++) {
-        const float *wk = w + k * nv * W;
-        vec16 wv[NV];
-        for (int j = 0; j < nv; j++) wv[j] = vload(wk + j * W);
+        const float *wk = w + k * ws;
+        vf wv[PANEL];
+        for (int j = 0; j < nv; j++) wv[j] = vf_load(wk + j * VF);
         for (int i = 0; i < mb; i++) {
-            const float xs = x[i * K + k];
-            const vec16 xv = {xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs};
-            for (int j = 0; j < nv; j++) acc[i][j] += xv * wv[j];
+            const vf xv = vf_set1(x[i * K + k]);
+            for (int j = 0; j < nv; j++) acc[i][j] = vf_fma(xv, wv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nv; j++) {
-            if (j == nv - 1 && last < W)
-                memcpy(y + i * N + j * W, &acc[i][j], last * sizeof(float));
-            else
-                vstore(y + i * N + j * W, acc[i][j]);
-        }
-}
-
-#define TILE_CASES(NV)                                                                                                 \
-    switch (M - m) {                                                                                                   \
-    case 1: tile(x + m * K, K, w, y + m * N, N, NV, 1, last); break;                                                   \
-    case 2: tile(x + m * K, K, w, y + m * N, N, NV, 2, last); break;                                                   \
-    case 3: tile(x + m * K, K, w, y + m * N, N, NV, 3, last); break;                                                   \
-    case 4: tile(x + m * K, K, w, y + m * N, N, NV, 4, last); break;                                                   \
-    case 5: tile(x + m * K, K, w, y + m * N, N, NV, 5, last); break;                                                   \
-    case 6: tile(x + m * K, K, w, y + m * N, N, NV, 6, last); break;                                                   \
-    case 7: tile(x + m * K, K, w, y + m * N, N, NV, 7, last); break;                                                   \
-    }
-
-static void block_rows(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int nv, int last) {
-    int64_t m = 0;
-    if (nv == NV) {
-        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, NV, ROWS, last);
-        TILE_CASES(NV)
-    } else {
-        for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, y + m * N, N, 1, ROWS, last);
-        TILE_CASES(1)
-    }
-}
-
-/* y (M, N) = x (M, K) @ the packed fp32 weight */
-static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
-    const int64_t wide = N / BLOCK, narrow = (N % BLOCK + W - 1) / W;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < wide + narrow; b++) {
-        if (b < wide) {
-            block_rows(x, M, K, w + b * K * BLOCK, y + b * BLOCK, N, NV, W);
+    for (int i = 0; i < mb; i++) {
+        if (valid == nv * VF) {
+            for (int j = 0; j < nv; j++) vf_store(y + i * N + j * VF, acc[i][j]);
         } else {
-            const int64_t first = wide * BLOCK + (b - wide) * W; /* the block's first output */
-            const int last = N - first < W ? (int)(N - first) : W;
-            block_rows(x, M, K, w + wide * K * BLOCK + (b - wide) * K * W, y + first, N, 1, last);
+            float row[PANEL * VF];
+            for (int j = 0; j < nv; j++) vf_store(row + j * VF, acc[i][j]);
+            memcpy(y + i * N, row, valid * sizeof(float));
+        }
+    }
+}
+
+#define MIN_(a, b) ((a) < (b) ? (a) : (b))
+#define TILE_ROWS(NV)                                                                                                  \
+    for (; M - m >= ROWS; m += ROWS) tile(x + m * K, K, w, ws, y + m * N, N, NV, ROWS, valid);                       \
+    switch (M - m) {                                                                                                   \
+    case 1: tile(x + m * K, K, w, ws, y + m * N, N, NV, 1, valid); break;                                              \
+    case 2: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(2, ROWS), valid); break;                                  \
+    case 3: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(3, ROWS), valid); break;                                  \
+    case 4: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(4, ROWS), valid); break;                                  \
+    case 5: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(5, ROWS), valid); break;                                  \
+    case 6: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(6, ROWS), valid); break;                                  \
+    case 7: tile(x + m * K, K, w, ws, y + m * N, N, NV, MIN_(7, ROWS), valid); break;                                  \
+    }
+
+/* every row of x times one panel of a packed block: nv vectors at w (stride ws a k), `valid` outputs at y */
+static void panel_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t ws, float *y, int64_t N, int nv,
+                       int valid) {
+    int64_t m = 0;
+    if (nv == PANEL) {
+        TILE_ROWS(PANEL)
+    } else { /* a narrow block narrower than a panel (AVX-512: 16 outputs, one vector) */
+        TILE_ROWS(MIN_(PANEL, NARROW / VF))
+    }
+}
+
+/* y (M, N) = x (M, K) @ the packed fp32 weight: wide blocks of [K][32], then narrow ones of [K][16]; a block's
+ * outputs in panels of PANEL vectors. One task a block. */
+static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int threads) {
+    const int64_t wide = N / BLOCK, narrow = (N % BLOCK + NARROW - 1) / NARROW;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < wide + narrow; b++) {
+        const int64_t first = b < wide ? b * BLOCK : wide * BLOCK + (b - wide) * NARROW; /* the block's first output */
+        const int64_t ws = b < wide ? BLOCK : NARROW;
+        const float *wb = w + (b < wide ? b * K * BLOCK : wide * K * BLOCK + (b - wide) * K * NARROW);
+        const int64_t width = N - first < ws ? N - first : ws; /* outputs the block holds (the last one padded) */
+        for (int64_t p = 0; p < ws; p += PANEL * VF) {
+            const int cols = (int)(ws - p < PANEL * VF ? ws - p : PANEL * VF);
+            const int64_t valid = width - p;
+            if (valid <= 0) break;
+            panel_rows(x, M, K, wb + p, ws, y + first + p, N, cols / VF, (int)(valid < cols ? valid : cols));
         }
     }
 }
 
 typedef int32_t ivec16 __attribute__((vector_size(W * sizeof(int32_t))));
+#define I8ROWS 8             /* rows an int8 tile multiplies against one block */
+#define I8NV (BLOCK / W)     /* vectors of 16 int32 sums a block holds */
 
-/* acc[i][j] += the int8 block's 4 k's of 16 outputs (vector j) times row i's 4 uint8 values there */
+/* acc[i][j] += the int8 block's 4 k's of 16 outputs (vector j) times row i's 4 uint8 values there (exact integers) */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#include <immintrin.h>
 static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
     return (ivec16)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(quad), _mm512_loadu_si512(w));
 }
@@ -157,15 +191,15 @@ static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
 #endif
 
 static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restrict xq, int64_t kpad, const int8_t *restrict w,
-                                                          ivec16 (*acc)[NV], const int mb) {
+                                                          ivec16 (*acc)[I8NV], const int mb) {
     for (int i = 0; i < mb; i++)
-        for (int j = 0; j < NV; j++) acc[i][j] = (ivec16){0};
+        for (int j = 0; j < I8NV; j++) acc[i][j] = (ivec16){0};
     for (int64_t k = 0; k < kpad; k += 4) {
         const int8_t *wk = w + k * BLOCK;
         for (int i = 0; i < mb; i++) {
             int32_t quad;
             memcpy(&quad, xq + i * kpad + k, 4);
-            for (int j = 0; j < NV; j++) acc[i][j] = dot4(acc[i][j], quad, wk + j * W * 4);
+            for (int j = 0; j < I8NV; j++) acc[i][j] = dot4(acc[i][j], quad, wk + j * W * 4);
         }
     }
 }
@@ -173,7 +207,8 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restric
 /* y = ((float)(sum_k q[m, k] w[k, n] - 128 sum_k w[k, n]) * row scale) * column scale: MatMulInteger, Cast, Mul, Mul */
 static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
     const int64_t K = L->k, N = L->n, kpad = L->kpad, blocks = (N + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) if (M > 1)
+    const int threads = (int)wk->threads;
+#pragma omp parallel for schedule(static) if (M > 1) num_threads(threads)
     for (int64_t m = 0; m < M; m++) { /* QuantizeLinear: saturate(round_half_even(x / scale) + 128) */
         const float *r = x + m * K;
         float top = 0.0f;
@@ -188,12 +223,12 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
         wk->xs[m] = s;
     }
     const int8_t *w = (const int8_t *)L->w;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
-        ivec16 acc[ROWS][NV];
+        ivec16 acc[I8ROWS][I8NV];
         const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
-        for (int64_t m = 0; m < M; m += ROWS) {
-            const int mb = M - m < ROWS ? (int)(M - m) : ROWS;
+        for (int64_t m = 0; m < M; m += I8ROWS) {
+            const int mb = M - m < I8ROWS ? (int)(M - m) : I8ROWS;
             switch (mb) {
             case 1: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 1); break;
             case 2: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 2); break;
@@ -202,7 +237,7 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
             case 5: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 5); break;
             case 6: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 6); break;
             case 7: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 7); break;
-            default: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, ROWS); break;
+            default: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, I8ROWS); break;
             }
             for (int i = 0; i < mb; i++) {
                 int32_t sums[BLOCK];
@@ -219,7 +254,7 @@ static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const
     if (L->int8)
         matmul_i8(L, x, M, y, wk);
     else
-        matmul_f32(x, M, L->k, (const float *)L->w, y, L->n);
+        matmul_f32(x, M, L->k, (const float *)L->w, y, L->n, (int)wk->threads);
 }
 
 /* the lanes of x added in one fixed order */
@@ -302,8 +337,8 @@ static void silu_row(const float *g, const float *u, float *a, int64_t I) {
 
 /* best first; a tie keeps the lower index first (ONNX ArgMax / TopK) */
 static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
-    float best[64];
-    int64_t idx[64];
+    float best[MAX_TOPK];
+    int64_t idx[MAX_TOPK];
     int n = 0;
     for (int64_t j = 0; j < V; j++) {
         const float s = row[j];
@@ -320,34 +355,143 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
     for (int i = 0; i < k; i++) ids[i] = i < n ? idx[i] : 0;
 }
 
-/* One linear alone (tests): y (M, N) = x (M, K) through it */
-int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y) {
-    matmul(L, x, M, y, wk);
+/* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
+ * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
+
+#define ABI 2 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+
+int medusa_native_abi(void) { return ABI; }
+
+int medusa_native_isa(void) { return MEDUSA_ISA; }
+
+#ifndef MEDUSA_SOURCE
+#define MEDUSA_SOURCE ""
+#endif
+const char *medusa_native_source(void) { return MEDUSA_SOURCE; } /* native_isa.source_hash of what this was built from */
+
+/* The instruction sets this CPU and its operating system run, as bits of runtime/native_isa.py's ISAS indices
+ * (0 avx512_vnni, 1 avx512, 2 avx2, 3 baseline, 4 neon). */
+int medusa_native_cpu(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512cd");
+    return (v4 && __builtin_cpu_supports("avx512vnni")) << 0 | v4 << 1 | v3 << 2 | 1 << 3;
+#elif defined(__aarch64__)
+    return 1 << 4;
+#else
     return 0;
+#endif
 }
 
-int medusa_native_threads(int threads) {
+int medusa_native_default_threads(void) {
 #ifdef _OPENMP
-    if (threads > 0) omp_set_num_threads(threads);
     return omp_get_max_threads();
 #else
-    (void)threads;
     return 1;
 #endif
 }
 
-/* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64). */
+static int linear_ok(const linear_t *L, int64_t k, int64_t n) {
+    if (L == NULL || L->w == NULL || L->k != k || L->n != n || k <= 0 || n <= 0) return 0;
+    if (!L->int8) return L->kpad == k;
+    return L->kpad == (k + 3) / 4 * 4 && L->scale != NULL && L->colsum != NULL && L->tiny > 0.0f && L->divisor > 0.0f;
+}
+
+/* 0 where every linear's K and N fit the dims and every pointer is set */
+int medusa_native_check_model(const model_t *md) {
+    const int64_t L = md->layers, H = md->hidden, Hq = md->heads, Hkv = md->kv_heads, D = md->head_dim;
+    const int64_t I = md->inter, V = md->vocab;
+    if (L <= 0 || H <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || D % 2 != 0 || I <= 0 || V <= 0)
+        return BAD_MODEL;
+    if (!(md->eps > 0.0f) || !(md->scale > 0.0f) || !isfinite(md->eps) || !isfinite(md->scale)) return BAD_MODEL;
+    if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL;
+    if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
+    for (int64_t l = 0; l < L; l++) {
+        if (!md->norm_in[l] || !md->norm_post[l]) return BAD_MODEL;
+        if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
+            !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
+            return BAD_MODEL;
+    }
+    return OK;
+}
+
+static int64_t row_floats(const model_t *md) { /* x, h, qkv, q, k, v, attn, gu, act, rot, xs */
+    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads, I = md->inter;
+    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * I + D + 1;
+}
+
+static int64_t widest_kpad(const model_t *md) { /* the int8 linears' padded K, at most */
+    int64_t most = md->lm_head->kpad;
+    for (int64_t l = 0; l < md->layers; l++) {
+        const linear_t *all[4] = {md->qkv[l], md->o[l], md->gate_up[l], md->down[l]};
+        for (int j = 0; j < 4; j++) most = all[j]->kpad > most ? all[j]->kpad : most;
+    }
+    return most;
+}
+
+/* The arenas a work_t for `rows` rows over `slots` slots on `threads` threads needs: floats, and bytes (-1: bad sizes) */
+int64_t medusa_native_work_floats(const model_t *md, int64_t rows, int64_t slots, int threads) {
+    if (medusa_native_check_model(md) || rows <= 0 || slots < 0 || threads <= 0) return -1;
+    return rows * row_floats(md) + medusa_tree_attention_scratch(1, (int)rows, slots, threads);
+}
+
+int64_t medusa_native_work_bytes(const model_t *md, int64_t rows) {
+    if (medusa_native_check_model(md) || rows <= 0) return -1;
+    return rows * widest_kpad(md);
+}
+
+/* Carve the work buffers out of the two arenas (sized by the two functions above) */
+int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t floats, uint8_t *bytes, int64_t nbytes,
+                            int64_t rows, int64_t slots, int threads) {
+    const int64_t need = medusa_native_work_floats(md, rows, slots, threads);
+    if (need < 0 || floats < need || nbytes < medusa_native_work_bytes(md, rows) || !arena || !bytes) return BAD_WORK;
+    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads, I = md->inter;
+    float *at = arena;
+#define CARVE(field, n)                                                                                                \
+    wk->field = at;                                                                                                    \
+    at += rows * (n);
+    CARVE(x, H) CARVE(h, H) CARVE(qkv, (Hq + 2 * Hkv) * D) CARVE(q, Hq * D) CARVE(k, Hkv * D) CARVE(v, Hkv * D)
+    CARVE(attn, Hq * D) CARVE(gu, 2 * I) CARVE(act, I) CARVE(rot, D) CARVE(xs, 1)
+#undef CARVE
+    wk->att_scratch = at;
+    wk->att_floats = need - (at - arena);
+    wk->xq = bytes;
+    wk->rows = rows, wk->slots = slots, wk->threads = threads;
+    return OK;
+}
+
+/* One linear alone (tests): y (M, N) = x (M, K) through it; wk needs rows, threads, xq and xs (M rows) */
+int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y, int64_t xq_bytes) {
+    if (!linear_ok(L, L->k, L->n) || M <= 0 || M > wk->rows || wk->threads <= 0 || M * L->kpad > xq_bytes) return BAD_SHAPE;
+    matmul(L, x, M, y, wk);
+    return OK;
+}
+
+/* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64).
+ * past_k / past_v hold past_slots slots; new_k / new_v T. */
 int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
                        const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v,
-                       float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids, int64_t *topk,
-                       int k) {
+                       int64_t past_slots, float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids,
+                       int64_t *topk, int k) {
     const int64_t M = (int64_t)B * T, H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
     const int64_t L = md->layers, I = md->inter, V = md->vocab, QKV = (Hq + 2 * Hkv) * D;
     const int64_t row_stride = Hkv * D, layer_stride = B * Hkv * D, slot_stride = L * layer_stride;
-    if (Hkv <= 0 || Hq % Hkv != 0 || D % 2 != 0 || k < 0 || k > 64) return 1;
+    const int threads = (int)wk->threads;
+    if (B <= 0 || T <= 0 || M > wk->rows || k < 0 || k > MAX_TOPK || past_slots < 0 || threads <= 0) return BAD_SHAPE;
+    if (logits != NULL && (next_ids == NULL || (k > 0 && topk == NULL))) return BAD_SHAPE;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (lengths[b] < 0 || lengths[b] > past_slots || lengths[b] > wk->slots) return BAD_LENGTH;
+        longest = lengths[b] > longest ? lengths[b] : longest;
+    }
+    if (medusa_tree_attention_scratch(B, T, longest, threads) > wk->att_floats) return TOO_LARGE;
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= V) return BAD_TOKEN;
     float *x = wk->x;
     for (int64_t m = 0; m < M; m++) {
-        if (ids[m] < 0 || ids[m] >= V) return 2;
         memcpy(x + m * H, md->embed + ids[m] * H, H * sizeof(float));
         rope_table(D, pos[m], md->inv_freq, wk->rot + m * D);
     }
@@ -368,28 +512,28 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
                     memcpy(new_v + at, vv, D * sizeof(float));
                 }
             }
-        if (medusa_tree_attention(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
-                                  past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
-                                  wk->att_scratch))
-            return 1;
+        if (medusa_tree_attention_threads(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
+                                          past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
+                                          wk->att_scratch, wk->att_floats, threads))
+            return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
         matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
-#pragma omp parallel for schedule(static) if (M > 1)
+#pragma omp parallel for schedule(static) if (M > 1) num_threads(threads)
         for (int64_t m = 0; m < M; m++) silu_row(wk->gu + m * 2 * I, wk->gu + m * 2 * I + I, wk->act + m * I, I);
         matmul(md->down[l], wk->act, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);
-    if (logits == NULL) return 0;
+    if (logits == NULL) return OK;
     matmul(md->lm_head, hidden, M, logits, wk);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; m++) {
         int64_t first[1];
         top_k(logits + m * V, V, 1, first);
         next_ids[m] = first[0];
         if (k) top_k(logits + m * V, V, k, topk + m * k);
     }
-    return 0;
+    return OK;
 }

@@ -4,24 +4,31 @@
 ``NativeStep`` packs the weights once (``pack``: blocks of 32 outputs, each block's K rows contiguous)
 and runs a step into caller-owned outputs. The C code is batch-invariant (``native_step.c`` says how),
 so a verify step gives each node its plain-step logits bit for bit without key slots.
+
+Nothing a file says reaches C unchecked: ``native_weights`` checks every array against the dims,
+``medusa_native_check_model`` checks every linear's K and N again in C, the scratch is sized by C for the
+rows, slots and threads the step object was built for (``medusa_native_work_*``), and every call's arrays
+are checked here (shapes, dtypes, layout) and again in C (rows, cache lengths, scratch). A step runs on
+``threads`` threads whatever thread calls it (``num_threads`` on every parallel region, never a process-wide
+setting), so a server's worker thread gets the count its runtime was built with.
+
+The library comes from ``native_library.load``: built with the package, for the best instruction set the CPU runs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime import host_attention
+from medusa_trt.runtime import native_library
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.native_weights import Linear, Weights
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("native_step.c"), host_attention.SOURCE)
-FLAGS = (*host_attention.FLAGS, "-fopenmp")
 BLOCK, VECTOR = 32, 16  # outputs per packed block (native_step.c's BLOCK), and per vector
 MAX_TOPK = 64  # most successors native_step.c ranks
 
@@ -73,51 +80,117 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
     ]
 
 
-class _Work(ctypes.Structure):  # native_step.c's work_t
-    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch", "xq", "xs")]
+class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_init fills it)
+    _fields_ = [
+        *((n, ctypes.c_int64) for n in ("rows", "slots", "threads", "att_floats")),
+        *((n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch", "xq", "xs")),
+    ]
 
 
-def load_library(path: Path | None = None) -> ctypes.CDLL:
-    """The compiled step (built on first use for this machine; ``path``: a build of one's own)."""
-    path = path or host_attention.library_path(SOURCES, FLAGS)
-    if not path.is_file():
-        host_attention.build(path, SOURCES, FLAGS)
-    return ctypes.CDLL(str(path))
+# native_step.c's error codes
+_ERRORS = {
+    1: "step arrays of shapes the engine does not have",
+    2: "input_ids outside the vocabulary",
+    3: "cache lengths below 0 or past the cache",
+    4: "a step larger than backend native was sized for",
+    5: "weights whose shapes do not fit one another",
+    6: "scratch smaller than the step needs",
+}
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@functools.cache
+def _functions() -> tuple[ctypes.CDLL, str]:
+    """The library with its functions' signatures declared (once a process)."""
+    library = native_library.load()
+    lib = library.cdll
+    signatures = {
+        "medusa_native_step": (_I, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I]),
+        "medusa_native_linear": (_I, [_P, _P, _P, _I64, _P, _I64]),
+        "medusa_native_check_model": (_I, [_P]),
+        "medusa_native_work_floats": (_I64, [_P, _I64, _I64, _I]),
+        "medusa_native_work_bytes": (_I64, [_P, _I64]),
+        "medusa_native_work_init": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _I64, _I]),
+        "medusa_native_default_threads": (_I, []),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib, library.isa
+
+
+def load_library() -> ctypes.CDLL:
+    """The compiled step for this CPU (``native_library.load``; ``NativeUnavailable`` where it cannot be had)."""
+    return _functions()[0]
+
+
+def isa() -> str:
+    """The instruction set the loaded library was built for."""
+    return _functions()[1]
+
+
+def _threads(threads: int | None) -> int:
+    n = threads or load_library().medusa_native_default_threads()
+    if not 1 <= n <= 1024:
+        raise EngineError(f"backend native: {threads} threads; pass 1 to 1024")
+    return n
+
+
+def _linear_view(m: Linear, keep: list) -> _Linear:
+    """The C view of one weight matmul, its packed arrays kept alive in ``keep``."""
+    k, n = m.shape
+    if not m.int8:
+        packed = pack(m.weight)
+        keep.append(packed)
+        view = _Linear(0, k, n, k, packed.ctypes.data, None, None, 0.0, 1.0)
+    else:
+        packed = pack_int8(m.weight)
+        colsum = (128 * m.weight.astype(np.int32).sum(axis=0)).astype(np.int32)  # (N): the rows' zero point, taken out
+        scale = np.ascontiguousarray(m.scale, dtype=np.float32)
+        if scale.shape != (n,):
+            raise EngineError(f"backend native: an int8 linear of {n} outputs with {scale.size} column scales")
+        keep += [packed, colsum, scale]
+        view = _Linear(1, k, n, -(-k // 4) * 4, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, m.tiny, m.divisor)
+    keep.append(view)
+    return view
 
 
 def run_linear(m: Linear, x: np.ndarray, threads: int | None = None) -> np.ndarray:
     """``x`` (..., K) through one weight matmul as the step computes it: (..., N) float32 (tests, checks)."""
     lib = load_library()
-    lib.medusa_native_threads(threads or 0)
     k, n = m.shape
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     y = np.zeros((rows.shape[0], n), dtype=np.float32)
-    keep = []
-    view = NativeStep._linear_view(m, keep)
+    keep: list = []
+    view = _linear_view(m, keep)
     xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
-    work = _Work(xq=xq.ctypes.data, xs=xs.ctypes.data)
-    lib.medusa_native_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data)
+    work = _Work(rows=rows.shape[0], threads=_threads(threads), xq=xq.ctypes.data, xs=xs.ctypes.data)
+    rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
+    if rc:
+        raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
     return y.reshape(*np.shape(x)[:-1], n)
+
+
+def _expect(name: str, a: np.ndarray | None, dtype, shape: tuple) -> None:
+    """A step array as the C code reads it: this dtype and shape, C-contiguous."""
+    if a is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+        found = "None" if a is None else f"{a.dtype} {a.shape}{'' if a.flags.c_contiguous else ' strided'}"
+        raise EngineError(f"backend native: {name} must be contiguous {np.dtype(dtype)} {shape}, got {found}")
 
 
 class NativeStep:
     """The packed weights, the compiled step and its scratch for up to ``rows`` rows (batch x tokens) over
-    ``slots`` cache slots a row."""
+    ``slots`` cache slots a row, on ``threads`` threads (default: OpenMP's count where it is built)."""
 
-    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, library: Path | None = None):
-        lib = load_library(library)
-        self._lib = lib
+    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None):
+        lib = load_library()
         self._fn = lib.medusa_native_step
-        self._fn.restype = ctypes.c_int
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self._fn.argtypes = [p, p, i, i, p, p, p, p, p, p, p, p, p, p, p, p, i]
-        lib.medusa_native_threads.restype = ctypes.c_int
-        self.threads = lib.medusa_native_threads(threads or 0)
+        self.threads = _threads(threads)
         self.dims = d = weights.dims
+        self.isa = isa()
         self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
-        linears = {k: [self._linear(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
-        lm = self._linear(weights.lm_head)
+        linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
+        lm = _linear_view(weights.lm_head, self._keep)
         self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
 
         def table(items):
@@ -130,37 +203,22 @@ class NativeStep:
             weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, ctypes.addressof(lm),
             table(weights.norm_in), table(weights.norm_post), *(table(linears[k]) for k in ("qkv", "o", "gate_up", "down")),
         )  # fmt: skip
-        qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
-        sizes = dict(x=d.hidden, h=d.hidden, qkv=qkv, q=d.heads * d.head_dim, k=d.kv_heads * d.head_dim,
-                     v=d.kv_heads * d.head_dim, attn=d.heads * d.head_dim, gu=2 * d.inter, act=d.inter, rot=d.head_dim)  # fmt: skip
-        self._work_arrays = {k: np.zeros(rows * n, dtype=np.float32) for k, n in sizes.items()}
-        # host_attention.c's RB rows of scores, one set a thread
-        self._work_arrays["att_scratch"] = np.zeros(self.threads * 4 * (slots + 2 * rows), dtype=np.float32)
-        widest = max(-(-k // 4) * 4 for k in (d.hidden, d.heads * d.head_dim, d.inter))  # the int8 linears' padded K
-        self._work_arrays["xq"] = np.zeros(rows * widest, dtype=np.uint8)
-        self._work_arrays["xs"] = np.zeros(rows, dtype=np.float32)
-        self._work = _Work(**{k: a.ctypes.data for k, a in self._work_arrays.items()})
+        model = ctypes.byref(self._model)
+        if lib.medusa_native_check_model(model):
+            raise EngineError(f"backend native: weights whose shapes do not fit one another ({d})")
+        floats = lib.medusa_native_work_floats(model, rows, slots, self.threads)
+        nbytes = lib.medusa_native_work_bytes(model, rows)
+        if floats < 0 or nbytes < 0:
+            raise EngineError(f"backend native: cannot size a step of {rows} rows over {slots} slots")
+        self._arena = np.zeros(floats, dtype=np.float32)
+        self._bytes = np.zeros(nbytes, dtype=np.uint8)
+        self._work = _Work()
+        rc = lib.medusa_native_work_init(
+            model, ctypes.byref(self._work), self._arena.ctypes.data, floats, self._bytes.ctypes.data, nbytes, rows, slots, self.threads
+        )
+        if rc:
+            raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
         self.rows, self.slots = rows, slots
-
-    def _linear(self, m: Linear) -> _Linear:
-        return self._linear_view(m, self._keep)
-
-    @staticmethod
-    def _linear_view(m: Linear, keep: list) -> _Linear:
-        """The C view of one weight matmul, its packed arrays kept alive in ``keep``."""
-        k, n = m.shape
-        if not m.int8:
-            packed = pack(m.weight)
-            keep.append(packed)
-            view = _Linear(0, k, n, k, packed.ctypes.data, None, None, 0.0, 1.0)
-        else:
-            packed = pack_int8(m.weight)
-            colsum = (128 * m.weight.astype(np.int32).sum(axis=0)).astype(np.int32)  # (N): the rows' zero point, taken out
-            scale = np.ascontiguousarray(m.scale, dtype=np.float32)
-            keep += [packed, colsum, scale]
-            view = _Linear(1, k, n, -(-k // 4) * 4, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, m.tiny, m.divisor)
-        keep.append(view)
-        return view
 
     def __call__(
         self,
@@ -177,17 +235,45 @@ class NativeStep:
         next_ids: np.ndarray | None,  # int64 (B, T)
         next_topk: np.ndarray | None,  # int64 (B, T, k)
     ) -> None:
+        d = self.dims
+        if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise EngineError(f"backend native: input_ids must be (batch, tokens), got {input_ids.shape}")
         batch, tokens = input_ids.shape
-        if batch * tokens > self.rows or int(cache_lengths.max()) > self.slots:
+        if batch * tokens > self.rows:
             raise EngineError(f"a step of {batch} x {tokens} tokens exceeds what backend native was sized for ({self.rows} rows)")
-        k = 0 if next_topk is None else next_topk.shape[-1]
+        slots = past_key.shape[0] if past_key.ndim == 5 else -1
+        kv = (d.layers, batch, d.kv_heads, d.head_dim)
+        for name, a, dtype, shape in (
+            ("input_ids", input_ids, np.int64, (batch, tokens)),
+            ("position_ids", position_ids, np.int64, (batch, tokens)),
+            ("tree_mask", tree_mask, np.bool_, (batch, tokens, tokens)),
+            ("cache_lengths", cache_lengths, np.int64, (batch,)),
+            ("past_key", past_key, np.float32, (slots, *kv)),
+            ("past_value", past_value, np.float32, (slots, *kv)),
+            ("new_key", new_key, np.float32, (tokens, *kv)),
+            ("new_value", new_value, np.float32, (tokens, *kv)),
+            ("hidden", hidden, np.float32, (batch, tokens, d.hidden)),
+        ):
+            _expect(name, a, dtype, shape)
+        k = 0
+        if logits is not None:
+            _expect("logits", logits, np.float32, (batch, tokens, d.vocab))
+            _expect("next_ids", next_ids, np.int64, (batch, tokens))
+            if next_topk is not None:
+                k = next_topk.shape[-1]
+                _expect("next_topk", next_topk, np.int64, (batch, tokens, k))
+                if k > MAX_TOPK:
+                    raise EngineError(f"backend native ranks at most {MAX_TOPK} successors, not {k}")
+        if cache_lengths.min() < 0 or cache_lengths.max() > min(slots, self.slots):
+            raise EngineError(f"backend native: cache lengths {cache_lengths.tolist()} outside 0..{min(slots, self.slots)}")
         addr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
         rc = self._fn(
             ctypes.byref(self._model), ctypes.byref(self._work), batch, tokens,
-            addr(input_ids), addr(position_ids), addr(tree_mask), addr(cache_lengths), addr(past_key), addr(past_value),
-            addr(new_key), addr(new_value), addr(hidden), addr(logits), addr(next_ids), addr(next_topk), k,
+            addr(input_ids), addr(position_ids), addr(tree_mask), addr(cache_lengths), addr(past_key), addr(past_value), slots,
+            addr(new_key), addr(new_value), addr(hidden), addr(logits), addr(next_ids) if logits is not None else None,
+            addr(next_topk) if logits is not None else None, k,
         )  # fmt: skip
         if rc == 2:
-            raise EngineError(f"input_ids outside the vocabulary (0..{self.dims.vocab - 1})")
+            raise EngineError(f"input_ids outside the vocabulary (0..{d.vocab - 1})")
         if rc != 0:
-            raise EngineError(f"backend native: bad step shapes ({self.dims}, top-k {k})")
+            raise EngineError(f"backend native: {_ERRORS.get(rc, rc)} (batch {batch}, tokens {tokens}, top-k {k})")

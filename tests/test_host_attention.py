@@ -5,18 +5,15 @@ import pytest
 import torch
 
 from medusa_trt.plugins.tree_attention.reference import tree_attention, visibility_bias
-from medusa_trt.runtime.host_attention import HostAttention, HostAttentionUnavailable, Shapes
+from medusa_trt.runtime.host_attention import HostAttention, Shapes
 
 HQ, HKV, LAYERS = 6, 2, 3
 DIMS = (24, 64)  # a head dimension off the kernel's lanes (its generic path) and one it keeps in registers
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    try:
-        return HostAttention(tmp_path_factory.mktemp("kernel") / "host_attention.so")
-    except HostAttentionUnavailable as exc:
-        pytest.skip(f"no host attention here: {exc}")
+def kernel():
+    return HostAttention()  # the native library, built with the package
 
 
 def tree_mask(parents: list[int]) -> np.ndarray:

@@ -9,7 +9,7 @@ from conftest import STORIES, medusa_model
 
 from medusa_trt.runtime.backends.onnx_backend import with_gate
 from medusa_trt.runtime.engine import read_meta
-from medusa_trt.runtime.host_attention import HostAttention, HostAttentionUnavailable
+from medusa_trt.runtime.host_attention import HostAttention
 from medusa_trt.runtime.step_segments import NotSegmentable, SegmentedStep, cut
 
 pytestmark = pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} missing")
@@ -22,11 +22,8 @@ def step(export_engine, stories_base, stories_fitted):
 
 
 @pytest.fixture(scope="module")
-def segmented(step, tmp_path_factory):
-    try:
-        kernel = HostAttention(tmp_path_factory.mktemp("kernel") / "host_attention.so")
-    except HostAttentionUnavailable as exc:
-        pytest.skip(f"no host attention here: {exc}")
+def segmented(step):
+    kernel = HostAttention()  # the native library, built with the package
     return SegmentedStep(step, kernel, shared_pool=False, threads=1)
 
 
