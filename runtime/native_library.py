@@ -130,14 +130,19 @@ def choose(isas: tuple[native_isa.Isa, ...], supported: int, cap: str | None) ->
     raise NativeUnavailable(f"this CPU runs none of {', '.join(i.name for i in allowed)}")
 
 
+def load(cap: str | None = None) -> Library:
+    """The native step's library for this CPU, at or below ``cap`` (default ``$MEDUSA_TRT_CPU_ISA``): loaded once a
+    process; ``NativeUnavailable`` where it cannot be had."""
+    return _load(cap or os.environ.get(native_isa.CAP_VARIABLE) or None)
+
+
 @functools.cache
-def load() -> Library:
-    """The native step's library for this CPU (once per process; ``NativeUnavailable`` where it cannot be had)."""
+def _load(cap: str | None) -> Library:
     isas = native_isa.for_machine(platform.machine())
     if not isas:
         raise NativeUnavailable(f"the native step is built for x86-64 and Arm64 CPUs, not {platform.machine()}")
     folder = _folder()
-    isa = choose(isas, _cpu_sets(folder, isas), os.environ.get(native_isa.CAP_VARIABLE) or None)
+    isa = choose(isas, _cpu_sets(folder, isas), cap)
     path = _file(folder, isa)
     if path is None:
         raise NativeUnavailable(f"the native step's {isa.name} library is missing from {folder}: reinstall medusa-trt (or make native)")
@@ -154,10 +159,10 @@ def load() -> Library:
     return Library(lib, isa.name, path)
 
 
-def unavailable() -> str | None:
+def unavailable(cap: str | None = None) -> str | None:
     """Why the native step cannot run here, or None where it can."""
     try:
-        load()
+        load(cap)
     except NativeUnavailable as exc:
         return str(exc)
     return None

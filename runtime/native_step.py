@@ -99,10 +99,13 @@ _ERRORS = {
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
+def _functions(cap: str | None = None) -> tuple[ctypes.CDLL, str]:
+    """The library (at or below the instruction set ``cap``) with its functions' signatures declared."""
+    return _declared(native_library.load(cap))
+
+
 @functools.cache
-def _functions() -> tuple[ctypes.CDLL, str]:
-    """The library with its functions' signatures declared (once a process)."""
-    library = native_library.load()
+def _declared(library: native_library.Library) -> tuple[ctypes.CDLL, str]:
     lib = library.cdll
     signatures = {
         "medusa_native_step": (_I, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I]),
@@ -119,18 +122,13 @@ def _functions() -> tuple[ctypes.CDLL, str]:
     return lib, library.isa
 
 
-def load_library() -> ctypes.CDLL:
+def load_library(cap: str | None = None) -> ctypes.CDLL:
     """The compiled step for this CPU (``native_library.load``; ``NativeUnavailable`` where it cannot be had)."""
-    return _functions()[0]
+    return _functions(cap)[0]
 
 
-def isa() -> str:
-    """The instruction set the loaded library was built for."""
-    return _functions()[1]
-
-
-def _threads(threads: int | None) -> int:
-    n = threads or load_library().medusa_native_default_threads()
+def _threads(threads: int | None, lib: ctypes.CDLL) -> int:
+    n = threads or lib.medusa_native_default_threads()
     if not 1 <= n <= 1024:
         raise EngineError(f"backend native: {threads} threads; pass 1 to 1024")
     return n
@@ -155,16 +153,16 @@ def _linear_view(m: Linear, keep: list) -> _Linear:
     return view
 
 
-def run_linear(m: Linear, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+def run_linear(m: Linear, x: np.ndarray, threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``x`` (..., K) through one weight matmul as the step computes it: (..., N) float32 (tests, checks)."""
-    lib = load_library()
+    lib = load_library(isa)
     k, n = m.shape
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     y = np.zeros((rows.shape[0], n), dtype=np.float32)
     keep: list = []
     view = _linear_view(m, keep)
     xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
-    work = _Work(rows=rows.shape[0], threads=_threads(threads), xq=xq.ctypes.data, xs=xs.ctypes.data)
+    work = _Work(rows=rows.shape[0], threads=_threads(threads, lib), xq=xq.ctypes.data, xs=xs.ctypes.data)
     rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
     if rc:
         raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
@@ -180,14 +178,14 @@ def _expect(name: str, a: np.ndarray | None, dtype, shape: tuple) -> None:
 
 class NativeStep:
     """The packed weights, the compiled step and its scratch for up to ``rows`` rows (batch x tokens) over
-    ``slots`` cache slots a row, on ``threads`` threads (default: OpenMP's count where it is built)."""
+    ``slots`` cache slots a row, on ``threads`` threads (default: OpenMP's count where it is built), with the library
+    of the best instruction set at or below ``isa`` (default ``$MEDUSA_TRT_CPU_ISA``)."""
 
-    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None):
-        lib = load_library()
+    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, isa: str | None = None):
+        lib, self.isa = _functions(isa)
         self._fn = lib.medusa_native_step
-        self.threads = _threads(threads)
+        self.threads = _threads(threads, lib)
         self.dims = d = weights.dims
-        self.isa = isa()
         self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
         linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)

@@ -12,6 +12,7 @@ one whose layers were checked against it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,10 @@ def _unsupported(path: Path, what: str) -> EngineError:
     return EngineError(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine")
 
 
+def _malformed(path: Path, what: str) -> EngineError:
+    return EngineError(f"backend native cannot run {path}: {what}; the file is not one medusa-export writes: export the engine again")
+
+
 def check_architecture(path: Path, architecture: str) -> None:
     """Refuse model types whose layers were never checked against the pattern (the graph is read strictly too)."""
     if architecture not in MODEL_TYPES:
@@ -141,8 +146,8 @@ class _Graph:
         name = node.input[1]
         source = self.producer.get(name)
         if source is not None and source.op_type == "Transpose" and list(_attr(source, "perm", [])) == [1, 0]:
-            return np.ascontiguousarray(self.array(source.input[0]).T, dtype=np.float32)
-        return self.array(name).astype(np.float32, copy=False)
+            return np.ascontiguousarray(self.array(source.input[0]).T)
+        return self.array(name)  # its dtype as stored: check_weights refuses all but float32 and int8
 
     def scalar(self, name: str) -> float:
         return float(self.array(name).reshape(-1)[0])
@@ -153,7 +158,10 @@ class _Graph:
         readers = sorted((n for n in self.consumers.get(x, []) if n.op_type != "Identity"), key=lambda n: n.op_type)
         kinds = [n.op_type for n in readers]
         if kinds == ["MatMul"]:
-            return Linear(self.weight_of(readers[0])), readers[0].output[0]
+            weight = self.weight_of(readers[0])
+            if weight.ndim != 2:
+                raise _unsupported(self.path, f"{x} is multiplied by a {weight.ndim}-D weight {weight.shape}, not a (K, N) matrix")
+            return Linear(weight), readers[0].output[0]
         if kinds != ["Abs", "QuantizeLinear"]:
             raise _unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
         top = self.only(self.only(readers[0].output[0], "ReduceMax").output[0], "Max")
@@ -170,9 +178,9 @@ class _Graph:
         cast = self.only(matmul.output[0], "Cast")
         row = self.only(cast.output[0], "Mul")
         column = self.only(row.output[0], "Mul")
-        if weight.dtype != np.int8 or div.output[0] not in row.input:
+        if weight.dtype != np.int8 or weight.ndim != 2 or div.output[0] not in row.input:
             raise _unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
-        scale = self.array(column.input[1]).astype(np.float32).reshape(-1)
+        scale = self.array(column.input[1]).reshape(-1)
         return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
 
 
@@ -203,6 +211,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
     attentions = [n for n in g.nodes if n.op_type == "Attention"]
     rotaries = [n for n in g.nodes if n.op_type == "RotaryEmbedding"]
     layers = len(attentions)
+    if not layers:
+        raise _unsupported(step, "no Attention nodes (the pattern has one a layer)")
     counts = {"RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers, "Add": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}
     for op, want in counts.items():
         if ops[op] != want:
@@ -223,28 +233,29 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, "an interleaved or partial rotary embedding")
     if len({(n.input[1], n.input[2]) for n in rotaries}) != 1:  # one table for every layer (no local / global bases)
         raise _unsupported(step, "layers with rotary tables of their own")
-    heads, kv_heads = int(_attr(rotaries[0], "num_heads")), int(_attr(rotaries[1], "num_heads"))
+    heads, kv_heads = int(_attr(rotaries[0], "num_heads", 0)), int(_attr(rotaries[1], "num_heads", 0))
     cos = g.producer[rotaries[0].input[1]]
     freq = g.producer.get(cos.input[0])
     if cos.op_type != "Cos" or freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init:
         raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
-    inv_freq = g.array(freq.input[1]).astype(np.float32).reshape(-1)
+    inv_freq = g.array(freq.input[1]).reshape(-1)
 
     gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
     if len(gather) != 1:
         raise _unsupported(step, "no token embedding Gather of input_ids")
-    embed = g.array(gather[0].input[0]).astype(np.float32)
+    embed = g.array(gather[0].input[0])
     x = gather[0].output[0]
     w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down")}
+    splits = []  # per layer: the q/k/v and the gate/up Splits' widths, checked once the dims are
     for layer in range(layers):
         norm = norms[2 * layer]
         if norm.input[0] != x:
             raise _unsupported(step, f"layer {layer}'s first norm does not read the residual stream")
-        w["norm_in"].append(g.array(norm.input[1]).astype(np.float32))
+        w["norm_in"].append(g.array(norm.input[1]))
         qkv, out = g.linear(norm.output[0])
         w["qkv"].append(qkv)
         split = g.only(out, "Split")
-        widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
+        qkv_widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
         attention = attentions[layer]
         out = attention.output[0]
         for op in ("Reshape", "Transpose", "Reshape"):
@@ -258,10 +269,11 @@ def read_weights(step: Path, architecture: str) -> Weights:
         post = norms[2 * layer + 1]
         if post.input[0] != x:
             raise _unsupported(step, f"layer {layer}'s second norm does not read the residual stream")
-        w["norm_post"].append(g.array(post.input[1]).astype(np.float32))
+        w["norm_post"].append(g.array(post.input[1]))
         gu, out = g.linear(post.output[0])
         w["gate_up"].append(gu)
         halves = g.only(out, "Split")
+        splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 else None))
         gate, up = halves.output
         sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
         silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
@@ -276,32 +288,83 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if x not in add.input:
             raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
         x = add.output[0]
-        dims_qkv = (w["qkv"][-1].shape[1], w["gate_up"][-1].shape[1])
-        q_width = w["o"][-1].shape[0]  # Hq D
-        if widths is None or widths != [q_width, (dims_qkv[0] - q_width) // 2, (dims_qkv[0] - q_width) // 2]:
-            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {widths}, not into q, k, v in that order")
     final = norms[-1]
     if final.input[0] != x or final.output[0] != "hidden":
         raise _unsupported(step, "the final norm is not the graph's hidden output")
-    lm = _lm_head(g, step)
-    hidden = embed.shape[1]
-    head_dim = w["o"][0].shape[0] // heads
+    vocab, hidden = embed.shape if embed.ndim == 2 else (0, 0)  # a 1-D embedding: check_weights names it
     dims = Dims(
         layers=layers,
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=head_dim,
+        head_dim=w["o"][0].shape[0] // heads if heads > 0 else 0,
         inter=w["down"][0].shape[0],
-        vocab=embed.shape[0],
+        vocab=vocab,
         eps=eps.pop(),
         scale=scales.pop(),
     )
-    qkv_width = (heads + 2 * kv_heads) * head_dim
-    if dims_qkv != (qkv_width, 2 * dims.inter) or inv_freq.size != head_dim // 2 or lm.shape != (hidden, dims.vocab):
-        raise _unsupported(step, "weight shapes that do not fit one another")
-    return Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
-                   g.array(final.input[1]).astype(np.float32), lm)  # fmt: skip
+    weights = Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
+                      g.array(final.input[1]), _lm_head(g, step))  # fmt: skip
+    check_weights(weights, step)
+    q, kv, i = heads * dims.head_dim, kv_heads * dims.head_dim, dims.inter
+    for layer, qkv_widths, gate_up_widths in splits:
+        if qkv_widths != [q, kv, kv]:
+            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {qkv_widths}, not as q, k, v: {[q, kv, kv]}")
+        if gate_up_widths not in (None, [i, i]):
+            raise _unsupported(step, f"layer {layer} splits its gate/up matmul as {gate_up_widths}, not into halves of {i}")
+    return weights
+
+
+def check_weights(weights: Weights, path: Path) -> None:
+    """Every array's shape and dtype against the dims, in every layer, before a pointer to any of them reaches C (the
+    C step trusts both; the values may be anything). The dims read from arrays (hidden and vocab from the embedding,
+    head_dim and the MLP width from layer 0's o_proj and down_proj) are checked against every other array, layer 0's
+    included. Raises one line naming the first that does not fit."""
+    d = weights.dims
+    H, Hq, Hkv, D, I, V = d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab  # noqa: E741
+    positive = lambda x: math.isfinite(x) and x > 0
+    for ok, what in (
+        (d.layers > 0, f"{d.layers} layers"),
+        (H > 0 and V > 0, f"an embedding of shape {weights.embed.shape}, not (vocab, hidden)"),
+        (Hq > 0 and Hkv > 0 and Hq % Hkv == 0, f"{Hq} attention heads over {Hkv} kv heads"),
+        (D > 0 and D % 2 == 0, f"head_dim {D} (layer 0's o_proj rows over {Hq} heads; rotate-half needs it even)"),
+        (I > 0, f"MLP width {I} (layer 0's down_proj rows)"),
+        (positive(d.eps), f"norm epsilon {d.eps}"),
+        (positive(d.scale), f"attention score scale {d.scale}"),
+    ):
+        if not ok:
+            raise _malformed(path, f"dims that do not fit: {what}")
+    counts = {field: len(getattr(weights, field)) for field in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down")}
+    if wrong := {field: n for field, n in counts.items() if n != d.layers}:
+        raise _malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
+
+    # (what, array, expected shape, dtypes): every array C reads
+    f32, weight = (np.float32,), (np.float32, np.int8)
+    table = [("the embedding", weights.embed, (V, H), f32), ("the rotary inv_freq", weights.inv_freq, (D // 2,), f32),
+             ("the final norm", weights.norm_final, (H,), f32)]  # fmt: skip
+    linears = [("the lm_head", weights.lm_head, (H, V))]
+    for layer in range(d.layers):
+        table += [(f"layer {layer}'s input norm", weights.norm_in[layer], (H,), f32),
+                  (f"layer {layer}'s post-attention norm", weights.norm_post[layer], (H,), f32)]  # fmt: skip
+        linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
+                    (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H)),
+                    (f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
+                    (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
+    for what, m, shape in linears:
+        table.append((what, m.weight, shape, weight))
+        if m.int8:  # one float32 scale a column; the row quantizer's floor and divisor
+            table.append((f"{what}'s column-scale vector", m.scale, shape[1:], f32))
+            for name, value in (("tiny", m.tiny), ("divisor", m.divisor)):
+                if not positive(value):
+                    raise _malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
+    legend = f"hidden {H} and vocab {V} read from the embedding, head_dim {D} and MLP width {I} from layer 0, {Hq} heads, {Hkv} kv heads"
+    for what, a, shape, dtypes in table:
+        if a is None or a.shape != shape:
+            raise _malformed(path, f"{what} has shape {None if a is None else a.shape}, not {shape} ({legend})")
+        if a.dtype not in dtypes:
+            raise _malformed(path, f"{what} has dtype {a.dtype}, not {' or '.join(np.dtype(t).name for t in dtypes)}")
+        if not a.flags.c_contiguous:  # C reads the norms, the embedding and the scales where they lie
+            raise _malformed(path, f"{what} is not one contiguous array")
 
 
 def _lm_head(g: _Graph, step: Path) -> Linear:

@@ -23,7 +23,7 @@ log = logging.getLogger("engine_step_ab")
 BURST = 4  # steps an engine takes in a row, the first untimed: the others' thread pools have stopped spinning by then
 
 
-BACKENDS = ("onnxruntime", "native")  # what @BACKEND names
+BACKENDS = ("onnxruntime", "native")  # what @BACKEND names (native:ISA caps native's instruction set, e.g. native:avx2)
 
 
 def parse_engine(text: str) -> tuple[str, tuple[Path, str]]:
@@ -31,16 +31,16 @@ def parse_engine(text: str) -> tuple[str, tuple[Path, str]]:
     path, _, backend = path.partition("@")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--engine {text!r} is not NAME=PATH[@BACKEND]: pass e.g. before=build/old-engine")
-    if (backend or BACKENDS[0]) not in BACKENDS:
+    if (backend or BACKENDS[0]).partition(":")[0] not in BACKENDS:
         raise argparse.ArgumentTypeError(f"--engine {text!r}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
     return name, (Path(path), backend or BACKENDS[0])
 
 
 def open_backend(path: Path, backend: str, threads: int):
-    if backend == "native":
+    if backend.partition(":")[0] == "native":
         from medusa_trt.runtime.backends.native_backend import NativeBackend
 
-        return NativeBackend(path, max_batch=1, threads=threads)
+        return NativeBackend(path, max_batch=1, threads=threads, isa=backend.partition(":")[2] or None)
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 
     return OnnxBackend(path, max_batch=1, threads=threads)

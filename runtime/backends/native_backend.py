@@ -102,6 +102,7 @@ class NativeBackend(OnnxBackend):
         max_context: int | None = None,
         threads: int | None = None,
         checksums: bool = False,
+        isa: str | None = None,  # the best instruction set at or below this one (default $MEDUSA_TRT_CPU_ISA)
     ):
         self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
         if meta.dtype != "fp32":
@@ -110,10 +111,15 @@ class NativeBackend(OnnxBackend):
         self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
         self.max_tokens = meta.max_tokens
         weights = native_weights.read_weights(files.step, meta.architecture)
-        if weights.dims.vocab != meta.vocab_size or weights.dims.layers != meta.num_layers:
-            raise EngineError(f"{files.step}'s weights do not match its metadata: export again")
+        d = weights.dims  # read from the weights; each recorded in the metadata by the export too
+        found = dict(vocab=d.vocab, layers=d.layers, hidden=d.hidden, kv_heads=d.kv_heads, head_dim=d.head_dim)
+        recorded = dict(
+            vocab=meta.vocab_size, layers=meta.num_layers, hidden=meta.hidden_size, kv_heads=meta.num_kv_heads, head_dim=meta.head_dim
+        )
+        if wrong := [f"{k} {found[k]} (metadata: {recorded[k]})" for k in found if found[k] != recorded[k]]:
+            raise EngineError(f"{files.step}'s weights do not match its metadata, {', '.join(wrong)}: export again")
         self.session = _Session(
-            native_step.NativeStep(weights, rows=self.max_batch * self.max_tokens, slots=self.max_context, threads=threads)
+            native_step.NativeStep(weights, rows=self.max_batch * self.max_tokens, slots=self.max_context, threads=threads, isa=isa)
         )
         self.heads_session = open_heads(files, meta, _session_options(threads, spin=False), ["CPUExecutionProvider"])
         self.successors = min(meta.successors, native_step.MAX_TOPK)
@@ -125,7 +131,8 @@ class NativeBackend(OnnxBackend):
         self.gated = True  # a step may skip the lm_head whatever the graph (the C step decides)
         self.key_lanes = None
         log.info(
-            "native backend (%d threads): %d layers, KV cache %.1f MiB, outputs %.1f MiB",
+            "native backend (%s, %d threads): %d layers, KV cache %.1f MiB, outputs %.1f MiB",
+            self.session.step.isa,
             self.session.step.threads,
             weights.dims.layers,
             self.buffers.cache_bytes / 2**20,

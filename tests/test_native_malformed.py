@@ -1,0 +1,153 @@
+"""Malformed engines on the native backend: one weight initializer of a real export given another shape or dtype, the
+engine's manifest rewritten to match (so only the native shape checks stand between the file and the C step). Each
+is refused at load with one line naming the layer and the array, never a traceback, never a step that reads or
+writes past an array."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import medusa_model
+
+onnx = pytest.importorskip("onnx")
+from onnx import numpy_helper
+
+from medusa_trt.runtime import native_weights
+from medusa_trt.runtime.backends.native_backend import NativeBackend
+from medusa_trt.runtime.engine import EngineError, EngineFiles
+from medusa_trt.runtime.manifest import write_manifest
+
+
+@pytest.fixture(scope="module")
+def engines(stories_base, stories_fitted, export_engine):
+    """The fp32 and the int8-channel export of stories260K (5 layers, H 64, I 172; shared with test_native_backend)."""
+    model = medusa_model(stories_base, stories_fitted)
+    return {
+        "fp32": export_engine("stories-fitted", model),
+        "int8": export_engine("stories-fitted-int8-channel", model, quantize="int8-channel"),
+    }
+
+
+def _roles(model) -> dict[str, str]:
+    """Initializer names by role (embed, inv_freq, norm_in.3, norm_post.3, norm_final, qkv.3, o.3, gate_up.3, down.3,
+    lm_head, and an int8 linear's ``o.3.scale``), found by their place in the graph the way read_weights finds them."""
+    graph = model.graph
+    branches = [a.g.node for n in graph.node if n.op_type == "If" for a in n.attribute if a.name == "then_branch"]
+    nodes = [*graph.node, *(n for branch in branches for n in branch)]
+    init = {t.name for t in graph.initializer}
+    producer = {out: n for n in nodes for out in n.output}
+    consumers: dict[str, list] = {}
+    for n in nodes:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+    norms = [n.input[1] for n in nodes if n.op_type == "RMSNormalization"]
+    layers = len(norms) // 2
+    roles = {
+        "embed": next(n.input[0] for n in nodes if n.op_type == "Gather" and n.input[1] == "input_ids"),
+        "inv_freq": producer[next(n for n in nodes if n.op_type == "Cos").input[0]].input[1],
+        "norm_final": norms[-1],
+    }
+    for layer in range(layers):
+        roles[f"norm_in.{layer}"], roles[f"norm_post.{layer}"] = norms[2 * layer], norms[2 * layer + 1]
+    matmuls = [n for n in nodes if n.op_type in ("MatMul", "MatMulInteger") and n.input[1] in init]
+    names = [f"{kind}.{layer}" for layer in range(layers) for kind in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+    assert len(matmuls) == len(names), [n.input[1] for n in matmuls]
+    for role, matmul in zip(names, matmuls):
+        roles[role] = matmul.input[1]
+        if matmul.op_type == "MatMulInteger":  # int8 columns: MatMulInteger, Cast, Mul (row scales), Mul (column scales)
+            row = consumers[consumers[matmul.output[0]][0].output[0]][0]
+            column = consumers[row.output[0]][0]
+            roles[f"{role}.scale"] = next(name for name in column.input if name != row.output[0])
+    return roles
+
+
+def _mutated(engine: Path, folder: Path, role: str, change) -> Path:
+    """A copy of ``engine``'s files in ``folder`` with the ``role`` initializer replaced by ``change(array)`` and the
+    manifest rewritten to the new files."""
+    shutil.copytree(engine.parent, folder)
+    step = folder / engine.name
+    model = onnx.load(str(step))
+    name = _roles(model)[role]
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), name))
+    onnx.save(model, str(step))
+    write_manifest(EngineFiles.locate(step))
+    return step
+
+
+more_rows = lambda a: np.concatenate([a, a[:1]], axis=0)
+more_columns = lambda a: np.concatenate([a, a[:, :1]], axis=1)
+shorter = lambda a: a[:-1]
+narrower = lambda a: a[:, :-1]
+
+# id: engine, role, change, what the one line says (stories260K: 5 layers, H 64, Hq 8, Hkv 4, D 8, I 172, V 512)
+MUTATIONS = {
+    "last-input-norm-length-1": ("fp32", "norm_in.4", lambda a: a[:1], "layer 4's input norm has shape (1,), not (64,)"),
+    "middle-post-norm-longer": ("fp32", "norm_post.2", more_rows, "layer 2's post-attention norm has shape (65,), not (64,)"),
+    "o-proj-one-more-column": ("fp32", "o.1", more_columns, "layer 1's o_proj has shape (64, 65), not (64, 64)"),
+    "down-proj-wider": ("fp32", "down.2", more_rows, "layer 2's down_proj has shape (173, 64), not (172, 64)"),
+    "gate-up-narrower": ("fp32", "gate_up.3", lambda a: a[:, :-2], "layer 3's gate/up_proj has shape (64, 342), not (64, 344)"),
+    "qkv-wider": ("fp32", "qkv.1", more_columns, "layer 1's q/k/v_proj has shape (64, 129), not (64, 128)"),
+    "final-norm-shorter": ("fp32", "norm_final", shorter, "the final norm has shape (63,), not (64,)"),
+    # hidden is read from the embedding: the first array of width 64 is named, with the dims and where they come from
+    "embedding-narrower": ("fp32", "embed", narrower, "has shape (64,), not (63,) (hidden 63 and vocab 512 read from the embedding"),
+    "inv-freq-longer": ("fp32", "inv_freq", more_rows, "the rotary inv_freq has shape (5,), not (4,)"),
+    "layer-0-o-proj-one-more-row": ("fp32", "o.0", more_rows, "layer 0's o_proj has shape (65, 64), not (64, 64)"),  # head_dim's source
+    "layer-0-down-proj-wider": ("fp32", "down.0", more_rows, "layer 0's gate/up_proj has shape (64, 344), not (64, 346)"),  # inter's source
+    "fp32-weight-float64": ("fp32", "down.3", lambda a: a.astype(np.float64), "layer 3's down_proj has dtype float64, not float32 or int8"),
+    "int8-column-scale-short": ("int8", "down.2.scale", shorter, "layer 2's down_proj's column-scale vector has shape (63,), not (64,)"),
+    "int8-weight-int16": ("int8", "o.1", lambda a: a.astype(np.int16), "int8 matmul is not int8 columns"),
+    "int8-weight-float64": ("int8", "gate_up.2", lambda a: a.astype(np.float64), "int8 matmul is not int8 columns"),
+}
+
+
+@pytest.mark.parametrize("kind, role, change, named", list(MUTATIONS.values()), ids=list(MUTATIONS))
+def test_a_malformed_engine_is_one_line_exit_2(engines, tmp_path, capsys, kind, role, change, named):
+    """``medusa-run --backend native`` on the mutated engine: exit 2, one stderr line naming the array, no traceback."""
+    from medusa_trt.cli.run import main
+
+    step = _mutated(engines[kind], tmp_path / "engine", role, change)
+    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
+    assert named in err[0], err[0]
+
+
+def test_the_backend_refuses_a_malformed_engine_in_one_line(engines, tmp_path):
+    """NativeBackend itself: an EngineError whose message is one line naming the layer, the array and both shapes."""
+    step = _mutated(engines["fp32"], tmp_path / "engine", "norm_post.3", lambda a: a[:1])
+    with pytest.raises(EngineError, match="backend native cannot run") as info:
+        NativeBackend(step, max_batch=1, max_context=64, threads=1)
+    assert "layer 3's post-attention norm has shape (1,), not (64,)" in str(info.value) and "\n" not in str(info.value)
+
+
+DIMS = [
+    pytest.param({"heads": 6}, "heads", id="heads-not-a-multiple-of-kv-heads"),
+    pytest.param({"kv_heads": 0}, "kv heads", id="no-kv-heads"),
+    pytest.param({"eps": float("nan")}, "epsilon", id="eps-nan"),
+    pytest.param({"scale": 0.0}, "score scale", id="scale-zero"),
+]
+
+
+@pytest.mark.parametrize("change, named", DIMS)
+def test_dims_that_do_not_fit_are_refused(engines, change, named):
+    """check_weights on the real weights with one dim changed (these come from node attributes, not initializers)."""
+    step = engines["fp32"]
+    weights = native_weights.read_weights(step, "llama")
+    bad = dataclasses.replace(weights, dims=dataclasses.replace(weights.dims, **change))
+    with pytest.raises(EngineError, match=named):
+        native_weights.check_weights(bad, step)
+
+
+def test_int8_quantizer_scalars_are_checked(engines):
+    step = engines["int8"]
+    weights = native_weights.read_weights(step, "llama")
+    for field, value in (("tiny", 0.0), ("divisor", float("inf"))):
+        bad = dataclasses.replace(weights, o=[dataclasses.replace(weights.o[0], **{field: value}), *weights.o[1:]])
+        with pytest.raises(EngineError, match=f"layer 0's o_proj row quantizer {field}"):
+            native_weights.check_weights(bad, step)
