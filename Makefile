@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+NATIVE := $(VENV)/.native
 STUB_ENV := $(abspath .venv-stub)
 export MEDUSA_TRT_STUB_ENV := $(STUB_ENV)
 # The versions the suite was last run with (every package, pinned). `make install CONSTRAINTS=` installs the newest
@@ -12,7 +13,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install peers openvino-peer openvino-models demo test lint test-fast gpu-check gpu-check-dry constraints clean
+.PHONY: install native peers openvino-peer openvino-models demo test lint test-fast test-sanitize wheel-check arm-build gpu-check gpu-check-dry constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -35,7 +36,39 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	rm -rf $(STUB_ENV) && $(VENV)/bin/medusa-serve --make-stub-env $(STUB_ENV)
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE)
+
+# The native step's libraries (runtime/_native_<set>*.so, one per instruction set: setup.py). pip install -e builds them
+# once; this rebuilds them in place after an edit of their sources (a stale build is refused at load, naming this).
+NATIVE_SOURCES := runtime/native_step.c runtime/host_attention.c runtime/native_simd.h runtime/native_isa.py setup.py
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
+	mkdir -p build && $(PY) setup.py build_ext --inplace > build/native-build.log 2>&1 || { tail -20 build/native-build.log; exit 1; }
+	$(PY) -c "from medusa_trt.runtime import native_library as n; print('native step:', n.load().isa, n.load().path.name)"
+	touch $@
+native: $(NATIVE)
+
+
+# The native tests under AddressSanitizer and UndefinedBehaviorSanitizer (issue 47): the libraries built with them into
+# build/native-sanitize (scripts/build_native.py) and loaded from there (MEDUSA_TRT_NATIVE_DIR) into a Python that
+# preloads ASan (and libstdc++, whose exceptions ASan must intercept from the start); a report fails the run.
+SANITIZE := $(abspath build/native-sanitize)
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1
+test-sanitize: $(STAMP)
+	$(PY) scripts/build_native.py --out $(SANITIZE) --flags "$(SANITIZE_FLAGS)"
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MEDUSA_TRT_NATIVE_DIR=$(SANITIZE) \
+	  $(PY) -m pytest -q -p no:logging tests/test_native_backend.py tests/test_native_malformed.py tests/test_native_serving.py \
+	  tests/test_host_attention.py
+
+# The wheel runs native with no C compiler on PATH, at every instruction set this CPU runs (scripts/wheel_check.sh)
+wheel-check: $(STAMP)
+	bash scripts/wheel_check.sh
+
+# The Arm (NEON) library cross-compiled (Debian's gcc-aarch64-linux-gnu): it builds and links; CI runs it
+arm-build: $(STAMP)
+	command -v aarch64-linux-gnu-gcc >/dev/null || apt-get install -y -q gcc-aarch64-linux-gnu >/dev/null
+	$(PY) scripts/build_native.py --out build/native-arm --machine aarch64 --cc aarch64-linux-gnu-gcc
 
 # llama.cpp's Python binding for medusa-bench --peer llama.cpp:GGUF: built from source (about 10 minutes on 2 cores;
 # pip caches the wheel). Without it the peer runner's tests skip and say why.
@@ -77,24 +110,24 @@ openvino-models: openvino-peer $(OV_ENV)/.installed
 HEADS  := assets/smollm2-135m-medusa
 ENGINE := build/smollm2-135m-medusa
 
-$(ENGINE): $(STAMP) $(HEADS)/heads.safetensors $(HEADS)/template.json $(HEADS)/export.json
+$(ENGINE): $(STAMP) $(NATIVE) $(HEADS)/heads.safetensors $(HEADS)/template.json $(HEADS)/export.json
 	mkdir -p build
 	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --out $@ --max-batch 4 --max-context 1024
 
 # A few different prompts (assets/demo_prompts.json: code, a summary, a question, a word problem, a chat turn, one
 # streamed), each drafted and then decoded plainly on the same engine, greedy: the answers' first lines, tokens per
 # step, the speedup over plain decoding, and whether every drafted output equals its plain output (exit 1 if not)
-demo: $(ENGINE)
+demo: $(ENGINE) $(NATIVE)
 	$(VENV)/bin/medusa-demo --engine $(ENGINE) --prompts assets/demo_prompts.json --max-new-tokens 128
 
-test: $(STAMP) $(VENV)/.peers lint
+test: $(STAMP) $(NATIVE) $(VENV)/.peers lint
 	$(PY) -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q -m "not slow"
 
 # Record what .venv holds as the tested versions (after `make install CONSTRAINTS=` and a green `make test`)

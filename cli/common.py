@@ -82,6 +82,18 @@ def drafter_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def add_backend_arg(p) -> None:
+    """--backend: what runs an ONNX engine (medusa-run, medusa-serve, medusa-triton-repo); default None, the engine folder's choice."""
+    from medusa_trt.runtime.backends import ONNX_BACKENDS
+
+    p.add_argument(
+        "--backend",
+        choices=ONNX_BACKENDS,
+        help="what runs an ONNX engine (default: the engine folder's choice, else onnxruntime); native: this project's "
+        "own C step (fp32 and int8-channel Llama-pattern engines)",
+    )
+
+
 def add_sampling_args(p) -> None:
     """--temperature / --top-p / --top-k / --seed / --acceptance (defaults: SamplingParams')."""
     g = p.add_argument_group("sampling (default: greedy)")

@@ -26,6 +26,7 @@ import time
 from medusa_trt.cli.common import (
     USER_ERRORS,
     Parser,
+    add_backend_arg,
     add_sampling_args,
     drafter_list,
     entry,
@@ -34,7 +35,6 @@ from medusa_trt.cli.common import (
     sampling_kwargs,
     setup_logging,
 )
-from medusa_trt.runtime.backends import ONNX_BACKENDS
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.text import PromptError
 
@@ -80,12 +80,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-context", type=positive_int, help="default: the engine's, or 1024 for --model")
     p.add_argument("--max-batch", type=positive_int, help="default: the engine's, or 4 for --model")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
-    p.add_argument(
-        "--backend",
-        choices=ONNX_BACKENDS,
-        help="what runs an ONNX --engine (default: the engine folder's choice, else onnxruntime); native: this project's "
-        "own C step (fp32 and int8-channel Llama-pattern engines)",
-    )
+    add_backend_arg(p)
     p.add_argument("--precision", choices=["f32", "bf16"], help="openvino's precision (default f32; bf16 needs AMX or AVX512-BF16)")
     p.add_argument(
         "--no-verify",

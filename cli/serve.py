@@ -21,7 +21,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.cli.common import (
+    USER_ERRORS,
+    Parser,
+    add_backend_arg,
+    drafter_list,
+    entry,
+    fail,
+    non_negative_int,
+    positive_int,
+    setup_logging,
+)
 from medusa_trt.serving.openai_server import API_KEY_VAR, OpenAIServerConfig, looks_like_engine
 from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, TRITON_MODEL_NAME, EngineOptions, ServeDefaults
 from medusa_trt.serving.triton import (
@@ -44,6 +54,7 @@ ENGINE_ONLY = (
     "draft",
     "max_batch",
     "max_context",
+    "backend",
     "threads",
     "max_tokens",
     "max_tokens_limit",
@@ -84,7 +95,12 @@ def add_engine_arguments(g, triton: str = "") -> None:
     )
     g.add_argument("--max-batch", type=positive_int, help="concurrent sequences (default: the engine's)")
     g.add_argument("--max-context", type=positive_int, help="default: the engine's")
-    g.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own)")
+    add_backend_arg(g)
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        help="the backend's threads: ONNX Runtime intra-op, OpenVINO inference, native's OpenMP step (default: its own)",
+    )
     g.add_argument("--max-tokens", type=positive_int, help=f"max_tokens of a request that sends none (default {d.max_tokens})")
     g.add_argument(
         "--max-tokens-limit",
@@ -109,7 +125,13 @@ def add_engine_arguments(g, triton: str = "") -> None:
 
 def engine_options(args, path) -> EngineOptions:
     return EngineOptions(
-        path, tree=args.tree, drafters=args.draft, max_batch=args.max_batch, max_context=args.max_context, threads=args.threads
+        path,
+        tree=args.tree,
+        drafters=args.draft,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        backend=args.backend,
+        threads=args.threads,
     )
 
 
@@ -275,9 +297,9 @@ def _serve_openai(args) -> int:
         **_set(port=args.port, shutdown_timeout=args.shutdown_timeout),
     )
 
-    def ready(url: str) -> None:
+    def ready(url: str, summary: str) -> None:
         print(
-            f"medusa-serve: serving {args.target} as {config.name!r} (OpenAI API, pid {os.getpid()})\n"
+            f"medusa-serve: serving {args.target} as {config.name!r} (OpenAI API, {summary}, pid {os.getpid()})\n"
             f"  OpenAI   {url}/v1\n  metrics  {url}/metrics\nCtrl-C stops it.",
             flush=True,
         )

@@ -1,13 +1,15 @@
 """``medusa-serve ENGINE`` (``--api openai``, the default): the OpenAI-compatible server in one process.
 
     serve_openai(OpenAIServerConfig(engine="build/smollm2-135m-medusa", port=8000), on_ready=print)
+    serve_openai(OpenAIServerConfig(engine=EngineOptions("build/e", backend="native", threads=2)))
     serve_openai(OpenAIServerConfig(engine=EngineOptions("build/e", max_batch=4), defaults=ServeDefaults(max_tokens=64)))
 
 loads the engine (every file's sha256 checked once against the export's manifest), starts a
 ``ContinuousBatcher`` (its loop thread owns the engine) with the serving metrics as its observer,
 binds the socket (127.0.0.1 unless ``host`` says otherwise; another host needs ``allow_remote``),
 and runs the FastAPI app (``serving.openai_app``) under uvicorn on the asyncio loop of the main
-thread. ``on_ready(url)`` is called once the socket listens and the engine is loaded.
+thread. ``on_ready(url, summary)`` is called once the socket listens and the engine is loaded;
+``summary`` says how the engine runs (``schema.engine_summary``: "backend native, 1 thread").
 
 Stopping: SIGTERM or Ctrl-C stop accepting connections (a generation request that still comes
 on an open connection is a 503), give requests in flight up to ``shutdown_timeout`` seconds, then
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_trt.serving.schema import EngineOptions, ServeDefaults
+from medusa_trt.serving.schema import EngineOptions, ServeDefaults, engine_summary
 from medusa_trt.serving.triton import ServeError, is_loopback
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class OpenAIServerConfig:
 
 
 def load_app(config: OpenAIServerConfig):
-    """(app, batcher): the engine loaded, its batcher started, the app over them."""
+    """(app, batcher, summary): the engine loaded, its batcher started, the app over them, how the engine runs."""
     try:
         from medusa_trt.serving.metrics import MetricsObserver, PrometheusSink
         from medusa_trt.serving.openai_app import AppConfig, build_app
@@ -101,6 +103,7 @@ def load_app(config: OpenAIServerConfig):
         str(engine.path),
         max_batch=engine.max_batch,
         max_context=engine.max_context,
+        backend=engine.backend,
         threads=engine.threads,
         tree=engine.tree,
         drafters=engine.drafters,
@@ -122,15 +125,17 @@ def load_app(config: OpenAIServerConfig):
         ),
         sink,
     )
+    summary = engine_summary(runtime)
     log.info(
-        "serving %s as %r: drafters %s, max_batch %d, max_context %d",
+        "serving %s as %r: %s, drafters %s, max_batch %d, max_context %d",
         engine.path,
         config.name,
+        summary,
         ",".join(runtime.drafting.names) or "none",
         runtime.max_batch,
         runtime.max_context,
     )
-    return app, batcher
+    return app, batcher, summary
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -148,7 +153,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = lambda url: None) -> int:
+def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str, str], None] = lambda url, summary: None) -> int:
     """Load, listen, serve until SIGTERM / SIGINT; 0 once stopped. Raises ``ServeError`` /
     ``MedusaError`` for what the user can fix (a bad engine, a taken port, a missing extra)."""
     try:
@@ -157,7 +162,7 @@ def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = l
         raise ServeError(f"the OpenAI server needs uvicorn, which is not installed: {INSTALL_HINT}") from exc
     if not is_loopback(config.host):
         log.warning("the server binds %s: it serves other machines%s", config.host, "" if config.api_key else ", without an API key")
-    app, batcher = load_app(config)
+    app, batcher, summary = load_app(config)
     try:
         sock = bind(config.host, config.port)
         host, port = sock.getsockname()[:2]
@@ -167,7 +172,7 @@ def serve_openai(config: OpenAIServerConfig, on_ready: Callable[[str], None] = l
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
                 if not self.should_exit:  # uvicorn accepts from here on
-                    on_ready(url)
+                    on_ready(url, summary)
 
             async def shutdown(self, sockets=None):
                 # uvicorn stops accepting and waits for the requests in flight; at shutdown_timeout the batcher

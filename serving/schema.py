@@ -3,6 +3,7 @@ the Triton model and the Triton repository writer.
 
     ServeDefaults    what a request that leaves a field out gets, and the per-request limits
     EngineOptions    the engine a server runs and how (``MedusaRuntime``'s arguments)
+    engine_summary   how a loaded engine runs ("backend native, 1 thread"): the servers' banner and log
     max_tokens_limit the most new tokens one request may ask for, for an engine's context
     make_request     one validation from request fields to a ``batching.Request``: a bad field
                      raises ``RequestError`` naming it (the front end answers 400 / INVALID_ARG);
@@ -22,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from medusa_trt.runtime.backends import ONNX_BACKENDS
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.errors import MedusaError
 
@@ -100,18 +102,28 @@ class EngineOptions:
     drafters: tuple[str, ...] | None = None  # subset of drafting.DRAFTERS; None: every drafter the engine supports; (): plain
     max_batch: int | None = None  # concurrent sequences (cache rows); None: the engine's
     max_context: int | None = None  # None: the engine's
-    threads: int | None = None  # ONNX Runtime intra-op threads; None: its default
+    backend: str | None = None  # what runs an ONNX engine (ONNX_BACKENDS); None: the engine folder's choice, else onnxruntime
+    threads: int | None = None  # the backend's threads (ONNX Runtime intra-op, OpenVINO, native's OpenMP step); None: its default
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ServeOptionsError(f"{name} must be >= 1, got {value}")
+        if self.backend is not None and self.backend not in ONNX_BACKENDS:
+            raise ServeOptionsError(f"backend must be one of {', '.join(ONNX_BACKENDS)} (None: the engine's choice), got {self.backend!r}")
 
     @classmethod
     def of(cls, engine: EngineOptions | str | os.PathLike) -> EngineOptions:
         """``engine`` as options: an ``EngineOptions`` as is, a path with the engine's own settings."""
         return engine if isinstance(engine, EngineOptions) else cls(engine)
+
+
+def engine_summary(runtime) -> str:
+    """How a loaded ``MedusaRuntime`` runs: its backend and the threads it was given ("backend native, 1 thread")."""
+    threads = runtime.config.threads
+    count = "its default threads" if threads is None else f"{threads} thread{'' if threads == 1 else 's'}"
+    return f"backend {runtime.backend.name}, {count}"
 
 
 def max_tokens_limit(context: int, asked: int | None = None) -> int:

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, RequestError, ServeDefaults, make_request
+from medusa_trt.serving.schema import DEFAULT_MAX_TOKENS_LIMIT, RequestError, ServeDefaults, engine_summary, make_request
 from medusa_trt.serving.schema import TRITON_INPUT_NAMES as INPUTS
 
 try:
@@ -191,6 +191,7 @@ class TritonPythonModel:
             str(engine),
             max_batch=opt_int("max_batch"),
             max_context=opt_int("max_context"),
+            backend=params.get("backend") or None,
             threads=opt_int("threads"),
             tree=params.get("tree") or None,
             verify_checksums=True,
@@ -205,7 +206,7 @@ class TritonPythonModel:
         self._watchdog = threading.Thread(target=self._watch, name="medusa-cancel-watch", daemon=True)
         self._watchdog.start()
         pb_utils.Logger.log_info(
-            f"medusa: {engine} (drafters {','.join(runtime.drafting.names) or 'none'}; heads template "
+            f"medusa: {engine} ({engine_summary(runtime)}; drafters {','.join(runtime.drafting.names) or 'none'}; heads template "
             f"{runtime.tree.name}, {runtime.tree.num_nodes} nodes), "
             f"max_batch {runtime.max_batch}, max_context {runtime.max_context}"
         )

@@ -154,6 +154,7 @@ def config_pbtxt(config: TritonRepoConfig, engine: str, max_tokens_limit: int) -
         "drafters": "" if options.drafters is None else (",".join(options.drafters) or "none"),
         "max_batch": "" if options.max_batch is None else str(options.max_batch),
         "max_context": "" if options.max_context is None else str(options.max_context),
+        "backend": options.backend or "",
         "threads": "" if options.threads is None else str(options.threads),
         "default_max_tokens": str(defaults.max_tokens),
         "max_tokens_limit": str(max_tokens_limit),

@@ -265,3 +265,67 @@ def test_without_the_onnx_package_the_fix_is_named(engine, monkeypatch):
     with pytest.raises(EngineError, match=r"pip install 'medusa-trt\[native\]'") as info:
         NativeBackend(engine)
     assert "\n" not in str(info.value)
+
+
+def _isas() -> list[str]:
+    import platform
+
+    from medusa_trt.runtime import native_isa
+
+    return [i.name for i in native_isa.for_machine(platform.machine())]
+
+
+def _at(isa: str) -> str:
+    """Skip unless this CPU runs ``isa`` (MEDUSA_TRT_CPU_ISA=isa would fall back to a lower set)."""
+    from medusa_trt.runtime import native_library
+
+    loaded = native_library.load(isa).isa
+    if loaded != isa:
+        pytest.skip(f"this CPU does not run {isa} (capped there, it runs {loaded})")
+    return isa
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_every_instruction_set_is_exact(engine, int8_engine, isa):
+    """At every instruction set this CPU runs (as MEDUSA_TRT_CPU_ISA caps it): a chain and a tree re-score plain steps
+    bit for bit, fp32 and int8-channel, and the library loaded is the one asked for."""
+    _at(isa)
+    for path, context in ((engine, 45), (int8_engine, 37)):
+        backend = NativeBackend(path, max_batch=1, max_context=128, threads=2, isa=isa)
+        assert backend.session.step.isa == isa
+        ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
+        path_ids, plain = exactness.plain_steps(backend, ids, 4)
+        for name, layout in exactness.layouts(path_ids, backend.meta.vocab_size).items():
+            assert exactness.verify_diffs(backend, ids, layout, plain) == [0.0] * len(path_ids), (isa, path.name, name)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_every_instruction_set_computes_the_same_matmuls(isa):
+    """fp32: each row alone = among others, within float rounding of numpy, for widths off every block size; int8:
+    ONNX Runtime's row-quantized matmul bit for bit."""
+    from tests.helpers import row_int8_model
+
+    _at(isa)
+    rng = np.random.default_rng(4)
+    for k, n in ((70, 50), (64, 576 + 20), (9, 7)):
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        x = rng.standard_normal((13, k)).astype(np.float32)
+        ours = native_step.run_linear(native_weights.Linear(w), x, isa=isa)
+        assert np.abs(ours - x @ w).max() < 1e-4 * max(1.0, np.abs(x @ w).max()), (isa, k, n)
+        for i in (0, 5, 12):
+            assert np.array_equal(native_step.run_linear(native_weights.Linear(w), x[i : i + 1], isa=isa)[0], ours[i]), (isa, k, n, i)
+    from onnx import numpy_helper
+
+    model, reference = row_int8_model(64, 172, seed=3)
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    linear = native_weights.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
+    x = (rng.standard_normal((1, 9, 64)) * 3).astype(np.float32)
+    assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), isa
+
+
+def test_a_cap_that_is_not_a_set_of_this_cpu_is_one_line():
+    from medusa_trt.runtime import native_library
+
+    with pytest.raises(native_library.NativeUnavailable, match="MEDUSA_TRT_CPU_ISA=sse9 is not an instruction set") as info:
+        native_library.load("sse9")
+    assert "\n" not in str(info.value)

@@ -143,6 +143,7 @@ def test_repo_layout_and_config(fake_engine, tmp_path):
         "drafters": "",
         "max_batch": "2",
         "max_context": "",
+        "backend": "",
         "threads": "",
         "default_max_tokens": "64",
         "max_tokens_limit": "256",
