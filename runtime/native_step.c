@@ -190,6 +190,39 @@ static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
 }
 #endif
 
+/* Off VNNI, on AVX2: the int8 sums with vpmaddwd over int16-widened values (exact: every product and pair sum fits;
+ * vpmaddubsw would saturate). sums[i][0..32) of rows i < mb (1 or 2) of one block, 16 outputs at a time. Integer sums
+ * are exact in any order, so these are the VNNI build's sums, bit for bit. */
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+#define I8_MADD 1
+static inline void sums_madd(const uint8_t *xq, int64_t kpad, const int8_t *w, int mb, int32_t (*sums)[BLOCK]) {
+    for (int half = 0; half < 2; half++) {
+        __m256i acc[2][4];
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < kpad; k += 4) {
+            const int8_t *wk = w + k * BLOCK + half * 64; /* 16 outputs x 4 k's */
+            __m256i wv[4];
+            for (int j = 0; j < 4; j++) wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * j)));
+            for (int i = 0; i < mb; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * kpad + k, 4);
+                const __m256i a = _mm256_cvtepu8_epi16(_mm_set1_epi32(quad)); /* the row's 4 values, 4 times */
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wv[j], a));
+            }
+        }
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < 4; j++) { /* lanes: output 4j + o's two pair sums at 2o, 2o + 1 */
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i *)lanes, acc[i][j]);
+                for (int o = 0; o < 4; o++) sums[i][half * 16 + 4 * j + o] = lanes[2 * o] + lanes[2 * o + 1];
+            }
+    }
+}
+#else
+#define I8_MADD 0
+#endif
+
 static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restrict xq, int64_t kpad, const int8_t *restrict w,
                                                           ivec16 (*acc)[I8NV], const int mb) {
     for (int i = 0; i < mb; i++)
@@ -225,26 +258,31 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
     const int8_t *w = (const int8_t *)L->w;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
-        ivec16 acc[I8ROWS][I8NV];
         const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
+        const int8_t *wb = w + b * kpad * BLOCK;
         for (int64_t m = 0; m < M; m += I8ROWS) {
             const int mb = M - m < I8ROWS ? (int)(M - m) : I8ROWS;
+            int32_t sums[I8ROWS][BLOCK];
+#if I8_MADD
+            for (int i = 0; i < mb; i += 2) sums_madd(wk->xq + (m + i) * kpad, kpad, wb, mb - i < 2 ? 1 : 2, sums + i);
+#else
+            ivec16 acc[I8ROWS][I8NV];
             switch (mb) {
-            case 1: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 1); break;
-            case 2: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 2); break;
-            case 3: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 3); break;
-            case 4: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 4); break;
-            case 5: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 5); break;
-            case 6: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 6); break;
-            case 7: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, 7); break;
-            default: tile_i8(wk->xq + m * kpad, kpad, w + b * kpad * BLOCK, acc, I8ROWS); break;
+            case 1: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 1); break;
+            case 2: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 2); break;
+            case 3: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 3); break;
+            case 4: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 4); break;
+            case 5: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 5); break;
+            case 6: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 6); break;
+            case 7: tile_i8(wk->xq + m * kpad, kpad, wb, acc, 7); break;
+            default: tile_i8(wk->xq + m * kpad, kpad, wb, acc, I8ROWS); break;
             }
+            for (int i = 0; i < mb; i++) memcpy(sums[i], acc[i], sizeof sums[i]);
+#endif
             for (int i = 0; i < mb; i++) {
-                int32_t sums[BLOCK];
-                memcpy(sums, acc[i], sizeof sums);
                 float *out = y + (m + i) * N + first;
                 for (int64_t e = 0; e < width; e++)
-                    out[e] = ((float)(sums[e] - L->colsum[first + e]) * wk->xs[m + i]) * L->scale[first + e];
+                    out[e] = ((float)(sums[i][e] - L->colsum[first + e]) * wk->xs[m + i]) * L->scale[first + e];
             }
         }
     }
