@@ -156,7 +156,7 @@ def build_parser() -> Parser:
     p.add_argument("--prompts", required=True, help="the prompts: a JSON file such as assets/demo_prompts.json")
     p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--lines", type=positive_int, default=4, help="lines of each answer to print (default: 4)")
-    p.add_argument("--threads", type=positive_int, help="ONNX Runtime intra-op threads (default: its own, the physical cores)")
+    p.add_argument("--threads", type=positive_int, help="the step's threads, ONNX Runtime's or native's (default: the backend's own)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -170,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from medusa_trt.runtime import MedusaRuntime, RuntimeConfig
 
         runtime = MedusaRuntime(args.engine, RuntimeConfig(threads=args.threads, verify_checksums=True))
-        print(f"medusa-demo: {args.engine}, heads template {runtime.tree.name}, {len(prompts)} prompts from {args.prompts}")
+        print(
+            f"medusa-demo: {args.engine}, backend {runtime.backend.describe()}, heads template {runtime.tree.name}, "
+            f"{len(prompts)} prompts from {args.prompts}"
+        )
         same = run_demo(runtime, prompts, max_new_tokens=args.max_new_tokens, lines=args.lines)
     except USER_ERRORS as exc:
         return fail("medusa-demo", exc)

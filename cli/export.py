@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         choices=BACKENDS,
-        help="engine folder only: tensorrt also builds model.plan / heads.plan in it (default: onnxruntime; for a file the suffix decides)",
+        help="engine folder only: what runs it (config.json's backend); tensorrt also builds model.plan / heads.plan in it. Default: "
+        "native where it runs the engine, exactly and faster than onnxruntime here (timed at export), else onnxruntime; "
+        "for a file the suffix decides",
     )
     p.add_argument(
         "--step-cost",
@@ -216,6 +218,8 @@ def _print_onnx(result) -> None:
             + (f", {files.heads.name}" if files.heads.exists() else "")
             + ", tokenizer, generation_config.json, drafting.json)"
         )
+        if result.backend_choice is not None:  # the backend the export chose (exporter/backend_choice.py), and why
+            print(result.backend_choice.summary())
         _print_step_cost(files.folder)
     else:
         print(f"wrote {files.step}" + (f", {files.heads.name}" if files.heads.exists() else "") + f", {files.tokenizer.name}/")

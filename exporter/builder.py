@@ -34,7 +34,9 @@ class BuildConfig:
     heads: str | None = None  # Medusa heads folder; None (and no untrained_heads): plain decoding only
     untrained_heads: int | None = None  # N untrained heads (identity blocks + shared lm_head)
     head_layer: int | None = None  # decoder layer whose output feeds the heads
-    backend: str | None = None  # engine folder only: one of BACKENDS (None: onnxruntime); for a file the suffix decides
+    # engine folder only: one of BACKENDS; None: the export chooses (native where exact and faster here, else onnxruntime,
+    # exporter/backend_choice.py); for a file the suffix decides
+    backend: str | None = None
     step_cost: str | None = None  # engine folder only: a medusa-calibrate report whose step_ms the drafting budget reads
     tree: str | None = None  # None: the heads folder's export.json, else a chain over the heads
     max_batch: int = DEFAULT_MAX_BATCH
@@ -192,7 +194,7 @@ def export_config(config: BuildConfig, plan: BuildPlan):
         key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,
         gate_logits=onnx_runtime and config.attention == "onnx" and config.logits_gate,  # TensorRT: the plans from the ungated graph
         measure_cost=onnx_runtime,
-        backend=config.backend if onnx_runtime and config.backend else "onnxruntime",
+        backend=config.backend if onnx_runtime else "onnxruntime",  # None: the export chooses
     )
 
 

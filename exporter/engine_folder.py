@@ -53,9 +53,11 @@ def write_folder_files(
     backend: str = "onnxruntime",
     heads_cost: float | None = None,
     exactness=None,
+    choice=None,
 ) -> None:
     """config.json, generation_config.json and drafting.json of a staged engine folder (``exactness``:
-    a ``runtime.exactness.Exactness`` measured on it, recorded as drafting.json's ``exactness``)."""
+    a ``runtime.exactness.Exactness`` measured on it, recorded as drafting.json's ``exactness``; ``choice``: the
+    ``backend_choice.BackendChoice`` that chose ``backend``, recorded as its ``backend_choice``)."""
     folder = staged.folder
     _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
     from medusa_trt.runtime.drafting import DRAFTERS
@@ -70,6 +72,8 @@ def write_folder_files(
         drafting["heads_cost"] = float(heads_cost)
     if exactness is not None:
         drafting["exactness"] = exactness.to_json()
+    if choice is not None:
+        drafting["backend_choice"] = choice.to_json()
     _write_json(folder / DRAFTING_FILE, drafting)
     write_folder_config(folder, folder_config(folder, meta, backend))
 

@@ -43,6 +43,7 @@ from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
 from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime import durable, key_slots
+from medusa_trt.runtime.backends import BACKENDS
 from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
 from medusa_trt.runtime.contract import (
     DEFAULT_SUCCESSORS,
@@ -101,8 +102,9 @@ class ExportConfig:
     key_slots: bool | None = None
     # an engine folder without step_cost: time the exported engine here (runtime/step_cost.py) and record its own curve
     measure_cost: bool = True
-    # an engine folder's runtime (its config.json "backend"): what MedusaRuntime(DIR) runs and what the cost is timed on
-    backend: str = "onnxruntime"
+    # an engine folder's runtime (its config.json "backend"): what MedusaRuntime(DIR) runs and what the cost is timed on;
+    # None: the export chooses, native where it runs the engine exactly and faster here, else onnxruntime (exporter/backend_choice.py)
+    backend: str | None = None
     # the standard-form step graph rewritten by exporter/lean.py (shared rotary tables, fused weight matmuls): the same
     # outputs bit for bit, fewer ops; False keeps the graph as traced (the "before" of scripts/step_graph_report.py)
     lean: bool = True
@@ -116,6 +118,8 @@ class ExportConfig:
         _check_out_suffix(Path(self.out))
         if Path(self.out).suffix == ".plan":
             raise ExportError(f"--out {self.out}: a .plan is built from the ONNX engine (tensorrt_build); export to .onnx or a folder")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ExportError(f"--backend {self.backend} is not one of {', '.join(BACKENDS)} (or leave it out: the export chooses)")
         if self.attention not in ATTENTION_FORMS:
             raise ExportError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_FORMS)}")
         if self.dtype not in DTYPES:
@@ -334,6 +338,7 @@ class ExportResult:
     tolerance: float
     loose: tuple[str, ...] = ()  # outputs in diffs reported but not held to the tolerance (int8 head logits)
     model: str = ""  # what was exported: the architecture and its attention (AttentionPlan.describe)
+    backend_choice: object | None = None  # backend_choice.BackendChoice of a folder whose backend the export chose (None: told, a file)
 
 
 def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
@@ -358,6 +363,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     staged = EngineFiles.in_folder(tmp) if folder else EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
     diffs: dict[str, float] = {}
+    choice = None  # the backend the export chose for a folder (backend_choice.BackendChoice)
     loose = config.quantize.loose if config.quantize else ()  # heads-int8 drafts: reported, not held to the tolerance
     try:
         if model.kv_spec.dtype != DTYPES[config.dtype]:  # never convert the caller's model in place (nn.Module.to is)
@@ -413,14 +419,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 )
             bar.update()
         if folder:
-            from medusa_trt.exporter.engine_folder import write_folder_files
-
-            write_folder_files(model, staged, meta, tree, step_cost=config.step_cost, backend=config.backend)
-            if config.step_cost is None and config.measure_cost and config.dtype in ("fp32", "fp16"):
-                cost, exactness = _measure_cost(staged)
-                write_folder_files(
-                    model, staged, meta, tree, step_cost=cost.table, heads_cost=cost.heads, exactness=exactness, backend=config.backend
-                )
+            choice = _write_folder(model, staged, meta, tree, config)
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         if folder:
@@ -432,21 +431,55 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)
-    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe())
+    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice)
 
 
-def _measure_cost(staged: EngineFiles):
-    """The staged engine's own step-cost curve on this machine (batch 1, on the backend its config.json names), and
-    whether its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.py``)."""
-    from medusa_trt.runtime.backends import open_onnx_backend
+def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, config: ExportConfig):
+    """config.json, generation_config.json and drafting.json of the staged folder: the backend chosen where the config
+    names none (``backend_choice``), the step cost and exactness measured on that backend unless the config gives the
+    cost. Returns the ``BackendChoice`` (None where the config named the backend)."""
+    from medusa_trt.exporter.backend_choice import FALLBACK, NATIVE, choose_backend
+    from medusa_trt.exporter.engine_folder import write_folder_files
+    from medusa_trt.runtime.backends import ONNX_BACKENDS, open_onnx_backend
     from medusa_trt.runtime.config import RuntimeConfig
+
+    write_folder_files(model, staged, meta, tree, step_cost=config.step_cost, backend=config.backend or FALLBACK)  # what backends open
+    choice, backend = None, None
+    if config.backend is None:
+        log.info("choosing the engine folder's backend: native where it runs this engine exactly and faster, else onnxruntime")
+        choice, backend = choose_backend(staged.folder, tree.num_nodes)  # backend: the chosen one, where it was opened
+        log.info("%s", choice.summary())
+    name = choice.backend if choice else config.backend
+    cost, exactness = None, choice.exactness if choice and name == NATIVE else None  # native's probe: the folder's own
+    if config.step_cost is None and config.measure_cost and config.dtype in ("fp32", "fp16"):
+        asked = name if name in ONNX_BACKENDS else None  # tensorrt: its graphs timed on onnxruntime
+        backend = backend or open_onnx_backend(staged.folder, RuntimeConfig(max_batch=1, backend=asked))
+        cost, exactness = _measure_cost(backend, exactness)
+    if choice or cost:
+        write_folder_files(
+            model,
+            staged,
+            meta,
+            tree,
+            step_cost=cost.table if cost else config.step_cost,
+            heads_cost=cost.heads if cost else None,
+            exactness=exactness,
+            backend=name,
+            choice=choice,
+        )
+    return choice
+
+
+def _measure_cost(backend, exactness=None):
+    """The staged engine's own step-cost curve on this machine (``backend`` at batch 1, the one its config.json names),
+    and whether its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.py``; probed
+    unless ``exactness`` already holds it)."""
     from medusa_trt.runtime.exactness import probe
     from medusa_trt.runtime.step_cost import measure
 
     log.info("timing the engine's verify steps for the drafting budget (drafting.json step_cost)")
-    backend = open_onnx_backend(staged.folder, RuntimeConfig(max_batch=1))
     cost = measure(backend, top_k=backend.meta.top_k)
-    exactness = probe(backend)
+    exactness = exactness or probe(backend)
     if exactness.exact:
         log.info("verify steps equal plain steps bit for bit (%d tokens probed): drafted output is plain output", exactness.tokens)
     else:

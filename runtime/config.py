@@ -27,7 +27,9 @@ class RuntimeConfig:
     )
     device: str | None = None  # torch backend: "cpu", "cuda"; None: where the model is
     threads: int | None = None  # onnxruntime intra-op / openvino inference threads; None: its default (physical cores)
-    backend: str | None = None  # ONNX engines: onnxruntime or openvino; None: the engine folder's choice, else onnxruntime
+    # ONNX engines: onnxruntime, openvino or native; None: the engine folder's choice (its native on onnxruntime where
+    # native cannot run), else onnxruntime
+    backend: str | None = None
     precision: str | None = None  # openvino's inference precision: f32 (None) or bf16 (CPUs with AMX or AVX512-BF16)
     cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
     verify_checksums: bool = False  # check every engine file's sha256 against the export's manifest (servers: once at load)

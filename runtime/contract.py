@@ -102,6 +102,10 @@ class Backend(Protocol):
     max_context: int  # cache slots per row
     max_tokens: int | None  # most new tokens one step takes (None: no limit)
 
+    def describe(self) -> str:
+        """The backend as a summary line names it: its name and what it runs on, ``native (avx512_vnni, 2 threads)``."""
+        ...
+
     def step(
         self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
     ) -> StepOutput:

@@ -77,12 +77,24 @@ class Weights:
     lm_head: Linear  # (H, V)
 
 
-def _unsupported(path: Path, what: str) -> EngineError:
-    return EngineError(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine")
+class NativeCannotRun(EngineError):
+    """The native step does not run this engine (a graph other than the pattern, weights it cannot read here); ``what``
+    says why in a few words. Where native was an engine folder's choice, not the user's, the runtime falls back to
+    onnxruntime on it (``runtime/backends/__init__.py``)."""
+
+    def __init__(self, message: str, what: str | None = None):
+        super().__init__(message)
+        self.what = what or message
 
 
-def _malformed(path: Path, what: str) -> EngineError:
-    return EngineError(f"backend native cannot run {path}: {what}; the file is not one medusa-export writes: export the engine again")
+def _unsupported(path: Path, what: str) -> NativeCannotRun:
+    return NativeCannotRun(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine", what)
+
+
+def _malformed(path: Path, what: str) -> NativeCannotRun:
+    return NativeCannotRun(
+        f"backend native cannot run {path}: {what}; the file is not one medusa-export writes: export the engine again", what
+    )
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -99,8 +111,9 @@ class _Graph:
             import onnx
             from onnx import numpy_helper
         except ImportError as exc:
-            raise EngineError(
-                f"backend native reads the engine's weights with the onnx package ({exc}): pip install 'medusa-trt[native]'"
+            raise NativeCannotRun(
+                f"backend native reads the engine's weights with the onnx package ({exc}): pip install 'medusa-trt[native]'",
+                "no onnx package to read its weights with",
             ) from exc
 
         self.path = path

@@ -88,6 +88,33 @@ def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPE
     return cost
 
 
+def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1) -> tuple[dict, dict]:
+    """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the
+    engines' outputs identical}. Round by round every size on every engine, the engines' order
+    flipping each round, so a passing disturbance spreads over all of them. ``burst`` > 1: each turn
+    is that many steps in a row, the first untimed (an engine's ONNX Runtime pool spins on a core for
+    a while after its step, which an engine stepping right after it pays for)."""
+    names = list(backends)
+    calls, same = {}, {}
+    for t in sizes:
+        ids = (np.arange(t, dtype=np.int64) * 131 + 7)[None] % backends[names[0]].meta.vocab_size  # (1, T)
+        calls[t] = (ids, (context + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([context]))
+        outs = {name: b.step(*calls[t]) for name, b in backends.items()}  # the warm-up step, compared
+        first = outs[names[0]]
+        same[t] = all(np.array_equal(first.logits(), outs[n].logits()) and np.array_equal(first.argmax, outs[n].argmax) for n in names)
+    times = {name: {t: [] for t in sizes} for name in names}
+    for round_ in range(rounds):
+        for t in sizes:
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                if burst > 1:
+                    backends[name].step(*calls[t])
+                for _ in range(max(burst - 1, 1)):
+                    start = time.perf_counter()
+                    backends[name].step(*calls[t])
+                    times[name][t].append(time.perf_counter() - start)
+    return times, same
+
+
 def drafting_pays(cost, heads: float, max_nodes: int, max_depth: int) -> bool:
     """Whether some tree of 2..max_nodes tokens could beat plain decoding if every draft on its
     deepest path were accepted: a tree of W nodes emits at most min(W, max_depth + 1) tokens, for

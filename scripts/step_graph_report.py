@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.host_attention import cpu_name  # the scripts beside this one import it from here too
+from medusa_trt.runtime.step_cost import time_steps  # engine_step_ab imports it from here too
 
 SIZES = (1, 2, 4, 8, 16, 32)
 ENGINES = ("before", "after")
@@ -115,33 +116,6 @@ def prefill(backend, ids: np.ndarray) -> None:
         t = len(part)
         backend.step(part[None], (start + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([start]))
         backend.commit(np.arange(t)[None], np.array([t]), np.array([start]))
-
-
-def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1) -> tuple[dict, dict]:
-    """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the
-    engines' outputs identical}. Round by round every size on every engine, the engines' order
-    flipping each round, so a passing disturbance spreads over all of them. ``burst`` > 1: each turn
-    is that many steps in a row, the first untimed (an engine's ONNX Runtime pool spins on a core for
-    a while after its step, which an engine stepping right after it pays for)."""
-    names = list(backends)
-    calls, same = {}, {}
-    for t in sizes:
-        ids = (np.arange(t, dtype=np.int64) * 131 + 7)[None] % backends[names[0]].meta.vocab_size  # (1, T)
-        calls[t] = (ids, (context + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([context]))
-        outs = {name: b.step(*calls[t]) for name, b in backends.items()}  # the warm-up step, compared
-        first = outs[names[0]]
-        same[t] = all(np.array_equal(first.logits(), outs[n].logits()) and np.array_equal(first.argmax, outs[n].argmax) for n in names)
-    times = {name: {t: [] for t in sizes} for name in names}
-    for round_ in range(rounds):
-        for t in sizes:
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                if burst > 1:
-                    backends[name].step(*calls[t])
-                for _ in range(max(burst - 1, 1)):
-                    start = time.perf_counter()
-                    backends[name].step(*calls[t])
-                    times[name][t].append(time.perf_counter() - start)
-    return times, same
 
 
 def main(argv=None) -> int:

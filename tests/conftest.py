@@ -19,6 +19,9 @@ TIE_GAP = 1e-5  # two logits closer than this are a float tie: greedy may pick e
 
 # A small custom tree: two branches at depth 1, one of them going three deep.
 CUSTOM_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+# what the suite's engine folders run: named, so an export does not time native against onnxruntime to choose
+# (exporter/backend_choice.py, tested in test_native_default.py) and each test runs the backend it was written for
+SUITE_BACKEND = "onnxruntime"
 
 STORY_PROMPTS = [
     "Once upon a time",
@@ -240,7 +243,8 @@ def export_engine(tmp_path_factory):
     def make(key: str, model, **overrides) -> Path:
         if key not in made:
             out = tmp_path_factory.mktemp(f"engine-{key}") / "model.onnx"
-            config = dict(out=out, tree="mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE, max_batch=4, max_context=256) | overrides
+            tree = "mc_sim_7b_63" if TREES.is_file() else CUSTOM_TREE
+            config = dict(out=out, tree=tree, max_batch=4, max_context=256, backend=SUITE_BACKEND) | overrides
             export_onnx(model, ExportConfig(**config))
             made[key] = out
         return made[key]
@@ -288,6 +292,7 @@ def stories_chat_engine(stories_base, stories_fitted, tmp_path_factory):
             max_batch=4,
             max_context=256,
             step_cost=dict(DEFAULT_STEP_COST),
+            backend=SUITE_BACKEND,
         ),
     )
     (out / "chat_template.jinja").write_text(SERVING_CHAT_TEMPLATE)

@@ -434,7 +434,8 @@ def test_cli_on_an_engine_folder_records_its_cost(capsys, tmp_path, stories_base
     from medusa_trt.runtime import MedusaRuntime
 
     folder = tmp_path / "engine"
-    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-3", max_context=256, measure_cost=False))
+    config = ExportConfig(out=folder, tree="chain-3", max_context=256, measure_cost=False, backend="onnxruntime")
+    export_onnx(medusa_model(stories_base, stories_fitted), config)
     assert json.loads((folder / "drafting.json").read_text())["step_cost"] is None
     out = tmp_path / "tree.json"
     code = main(

@@ -351,7 +351,9 @@ def stories_engine(stories_base, tmp_path_factory):
     from medusa_trt.runtime.drafting.builder import DEFAULT_STEP_COST
 
     out = tmp_path_factory.mktemp("stories") / "engine"
-    config = ExportConfig(out=out, tree=CUSTOM_TREE, max_batch=2, max_context=256, verify=False, step_cost=dict(DEFAULT_STEP_COST))
+    config = ExportConfig(
+        out=out, tree=CUSTOM_TREE, max_batch=2, max_context=256, verify=False, step_cost=dict(DEFAULT_STEP_COST), backend="onnxruntime"
+    )
     export_onnx(medusa_model(stories_base, random_heads(stories_base, 3)), config)
     return out
 

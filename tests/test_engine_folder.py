@@ -32,7 +32,8 @@ def engines(stories_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("folder-engines")
     (root / "loose").mkdir()
-    folder = export_onnx(stories_model, ExportConfig(out=root / "stories", tree=TREE, max_batch=4, max_context=256)).files
+    config = ExportConfig(out=root / "stories", tree=TREE, max_batch=4, max_context=256, backend="onnxruntime")
+    folder = export_onnx(stories_model, config).files
     loose = export_onnx(stories_model, ExportConfig(out=root / "loose" / "model.onnx", tree=TREE, max_batch=4, max_context=256)).files
     return folder, loose
 
@@ -129,9 +130,9 @@ def test_export_replaces_an_engine_folder_and_refuses_other_folders(stories_mode
     from medusa_trt.exporter.onnx_export import ExportConfig, export_onnx
 
     out = tmp_path / "eng"
-    export_onnx(stories_model, ExportConfig(out=out, tree="chain-2", max_batch=1, max_context=64, verify=False))
+    export_onnx(stories_model, ExportConfig(out=out, tree="chain-2", max_batch=1, max_context=64, verify=False, backend="onnxruntime"))
     first = engine_meta(out)
-    export_onnx(stories_model, ExportConfig(out=out, tree="chain-3", max_batch=2, max_context=64, verify=False))
+    export_onnx(stories_model, ExportConfig(out=out, tree="chain-3", max_batch=2, max_context=64, verify=False, backend="onnxruntime"))
     assert engine_meta(out).tree_name == "chain-3" and first.tree_name == "chain-2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eng"], "no staging or old folder left beside it"
     mine = tmp_path / "mine"
@@ -251,12 +252,13 @@ def test_tensorrt_build_into_a_folder_stages_and_swaps(stories_model, tmp_path, 
     from medusa_trt.runtime.engine_folder import read_folder_config
 
     # TensorRT builds take the appended layout and the ungated graph, no ONNX Runtime timing (what medusa-export does for them)
-    plan_form = dict(tree=TREE, max_batch=4, max_context=256, key_slots=False, measure_cost=False)
+    plan_form = dict(tree=TREE, max_batch=4, max_context=256, key_slots=False, measure_cost=False, backend="onnxruntime")
     folder = export_onnx(stories_model, ExportConfig(out=tmp_path / "src", gate_logits=False, **plan_form)).files
     work = tmp_path / "eng"
     shutil.copytree(folder.folder, work)
     with pytest.raises(tensorrt_build.TensorRTBuildError, match="--no-key-slots"):
-        keyed = export_onnx(stories_model, ExportConfig(out=tmp_path / "keyed", tree=TREE, max_context=256, measure_cost=False)).files
+        keyed = ExportConfig(out=tmp_path / "keyed", tree=TREE, max_context=256, measure_cost=False, backend="onnxruntime")
+        keyed = export_onnx(stories_model, keyed).files
         monkeypatch.setattr(tensorrt_build, "require_tensorrt", lambda path=None: object())
         tensorrt_build.build_engines(keyed.folder, tensorrt_build.TensorRTConfig(plan=keyed.folder / "model.plan"))
     shutil.rmtree(tmp_path / "keyed")

@@ -301,7 +301,8 @@ def stories_folder(stories_base, stories_fitted, tmp_path_factory):
     if not TREES.is_file():
         pytest.skip(f"{TREES} missing: the presets' source is laid beside the checkout")
     out = tmp_path_factory.mktemp("lean-folder") / "stories"
-    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=out, tree="mc_sim_7b_63", max_batch=4, max_context=256))
+    config = ExportConfig(out=out, tree="mc_sim_7b_63", max_batch=4, max_context=256, backend="onnxruntime")
+    export_onnx(medusa_model(stories_base, stories_fitted), config)
     return out
 
 

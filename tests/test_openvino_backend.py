@@ -121,7 +121,8 @@ def test_engine_folder_chooses_the_backend(stories_base, stories_fitted, engine,
 
     assert onnx_backend_name(engine, None) == "onnxruntime" and onnx_backend_name(engine, "openvino") == "openvino"
     folder = tmp_path / "stories"
-    export_onnx(medusa_model(stories_base, stories_fitted), ExportConfig(out=folder, tree="chain-2", max_batch=2, max_context=128))
+    config = ExportConfig(out=folder, tree="chain-2", max_batch=2, max_context=128, backend="onnxruntime")
+    export_onnx(medusa_model(stories_base, stories_fitted), config)
     assert onnx_backend_name(folder, None) == "onnxruntime"
     write_folder_config(folder, dataclasses.replace(read_folder_config(folder), backend="openvino"))
     write_manifest(EngineFiles.in_folder(folder))  # the export's manifest recorded the old config.json

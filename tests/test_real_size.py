@@ -53,7 +53,7 @@ def _export(folder, out, **overrides):
     """The sharded model with two random heads, exported with every weight matrix in external data."""
     base = load_base_model(folder, dtype=export.DTYPES[overrides.get("dtype", "fp32")])  # as medusa-export loads it
     model = MedusaModel(base, random_heads(base, 2))
-    config = dict(out=out, tree="chain-2", max_batch=3, max_context=128, step_cost=FIXED_BUDGET) | overrides
+    config = dict(out=out, tree="chain-2", max_batch=3, max_context=128, step_cost=FIXED_BUDGET, backend="onnxruntime") | overrides
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(export, "EXTERNAL_DATA_BYTES", SMALL_BYTES)
         result = export.export_onnx(model, export.ExportConfig(**config))

@@ -45,7 +45,8 @@ def folder(stories_base, stories_fitted, tmp_path_factory):
     from medusa_trt.exporter.wrapper import MedusaModel
 
     out = tmp_path_factory.mktemp("cost") / "engine"
-    export_onnx(MedusaModel(stories_base, stories_fitted), ExportConfig(out=out, tree="chain-3", max_batch=2, max_context=320))
+    config = ExportConfig(out=out, tree="chain-3", max_batch=2, max_context=320, backend="onnxruntime")
+    export_onnx(MedusaModel(stories_base, stories_fitted), config)
     return out
 
 

@@ -180,7 +180,8 @@ def exported(source, tmp_path_factory):
         if kind not in made:
             base = load_base_model(source(kind))
             out = tmp_path_factory.mktemp(f"engine-{kind}") / "engine"
-            export_onnx(medusa_model(base, random_heads(base, 3)), ExportConfig(out=out, tree=CUSTOM_TREE, max_batch=2, max_context=128))
+            config = ExportConfig(out=out, tree=CUSTOM_TREE, max_batch=2, max_context=128, backend="onnxruntime")
+            export_onnx(medusa_model(base, random_heads(base, 3)), config)
             made[kind] = (base, out)
         return made[kind]
 

@@ -25,7 +25,7 @@ import logging
 
 import numpy as np
 
-from medusa_trt.runtime import native_step, native_weights
+from medusa_trt.runtime import native_library, native_step, native_weights
 from medusa_trt.runtime.backends.onnx_backend import _WANTED, OnnxBackend, _session_options, checked_files, open_heads
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.contract import (
@@ -106,7 +106,11 @@ class NativeBackend(OnnxBackend):
     ):
         self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
         if meta.dtype != "fp32":
-            raise EngineError(f"backend native runs fp32 engines; {files.step} holds {meta.dtype} weights: use backend onnxruntime")
+            raise native_weights.NativeCannotRun(
+                f"backend native runs fp32 engines; {files.step} holds {meta.dtype} weights: use backend onnxruntime",
+                f"{meta.dtype} weights, not fp32",
+            )
+        native_library.load(isa)  # NativeUnavailable (no library for this CPU) before the weights are read
         self.dtype = np.float32
         self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
         self.max_tokens = meta.max_tokens
@@ -138,6 +142,10 @@ class NativeBackend(OnnxBackend):
             self.buffers.cache_bytes / 2**20,
             self.buffers.output_bytes / 2**20,
         )
+
+    def describe(self) -> str:
+        """The backend as a summary line names it: ``native (avx512_vnni, 2 threads)``."""
+        return f"{self.name} ({self.session.step.isa}, {self.session.step.threads} threads)"
 
     @property
     def exact(self) -> bool:

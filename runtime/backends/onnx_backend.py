@@ -221,6 +221,10 @@ class OnnxBackend:
         """The flat key cache (numpy for host buffers, an OrtValue for device ones)."""
         return self.buffers.key
 
+    def describe(self) -> str:
+        """The backend as a summary line names it: ``onnxruntime (CPUExecutionProvider)``."""
+        return f"{self.name} ({self.session.get_providers()[0]})"
+
     def step(
         self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
     ) -> StepOutput:

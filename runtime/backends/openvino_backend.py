@@ -237,6 +237,7 @@ class OpenVinoBackend(OnnxBackend):
         except ImportError as exc:
             raise EngineError(f"backend openvino needs the openvino package ({exc}): pip install 'medusa-trt[openvino]'") from exc
         self.precision = precision = precision or PRECISIONS[0]
+        self.device = device
         check_options(precision, device)
         self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
         if meta.dtype not in DTYPES:
@@ -303,6 +304,10 @@ class OpenVinoBackend(OnnxBackend):
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable graphs, unknown devices and ops
             reason = " ".join(str(exc).split())[:300]
             raise EngineError(f"OpenVINO cannot compile {path} for {device}: {reason}") from exc
+
+    def describe(self) -> str:
+        """The backend as a summary line names it: ``openvino (CPU, f32)``."""
+        return f"{self.name} ({self.device}, {self.precision})"
 
     @property
     def exact(self) -> bool | None:

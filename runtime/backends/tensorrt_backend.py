@@ -295,6 +295,10 @@ class TensorRTBackend:
 
     # ----------------------------------------------------------------- the step contract
 
+    def describe(self) -> str:
+        """The backend as a summary line names it."""
+        return f"{self.name} (CUDA)"
+
     def step(
         self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
     ) -> StepOutput:

@@ -47,6 +47,10 @@ class TorchBackend:
         return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
+    def describe(self) -> str:
+        """The backend as a summary line names it: ``torch (cpu)``."""
+        return f"{self.name} ({self.device})"
+
     def step(
         self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
     ) -> StepOutput:
