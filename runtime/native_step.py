@@ -33,7 +33,6 @@ BLOCK, VECTOR = 32, 16  # outputs per packed block (native_step.c's BLOCK), and 
 MAX_TOPK = 64  # most successors native_step.c ranks
 
 
-
 def pack(w: np.ndarray) -> np.ndarray:
     """A (K, N) weight in native_step.c's layout: N // 32 blocks of (K, 32), then the rest in blocks of (K, 16), the
     last one zero-padded past N."""
