@@ -59,14 +59,14 @@ def choose_backend(folder: Path, width: int, *, rounds: int = ROUNDS):
     """The backend for the staged engine ``folder`` whose default tree verifies ``width`` tokens a step, and that
     backend where the choice opened it, at batch 1 (for the step-cost table; None where native cannot run and nothing
     was timed): ``(BackendChoice, backend or None)``."""
-    from medusa_trt.runtime.backends.native_backend import NativeBackend
+    from medusa_trt.runtime.backends.native_backend import open_native
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
     from medusa_trt.runtime.exactness import probe
     from medusa_trt.runtime.native_library import NativeUnavailable
     from medusa_trt.runtime.native_weights import NativeCannotRun
 
     try:
-        native = NativeBackend(folder, max_batch=1)
+        native = open_native(folder, max_batch=1)
     except NativeCannotRun as exc:
         return BackendChoice(FALLBACK, f"native cannot run this engine ({exc.what})"), None
     except NativeUnavailable as exc:

@@ -24,6 +24,20 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime import native_library
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    NEW_KEY,
+    NEW_VALUE,
+    NEXT_IDS,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    SUCCESSORS_OUTPUT,
+    TREE_MASK,
+)
 from medusa_trt.runtime.engine import EngineError
 from medusa_trt.runtime.native_weights import Linear, Weights
 
@@ -217,7 +231,21 @@ class NativeStep:
             raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
         self.rows, self.slots = rows, slots
 
-    def __call__(
+    exact = True  # batch-invariant: every verify step is a plain step bit for bit
+
+    def describe(self) -> str:
+        return f"{self.isa}, {self.threads} thread{'s' if self.threads > 1 else ''}"
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        """The step on named host arrays (``host_backend.HostKernel``): a step without ``logits`` skips the lm_head."""
+        logits = arrays.get(LOGITS)
+        self.step(
+            arrays[INPUT_IDS], arrays[POSITION_IDS], arrays[TREE_MASK], arrays[CACHE_LENGTHS], arrays[PAST_KEY], arrays[PAST_VALUE],
+            arrays[NEW_KEY], arrays[NEW_VALUE], arrays[HIDDEN], logits,
+            arrays.get(NEXT_IDS) if logits is not None else None, arrays.get(SUCCESSORS_OUTPUT) if logits is not None else None,
+        )  # fmt: skip
+
+    def step(
         self,
         input_ids: np.ndarray,  # int64 (B, T)
         position_ids: np.ndarray,  # int64 (B, T)

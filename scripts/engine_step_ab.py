@@ -38,9 +38,9 @@ def parse_engine(text: str) -> tuple[str, tuple[Path, str]]:
 
 def open_backend(path: Path, backend: str, threads: int):
     if backend.partition(":")[0] == "native":
-        from medusa_trt.runtime.backends.native_backend import NativeBackend
+        from medusa_trt.runtime.backends.native_backend import open_native
 
-        return NativeBackend(path, max_batch=1, threads=threads, isa=backend.partition(":")[2] or None)
+        return open_native(path, max_batch=1, threads=threads, isa=backend.partition(":")[2] or None)
     from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 
     return OnnxBackend(path, max_batch=1, threads=threads)

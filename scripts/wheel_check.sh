@@ -24,7 +24,7 @@ from medusa_trt.runtime import MedusaRuntime, native_library
 assert not any(shutil.which(c) for c in ("cc", "gcc", "clang")), "a C compiler is on PATH"
 want = os.environ.get("MEDUSA_TRT_CPU_ISA") or None
 runtime = MedusaRuntime(sys.argv[1], backend="native", threads=2, max_batch=2, max_context=256)
-isa = runtime.backend.session.step.isa
+isa = runtime.backend.kernel.isa
 assert want is None or isa == want, f"asked {want}, loaded {isa}"
 assert native_library.load().path.parent.name == "runtime", native_library.load().path  # the wheel's own library
 prompts = ["Once upon a time", "Tim had a red ball"]

@@ -13,7 +13,7 @@ import pytest
 from conftest import medusa_model
 
 from medusa_trt.runtime import MedusaRuntime, exactness, native_step, native_weights
-from medusa_trt.runtime.backends.native_backend import NativeBackend
+from medusa_trt.runtime.backends.native_backend import open_native
 from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 from medusa_trt.runtime.engine import EngineError
 
@@ -25,7 +25,7 @@ def engine(stories_base, stories_fitted, export_engine):
 
 @pytest.fixture(scope="module")
 def native(engine):
-    return NativeBackend(engine, max_batch=4, max_context=256, threads=2)
+    return open_native(engine, max_batch=4, max_context=256, threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_logits_are_onnxruntimes_to_float_rounding(engine, native):
 @pytest.mark.parametrize("context", [1, 37])
 def test_int8_channel_verify_steps_are_plain_steps_bit_for_bit(int8_engine, context):
     """int8-channel: each row quantized on its own, integer sums exact, so a tree re-scores plain steps bit for bit."""
-    backend = NativeBackend(int8_engine, max_batch=1, max_context=256, threads=2)
+    backend = open_native(int8_engine, max_batch=1, max_context=256, threads=2)
     ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
     path, plain = exactness.plain_steps(backend, ids, 5)
     for name, layout in exactness.layouts(path, backend.meta.vocab_size).items():
@@ -190,10 +190,10 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
     with pytest.raises(EngineError, match=r"backend native cannot run .*: \d+ Add nodes for 2 layers \(the pattern has 4\)"):
         native_weights.read_weights(path, "llama")
     with pytest.raises(EngineError, match="model type 'qwen2' is not one of llama, mistral; use backend onnxruntime"):
-        NativeBackend(path)
+        open_native(path)
     quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
     with pytest.raises(EngineError, match=r"its step graph has .*MatMulNBits.* nodes") as info:
-        NativeBackend(quantized)
+        open_native(quantized)
     assert "\n" not in str(info.value)
 
 
@@ -263,7 +263,7 @@ def test_without_the_onnx_package_the_fix_is_named(engine, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
     with pytest.raises(EngineError, match=r"pip install 'medusa-trt\[native\]'") as info:
-        NativeBackend(engine)
+        open_native(engine)
     assert "\n" not in str(info.value)
 
 
@@ -291,8 +291,8 @@ def test_every_instruction_set_is_exact(engine, int8_engine, isa):
     bit for bit, fp32 and int8-channel, and the library loaded is the one asked for."""
     _at(isa)
     for path, context in ((engine, 45), (int8_engine, 37)):
-        backend = NativeBackend(path, max_batch=1, max_context=128, threads=2, isa=isa)
-        assert backend.session.step.isa == isa
+        backend = open_native(path, max_batch=1, max_context=128, threads=2, isa=isa)
+        assert backend.kernel.isa == isa
         ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
         path_ids, plain = exactness.plain_steps(backend, ids, 4)
         for name, layout in exactness.layouts(path_ids, backend.meta.vocab_size).items():

@@ -17,7 +17,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import numpy_helper
 
 from medusa_trt.runtime import native_weights
-from medusa_trt.runtime.backends.native_backend import NativeBackend
+from medusa_trt.runtime.backends.native_backend import open_native
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.manifest import write_manifest
 
@@ -122,7 +122,7 @@ def test_the_backend_refuses_a_malformed_engine_in_one_line(engines, tmp_path):
     """NativeBackend itself: an EngineError whose message is one line naming the layer, the array and both shapes."""
     step = _mutated(engines["fp32"], tmp_path / "engine", "norm_post.3", lambda a: a[:1])
     with pytest.raises(EngineError, match="backend native cannot run") as info:
-        NativeBackend(step, max_batch=1, max_context=64, threads=1)
+        open_native(step, max_batch=1, max_context=64, threads=1)
     assert "layer 3's post-attention norm has shape (1,), not (64,)" in str(info.value) and "\n" not in str(info.value)
 
 

@@ -70,12 +70,12 @@ def open_onnx_backend(path, cfg):
 def _native(path, cfg, limits: dict):
     """The native backend (fp32 / int8-channel Llama-pattern step graphs computed by runtime/native_step.c); None where
     it cannot run and was the engine folder's choice, not ``cfg``'s (one warning says why)."""
-    from medusa_trt.runtime.backends.native_backend import NativeBackend
+    from medusa_trt.runtime.backends.native_backend import open_native
     from medusa_trt.runtime.native_library import NativeUnavailable
     from medusa_trt.runtime.native_weights import NativeCannotRun
 
     try:
-        return NativeBackend(path, **limits)
+        return open_native(path, **limits)
     except (NativeUnavailable, NativeCannotRun) as exc:
         if cfg.backend is not None:  # asked for by name: the caller's to change
             raise

@@ -76,6 +76,11 @@ def _session_options(threads: int | None, *, spin: bool):
     return options
 
 
+def heads_session_options(threads: int | None):
+    """The heads graph's session options: its threads sleep after a call (``_session_options``)."""
+    return _session_options(threads, spin=False)
+
+
 def is_gated(session) -> bool:
     """Whether a step session's graph has the ``logits_wanted`` input (exporter/logits_gate.py)."""
     return LOGITS_WANTED_INPUT in {i.name for i in session.get_inputs()}
@@ -283,17 +288,21 @@ class OnnxBackend:
         return None
 
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K), logits views;
-        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
-        meta = self.meta
-        if top_k > meta.top_k:
-            raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
-        if meta.reads_roots and roots is None:
-            raise EngineError("these heads read the next token: pass roots to propose")
-        io = self.heads_session.io_binding()
-        self.buffers.bind_heads(io, np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; head_topk, head_logits
-        if meta.reads_roots:
-            roots = np.ascontiguousarray(roots, dtype=np.int64)  # (B,) kept alive through the run
-            io.bind_cpu_input(NEXT_INPUT, roots)
-        self.heads_session.run_with_iobinding(io)
-        return self.buffers.proposals(top_k)
+        """Medusa heads at node ``nodes[b]`` of the last step (``heads_proposals``)."""
+        return heads_proposals(self.meta, self.heads_session, self.buffers, nodes, top_k, roots)
+
+
+def heads_proposals(meta: EngineMeta, heads_session, buffers: StepBuffers, nodes: np.ndarray, top_k: int, roots) -> Proposals:
+    """The heads graph (an ONNX Runtime session) at node ``nodes[b]`` of the last step, through ``buffers``: top-k ids
+    (B, n, K), logits views; ``roots`` (B,) the next tokens, read by next-token-aware heads."""
+    if top_k > meta.top_k:
+        raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
+    if meta.reads_roots and roots is None:
+        raise EngineError("these heads read the next token: pass roots to propose")
+    io = heads_session.io_binding()
+    buffers.bind_heads(io, np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; head_topk, head_logits
+    if meta.reads_roots:
+        roots = np.ascontiguousarray(roots, dtype=np.int64)  # (B,) kept alive through the run
+        io.bind_cpu_input(NEXT_INPUT, roots)
+    heads_session.run_with_iobinding(io)
+    return buffers.proposals(top_k)

@@ -189,11 +189,18 @@ class HostBuffers:
         shape = self.sizes.cache_shape(batch)
         return flat[: _elements(shape)].reshape(shape)
 
-    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
-        io.bind_cpu_input(PAST_KEY, self._layout(self.key, batch)[:past])  # contiguous: slot-major layout
-        io.bind_cpu_input(PAST_VALUE, self._layout(self.value, batch)[:past])
+    def step_arrays(self, batch: int, tokens: int, past: int, *, logits: bool = True) -> dict[str, np.ndarray]:
+        """The bound cache's first ``past`` slots and every output of a step of ``batch`` x ``tokens``, named as the
+        contract names them: views of the buffers, the outputs written in place (a host backend's kernel)."""
         shapes = self.sizes.bound_outputs(batch, tokens, logits)
         self._views = {name: self.out[name][: _elements(shape)].reshape(shape) for name, shape in shapes.items()}
+        past_views = {PAST_KEY: self._layout(self.key, batch)[:past], PAST_VALUE: self._layout(self.value, batch)[:past]}
+        return past_views | self._views  # contiguous: slot-major layout
+
+    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
+        arrays = self.step_arrays(batch, tokens, past, logits=logits)
+        for name in (PAST_KEY, PAST_VALUE):
+            io.bind_cpu_input(name, arrays[name])
         for name, array in self._views.items():
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 

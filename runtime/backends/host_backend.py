@@ -1,0 +1,115 @@
+"""A backend composed of a step kernel on named host arrays, the shared host buffers and the heads graph.
+
+The host backends whose step is not an ONNX Runtime session (the native C step; OpenVINO next) are this class with a
+kernel of their own, not subclasses of ``OnnxBackend``: the kernel reads the step's inputs and the bound cache from a
+dict of numpy arrays named by ``runtime/contract.py`` and writes its outputs into the arrays there, which are views of
+``ort_buffers.HostBuffers`` (allocated once, at their largest). Everything else of the step contract is the buffers'
+(commit, relayout) and the heads graph's on ONNX Runtime (propose).
+
+    kernel(arrays)    arrays: INPUT_IDS (B, T) int64, POSITION_IDS (B, T) int64, TREE_MASK (B, T, T) bool,
+                      CACHE_LENGTHS (B,) int64, PAST_KEY / PAST_VALUE (S, L, B, Hkv, D): read;
+                      NEW_KEY / NEW_VALUE (T, L, B, Hkv, D), HIDDEN (B, T, H): written; with LOGITS (B, T, V) bound,
+                      NEXT_IDS (B, T) and SUCCESSORS_OUTPUT (B, T, k) too (a step without LOGITS skips the lm_head)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.backends.onnx_backend import heads_proposals
+from medusa_trt.runtime.backends.ort_buffers import HostBuffers
+from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, POSITION_IDS, TREE_MASK, Proposals, StepOutput
+from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
+
+log = logging.getLogger(__name__)
+
+
+class HostKernel(Protocol):
+    """One step on named host arrays (the module docstring's table)."""
+
+    exact: bool  # every verify step is a plain step bit for bit (a batch-invariant kernel)
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+    def describe(self) -> str:
+        """What it runs on, for a summary line: ``avx512_vnni, 2 threads``."""
+        ...
+
+
+class HostBackend:
+    """``contract.Backend`` over a ``HostKernel``: the engine's files and metadata, the host buffers, the heads session."""
+
+    def __init__(
+        self,
+        name: str,
+        files: EngineFiles,
+        meta: EngineMeta,
+        kernel: HostKernel,
+        buffers: HostBuffers,
+        heads_session,
+        *,
+        max_batch: int,
+        max_context: int,
+    ):
+        self.name, self.files, self.meta, self.kernel, self.buffers = name, files, meta, kernel, buffers
+        self.heads_session = heads_session
+        self.max_batch, self.max_context = max_batch, max_context
+        self.max_tokens = meta.max_tokens  # most new tokens one step takes
+        self.dtype = buffers.sizes.dtype
+        self.successors = buffers.sizes.successors
+        self.slots = max_context  # no key slots: no slack past the context
+        self.kv_row = buffers.sizes.kv_row
+        self.gated = True  # a step may skip the lm_head (the kernel decides)
+        self.key_lanes = None
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.kernel.describe()})"
+
+    @property
+    def exact(self) -> bool:
+        return self.kernel.exact
+
+    def step(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True
+    ) -> StepOutput:
+        """The step contract (``contract.Backend``); outputs are views of the preallocated buffers."""
+        batch, tokens = input_ids.shape
+        if tokens > self.max_tokens or batch > self.max_batch:
+            raise EngineError(f"a step of {batch} x {tokens} tokens exceeds the engine's {self.max_batch} x {self.max_tokens}")
+        arrays = {
+            INPUT_IDS: np.ascontiguousarray(input_ids, dtype=np.int64),
+            POSITION_IDS: np.ascontiguousarray(position_ids, dtype=np.int64),
+            TREE_MASK: np.ascontiguousarray(tree_mask, dtype=bool),
+            CACHE_LENGTHS: np.ascontiguousarray(cache_lengths, dtype=np.int64),
+        }
+        arrays |= self.buffers.step_arrays(batch, tokens, int(arrays[CACHE_LENGTHS].max()), logits=logits)
+        self.kernel(arrays)
+        out = self.buffers.step_output()
+        return out if not (logits and self.kernel.exact) else dataclasses.replace(out, exact=np.ones((batch, tokens), dtype=bool))
+
+    def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
+        """Cache rows ``rows[i]`` of the ``old_batch`` layout to row i of the ``new_batch`` one (first ``slots`` slots)."""
+        if slots and len(rows):
+            self.buffers.relayout(np.asarray(rows, dtype=np.int64), old_batch, new_batch, slots)
+
+    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
+        rows, src, dst = commit_indices(nodes, counts, cache_lengths)
+        self.buffers.commit(rows, src, dst, nodes.shape[0])
+
+    def run_heads(self, hidden: np.ndarray, roots: np.ndarray | None = None) -> None:
+        """The heads graph on ``hidden`` (N, H) outside the loop's buffers (``medusa-bench`` times it)."""
+        self.heads_session.run(None, {HEADS_INPUTS[0]: hidden} | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
+
+    def expand(self, paths: list, top_k: int) -> None:
+        """An exported engine's heads expand what the exporter fixed: nothing to do."""
+        return None
+
+    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the last step (``onnx_backend.heads_proposals``)."""
+        return heads_proposals(self.meta, self.heads_session, self.buffers, nodes, top_k, roots)
