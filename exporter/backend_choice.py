@@ -32,6 +32,9 @@ ROUNDS = 3  # rounds of turns: each backend steps each width BURST times a round
 # steps a turn, the first untimed: ONNX Runtime's pool spins on after its step, and a native step right after one takes
 # 1.5-2x its time (SmolLM2-135M, 2 cores), the next ones their own. 3 x 4 steps of 1 and 29 tokens: about 2.5 s there
 BURST = 4
+# seconds between turns: the other backend's threads stop spinning first. Without it ONNX Runtime's spinning pool
+# slowed native's int8-channel SmolLM2 step to ONNX Runtime's (9.6 ms against 5.7 ms alone) in the export's process
+SETTLE = 0.05
 CONTEXT = 256  # committed tokens before each timed step (fewer when the engine's context is smaller), as step_cost.CONTEXT
 
 
@@ -92,7 +95,7 @@ def time_backends(backends: dict, width: int, *, rounds: int = ROUNDS) -> dict:
     first = next(iter(backends.values()))
     width = max(1, min(width, first.max_tokens or width))
     context = max(0, min(CONTEXT, first.max_context - width))
-    times, _ = time_steps(backends, context, sorted({1, width}), rounds, burst=BURST)
+    times, _ = time_steps(backends, context, sorted({1, width}), rounds, burst=BURST, settle=SETTLE)
     return {name: {t: float(np.median(s)) * 1e3 for t, s in table.items()} for name, table in times.items()}
 
 

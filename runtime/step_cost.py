@@ -88,12 +88,13 @@ def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPE
     return cost
 
 
-def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1) -> tuple[dict, dict]:
+def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1, settle: float = 0.0) -> tuple[dict, dict]:
     """{engine: {T: [seconds]}} of chain steps of T tokens after ``context`` committed, and {T: the
     engines' outputs identical}. Round by round every size on every engine, the engines' order
     flipping each round, so a passing disturbance spreads over all of them. ``burst`` > 1: each turn
     is that many steps in a row, the first untimed (an engine's ONNX Runtime pool spins on a core for
-    a while after its step, which an engine stepping right after it pays for)."""
+    a while after its step, which an engine stepping right after it pays for). ``settle``: seconds of
+    sleep before each turn, so the other engine's threads have stopped spinning (each timed as if alone)."""
     names = list(backends)
     calls, same = {}, {}
     for t in sizes:
@@ -106,6 +107,8 @@ def time_steps(backends: dict, context: int, sizes, rounds: int, burst: int = 1)
     for round_ in range(rounds):
         for t in sizes:
             for name in names if round_ % 2 == 0 else names[::-1]:
+                if settle:
+                    time.sleep(settle)
                 if burst > 1:
                     backends[name].step(*calls[t])
                 for _ in range(max(burst - 1, 1)):
