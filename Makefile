@@ -67,7 +67,8 @@ wheel-check: $(STAMP)
 
 # The Arm (NEON) library cross-compiled (Debian's gcc-aarch64-linux-gnu): it builds and links; CI runs it
 arm-build: $(STAMP)
-	command -v aarch64-linux-gnu-gcc >/dev/null || apt-get install -y -q gcc-aarch64-linux-gnu >/dev/null
+	command -v aarch64-linux-gnu-gcc >/dev/null || apt-get install -y -q gcc-aarch64-linux-gnu >/dev/null \
+	  || { apt-get update -q >/dev/null && apt-get install -y -q gcc-aarch64-linux-gnu >/dev/null; }
 	$(PY) scripts/build_native.py --out build/native-arm --machine aarch64 --cc aarch64-linux-gnu-gcc
 
 # llama.cpp's Python binding for medusa-bench --peer llama.cpp:GGUF: built from source (about 10 minutes on 2 cores;
