@@ -23,8 +23,6 @@ import numpy as np
 
 from medusa_trt.runtime import native_library
 
-SOURCE = Path(__file__).with_name("host_attention.c")
-
 
 def cpu_name() -> str:
     """This machine's CPU as /proc/cpuinfo names it (the benchmark scripts print it beside every figure)."""
