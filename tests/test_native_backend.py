@@ -329,3 +329,30 @@ def test_a_cap_that_is_not_a_set_of_this_cpu_is_one_line():
     with pytest.raises(native_library.NativeUnavailable, match="MEDUSA_TRT_CPU_ISA=sse9 is not an instruction set") as info:
         native_library.load("sse9")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "writable by others"])
+def test_a_damaged_library_is_one_line_exit_2(engine, tmp_path, damage):
+    """A library folder (MEDUSA_TRT_NATIVE_DIR) whose best library is cut short, or that others may write: medusa-run
+    --backend native says so in one line, exit 2, before mapping it (a truncated file would be a SIGBUS)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from medusa_trt.runtime import native_library
+
+    best = native_library.load().path
+    for library in best.parent.glob("_native_*.so"):
+        shutil.copyfile(library, tmp_path / (library.name.split(".")[0] + ".so"))
+    target = tmp_path / (best.name.split(".")[0] + ".so")
+    if damage == "truncated":
+        target.write_bytes(target.read_bytes()[:20000])
+    else:
+        target.chmod(0o666)
+    run = [sys.executable, "-m", "medusa_trt.cli.run", "--engine", str(engine), "--backend", "native", "--prompt", "Once"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120, env=os.environ | {"MEDUSA_TRT_NATIVE_DIR": str(tmp_path)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert str(Path(target)) in lines[0] and ("truncated" if damage == "truncated" else "writable by other users") in lines[0]
