@@ -150,6 +150,24 @@ def test_drafted_output_equals_its_plain_output(engine, stories_prompts):
     assert max(r.stats.mean_accepted for r in drafted) > 1
 
 
+def test_heads_on_named_arrays_propose_what_they_give_on_given_hidden_states(native):
+    """``propose`` (the heads on the buffers' arrays at the chosen nodes) and ``run_heads`` (the same callable on arrays of
+    its own, what medusa-bench times) on the same hidden states: the same top-k and logits."""
+    from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK
+
+    ids = np.arange(3, 9, dtype=np.int64)[None]  # (1, 6)
+    out = native.step(ids, np.arange(6)[None], _chain(6)[None], np.array([0]))
+    roots = np.array([int(out.argmax[0, 4])])  # (1,) the token after node 4
+    hidden = out.hidden_rows(np.array([0]), np.array([4]))  # (1, H), read before propose (it reads the same buffers)
+    proposals = native.propose(np.array([4]), 2, roots)
+    ids_at_4, logits_at_4 = proposals.ids.copy(), proposals.logits().copy()  # (1, n, 2), (1, n, Vd)
+    got = native.run_heads(hidden, roots if native.meta.reads_roots else None)
+    assert ids_at_4.shape == (1, native.meta.proposal_rows, 2) and logits_at_4.shape[-1] == native.meta.heads_vocab
+    assert np.array_equal(got[HEAD_TOPK][..., :2], ids_at_4) and np.array_equal(got[HEAD_LOGITS], logits_at_4)
+    with pytest.raises(EngineError, match="heads return top-"):
+        native.propose(np.array([4]), native.meta.top_k + 1, roots)
+
+
 def test_the_lm_head_is_skipped_when_no_logits_are_read(native):
     ids = np.arange(1, 9, dtype=np.int64)[None]
     out = native.step(ids, np.arange(8)[None], _chain(8)[None], np.array([0]), logits=False)

@@ -1,15 +1,18 @@
-"""A backend composed of a step kernel on named host arrays, the shared host buffers and the heads graph.
+"""A backend composed of a step kernel and a heads callable on named host arrays and the shared host buffers.
 
 The host backends whose step is not an ONNX Runtime session (the native C step; OpenVINO next) are this class with a
 kernel of their own, not subclasses of ``OnnxBackend``: the kernel reads the step's inputs and the bound cache from a
 dict of numpy arrays named by ``runtime/contract.py`` and writes its outputs into the arrays there, which are views of
-``ort_buffers.HostBuffers`` (allocated once, at their largest). Everything else of the step contract is the buffers'
-(commit, relayout) and the heads graph's on ONNX Runtime (propose).
+``ort_buffers.HostBuffers`` (allocated once, at their largest). The heads are called the same way on the arrays of
+``HostBuffers.heads_arrays`` (``onnx_backend.OrtHeads``: the heads graph on ONNX Runtime). Everything else of the step
+contract is the buffers' (commit, relayout).
 
     kernel(arrays)    arrays: INPUT_IDS (B, T) int64, POSITION_IDS (B, T) int64, TREE_MASK (B, T, T) bool,
                       CACHE_LENGTHS (B,) int64, PAST_KEY / PAST_VALUE (S, L, B, Hkv, D): read;
                       NEW_KEY / NEW_VALUE (T, L, B, Hkv, D), HIDDEN (B, T, H): written; with LOGITS (B, T, V) bound,
                       NEXT_IDS (B, T) and SUCCESSORS_OUTPUT (B, T, k) too (a step without LOGITS skips the lm_head)
+    heads(arrays)     arrays: HIDDEN (B, H) and, for heads that read the next token, NEXT_INPUT (B,) int64: read;
+                      HEAD_TOPK (B, n, K) int64, HEAD_LOGITS (B, n, Vd) float32: written
 """
 
 from __future__ import annotations
@@ -20,10 +23,20 @@ from typing import Protocol
 
 import numpy as np
 
-from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.backends.onnx_backend import heads_proposals
+from medusa_trt.runtime.backends.common import check_proposal, commit_indices
 from medusa_trt.runtime.backends.ort_buffers import HostBuffers
-from medusa_trt.runtime.contract import CACHE_LENGTHS, HEADS_INPUTS, INPUT_IDS, NEXT_INPUT, POSITION_IDS, TREE_MASK, Proposals, StepOutput
+from medusa_trt.runtime.contract import (
+    CACHE_LENGTHS,
+    HEAD_LOGITS,
+    HEAD_TOPK,
+    HIDDEN,
+    INPUT_IDS,
+    NEXT_INPUT,
+    POSITION_IDS,
+    TREE_MASK,
+    Proposals,
+    StepOutput,
+)
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
 
 log = logging.getLogger(__name__)
@@ -41,8 +54,15 @@ class HostKernel(Protocol):
         ...
 
 
+class HostHeads(Protocol):
+    """The Medusa heads on named host arrays (the module docstring's table)."""
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+
 class HostBackend:
-    """``contract.Backend`` over a ``HostKernel``: the engine's files and metadata, the host buffers, the heads session."""
+    """``contract.Backend`` over a ``HostKernel``: the engine's files and metadata, the host buffers, the heads (None: the
+    engine has none)."""
 
     def __init__(
         self,
@@ -51,13 +71,13 @@ class HostBackend:
         meta: EngineMeta,
         kernel: HostKernel,
         buffers: HostBuffers,
-        heads_session,
+        heads: HostHeads | None,
         *,
         max_batch: int,
         max_context: int,
     ):
         self.name, self.files, self.meta, self.kernel, self.buffers = name, files, meta, kernel, buffers
-        self.heads_session = heads_session
+        self.heads = heads
         self.max_batch, self.max_context = max_batch, max_context
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
         self.dtype = buffers.sizes.dtype
@@ -102,14 +122,30 @@ class HostBackend:
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
         self.buffers.commit(rows, src, dst, nodes.shape[0])
 
-    def run_heads(self, hidden: np.ndarray, roots: np.ndarray | None = None) -> None:
-        """The heads graph on ``hidden`` (N, H) outside the loop's buffers (``medusa-bench`` times it)."""
-        self.heads_session.run(None, {HEADS_INPUTS[0]: hidden} | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
+    def run_heads(self, hidden: np.ndarray, roots: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The heads on ``hidden`` (N, H) of ``self.dtype`` (and ``roots`` (N,) int64 for next-token-aware heads) outside
+        the loop's buffers: what a graph that ran the heads on every tree node would pay (``medusa-bench`` times it).
+        Returns their outputs, HEAD_TOPK (N, n, K) and HEAD_LOGITS (N, n, Vd), arrays of their own."""
+        shapes = self.buffers.sizes.heads_shapes(len(hidden))
+        out = {HEAD_TOPK: np.empty(shapes[HEAD_TOPK], np.int64), HEAD_LOGITS: np.empty(shapes[HEAD_LOGITS], np.float32)}
+        self._heads()({HIDDEN: hidden} | out | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
+        return out
 
     def expand(self, paths: list, top_k: int) -> None:
         """An exported engine's heads expand what the exporter fixed: nothing to do."""
         return None
 
     def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step (``onnx_backend.heads_proposals``)."""
-        return heads_proposals(self.meta, self.heads_session, self.buffers, nodes, top_k, roots)
+        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K) and logits, views of the buffers;
+        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
+        check_proposal(self.meta, top_k, roots)
+        arrays = self.buffers.heads_arrays(np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; the outputs' views
+        if self.meta.reads_roots:
+            arrays[NEXT_INPUT] = np.ascontiguousarray(roots, dtype=np.int64)  # (B,)
+        self._heads()(arrays)
+        return self.buffers.proposals(top_k)
+
+    def _heads(self) -> HostHeads:
+        if self.heads is None:
+            raise EngineError(f"{self.files.step} has no Medusa heads to propose with: run it plain, or export it with heads")
+        return self.heads

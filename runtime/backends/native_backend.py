@@ -2,8 +2,8 @@
 
 ``open_native`` composes a ``host_backend.HostBackend`` of the C step (``native_step.NativeStep``, a ``HostKernel``
 on named host arrays), the shared ``ort_buffers.HostBuffers`` (the KV cache, slot-major, and every output allocated
-once in host memory) and the heads graph on ONNX Runtime. A step writes straight into the buffers the loop reads and
-commit copies from.
+once in host memory) and the heads graph on ONNX Runtime (``onnx_backend.OrtHeads``, on the same named arrays). A
+step writes straight into the buffers the loop reads and commit copies from.
 
 Exact by construction: the C step is batch-invariant (each output a fixed chain of operations over its own row; the
 attention adds a query's keys in position order), so a verify step gives every node the logits its plain step gives
@@ -25,7 +25,7 @@ import numpy as np
 
 from medusa_trt.runtime import native_library, native_step, native_weights
 from medusa_trt.runtime.backends.host_backend import HostBackend
-from medusa_trt.runtime.backends.onnx_backend import checked_files, heads_session_options, open_heads
+from medusa_trt.runtime.backends.onnx_backend import OrtHeads, checked_files, heads_session_options, open_heads
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.engine import EngineError
 
@@ -62,7 +62,8 @@ def open_native(
     if wrong := [f"{k} {found[k]} (metadata: {recorded[k]})" for k in found if found[k] != recorded[k]]:
         raise EngineError(f"{files.step}'s weights do not match its metadata, {', '.join(wrong)}: export again")
     kernel = native_step.NativeStep(weights, rows=max_batch * meta.max_tokens, slots=max_context, threads=threads, isa=isa)
-    heads = open_heads(files, meta, heads_session_options(threads), ["CPUExecutionProvider"])
+    session = open_heads(files, meta, heads_session_options(threads), ["CPUExecutionProvider"])
+    heads = None if session is None else OrtHeads(session)
     successors = min(meta.successors, native_step.MAX_TOPK)
     buffers = HostBuffers(BufferSizes.of(meta, max_batch=max_batch, max_context=max_context, dtype=np.float32, successors=successors))
     log.info(

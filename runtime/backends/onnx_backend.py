@@ -20,11 +20,12 @@ import logging
 import numpy as np
 
 from medusa_trt.runtime import key_slots
-from medusa_trt.runtime.backends.common import commit_indices
+from medusa_trt.runtime.backends.common import check_proposal, commit_indices
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, DeviceBuffers, HostBuffers, StepBuffers
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
     HEADS_INPUTS,
+    HEADS_OUTPUTS,
     INPUT_IDS,
     LOGITS_WANTED_INPUT,
     NEXT_INPUT,
@@ -120,6 +121,26 @@ def open_heads(files: EngineFiles, meta: EngineMeta, options, providers):
     if (NEXT_INPUT in inputs) != meta.reads_roots:
         raise EngineError(f"{files.heads} takes inputs {sorted(inputs)} but the engine says its heads read {meta.head_input}: export again")
     return session
+
+
+class OrtHeads:
+    """The heads graph's ONNX Runtime session (CPU provider) as a ``host_backend.HostHeads``: a call binds the named
+    host arrays through IOBinding, the inputs (HIDDEN, NEXT_INPUT) in place and the outputs (HEAD_TOPK, HEAD_LOGITS)
+    by address, so ONNX Runtime writes them into the arrays given."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        io = self.session.io_binding()
+        inputs = {name: np.ascontiguousarray(a) for name, a in arrays.items() if name not in HEADS_OUTPUTS}  # alive through the run
+        for name, array in inputs.items():
+            io.bind_cpu_input(name, array)
+        for name in HEADS_OUTPUTS:
+            array = arrays[name]
+            assert array.flags.c_contiguous, name  # written in place at its address
+            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        self.session.run_with_iobinding(io)
 
 
 def default_providers() -> list[str]:
@@ -295,10 +316,7 @@ class OnnxBackend:
 def heads_proposals(meta: EngineMeta, heads_session, buffers: StepBuffers, nodes: np.ndarray, top_k: int, roots) -> Proposals:
     """The heads graph (an ONNX Runtime session) at node ``nodes[b]`` of the last step, through ``buffers``: top-k ids
     (B, n, K), logits views; ``roots`` (B,) the next tokens, read by next-token-aware heads."""
-    if top_k > meta.top_k:
-        raise EngineError(f"the tree needs top-{top_k} proposals but the engine's heads return top-{meta.top_k}: export with that tree")
-    if meta.reads_roots and roots is None:
-        raise EngineError("these heads read the next token: pass roots to propose")
+    check_proposal(meta, top_k, roots)
     io = heads_session.io_binding()
     buffers.bind_heads(io, np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; head_topk, head_logits
     if meta.reads_roots:

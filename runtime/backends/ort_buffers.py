@@ -227,18 +227,24 @@ class HostBuffers:
             moved = self._layout(flat, old_batch)[:slots][:, :, rows].copy()  # (slots, layers, n, Hkv, D)
             self._layout(flat, new_batch)[:slots, :, : len(rows)] = moved
 
-    def bind_heads(self, io, nodes: np.ndarray) -> None:
+    def heads_arrays(self, nodes: np.ndarray) -> dict[str, np.ndarray]:
+        """The heads' input and outputs at node ``nodes[b]`` of row b of the last step, named as the contract names them:
+        HIDDEN (B, H) the hidden states there (a copy), HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd) views of the
+        buffers, written in place (a host backend's heads); ``proposals`` reads them after the run."""
         batch = nodes.shape[0]
-        hidden = np.ascontiguousarray(self._views[HIDDEN][np.arange(batch), nodes])  # (B, H)
         shapes = self.sizes.heads_shapes(batch)
         self._heads = {
-            HIDDEN: hidden,
+            HIDDEN: np.ascontiguousarray(self._views[HIDDEN][np.arange(batch), nodes]),  # (B, H)
             HEAD_TOPK: self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK]),
             HEAD_LOGITS: self.head_logits[: _elements(shapes[HEAD_LOGITS])].reshape(shapes[HEAD_LOGITS]),
         }
-        io.bind_cpu_input(HIDDEN, hidden)  # kept in self._heads until the run
+        return dict(self._heads)
+
+    def bind_heads(self, io, nodes: np.ndarray) -> None:
+        arrays = self.heads_arrays(nodes)
+        io.bind_cpu_input(HIDDEN, arrays[HIDDEN])  # kept in self._heads until the run
         for name in (HEAD_TOPK, HEAD_LOGITS):
-            array = self._heads[name]
+            array = arrays[name]
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def proposals(self, top_k: int) -> Proposals:
