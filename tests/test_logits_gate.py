@@ -213,8 +213,8 @@ def test_openvino_runs_a_gated_engine_with_its_gate_inlined(engines, stories_bas
 
     engine = str(engines["fp32", True])
     runtime = MedusaRuntime(engine, RuntimeConfig(backend="openvino", threads=2, max_batch=1))
-    compiled = runtime.backend.session.compiled
-    assert LOGITS_WANTED_INPUT not in runtime.backend.session.inputs and not runtime.backend.gated
+    compiled = runtime.backend.kernel.compiled
+    assert LOGITS_WANTED_INPUT not in runtime.backend.kernel.inputs and not runtime.backend.gated
     assert "If" not in {op.get_type_name() for op in compiled.get_runtime_model().get_ordered_ops()}
     prompt = stories_base.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside")
     onnx = MedusaRuntime(engine, RuntimeConfig(threads=2, max_batch=1, prefill_chunk=4)).generate([prompt], max_new_tokens=24)

@@ -19,6 +19,8 @@ pytest.importorskip("openvino", reason="openvino not installed (pip install 'med
 from medusa_trt.runtime import MedusaRuntime  # noqa: E402
 from medusa_trt.runtime.backends import onnx_backend_name  # noqa: E402
 from medusa_trt.runtime.backends import openvino_backend as ovb  # noqa: E402
+from medusa_trt.runtime.backends.host_backend import HostBackend  # noqa: E402
+from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, PAST_KEY  # noqa: E402
 from medusa_trt.runtime.engine import EngineError  # noqa: E402
 from medusa_trt.runtime.errors import MedusaError  # noqa: E402
 from tests.conftest import medusa_model  # noqa: E402
@@ -70,21 +72,39 @@ def test_verify_steps_claim_what_the_probe_found(engine):
     path's logits then equal the plain steps' logits bit for bit."""
     from medusa_trt.runtime import exactness
 
-    backend = ovb.OpenVinoBackend(engine, max_batch=1, max_context=256, threads=2)
+    backend = ovb.open_openvino(engine, max_batch=1, max_context=256, threads=2)
+    assert isinstance(backend, HostBackend) and backend.describe() == "openvino (CPU, f32)"
     assert backend.key_lanes in (8, 16, 32, 64)
     ids = np.random.default_rng(7).integers(0, backend.meta.vocab_size, 40, dtype=np.int64)
     path, plain = exactness.plain_steps(backend, ids, 5)
     tokens, parents, where = exactness.layouts(path, backend.meta.vocab_size)["tree"]
     exactness.prefill(backend, ids)
+    backend.kernel = recorder = _Recorder(backend.kernel)
     out = backend.step(
         np.array([tokens]), (40 + np.array([0, 1, 1, 2, 3, 4]))[None], _mask(parents)[None], np.array([40])
     )  # root, sibling, path below the root
     assert out.exact is not None and out.exact[0, where].all()
+    slots, past = recorder.seen[0]  # the key slots the graph read, the cache slots bound: whole KEY_BLOCKs holding them
+    assert slots.min() == 40 and past % ovb.KEY_BLOCK == 0 and slots.max() < past <= slots.max() + ovb.KEY_BLOCK
     assert all(np.array_equal(out.logits()[0, i], plain[j]) for j, i in enumerate(where))
     proposals = backend.propose(np.array([where[-1]]), 2, roots=np.array([3]))  # (1, heads, 2) at the path's last node
     assert proposals.ids.shape[::2] == (1, 2) and proposals.logits().shape[0] == 1
     hidden = np.zeros((3, backend.meta.hidden_size), np.float32)  # a wider call on the heads graph after it (medusa-bench times one)
     backend.run_heads(hidden, np.zeros(3, np.int64) if backend.meta.reads_roots else None)
+
+
+class _Recorder:
+    """A step kernel that notes the key slots and the bound cache length of each call, then runs the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.exact, self.seen = kernel, kernel.exact, []
+
+    def __call__(self, arrays):
+        self.seen.append((arrays[KEY_SLOTS_INPUT].copy(), arrays[PAST_KEY].shape[0]))
+        self.kernel(arrays)
+
+    def describe(self) -> str:
+        return self.kernel.describe()
 
 
 def _mask(parents: list[int]) -> np.ndarray:
@@ -101,7 +121,7 @@ def test_an_inexact_engine_claims_nothing_and_warns(engine, stories_prompts, mon
     monkeypatch.setattr(ovb, "_PROBED", {})
     monkeypatch.setattr(exactness, "verify_diffs", lambda *args: [0.5])  # what a backend whose verify steps drift measures
     with caplog.at_level(logging.WARNING):
-        backend = ovb.OpenVinoBackend(engine, max_batch=1, max_context=256, threads=2)
+        backend = ovb.open_openvino(engine, max_batch=1, max_context=256, threads=2)
     assert backend.exact is False and backend.key_lanes is None and backend.exactness.max_diff == 0.5
     assert any("not exact" in r.getMessage() for r in caplog.records)
     tree = np.tri(3, dtype=bool)
@@ -157,7 +177,7 @@ def test_bad_options_are_one_typed_line(engine, monkeypatch):
             MedusaRuntime(engine, max_batch=1, max_context=64, **options)
         assert "\n" not in str(info.value)
     with pytest.raises(EngineError, match="device 'TPU' is not one of"):
-        ovb.OpenVinoBackend(engine, device="TPU")
+        ovb.open_openvino(engine, device="TPU")
     monkeypatch.setattr(ovb, "cpu_has_bf16", lambda: False)
     with pytest.raises(EngineError, match="needs a CPU with AMX or AVX512-BF16"):
         MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=1, max_context=64)

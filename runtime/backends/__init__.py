@@ -50,9 +50,9 @@ def open_onnx_backend(path, cfg):
     name = onnx_backend_name(path, cfg.backend)
     limits = dict(max_batch=cfg.max_batch, max_context=cfg.max_context, threads=cfg.threads, checksums=cfg.verify_checksums)
     if name == "openvino":
-        from medusa_trt.runtime.backends.openvino_backend import OpenVinoBackend  # openvino only on this path
+        from medusa_trt.runtime.backends.openvino_backend import open_openvino  # openvino only on this path
 
-        return OpenVinoBackend(path, precision=cfg.precision, **limits)
+        return open_openvino(path, precision=cfg.precision, **limits)
     if cfg.precision is not None:
         from medusa_trt.runtime.engine import EngineError
 

@@ -1,11 +1,11 @@
 """A backend composed of a step kernel and a heads callable on named host arrays and the shared host buffers.
 
-The host backends whose step is not an ONNX Runtime session (the native C step; OpenVINO next) are this class with a
-kernel of their own, not subclasses of ``OnnxBackend``: the kernel reads the step's inputs and the bound cache from a
-dict of numpy arrays named by ``runtime/contract.py`` and writes its outputs into the arrays there, which are views of
-``ort_buffers.HostBuffers`` (allocated once, at their largest). The heads are called the same way on the arrays of
-``HostBuffers.heads_arrays`` (``onnx_backend.OrtHeads``: the heads graph on ONNX Runtime). Everything else of the step
-contract is the buffers' (commit, relayout).
+The host backends whose step is not an ONNX Runtime session (the native C step, OpenVINO's compiled graph) are this
+class with a kernel of their own, not subclasses of ``OnnxBackend``: the kernel reads the step's inputs and the bound
+cache from a dict of numpy arrays named by ``runtime/contract.py`` and writes its outputs into the arrays there, which
+are views of ``ort_buffers.HostBuffers`` (allocated once, at their largest). The heads are called the same way on the
+arrays of ``HostBuffers.heads_arrays`` (``onnx_backend.OrtHeads``: the heads graph on ONNX Runtime; OpenVINO's
+compiled heads graph). Everything else of the step contract is the buffers' (commit, relayout).
 
 A kernel whose graph reads the engine's key slots (``key_slots=True``: OpenVINO) gets KEY_SLOTS_INPUT (B, T) int64 too,
 where ``runtime/key_slots.py`` puts each new key so that a verify step is a plain step, and a bound cache long enough
@@ -81,7 +81,8 @@ class HostBackend:
     ``key_slots``: the kernel reads KEY_SLOTS_INPUT; each step's nodes are laid out by ``key_slots.assign`` at
     ``key_lanes`` (set by whoever measured them; None: the appended layout, no claim) and claim exactness per node.
     ``key_block``: the bound key axis is a multiple of this many slots. ``gated``: a step may skip the lm_head
-    (False: the kernel always computes the logits, so every output is bound). The buffers hold ``cache_slots`` slots."""
+    (False: the kernel always computes the logits, so every output is bound). ``device`` and ``precision``: what the
+    kernel runs on and computes in, where it offers a choice (OpenVINO). The buffers hold ``cache_slots`` slots."""
 
     def __init__(
         self,
@@ -97,6 +98,8 @@ class HostBackend:
         key_slots: bool = False,
         key_block: int = 1,
         gated: bool = True,
+        device: str = "CPU",
+        precision: str | None = None,  # None: the engine's own dtype
     ):
         self.name, self.files, self.meta, self.kernel, self.buffers = name, files, meta, kernel, buffers
         self.heads = heads
@@ -106,6 +109,7 @@ class HostBackend:
         self.successors = buffers.sizes.successors  # k of SUCCESSORS_OUTPUT (0: the engine has none)
         self.kv_row = buffers.sizes.kv_row
         self.key_slots, self.key_block, self.gated = key_slots, key_block, gated
+        self.device, self.precision = device, precision
         # the slots a step's keys may take: the context, and with key slots the slack a tree's scattered keys need
         self.slots = max_context + (key_layout.slack(meta.max_tokens) if key_slots else 0)
         assert buffers.sizes.max_context >= cache_slots(max_context, meta.max_tokens, key_slots=key_slots, key_block=key_block)

@@ -1,12 +1,11 @@
 """OpenVINO backend: the engine's own ONNX graphs (model.onnx, heads.onnx) compiled by OpenVINO.
 
-Everything but the engine calls is ``OnnxBackend``'s: this class runs its ``step`` / ``commit`` /
-``relayout`` / ``propose`` over the same ``ort_buffers.HostBuffers`` (the KV cache and every output
-allocated once in host memory, a step binding views of them). What differs is the session under
-them: ``_Session`` gives a compiled OpenVINO model the slice of ONNX Runtime's ``InferenceSession``
-those methods use, and ``_Binding`` collects the IOBinding calls: the inputs (the cache views among
-them) go to OpenVINO without a copy (``share_inputs``), and each output is copied from OpenVINO's
-memory into its host buffer view after the run, so the ``StepOutput`` views stay valid until the next
+``open_openvino`` composes a ``host_backend.HostBackend`` of the compiled step graph (``OpenVinoKernel``, a
+``HostKernel`` on named host arrays), the shared ``ort_buffers.HostBuffers`` (the KV cache and every output
+allocated once in host memory) and the compiled heads graph (an ``OpenVinoKernel`` too, called as the backend's
+``HostHeads``); ``commit`` / ``relayout`` are the buffers', as for every host backend. A call hands the graph's inputs
+(the cache views among them) to OpenVINO without a copy (``share_inputs``) and copies each output from OpenVINO's
+memory into the host buffer view of its name after the run, so the ``StepOutput`` views stay valid until the next
 step, as the contract says, and commit reads the new K/V where it always does.
 
 Precision: ``"f32"`` (OpenVINO's ``INFERENCE_PRECISION_HINT`` f32, the default) or ``"bf16"`` (weights
@@ -16,11 +15,11 @@ CPUs with AMX or AVX512-BF16.
 Exactness: OpenVINO's CPU attention sums the last, partial block of a key axis in another order than
 a full block, so a token's logits depend on how long the bound key axis is (a verify step binds a
 longer one than the token's plain step). Engines with key slots therefore bind every step's key
-axis rounded up to ``KEY_BLOCK`` slots (the extra slots are masked: attention work only, and the
-buffers hold them), which leaves only the key slots' lane condition (``runtime/key_slots.py``).
+axis rounded up to ``KEY_BLOCK`` slots (``HostBackend``'s ``key_block``; the extra slots are masked: attention
+work only, and the buffers hold them), which leaves only the key slots' lane condition (``runtime/key_slots.py``).
 Whether a verify step then gives a token its plain-step logits bit for bit is measured at load on
-the engine itself (``_probe``: the exactness probe of ``runtime/exactness.py`` at each lane count):
-an engine that passes claims exactness per node as on ONNX Runtime; one that does not claims
+the engine itself (``_probe`` on the composed backend: the exactness probe of ``runtime/exactness.py`` at each lane
+count): an engine that passes claims exactness per node as on ONNX Runtime; one that does not claims
 nothing, says so in a warning, and ``backend.exact`` is False (drafted output then equals plain
 output to float rounding only). Measured on SmolLM2-135M (AVX-512 CPU, 2 threads): unpadded,
 trees differ from plain steps by up to 5e-5 at every lane count; padded to 64, f32 is exact at 16
@@ -37,7 +36,6 @@ ONNX Runtime's on 29/29 prompts) for CPUs and devices where OpenVINO is the fast
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import platform
 from pathlib import Path
@@ -45,17 +43,19 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime import exactness, key_slots
-from medusa_trt.runtime.backends.onnx_backend import DTYPES, OnnxBackend, checked_files
+from medusa_trt.runtime.backends.host_backend import HostBackend, cache_slots
+from medusa_trt.runtime.backends.onnx_backend import DTYPES, checked_files
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
 from medusa_trt.runtime.contract import LOGITS_WANTED_INPUT, NEXT_INPUT, PAST_KEY, PAST_VALUE, SUCCESSORS_OUTPUT
 from medusa_trt.runtime.engine import EngineError, engine_meta
 
 log = logging.getLogger(__name__)
 
+NAME = "openvino"
 PRECISIONS = ("f32", "bf16")  # INFERENCE_PRECISION_HINT values offered; f32 is the default
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs that run bf16 natively
 DEVICES = ("CPU", "GPU", "NPU")  # OpenVINO device names (only CPU is measured and tested here)
-REQUESTS = 8  # infer requests a compiled graph keeps, one per input shape (_Session)
+REQUESTS = 8  # infer requests a compiled graph keeps, one per input shape (OpenVinoKernel)
 KEY_BLOCK = 64  # key-slot engines bind their key axis in multiples of this many slots (a multiple of every lane count)
 PROBE_CONTEXTS = (exactness.CONTEXT, 45, 61)  # committed tokens under the probe: a short one can pass at too few lanes
 ONNX_8BIT = {2: "u8", 3: "i8"}  # ONNX tensor type numbers of QuantizeLinear's 8-bit outputs -> OpenVINO type names
@@ -86,39 +86,141 @@ def check_options(precision: str, device: str) -> None:
         )
 
 
-class _Binding:
-    """The ONNX Runtime IOBinding calls ``OnnxBackend`` and ``HostBuffers`` make, for one compiled OpenVINO
-    graph: inputs are handed over as they are (``share_inputs``: no copy); OpenVINO writes each output
-    into memory of its own, and ``run`` copies it into the host buffer view bound for it."""
+class OpenVinoKernel:
+    """A compiled OpenVINO graph called on named host arrays: the step (a ``host_backend.HostKernel``) or the heads
+    (a ``host_backend.HostHeads``). The graph's inputs are taken from the arrays by name and handed over as they are
+    (``share_inputs``: no copy); each of its outputs is copied into the array of its name after the run.
 
-    def __init__(self, session: _Session):
-        self.session = session
-        self.inputs: dict[str, np.ndarray] = {}
-        self.outputs: dict[str, np.ndarray] = {}  # name -> the HostBuffers view it lands in
+    One infer request per input shape, the ``REQUESTS`` most recent kept: a request whose input shapes
+    change pays OpenVINO's shape inference and allocations again (SmolLM2, f32, 2 threads: a one-token
+    step right after an 8-token one cost 103 ms on one request, 83 ms on a request of its own; the same
+    width again, about 53). Drafting changes the step's width every step; the key axis changes only
+    every ``KEY_BLOCK`` tokens."""
 
-    def clear_binding_inputs(self) -> None:
-        self.inputs = {}
+    exact = None  # no claim of its own: key slots at the lanes the load-time probe found decide (the module docstring)
 
-    def clear_binding_outputs(self) -> None:
-        self.outputs = {}
+    def __init__(self, compiled, device: str, precision: str):
+        self.compiled = compiled
+        self.device, self.precision = device, precision
+        self.inputs = tuple(i.get_any_name() for i in compiled.inputs)
+        self.outputs = tuple(o.get_any_name() for o in compiled.outputs)
+        self._requests: dict[tuple, object] = {}  # input shapes (the cache's aside) -> request, least recent first
 
-    def bind_cpu_input(self, name: str, array: np.ndarray) -> None:
-        self.inputs[name] = np.require(array, requirements="C")  # a scalar stays 0-d (ascontiguousarray makes it (1,))
+    def describe(self) -> str:
+        """``CPU, f32``: the device and the inference precision."""
+        return f"{self.device}, {self.precision}"
 
-    def bind_output(self, name: str, device: str, device_id: int, dtype, shape, address: int) -> None:
-        """An output into host memory at ``address`` (a HostBuffers view, alive as long as the backend)."""
-        assert device == "cpu", device  # HostBuffers binds host memory only
-        count = int(np.prod(shape))
-        memory = (ctypes.c_byte * max(count * np.dtype(dtype).itemsize, 1)).from_address(address)
-        self.outputs[name] = np.frombuffer(memory, dtype=dtype, count=count).reshape(tuple(int(n) for n in shape))
+    def request(self, feeds: dict[str, np.ndarray]):
+        key = tuple((name, a.shape) for name, a in feeds.items() if name not in (PAST_KEY, PAST_VALUE))
+        request = self._requests.pop(key, None)
+        if request is None:
+            request = self.compiled.create_infer_request()
+        self._requests[key] = request
+        if len(self._requests) > REQUESTS:
+            del self._requests[next(iter(self._requests))]
+        return request
 
-    def run(self) -> None:
-        """One synchronous inference; then the outputs are in their views. Copying them costs less than binding
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        """One synchronous inference; then the outputs are in their arrays. Copying them costs less than binding
         them as the request's output tensors (SmolLM2, one token over 300 cached, 2 threads, interleaved: 78 ms
         against 91; 32 tokens 257 against 265; setting each input tensor by name instead: 152 and 336)."""
-        result = self.session.request(self.inputs).infer(self.inputs, share_inputs=True, share_outputs=True)
-        for name, view in self.outputs.items():
-            np.copyto(view, result[name])
+        feeds = {name: np.require(arrays[name], requirements="C") for name in self.inputs}
+        result = self.request(feeds).infer(feeds, share_inputs=True, share_outputs=True)
+        for name in self.outputs:
+            if name in arrays:  # every output the caller bound (a step binds them all: the graph is not gated)
+                np.copyto(arrays[name], result[name])
+
+
+def open_openvino(
+    path,
+    *,
+    max_batch: int | None = None,
+    max_context: int | None = None,
+    threads: int | None = None,
+    precision: str | None = None,
+    device: str = "CPU",
+    checksums: bool = False,
+) -> HostBackend:
+    """The engine at ``path`` on OpenVINO (``device``, ``precision``: f32 unless asked), its exactness probed at load
+    where the engine has key slots (f32; bf16 claims nothing)."""
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        raise EngineError(f"backend openvino needs the openvino package ({exc}): pip install 'medusa-trt[openvino]'") from exc
+    precision = precision or PRECISIONS[0]
+    check_options(precision, device)
+    files, meta = checked_files(path, checksums=checksums)
+    if meta.dtype not in DTYPES:
+        raise EngineError(f"{files.step} holds {meta.dtype} weights, which this backend does not run: export with --dtype fp32 or fp16")
+    max_batch, max_context = meta.check_limits(max_batch, max_context)
+    core = ov.Core()
+    from openvino.frontend.onnx import ConversionExtension
+
+    core.add_extension(ConversionExtension("QuantizeLinear", _quantize_linear))  # the row quantizers
+    options = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
+    if threads:
+        options["INFERENCE_NUM_THREADS"] = threads
+    kernel = OpenVinoKernel(_compile(core, files.step, device, options), device, precision)
+    heads = None
+    files.check_heads(meta.num_heads)
+    if meta.num_heads:
+        if engine_meta(files.heads) != meta:
+            raise EngineError(
+                f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
+                "keep the files of one export together or export again"
+            )
+        heads = OpenVinoKernel(_compile(core, files.heads, device, options), device, precision)
+        if (NEXT_INPUT in heads.inputs) != meta.reads_roots:
+            raise EngineError(
+                f"{files.heads} takes inputs {sorted(heads.inputs)} but the engine says its heads read {meta.head_input}: export again"
+            )
+    successors = meta.successors if SUCCESSORS_OUTPUT in kernel.outputs else 0
+    key_block = KEY_BLOCK if meta.key_slots else 1  # room for the rounded-up key axis
+    slots = cache_slots(max_context, meta.max_tokens, key_slots=meta.key_slots, key_block=key_block)
+    buffers = HostBuffers(BufferSizes.of(meta, max_batch=max_batch, max_context=slots, dtype=DTYPES[meta.dtype], successors=successors))
+    backend = HostBackend(
+        NAME,
+        files,
+        meta,
+        kernel,
+        buffers,
+        heads,
+        max_batch=max_batch,
+        max_context=max_context,
+        key_slots=meta.key_slots,
+        key_block=key_block,
+        gated=False,  # a gated graph's If is inlined at compile (_inline_logits_gate)
+        device=device,
+        precision=precision,
+    )
+    if meta.key_slots and precision == "f32":  # the lane count at which verify steps are plain steps here
+        backend.key_lanes, backend.exactness = _probe(backend, (files.step.resolve(), precision, device, threads))
+    elif meta.key_slots:  # no claim: a bf16 engine passed the probe, then drafted other text than its plain decoding
+        backend.exactness = exactness.Exactness(False, float("nan"), 0)
+    if precision != "f32":  # an inexact mode is said, never silent
+        log.warning(
+            "openvino precision %s: the model computes in %s, so its output is not the %s engine's, and drafted output "
+            "equals this backend's own plain output to rounding only (not exact): use precision f32 for exact drafting",
+            precision,
+            precision,
+            meta.dtype,
+        )
+    log.info(
+        "openvino backend (%s, precision %s): KV cache %.1f MiB, outputs %.1f MiB",
+        device,
+        precision,
+        buffers.cache_bytes / 2**20,
+        buffers.output_bytes / 2**20,
+    )
+    return backend
+
+
+def _compile(core, path: Path, device: str, options: dict):
+    try:
+        return core.compile_model(_inline_logits_gate(core.read_model(str(path))), device, options)
+    except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable graphs, unknown devices and ops
+        reason = " ".join(str(exc).split())[:300]
+        raise EngineError(f"OpenVINO cannot compile {path} for {device}: {reason}") from exc
 
 
 def _inline_logits_gate(model):
@@ -174,194 +276,57 @@ def _quantize_linear(node) -> list:
     return [ops.convert(ops.clamp(q, low, high), kind).output(0)]
 
 
-class _PaddedBuffers(HostBuffers):
-    """HostBuffers whose step binds the first ``past`` cache slots rounded up to ``KEY_BLOCK``: every key
-    axis OpenVINO's attention sees is whole blocks, whatever the step's width (see the module docstring)."""
-
-    def bind_step(self, io, batch: int, tokens: int, past: int, *, logits: bool = True) -> None:
-        super().bind_step(io, batch, tokens, -(-past // KEY_BLOCK) * KEY_BLOCK, logits=logits)
-
-
-class _Session:
-    """A compiled OpenVINO model behind the part of ``onnxruntime.InferenceSession`` OnnxBackend uses.
-
-    One infer request per input shape, the ``REQUESTS`` most recent kept: a request whose input shapes
-    change pays OpenVINO's shape inference and allocations again (SmolLM2, f32, 2 threads: a one-token
-    step right after an 8-token one cost 103 ms on one request, 83 ms on a request of its own; the same
-    width again, about 53). Drafting changes the step's width every step; the key axis changes only
-    every ``KEY_BLOCK`` tokens."""
-
-    def __init__(self, compiled):
-        self.compiled = compiled
-        self.inputs = {i.get_any_name() for i in compiled.inputs}
-        self.outputs = {o.get_any_name() for o in compiled.outputs}
-        self._requests: dict[tuple, object] = {}  # input shapes (the cache's aside) -> request, least recent first
-
-    def request(self, feeds: dict[str, np.ndarray]):
-        key = tuple((name, a.shape) for name, a in feeds.items() if name not in (PAST_KEY, PAST_VALUE))
-        request = self._requests.pop(key, None)
-        if request is None:
-            request = self.compiled.create_infer_request()
-        self._requests[key] = request
-        if len(self._requests) > REQUESTS:
-            del self._requests[next(iter(self._requests))]
-        return request
-
-    def io_binding(self) -> _Binding:
-        return _Binding(self)
-
-    def run_with_iobinding(self, io: _Binding) -> None:
-        io.run()
-
-    def run(self, output_names, feeds: dict) -> list[np.ndarray]:
-        result = self.request(feeds).infer(feeds, share_inputs=True)
-        return [result[o] for o in self.compiled.outputs]
-
-
-class OpenVinoBackend(OnnxBackend):
-    name = "openvino"
-
-    def __init__(
-        self,
-        path,
-        *,
-        max_batch: int | None = None,
-        max_context: int | None = None,
-        threads: int | None = None,
-        precision: str | None = None,
-        device: str = "CPU",
-        checksums: bool = False,
-    ):
-        try:
-            import openvino as ov
-        except ImportError as exc:
-            raise EngineError(f"backend openvino needs the openvino package ({exc}): pip install 'medusa-trt[openvino]'") from exc
-        self.precision = precision = precision or PRECISIONS[0]
-        self.device = device
-        check_options(precision, device)
-        self.files, self.meta = files, meta = checked_files(path, checksums=checksums)
-        if meta.dtype not in DTYPES:
-            raise EngineError(f"{files.step} holds {meta.dtype} weights, which this backend does not run: export with --dtype fp32 or fp16")
-        self.dtype = DTYPES[meta.dtype]
-        core = ov.Core()
-        from openvino.frontend.onnx import ConversionExtension
-
-        core.add_extension(ConversionExtension("QuantizeLinear", _quantize_linear))  # the row quantizers
-        options = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
-        if threads:
-            options["INFERENCE_NUM_THREADS"] = threads
-        self.session = _Session(self._compile(core, files.step, device, options))
-        self.heads_session = None
-        files.check_heads(meta.num_heads)
-        if meta.num_heads:
-            if engine_meta(files.heads) != meta:
-                raise EngineError(
-                    f"{files.heads} belongs to another engine than {files.step} (their metadata differ): "
-                    "keep the files of one export together or export again"
-                )
-            self.heads_session = _Session(self._compile(core, files.heads, device, options))
-            if (NEXT_INPUT in self.heads_session.inputs) != meta.reads_roots:
-                raise EngineError(
-                    f"{files.heads} takes inputs {sorted(self.heads_session.inputs)} but the engine says its heads read "
-                    f"{meta.head_input}: export again"
-                )
-        self.max_batch, self.max_context = meta.check_limits(max_batch, max_context)
-        self.max_tokens = meta.max_tokens
-        self.successors = meta.successors if SUCCESSORS_OUTPUT in self.session.outputs else 0
-        self.slots = self.max_context + (key_slots.slack(meta.max_tokens) if meta.key_slots else 0)
-        padded = -(-self.slots // KEY_BLOCK) * KEY_BLOCK if meta.key_slots else self.slots  # room for the rounded-up key axis
-        sizes = BufferSizes.of(meta, max_batch=self.max_batch, max_context=padded, dtype=self.dtype, successors=self.successors)
-        self.buffers = _PaddedBuffers(sizes) if meta.key_slots else HostBuffers(sizes)
-        self.kv_row = sizes.kv_row
-        self._binding = self.session.io_binding()
-        self.gated = False  # a gated graph's If is inlined at compile (_inline_logits_gate)
-        self.key_lanes = None  # set by the probe: the lane count at which verify steps are plain steps here
-        self.exactness: exactness.Exactness | None = None  # what the probe measured (None: no key slots, no claim)
-        if meta.key_slots and precision == "f32":
-            self.key_lanes, self.exactness = self._probe((files.step.resolve(), precision, device, threads))
-        elif meta.key_slots:  # no claim: a bf16 engine passed the probe, then drafted other text than its plain decoding
-            self.exactness = exactness.Exactness(False, float("nan"), 0)
-        if precision != "f32":  # an inexact mode is said, never silent
+def _probe(backend: HostBackend, key: tuple) -> tuple[int | None, exactness.Exactness]:
+    """The smallest lane count of ``key_slots.LANES`` at which a chain and a branching tree re-score
+    the engine's own plain steps bit for bit (``runtime/exactness.py``), measured once per engine,
+    precision, device and thread count in a process; (None, the failing result) when none does."""
+    if key not in _PROBED:
+        _PROBED[key] = _measure_lanes(backend)
+        lanes, found = _PROBED[key]
+        if lanes is None:
             log.warning(
-                "openvino precision %s: the model computes in %s, so its output is not the %s engine's, and drafted output "
-                "equals this backend's own plain output to rounding only (not exact): use precision f32 for exact drafting",
-                precision,
-                precision,
-                meta.dtype,
+                "%s on OpenVINO (%s): a verify step's logits differ from a plain step's by up to %.3g, so drafted output "
+                "equals plain output to float rounding only (not exact); use the onnxruntime backend "
+                "for exact drafting",
+                backend.files.step.name,
+                key[1],
+                found.max_diff,
             )
-        log.info(
-            "openvino backend (%s, precision %s): KV cache %.1f MiB, outputs %.1f MiB",
-            device,
-            precision,
-            self.buffers.cache_bytes / 2**20,
-            self.buffers.output_bytes / 2**20,
-        )
+        else:
+            log.info("openvino key slots at %d lanes: a verify step is a plain step, bit for bit", lanes)
+    return _PROBED[key]
 
-    @staticmethod
-    def _compile(core, path: Path, device: str, options: dict):
-        try:
-            return core.compile_model(_inline_logits_gate(core.read_model(str(path))), device, options)
-        except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable graphs, unknown devices and ops
-            reason = " ".join(str(exc).split())[:300]
-            raise EngineError(f"OpenVINO cannot compile {path} for {device}: {reason}") from exc
 
-    def describe(self) -> str:
-        """The backend as a summary line names it: ``openvino (CPU, f32)``."""
-        return f"{self.name} ({self.device}, {self.precision})"
-
-    @property
-    def exact(self) -> bool | None:
-        """Verify steps are plain steps bit for bit on this engine and precision (None: not measured, no claim)."""
-        return None if self.exactness is None else self.exactness.exact
-
-    def _probe(self, key: tuple) -> tuple[int | None, exactness.Exactness]:
-        """The smallest lane count of ``key_slots.LANES`` at which a chain and a branching tree re-score
-        the engine's own plain steps bit for bit (``runtime/exactness.py``), measured once per engine,
-        precision, device and thread count in a process; (None, the failing result) when none does."""
-        if key not in _PROBED:
-            _PROBED[key] = self._measure_lanes()
-            lanes, found = _PROBED[key]
-            if lanes is None:
-                log.warning(
-                    "%s on OpenVINO (%s): a verify step's logits differ from a plain step's by up to %.3g, so drafted output "
-                    "equals plain output to float rounding only (not exact); use the onnxruntime backend "
-                    "for exact drafting",
-                    self.files.step.name,
-                    key[1],
-                    found.max_diff,
-                )
-            else:
-                log.info("openvino key slots at %d lanes: a verify step is a plain step, bit for bit", lanes)
-        return _PROBED[key]
-
-    def _measure_lanes(self) -> tuple[int | None, exactness.Exactness]:
-        limit = self.max_tokens
-        tokens = max(1, min(exactness.TOKENS, limit - 1))  # the tree holds the path and one sibling
-        contexts = sorted({max(1, min(c, limit, self.max_context - tokens - 2)) for c in PROBE_CONTEXTS})
-        rng = np.random.default_rng(0)
-        self.key_lanes = key_slots.LANES[0]
-        runs, compared = [], 0  # (context ids, tree layout, plain logits) per context
-        for context in contexts:
-            ids = rng.integers(0, self.meta.vocab_size, context, dtype=np.int64)  # (C,)
-            path, plain = exactness.plain_steps(self, ids, tokens)
-            layouts = exactness.layouts(path, self.meta.vocab_size)
-            chain = exactness.verify_diffs(self, ids, layouts["chain"], plain)  # a chain's slots do not depend on the lanes
-            compared += len(chain)
-            if max(chain) > 0.0:  # wider steps sum in another order: no lane count helps
-                return None, exactness.Exactness(False, max(chain), compared)
-            runs.append((ids, layouts.get("tree"), plain))
-        if runs[0][1] is None:  # one-token trees only
-            return self.key_lanes, exactness.Exactness(True, 0.0, compared)
-        worst = []
-        for lanes in key_slots.LANES:  # smallest first; every context must pass
-            self.key_lanes, diff = lanes, 0.0
-            for ids, tree, plain in runs:
-                diffs = exactness.verify_diffs(self, ids, tree, plain)
-                compared += len(diffs)
-                diff = max(diff, *diffs)
-                if diff > 0.0:
-                    break
-            if diff == 0.0:
-                return lanes, exactness.Exactness(True, 0.0, compared)
-            worst.append(diff)
-        return None, exactness.Exactness(False, min(worst), compared)
+def _measure_lanes(backend: HostBackend) -> tuple[int | None, exactness.Exactness]:
+    """``_probe``'s measurement on ``backend`` (its cache's contents left undefined), setting ``backend.key_lanes`` to
+    each lane count it tries."""
+    limit = backend.max_tokens
+    tokens = max(1, min(exactness.TOKENS, limit - 1))  # the tree holds the path and one sibling
+    contexts = sorted({max(1, min(c, limit, backend.max_context - tokens - 2)) for c in PROBE_CONTEXTS})
+    rng = np.random.default_rng(0)
+    backend.key_lanes = key_slots.LANES[0]
+    runs, compared = [], 0  # (context ids, tree layout, plain logits) per context
+    for context in contexts:
+        ids = rng.integers(0, backend.meta.vocab_size, context, dtype=np.int64)  # (C,)
+        path, plain = exactness.plain_steps(backend, ids, tokens)
+        layouts = exactness.layouts(path, backend.meta.vocab_size)
+        chain = exactness.verify_diffs(backend, ids, layouts["chain"], plain)  # a chain's slots do not depend on the lanes
+        compared += len(chain)
+        if max(chain) > 0.0:  # wider steps sum in another order: no lane count helps
+            return None, exactness.Exactness(False, max(chain), compared)
+        runs.append((ids, layouts.get("tree"), plain))
+    if runs[0][1] is None:  # one-token trees only
+        return backend.key_lanes, exactness.Exactness(True, 0.0, compared)
+    worst = []
+    for lanes in key_slots.LANES:  # smallest first; every context must pass
+        backend.key_lanes, diff = lanes, 0.0
+        for ids, tree, plain in runs:
+            diffs = exactness.verify_diffs(backend, ids, tree, plain)
+            compared += len(diffs)
+            diff = max(diff, *diffs)
+            if diff > 0.0:
+                break
+        if diff == 0.0:
+            return lanes, exactness.Exactness(True, 0.0, compared)
+        worst.append(diff)
+    return None, exactness.Exactness(False, min(worst), compared)
