@@ -40,7 +40,7 @@ install: $(STAMP) $(NATIVE)
 
 # The native step's libraries (runtime/_native_<set>*.so, one per instruction set: setup.py). pip install -e builds them
 # once; this rebuilds them in place after an edit of their sources (a stale build is refused at load, naming this).
-NATIVE_SOURCES := runtime/native_step.c runtime/host_attention.c runtime/native_simd.h runtime/native_isa.py setup.py
+NATIVE_SOURCES := runtime/native_step.c runtime/host_attention.c runtime/native_pool.c runtime/native_simd.h runtime/native_pool.h runtime/native_isa.py setup.py
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 	mkdir -p build && $(PY) setup.py build_ext --inplace > build/native-build.log 2>&1 || { tail -20 build/native-build.log; exit 1; }
 	$(PY) -c "from medusa_trt.runtime import native_library as n; print('native step:', n.load().isa, n.load().path.name)"
@@ -59,6 +59,7 @@ test-sanitize: $(STAMP)
 	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MEDUSA_TRT_NATIVE_DIR=$(SANITIZE) \
 	  $(PY) -m pytest -q -p no:logging tests/test_native_backend.py tests/test_native_malformed.py tests/test_native_serving.py \
+	  tests/test_native_pool.py \
 	  tests/test_host_attention.py
 
 # The wheel runs native with no C compiler on PATH, at every instruction set this CPU runs (scripts/wheel_check.sh)

@@ -18,16 +18,15 @@
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
  *   out     [B, T, Hq * D]
- *   scratch float, at least 4 * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
- *           the OpenMP threads where this file is built with OpenMP (its tasks then run in parallel, each a thread's)
+ *   scratch float, at least RB * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
+ *           the pool's threads (native_pool.h: its tasks run in parallel, each in its worker's part)
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "native_pool.h"
 
 #define LANES 16
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -110,7 +109,7 @@ static float row_sum(const float *x, int64_t n) { /* LANES partial sums by index
 }
 
 #define AHEAD 8 /* slots prefetched ahead: in a stacked cache a layer's slots lie a whole layer-stack apart */
-#define RB 4    /* rows (query heads x nodes of one key/value head) that share each key they read */
+#define RB 8    /* rows (query heads x nodes of one key/value head) that share each key they read */
 #define MAXV 8  /* head dimensions up to MAXV * LANES keep a block's value sums in registers */
 
 static inline void prefetch(const float *p, int n) { /* every cache line of one head's row */
@@ -120,12 +119,11 @@ static inline void prefetch(const float *p, int n) { /* every cache line of one 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TILE 16
+#define MAXD_OR_1 MAXD
 #define TILE_OR_1 TILE /* keys scored together: one FMA chain a key, then the 16 lane sums in one butterfly */
 #define MAXD 256
 
-static int lane_of[TILE]; /* the butterfly's output lane of key j */
-
-/* The 16 sums of acc[j]'s lanes, key j's in lane lane_of[j]: the same adds in the same order for every key. */
+/* The 16 sums of acc[j]'s lanes (key j's in some lane, lane_index's j-th): the same adds in the same order for every key. */
 static inline __m512 butterfly(__m512 *acc) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++)
@@ -139,44 +137,41 @@ static inline __m512 butterfly(__m512 *acc) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-static void find_lanes(void) {
-    if (lane_of[1]) return;
+static __m512i lane_index; /* a permutation: key j's sum from the butterfly's lane to lane j */
+
+/* Found once, when the library is loaded (before any thread can call in): the butterfly run on keys whose lanes all
+ * hold their own index j, read back. */
+__attribute__((constructor)) static void find_lanes(void) {
     __m512 acc[TILE];
     for (int j = 0; j < TILE; j++) acc[j] = _mm512_set1_ps((float)j);
     float out[TILE];
     _mm512_storeu_ps(out, butterfly(acc));
-    for (int l = 0; l < TILE; l++) lane_of[(int)(out[l] / TILE + 0.5f)] = l;
+    int32_t index[TILE];
+    for (int l = 0; l < TILE; l++) index[(int)(out[l] / TILE + 0.5f)] = l;
+    lane_index = _mm512_loadu_si512(index);
 }
 
-/* Scores of one query row against count <= 16 keys at keys + j * stride (zero-filled tile when fewer). */
+/* Scores of one query row against a whole tile of 16 keys at keys + j * stride; the first count stored at dst. */
 static inline void score_tile(const float *qr, const float *keys, int64_t stride, int count, float *dst, float scale,
                               const int D) {
-    float tile[TILE * MAXD];
-    if (count < TILE) {
-        memset(tile, 0, sizeof(float) * TILE * D);
-        for (int j = 0; j < count; j++) memcpy(tile + j * D, keys + j * stride, sizeof(float) * D);
-        keys = tile;
-        stride = D;
-    }
     __m512 acc[TILE];
     for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += LANES) {
         const __m512 qv = _mm512_loadu_ps(qr + d);
         for (int j = 0; j < TILE; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + j * stride + d), acc[j]);
     }
-    float sums[TILE];
-    _mm512_storeu_ps(sums, _mm512_mul_ps(butterfly(acc), _mm512_set1_ps(scale)));
-    for (int j = 0; j < count; j++) dst[j] = sums[lane_of[j]];
+    const __m512 sums = _mm512_permutexvar_ps(lane_index, _mm512_mul_ps(butterfly(acc), _mm512_set1_ps(scale)));
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << count) - 1), sums);
 }
 #define TILED(D) ((D) % LANES == 0 && (D) <= MAXD)
 #else
 #define TILED(D) 0
 #define TILE_OR_1 1
+#define MAXD_OR_1 1
 static inline void score_tile(const float *qr, const float *keys, int64_t stride, int count, float *dst, float scale,
                               const int D) {
     (void)qr, (void)keys, (void)stride, (void)count, (void)dst, (void)scale, (void)D;
 }
-static void find_lanes(void) {}
 #endif
 
 /* Scores of nr <= RB rows against n keys at base + s * stride: dst[r][s]. One routine scores every key a
@@ -188,7 +183,15 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
         for (int64_t s = 0; s < n; s += TILE_OR_1) {
             const int count = n - s < TILE_OR_1 ? (int)(n - s) : TILE_OR_1;
             for (int j = 0; j < count && s + TILE_OR_1 + j < n; j++) prefetch(base + (s + TILE_OR_1 + j) * stride, D);
-            for (int r = 0; r < nr; r++) score_tile(qr[r], base + s * stride, stride, count, dst[r] + s, scale, D);
+            const float *keys = base + s * stride;
+            int64_t step = stride;
+            float tile[TILE_OR_1 * MAXD_OR_1]; /* a last, partial tile: its keys, then zeros (read once for every row) */
+            if (count < TILE_OR_1) {
+                memset(tile, 0, sizeof(float) * TILE_OR_1 * D);
+                for (int j = 0; j < count; j++) memcpy(tile + j * D, keys + j * stride, sizeof(float) * D);
+                keys = tile, step = D;
+            }
+            for (int r = 0; r < nr; r++) score_tile(qr[r], keys, step, count, dst[r] + s, scale, D);
         }
         return;
     }
@@ -238,64 +241,54 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
     }
 }
 
-static inline int thread_index(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 /* The scratch (floats) a step of T nodes a row over at most `longest` committed slots needs on `threads` threads */
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads) {
     (void)B;
     return (int64_t)threads * RB * (longest + 2 * (int64_t)T);
 }
 
-/* The kernel on `threads` threads (OpenMP's num_threads: never more, whatever thread calls), with a scratch of
- * scratch_floats floats (checked: 2 where too small) */
-int medusa_tree_attention_threads(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
-                                  const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                                  int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                                  float *scratch, int64_t scratch_floats, int threads) {
-    if (Hkv <= 0 || Hq % Hkv != 0) return 1;
-    find_lanes();
-    const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
-    const int blocks = (per_kv + RB - 1) / RB;
-    int64_t longest = 0;
-    for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
-    const int64_t per_thread = (int64_t)RB * (longest + 2 * T); /* each thread's rows of scores */
-    /* tasks: RB rows of one key/value head of one sequence; each writes its own rows of out (threads only where the
-     * file is built with OpenMP: native_step.c's build) */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < (int64_t)B * Hkv * blocks; task++) {
+typedef struct {
+    int B, T, Hq, Hkv, D, groups, per_kv, blocks;
+    float scale;
+    const float *q, *k, *v, *cache_k, *cache_v;
+    int64_t slot_stride, row_stride, per_thread;
+    const uint8_t *mask;
+    const int64_t *lengths;
+    float *out, *scratch;
+} att_job;
+
+/* tasks first..last: each RB rows of one key/value head of one sequence, writing its own rows of out, its scores in
+ * the worker's part of the scratch */
+static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker) {
+    const att_job *J = ctx;
+    const int T = J->T, Hq = J->Hq, Hkv = J->Hkv, D = J->D, groups = J->groups, per_kv = J->per_kv, blocks = J->blocks;
+    float *mine = J->scratch + (int64_t)worker * J->per_thread;
+    for (int64_t task = first_task; task < last_task; task++) {
         const int b = (int)(task / ((int64_t)Hkv * blocks)), kv = (int)(task / blocks % Hkv), first = (int)(task % blocks) * RB;
-        float *mine = scratch + thread_index() * per_thread;
         const float *qrow[RB];
         float *orow[RB], *prow[RB];
         const uint8_t *srow[RB];
-        const int64_t length = lengths[b], width = length + T; /* scratch: one row of scores a query */
-        const float *kb = cache_k + b * row_stride + (int64_t)kv * D, *vb = cache_v + b * row_stride + (int64_t)kv * D;
-        const float *kn = k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = v + ((int64_t)(b * Hkv + kv) * T) * D;
+        const int64_t length = J->lengths[b], width = length + T; /* scratch: one row of scores a query */
+        const float *kb = J->cache_k + b * J->row_stride + (int64_t)kv * D, *vb = J->cache_v + b * J->row_stride + (int64_t)kv * D;
+        const float *kn = J->k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = J->v + ((int64_t)(b * Hkv + kv) * T) * D;
         const int nr = per_kv - first < RB ? per_kv - first : RB;
         for (int x = 0; x < nr; x++) {
             const int r = first + x, h = kv * groups + r / T, i = r % T;
-            qrow[x] = q + ((int64_t)(b * Hq + h) * T + i) * D;
-            orow[x] = out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
+            qrow[x] = J->q + ((int64_t)(b * Hq + h) * T + i) * D;
+            orow[x] = J->out + ((int64_t)b * T + i) * Hq * D + (int64_t)h * D;
             prow[x] = mine + (int64_t)x * (width + T);
-            srow[x] = mask + ((int64_t)b * T + i) * T;
+            srow[x] = J->mask + ((int64_t)b * T + i) * T;
         }
         if (D == 64)
-            score_keys(qrow, nr, kb, slot_stride, length, prow, scale, 64);
+            score_keys(qrow, nr, kb, J->slot_stride, length, prow, J->scale, 64);
         else
-            score_keys(qrow, nr, kb, slot_stride, length, prow, scale, D);
+            score_keys(qrow, nr, kb, J->slot_stride, length, prow, J->scale, D);
         float *fresh[RB]; /* scores of the step's own nodes, after the row's cache scores */
         for (int x = 0; x < nr; x++) fresh[x] = prow[x] + width;
         if (D == 64)
-            score_keys(qrow, nr, kn, 64, T, fresh, scale, 64);
+            score_keys(qrow, nr, kn, 64, T, fresh, J->scale, 64);
         else
-            score_keys(qrow, nr, kn, D, T, fresh, scale, D);
+            score_keys(qrow, nr, kn, D, T, fresh, J->scale, D);
         for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
             float *row = prow[x];
             int64_t n = length;
@@ -309,10 +302,28 @@ int medusa_tree_attention_threads(int B, int T, int Hq, int Hkv, int D, float sc
         }
         const float *const *pr = (const float *const *)prow;
         if (D == 64)
-            sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, 64);
+            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, 64);
         else
-            sum_values(orow, nr, vb, slot_stride, length, pr, vn, srow, T, D);
+            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, D);
     }
+}
+
+/* The kernel on the pool's threads (NULL: the calling thread), with a scratch of scratch_floats floats (checked: 2
+ * where too small for the pool's threads) */
+int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                               const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                               float *scratch, int64_t scratch_floats, pool_t *pool) {
+    if (Hkv <= 0 || Hq % Hkv != 0) return 1;
+    const int threads = medusa_pool_threads(pool);
+    const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
+    const int blocks = (per_kv + RB - 1) / RB;
+    int64_t longest = 0;
+    for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
+    att_job J = {B, T, Hq, Hkv, D, groups, per_kv, blocks, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
+                 (int64_t)RB * (longest + 2 * T), mask, lengths, out, scratch};
+    pool_run(pool, (int64_t)B * Hkv * blocks, 1, attend, &J);
     return 0;
 }
 
@@ -323,6 +334,6 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
                           float *scratch) {
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    return medusa_tree_attention_threads(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
-                                         mask, lengths, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), 1);
+    return medusa_tree_attention_pool(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride, mask,
+                                      lengths, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
 }

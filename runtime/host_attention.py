@@ -47,16 +47,19 @@ class HostAttention:
     """The compiled kernel; ``__call__`` runs one layer of one step."""
 
     def __init__(self):
-        fn = native_library.load().cdll.medusa_tree_attention  # NativeUnavailable where the library cannot be had
+        lib = native_library.load().cdll  # NativeUnavailable where the library cannot be had
+        fn = lib.medusa_tree_attention
         fn.restype = ctypes.c_int
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, p]
         self._fn = fn
+        self._need = lib.medusa_tree_attention_scratch
+        self._need.restype, self._need.argtypes = i64, [i, i, i64, i]
         self._scratch = np.zeros(0, dtype=np.float32)
 
     def scratch(self, batch_max_length: int, tokens: int) -> int:
         """The address of a scratch buffer large enough for a step of ``tokens`` over ``batch_max_length`` slots."""
-        need = 4 * (batch_max_length + 2 * tokens)  # host_attention.c's RB rows of scores
+        need = self._need(1, tokens, batch_max_length, 1)  # floats, as host_attention.c sizes them for one thread
         if self._scratch.size < need:
             self._scratch = np.zeros(max(need, 2 * self._scratch.size), dtype=np.float32)
         return self._scratch.ctypes.data

@@ -17,12 +17,12 @@ from pathlib import Path
 CAP_VARIABLE = "MEDUSA_TRT_CPU_ISA"  # caps the instruction set: one of ISAS' names
 DIR_VARIABLE = "MEDUSA_TRT_NATIVE_DIR"  # a folder of libraries built by scripts/build_native.py, instead of the package's
 HERE = Path(__file__).resolve().parent
-SOURCES = ("native_step.c", "host_attention.c")  # compiled together into one library
-HEADERS = ("native_simd.h",)
+SOURCES = ("native_step.c", "host_attention.c", "native_pool.c")  # compiled together into one library
+HEADERS = ("native_simd.h", "native_pool.h")
 # -ffp-contract=off: the compiler never fuses a multiply and an add on its own; native_simd.h's vf_fma says where
 # they are fused, the same in every inlined copy of a kernel (the batch-invariance promise). Never -ffast-math.
-COMPILE = ("-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wno-psabi", "-Wno-unused-function")
-LINK = ("-fopenmp", "-lm")
+COMPILE = ("-O3", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wno-psabi", "-Wno-unused-function")
+LINK = ("-pthread", "-lm")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
 
-ABI = 2  # native_step.c's ABI
+ABI = 3  # native_step.c's ABI
 
 
 class NativeUnavailable(MedusaError):
@@ -100,7 +100,7 @@ def _open(path: Path) -> ctypes.CDLL:
     _check_elf(path)
     try:
         return ctypes.CDLL(str(path))
-    except OSError as exc:  # a noexec mount, a missing libgomp, another machine's file
+    except OSError as exc:  # a noexec mount, a missing libc symbol, another machine's file
         raise NativeUnavailable(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
 
 

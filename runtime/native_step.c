@@ -23,24 +23,25 @@
  *   new_k, new_v:   (T, L, B, Hkv, D), the step's keys and values, every layer
  *   hidden: (M, H) the final norm's output; logits (M, V); next_ids (M); topk (M, k)
  */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <unistd.h>
 
+#include "native_pool.h"
 #include "native_simd.h"
 
-/* host_attention.c's kernel on `threads` threads, its scratch `scratch_floats` long (checked there) */
-int medusa_tree_attention_threads(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
-                                  const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                                  int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                                  float *scratch, int64_t scratch_floats, int threads);
+/* host_attention.c's kernel on the pool's threads, its scratch `scratch_floats` long (checked there) */
+int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
+                               const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
+                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
+                               float *scratch, int64_t scratch_floats, pool_t *pool);
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads);
 
 /* error codes of the exported functions (runtime/native_step.py names them) */
-enum { OK = 0, BAD_SHAPE = 1, BAD_TOKEN = 2, BAD_LENGTH = 3, TOO_LARGE = 4, BAD_MODEL = 5, BAD_WORK = 6 };
+enum { OK = 0, BAD_SHAPE = 1, BAD_TOKEN = 2, BAD_LENGTH = 3, TOO_LARGE = 4, BAD_MODEL = 5, BAD_WORK = 6, BUSY = 7, NO_THREADS = 8 };
 
 #define W 16     /* outputs a generic vector (vec16) holds */
 #define BLOCK 32 /* outputs a packed block holds (N = 576 is 18 blocks, even work for two threads) */
@@ -91,7 +92,15 @@ typedef struct { /* scratch carved out of two arenas by medusa_native_work_init,
     float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (M, D) cos then sin */
     uint8_t *xq; /* (M, the widest Kpad): int8 linears' quantized rows */
     float *xs;   /* (M): their scales */
+    pool_t *pool; /* `threads` threads (native_pool.h); NULL: the calling thread alone */
 } work_t;
+
+#define CHUNKS 4 /* chunks a parallel loop is cut into per thread: late or slow threads leave theirs to the others */
+
+static int64_t grain(int64_t tasks, const work_t *wk) {
+    const int64_t g = tasks / (CHUNKS * (wk->threads > 0 ? wk->threads : 1));
+    return g > 1 ? g : 1;
+}
 
 static inline vec16 vload(const float *p) {
     vec16 x;
@@ -152,12 +161,21 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *w, int
     }
 }
 
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t M, K, N, wide;
+} f32_job;
+
 /* y (M, N) = x (M, K) @ the packed fp32 weight: wide blocks of [K][32], then narrow ones of [K][16]; a block's
  * outputs in panels of PANEL vectors. One task a block. */
-static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int threads) {
-    const int64_t wide = N / BLOCK, narrow = (N % BLOCK + NARROW - 1) / NARROW;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < wide + narrow; b++) {
+static void f32_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
+    (void)worker;
+    const f32_job *J = ctx;
+    const float *x = J->x, *w = J->w;
+    float *y = J->y;
+    const int64_t M = J->M, K = J->K, N = J->N, wide = J->wide;
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t first = b < wide ? b * BLOCK : wide * BLOCK + (b - wide) * NARROW; /* the block's first output */
         const int64_t ws = b < wide ? BLOCK : NARROW;
         const float *wb = w + (b < wide ? b * K * BLOCK : wide * K * BLOCK + (b - wide) * K * NARROW);
@@ -169,6 +187,12 @@ static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, flo
             panel_rows(x, M, K, wb + p, ws, y + first + p, N, cols / VF, (int)(valid < cols ? valid : cols));
         }
     }
+}
+
+static void matmul_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, const work_t *wk) {
+    f32_job J = {x, w, y, M, K, N, N / BLOCK};
+    const int64_t blocks = N / BLOCK + (N % BLOCK + NARROW - 1) / NARROW;
+    pool_run(wk->pool, blocks, grain(blocks, wk), f32_blocks, &J);
 }
 
 typedef int32_t ivec16 __attribute__((vector_size(W * sizeof(int32_t))));
@@ -237,27 +261,45 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restric
     }
 }
 
-/* y = ((float)(sum_k q[m, k] w[k, n] - 128 sum_k w[k, n]) * row scale) * column scale: MatMulInteger, Cast, Mul, Mul */
-static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
-    const int64_t K = L->k, N = L->n, kpad = L->kpad, blocks = (N + BLOCK - 1) / BLOCK;
-    const int threads = (int)wk->threads;
-#pragma omp parallel for schedule(static) if (M > 1) num_threads(threads)
-    for (int64_t m = 0; m < M; m++) { /* QuantizeLinear: saturate(round_half_even(x / scale) + 128) */
-        const float *r = x + m * K;
+typedef struct {
+    const linear_t *L;
+    const float *x;
+    float *y;
+    int64_t M;
+    const work_t *wk;
+} i8_job;
+
+/* QuantizeLinear of rows m0..m1: saturate(round_half_even(x / scale) + 128) */
+static void i8_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
+    (void)worker;
+    const i8_job *J = ctx;
+    const linear_t *L = J->L;
+    const int64_t K = L->k, kpad = L->kpad;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *r = J->x + m * K;
         float top = 0.0f;
         for (int64_t e = 0; e < K; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
         const float s = (top > L->tiny ? top : L->tiny) / L->divisor;
-        uint8_t *q = wk->xq + m * kpad;
+        uint8_t *q = J->wk->xq + m * kpad;
         for (int64_t e = 0; e < K; e++) {
             const float v = nearbyintf(r[e] / s) + 128.0f;
             q[e] = (uint8_t)(v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v);
         }
         for (int64_t e = K; e < kpad; e++) q[e] = 128;
-        wk->xs[m] = s;
+        J->wk->xs[m] = s;
     }
+}
+
+/* y = ((float)(sum_k q[m, k] w[k, n] - 128 sum_k w[k, n]) * row scale) * column scale over blocks b0..b1 */
+static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
+    (void)worker;
+    const i8_job *J = ctx;
+    const linear_t *L = J->L;
+    const work_t *wk = J->wk;
+    const int64_t N = L->n, kpad = L->kpad, M = J->M;
+    float *y = J->y;
     const int8_t *w = (const int8_t *)L->w;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
         const int8_t *wb = w + b * kpad * BLOCK;
         for (int64_t m = 0; m < M; m += I8ROWS) {
@@ -288,11 +330,18 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
     }
 }
 
+static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
+    i8_job J = {L, x, y, M, wk};
+    pool_run(wk->pool, M, 1, i8_quantize, &J); /* one row: the calling thread alone */
+    const int64_t blocks = (L->n + BLOCK - 1) / BLOCK;
+    pool_run(wk->pool, blocks, grain(blocks, wk), i8_blocks, &J);
+}
+
 static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
     if (L->int8)
         matmul_i8(L, x, M, y, wk);
     else
-        matmul_f32(x, M, L->k, (const float *)L->w, y, L->n, (int)wk->threads);
+        matmul_f32(x, M, L->k, (const float *)L->w, y, L->n, wk);
 }
 
 /* the lanes of x added in one fixed order */
@@ -396,7 +445,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 2 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 3 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -424,12 +473,14 @@ int medusa_native_cpu(void) {
 #endif
 }
 
+/* The CPUs this process may run on (its affinity mask; runtime/native_step.py caps it by a container's CPU quota) */
 int medusa_native_default_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
 #endif
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
 }
 
 static int linear_ok(const linear_t *L, int64_t k, int64_t n) {
@@ -498,22 +549,56 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
     wk->att_floats = need - (at - arena);
     wk->xq = bytes;
     wk->rows = rows, wk->slots = slots, wk->threads = threads;
+    wk->pool = NULL;
+    if (!(wk->pool = medusa_pool_new(threads))) return NO_THREADS; /* also one thread's: its busy flag */
     return OK;
 }
 
-/* One linear alone (tests): y (M, N) = x (M, K) through it; wk needs rows, threads, xq and xs (M rows) */
+/* Stops the work's threads (medusa_native_work_init started them); the arenas are the caller's */
+void medusa_native_work_free(work_t *wk) {
+    medusa_pool_free(wk->pool);
+    wk->pool = NULL;
+}
+
+/* One linear alone (tests, timing): y (M, N) = x (M, K) through it; wk needs rows, threads, xq and xs (M rows) and a
+ * pool of at most `threads` threads (or NULL) */
 int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y, int64_t xq_bytes) {
     if (!linear_ok(L, L->k, L->n) || M <= 0 || M > wk->rows || wk->threads <= 0 || M * L->kpad > xq_bytes) return BAD_SHAPE;
+    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
+    if (!pool_enter(wk->pool)) return BUSY;
     matmul(L, x, M, y, wk);
+    pool_leave(wk->pool);
     return OK;
 }
 
-/* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64).
- * past_k / past_v hold past_slots slots; new_k / new_v T. */
-int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
-                       const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v,
-                       int64_t past_slots, float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids,
-                       int64_t *topk, int k) {
+typedef struct {
+    const float *logits;
+    int64_t V, I;
+    float *gu, *act;
+    int64_t *next_ids, *topk;
+    int k;
+} rows_job;
+
+static void silu_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
+    (void)worker;
+    const rows_job *J = ctx;
+    for (int64_t m = m0; m < m1; m++) silu_row(J->gu + m * 2 * J->I, J->gu + m * 2 * J->I + J->I, J->act + m * J->I, J->I);
+}
+
+static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_ids, and the top k where k > 0 */
+    (void)worker;
+    const rows_job *J = ctx;
+    for (int64_t m = m0; m < m1; m++) {
+        int64_t first[1];
+        top_k(J->logits + m * J->V, J->V, 1, first);
+        J->next_ids[m] = first[0];
+        if (J->k) top_k(J->logits + m * J->V, J->V, J->k, J->topk + m * J->k);
+    }
+}
+
+static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
+                const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v, int64_t past_slots,
+                float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids, int64_t *topk, int k) {
     const int64_t M = (int64_t)B * T, H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
     const int64_t L = md->layers, I = md->inter, V = md->vocab, QKV = (Hq + 2 * Hkv) * D;
     const int64_t row_stride = Hkv * D, layer_stride = B * Hkv * D, slot_stride = L * layer_stride;
@@ -529,6 +614,7 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
     for (int64_t m = 0; m < M; m++)
         if (ids[m] < 0 || ids[m] >= V) return BAD_TOKEN;
     float *x = wk->x;
+    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V};
     for (int64_t m = 0; m < M; m++) {
         memcpy(x + m * H, md->embed + ids[m] * H, H * sizeof(float));
         rope_table(D, pos[m], md->inv_freq, wk->rot + m * D);
@@ -550,28 +636,36 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
                     memcpy(new_v + at, vv, D * sizeof(float));
                 }
             }
-        if (medusa_tree_attention_threads(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
-                                          past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
-                                          wk->att_scratch, wk->att_floats, threads))
+        if (medusa_tree_attention_pool(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
+                                       past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
+                                       wk->att_scratch, wk->att_floats, wk->pool))
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
         matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
-#pragma omp parallel for schedule(static) if (M > 1) num_threads(threads)
-        for (int64_t m = 0; m < M; m++) silu_row(wk->gu + m * 2 * I, wk->gu + m * 2 * I + I, wk->act + m * I, I);
+        pool_run(wk->pool, M, 1, silu_rows, &rows);
         matmul(md->down[l], wk->act, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);
     if (logits == NULL) return OK;
     matmul(md->lm_head, hidden, M, logits, wk);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t m = 0; m < M; m++) {
-        int64_t first[1];
-        top_k(logits + m * V, V, 1, first);
-        next_ids[m] = first[0];
-        if (k) top_k(logits + m * V, V, k, topk + m * k);
-    }
+    rows.logits = logits, rows.next_ids = next_ids, rows.topk = topk, rows.k = k;
+    pool_run(wk->pool, M, 1, rank_rows, &rows);
     return OK;
+}
+
+/* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64).
+ * past_k / past_v hold past_slots slots; new_k / new_v T. One step at a time on a work_t: BUSY while another runs. */
+int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
+                       const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v,
+                       int64_t past_slots, float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids,
+                       int64_t *topk, int k) {
+    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
+    if (!pool_enter(wk->pool)) return BUSY;
+    const int rc = step(md, wk, B, T, ids, pos, mask, lengths, past_k, past_v, past_slots, new_k, new_v, hidden, logits,
+                        next_ids, topk, k);
+    pool_leave(wk->pool);
+    return rc;
 }

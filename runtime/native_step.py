@@ -8,9 +8,11 @@ so a verify step gives each node its plain-step logits bit for bit without key s
 Nothing a file says reaches C unchecked: ``native_weights`` checks every array against the dims,
 ``medusa_native_check_model`` checks every linear's K and N again in C, the scratch is sized by C for the
 rows, slots and threads the step object was built for (``medusa_native_work_*``), and every call's arrays
-are checked here (shapes, dtypes, layout) and again in C (rows, cache lengths, scratch). A step runs on
-``threads`` threads whatever thread calls it (``num_threads`` on every parallel region, never a process-wide
-setting), so a server's worker thread gets the count its runtime was built with.
+are checked here (shapes, dtypes, layout) and again in C (rows, cache lengths, scratch). A step runs on the
+``threads`` threads of its own pool (``native_pool.h``), whatever thread calls it, so a server's worker thread gets the
+count its runtime was built with; one step at a time (a second thread's call is refused, never run over the first's
+scratch). The pool's caller takes every chunk of work no other thread has started, so a busy machine or a CPU quota
+below ``threads`` slows a step by the share of cores it lost, not by a scheduler's time slice a barrier.
 
 The library comes from ``native_library.load``: built with the package, for the best instruction set the CPU runs.
 """
@@ -20,6 +22,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
+import os
+import weakref
+from pathlib import Path
 
 import numpy as np
 
@@ -97,6 +103,7 @@ class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_ini
     _fields_ = [
         *((n, ctypes.c_int64) for n in ("rows", "slots", "threads", "att_floats")),
         *((n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch", "xq", "xs")),
+        ("pool", ctypes.c_void_p),
     ]
 
 
@@ -108,6 +115,8 @@ _ERRORS = {
     4: "a step larger than backend native was sized for",
     5: "weights whose shapes do not fit one another",
     6: "scratch smaller than the step needs",
+    7: "a step already running on this backend in another thread: step one at a time",
+    8: "its threads could not be started: pass fewer threads",
 }
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -128,6 +137,9 @@ def _declared(library: native_library.Library) -> tuple[ctypes.CDLL, str]:
         "medusa_native_work_bytes": (_I64, [_P, _I64]),
         "medusa_native_work_init": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _I64, _I]),
         "medusa_native_default_threads": (_I, []),
+        "medusa_native_work_free": (None, [_P]),
+        "medusa_pool_new": (_P, [_I]),
+        "medusa_pool_free": (None, [_P]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -140,8 +152,25 @@ def load_library(cap: str | None = None) -> ctypes.CDLL:
     return _functions(cap)[0]
 
 
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" (or "max PERIOD"), a container's CPU limit
+
+
+def cpu_quota(path: Path = CPU_MAX) -> int | None:
+    """The CPUs a cgroup v2 quota allows this process, rounded up (None: no quota, or none readable)."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        return max(1, math.ceil(int(quota) / int(period))) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def default_threads(lib: ctypes.CDLL) -> int:
+    """The CPUs this process may run on (its affinity mask), capped by a container's CPU quota."""
+    return min(lib.medusa_native_default_threads(), cpu_quota() or os.cpu_count() or 1)
+
+
 def _threads(threads: int | None, lib: ctypes.CDLL) -> int:
-    n = threads or lib.medusa_native_default_threads()
+    n = threads or default_threads(lib)
     if not 1 <= n <= 1024:
         raise EngineError(f"backend native: {threads} threads; pass 1 to 1024")
     return n
@@ -175,8 +204,15 @@ def run_linear(m: Linear, x: np.ndarray, threads: int | None = None, isa: str | 
     keep: list = []
     view = _linear_view(m, keep)
     xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
-    work = _Work(rows=rows.shape[0], threads=_threads(threads, lib), xq=xq.ctypes.data, xs=xs.ctypes.data)
-    rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
+    n_threads = _threads(threads, lib)
+    pool = lib.medusa_pool_new(n_threads)
+    if not pool:
+        raise EngineError(f"backend native: {_ERRORS[8]}")
+    work = _Work(rows=rows.shape[0], threads=n_threads, xq=xq.ctypes.data, xs=xs.ctypes.data, pool=pool)
+    try:
+        rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
+    finally:
+        lib.medusa_pool_free(pool)
     if rc:
         raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
     return y.reshape(*np.shape(x)[:-1], n)
@@ -191,8 +227,9 @@ def _expect(name: str, a: np.ndarray | None, dtype, shape: tuple) -> None:
 
 class NativeStep:
     """The packed weights, the compiled step and its scratch for up to ``rows`` rows (batch x tokens) over
-    ``slots`` cache slots a row, on ``threads`` threads (default: OpenMP's count where it is built), with the library
-    of the best instruction set at or below ``isa`` (default ``$MEDUSA_TRT_CPU_ISA``)."""
+    ``slots`` cache slots a row, on ``threads`` threads (default ``default_threads``: the CPUs this process may use),
+    with the library of the best instruction set at or below ``isa`` (default ``$MEDUSA_TRT_CPU_ISA``). Its threads
+    stop when it is garbage collected."""
 
     def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, isa: str | None = None):
         lib, self.isa = _functions(isa)
@@ -229,6 +266,7 @@ class NativeStep:
         )
         if rc:
             raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
+        weakref.finalize(self, lib.medusa_native_work_free, ctypes.byref(self._work))  # stops the pool's threads
         self.rows, self.slots = rows, slots
 
     exact = True  # batch-invariant: every verify step is a plain step bit for bit

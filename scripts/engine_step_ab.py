@@ -5,6 +5,9 @@ compute the same numbers, not for a benchmark of generation (that is ``medusa-be
 
     .venv/bin/python scripts/engine_step_ab.py --engine before=OLD_ENGINE --engine after=build/smollm2-int8-channel \\
         --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 20 --out docs/row-quantizer-ab.json
+
+``--busy N`` times the steps beside N processes that each keep a core busy (a loaded machine, a CPU quota below the
+thread count), started after the engines load and stopped before the report.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import argparse
 import logging
 import os
 import statistics
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +51,18 @@ def open_backend(path: Path, backend: str, threads: int):
     return OnnxBackend(path, max_batch=1, threads=threads)
 
 
+@contextmanager
+def busy(processes: int):
+    """``processes`` Python processes spinning on a core each, for the duration; stopped by pid."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -55,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, action="append", help="tokens a timed step scores (repeat; default 1, 8, 16, 64)")
     p.add_argument("--rounds", type=int, default=20, help=f"rounds; an engine takes {BURST - 1} timed steps of each size a round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--busy", type=int, default=0, help="time beside this many processes that each keep a core busy")
     p.add_argument("--floor", action="store_true", help="also measure the bandwidth here and print each step against the floor")
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
@@ -79,7 +97,8 @@ def main(argv=None) -> int:
         context_ids = (np.arange(args.context, dtype=np.int64) * 7919 + 11) % first.meta.vocab_size  # (C,) any ids
         for backend in backends.values():
             prefill(backend, context_ids)
-        times, same = time_steps(backends, args.context, sizes, args.rounds, burst=BURST)
+        with busy(args.busy):
+            times, same = time_steps(backends, args.context, sizes, args.rounds, burst=BURST)
     except MedusaError as exc:
         p.exit(2, f"engine_step_ab: error: {exc}\n")
     load_end = os.getloadavg()
@@ -90,7 +109,8 @@ def main(argv=None) -> int:
         floor["ms"] = floor["weight_bytes"] / read * 1e3
     names = list(backends)
     nodes = {name: sum(op_counts(b.files.step).values()) for name, b in backends.items()}  # the step graph's nodes
-    print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
+    beside = f"; beside {args.busy} busy process{'es' if args.busy > 1 else ''}" if args.busy else ""
+    print(f"\n{cpu_name()}, {args.threads} threads{beside}; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
     print(f"steps over {args.context} cached tokens, ms (median / best of {args.rounds * (BURST - 1)}); nodes {nodes}")
     print(f"same outputs bit for bit at every size: {'yes' if all(same.values()) else 'NO: ' + str(same)}\n")
     print("| tokens | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
@@ -110,7 +130,7 @@ def main(argv=None) -> int:
     if args.out:
         write_report(
             args.out, args.threads, (load_start[0], load_end[0]), argv,
-            context=args.context, engines={n: f"{p}@{b}" for n, (p, b) in engines.items()}, nodes=nodes, same_outputs=same,
+            context=args.context, engines={n: f"{p}@{b}" for n, (p, b) in engines.items()}, nodes=nodes, same_outputs=same, busy=args.busy,
             steps=table, floor=floor,
         )  # fmt: skip
     return 0

@@ -15,6 +15,8 @@ tokens each, built from varied story sentences. With ``OMP_NUM_THREADS=8`` and `
 Before the fix (attention scratch sized for the building thread's count, indexed by the stepping thread's) both
 died of SIGSEGV: the child on the other thread, the server while answering (solo or in the rounds). With
 OMP_NUM_THREADS=4 this small model's answers stayed right, and both aborted on exit (``free(): invalid next size``).
+The step now runs on threads of its own (runtime/native_pool.h), which no OpenMP setting reaches; the issue's settings
+stay here, so a step that ever read them again would be caught.
 """
 
 from __future__ import annotations

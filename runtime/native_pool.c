@@ -1,0 +1,190 @@
+/* The native step's thread pool (native_pool.h says what it promises). */
+#include "native_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define RELAX() __asm__ __volatile__("yield")
+#else
+#define RELAX() ((void)0)
+#endif
+
+#define MAX_THREADS 1024
+#define SLOTS 4             /* jobs in a ring: a late worker reads its job's slot, which is rewritten 4 jobs later */
+#define IDLE_SPIN_NS 200000 /* a worker spins this long for the next job, then sleeps (a step's jobs are microseconds
+                               apart; the loop's host work between two steps, about a millisecond) */
+#define WAIT_SPIN_NS 20000  /* the caller spins this long for a worker's last chunk, then yields its core */
+
+typedef struct {
+    pool_task fn;
+    void *ctx;
+    int64_t tasks, grain;
+    _Atomic int64_t next; /* the next unclaimed task */
+    _Atomic int64_t done; /* tasks finished */
+    _Atomic int active;   /* workers inside this job */
+} job_t;
+
+struct pool {
+    int threads;
+    pid_t pid; /* a forked child has none of the workers: it runs every chunk itself */
+    pthread_t *ids;
+    int started;
+    _Atomic uint64_t generation; /* the current job's number; its slot is jobs[generation % SLOTS] */
+    _Atomic int sleeping;
+    _Atomic int stop;
+    _Atomic int busy; /* a step is running (pool_enter) */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    job_t jobs[SLOTS];
+};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* claim chunks of the job until none is left, then count the tasks run as done (one atomic add a thread) */
+static void work(job_t *j, int worker) {
+    int64_t ran = 0;
+    for (;;) {
+        const int64_t first = atomic_fetch_add(&j->next, j->grain);
+        if (first >= j->tasks) break;
+        const int64_t last = first + j->grain < j->tasks ? first + j->grain : j->tasks;
+        j->fn(j->ctx, first, last, worker);
+        ran += last - first;
+    }
+    if (ran) atomic_fetch_add(&j->done, ran);
+}
+
+typedef struct {
+    pool_t *pool;
+    int worker;
+} start_t;
+
+static void *worker_main(void *arg) {
+    start_t *s = arg;
+    pool_t *p = s->pool;
+    const int worker = s->worker;
+    uint64_t seen = atomic_load(&p->generation);
+    while (!atomic_load(&p->stop)) {
+        uint64_t g = atomic_load(&p->generation);
+        if (g == seen) { /* spin a while, then sleep until the next job */
+            const int64_t until = now_ns() + IDLE_SPIN_NS;
+            for (int spins = 0; (g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop); spins++) {
+                RELAX();
+                if ((spins & 255) == 255 && now_ns() > until) {
+                    pthread_mutex_lock(&p->lock);
+                    atomic_fetch_add(&p->sleeping, 1);
+                    while ((g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop))
+                        pthread_cond_wait(&p->wake, &p->lock);
+                    atomic_fetch_sub(&p->sleeping, 1);
+                    pthread_mutex_unlock(&p->lock);
+                    break;
+                }
+            }
+            if (g == seen) continue; /* stopped */
+        }
+        seen = g;
+        job_t *j = &p->jobs[g % SLOTS];
+        atomic_fetch_add(&j->active, 1);
+        if (atomic_load(&p->generation) == g) work(j, worker); /* else the caller moved on: its slot may be rewritten */
+        atomic_fetch_sub(&j->active, 1);
+    }
+    free(s);
+    return NULL;
+}
+
+int medusa_pool_threads(const pool_t *p) { return p ? p->threads : 1; }
+
+void medusa_pool_free(pool_t *p) {
+    if (!p) return;
+    if (p->pid == getpid()) {
+        pthread_mutex_lock(&p->lock);
+        atomic_store(&p->stop, 1);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->lock);
+        for (int i = 0; i < p->started; i++) pthread_join(p->ids[i], NULL);
+    }
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->wake);
+    free(p->ids);
+    free(p);
+}
+
+pool_t *medusa_pool_new(int threads) {
+    if (threads < 1 || threads > MAX_THREADS) return NULL;
+    pool_t *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->threads = threads;
+    p->pid = getpid();
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    p->ids = calloc(threads, sizeof *p->ids);
+    if (!p->ids) {
+        medusa_pool_free(p);
+        return NULL;
+    }
+    for (int w = 1; w < threads; w++) {
+        start_t *s = malloc(sizeof *s);
+        if (!s) break;
+        s->pool = p, s->worker = w;
+        if (pthread_create(&p->ids[p->started], NULL, worker_main, s)) {
+            free(s);
+            break;
+        }
+        p->started++;
+    }
+    if (p->started != threads - 1) {
+        medusa_pool_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+int pool_enter(pool_t *p) {
+    int idle = 0;
+    return !p || atomic_compare_exchange_strong(&p->busy, &idle, 1);
+}
+
+void pool_leave(pool_t *p) {
+    if (p) atomic_store(&p->busy, 0);
+}
+
+void pool_run(pool_t *p, int64_t tasks, int64_t grain, pool_task fn, void *ctx) {
+    if (tasks <= 0) return;
+    if (grain < 1) grain = 1;
+    if (!p || p->threads == 1 || p->pid != getpid() || tasks <= grain) { /* one chunk, or no workers here */
+        for (int64_t first = 0; first < tasks; first += grain) fn(ctx, first, first + grain < tasks ? first + grain : tasks, 0);
+        return;
+    }
+    const uint64_t g = atomic_load(&p->generation) + 1;
+    job_t *j = &p->jobs[g % SLOTS];
+    while (atomic_load(&j->active)) /* a worker of the job SLOTS back still leaving the slot: practically never */
+        sched_yield();
+    j->fn = fn, j->ctx = ctx, j->tasks = tasks, j->grain = grain;
+    atomic_store(&j->next, 0);
+    atomic_store(&j->done, 0);
+    atomic_store(&p->generation, g); /* publishes the slot */
+    if (atomic_load(&p->sleeping)) {
+        pthread_mutex_lock(&p->lock);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->lock);
+    }
+    work(j, 0);
+    const int64_t until = now_ns() + WAIT_SPIN_NS;
+    for (int spins = 0; atomic_load(&j->done) < tasks; spins++) { /* chunks workers claimed and are still running */
+        if (spins < 256 || now_ns() < until)
+            RELAX();
+        else
+            sched_yield();
+    }
+}
