@@ -208,13 +208,13 @@ class SegmentedStep:
         import onnx
         import onnxruntime as ort
 
-        from medusa_trt.runtime.backends.onnx_backend import _session_options
+        from medusa_trt.runtime.backends.onnx_backend import session_options
 
         self.plan = cut(onnx.load(str(step), load_external_data=False))
         self.kernel = kernel
         self.sessions = []
         for segment in self.plan.segments:
-            options = _session_options(threads, spin=shared_pool)  # pools of their own must not spin against each other
+            options = session_options(threads, spin=shared_pool)  # pools of their own must not spin against each other
             options.use_per_session_threads = not shared_pool
             options.add_session_config_entry(EXTERNAL_FOLDER, str(step.parent))
             data = segment.model.SerializeToString()

@@ -114,10 +114,10 @@ def per_layer_graph(step: Path, out: Path) -> int:
 def session(path: Path, threads: int):
     import onnxruntime as ort
 
-    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, _session_options
+    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, session_options
 
     return ort.InferenceSession(
-        str(path), _session_options(threads, spin=True), ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS
+        str(path), session_options(threads, spin=True), ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS
     )
 
 

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     import onnx
     import onnxruntime as ort
 
-    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, _session_options
+    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, session_options
     from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
     from medusa_trt.runtime.host_attention import HostAttention
     from medusa_trt.runtime.step_segments import SegmentedStep, share_threads
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         step = EngineFiles.locate(engine).onnx.step
         proto = onnx.load(str(step), load_external_data=False)
         meta = EngineMeta.from_json(next(m.value for m in proto.metadata_props if m.key == META_KEY), source=str(step))
-        options = _session_options(None, spin=True)
+        options = session_options(None, spin=True)
         options.use_per_session_threads = False
         graph = ort.InferenceSession(str(step), options, ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
         forms = {

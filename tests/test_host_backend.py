@@ -192,22 +192,23 @@ def test_propose_calls_the_heads_on_the_hidden_states_at_the_nodes():
         b.propose(np.array([0, 0]), 4, roots=np.array([5, 9]))
 
 
-def test_no_backend_module_imports_another_backends_private_names():
+def test_no_module_imports_a_backends_private_names():
     """Backends share what they share through public names (host_backend, ort_buffers, common), not each other's
-    internals: no ``from medusa_trt.runtime.backends.x import _y`` and no ``x._y`` on an imported backend module."""
-    folder = Path(__file__).resolve().parents[1] / "runtime" / "backends"
+    internals, and so does the rest of the runtime: no ``from medusa_trt.runtime.backends.x import _y`` and no ``x._y``
+    on an imported backend module."""
+    folder = Path(__file__).resolve().parents[1] / "runtime"
     found = []
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         modules = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("medusa_trt.runtime.backends"):
-                found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                found += [f"{path.relative_to(folder)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
                 if node.module == "medusa_trt.runtime.backends":  # from the package: a module imported by name
                     modules |= {a.asname or a.name for a in node.names}
             elif isinstance(node, ast.Import):
                 modules |= {a.asname or a.name for a in node.names if a.name.startswith("medusa_trt.runtime.backends")}
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and ast.unparse(node.value) in modules:
-                found.append(f"{path.name}: {ast.unparse(node)}")
+                found.append(f"{path.relative_to(folder)}: {ast.unparse(node)}")
     assert not found, found

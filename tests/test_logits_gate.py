@@ -45,9 +45,9 @@ def _graph(path):
 def _session(path):
     import onnxruntime as ort
 
-    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, _session_options
+    from medusa_trt.runtime.backends.onnx_backend import STEP_DISABLED_OPTIMIZERS, session_options
 
-    step, options = str(EngineFiles.beside(path).step), _session_options(2, spin=True)
+    step, options = str(EngineFiles.beside(path).step), session_options(2, spin=True)
     return ort.InferenceSession(step, options, ["CPUExecutionProvider"], disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
 
 

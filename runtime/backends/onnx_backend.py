@@ -57,7 +57,7 @@ SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in (PAST_KEY, PAST_VALUE)) 
 STEP_DISABLED_OPTIMIZERS = ["GatherSliceToSplitFusion"]
 
 
-def _session_options(threads: int | None, *, spin: bool):
+def session_options(threads: int | None, *, spin: bool):
     """Session options of the step graph (``spin``) and of the heads graph.
 
     The step session keeps ONNX Runtime's default: its pool threads spin between parallel sections
@@ -78,8 +78,8 @@ def _session_options(threads: int | None, *, spin: bool):
 
 
 def heads_session_options(threads: int | None):
-    """The heads graph's session options: its threads sleep after a call (``_session_options``)."""
-    return _session_options(threads, spin=False)
+    """The heads graph's session options: its threads sleep after a call (``session_options``)."""
+    return session_options(threads, spin=False)
 
 
 def is_gated(session) -> bool:
@@ -167,7 +167,7 @@ class OnnxBackend:
         profile: str | None = None,
     ):
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
-        options, heads_options = _session_options(threads, spin=True), _session_options(threads, spin=False)
+        options, heads_options = session_options(threads, spin=True), session_options(threads, spin=False)
         if profile:  # ONNX Runtime's per-node trace of the step session (scripts/step_profile.py): self.session.end_profiling()
             options.enable_profiling, options.profile_file_prefix = True, profile
         providers = providers or default_providers()
