@@ -109,7 +109,7 @@ static float row_sum(const float *x, int64_t n) { /* LANES partial sums by index
 }
 
 #define AHEAD 8 /* slots prefetched ahead: in a stacked cache a layer's slots lie a whole layer-stack apart */
-#define RB 8    /* rows (query heads x nodes of one key/value head) that share each key they read */
+#define RB 4    /* rows (query heads x nodes of one key/value head) that share each key they read */
 #define MAXV 8  /* head dimensions up to MAXV * LANES keep a block's value sums in registers */
 
 static inline void prefetch(const float *p, int n) { /* every cache line of one head's row */

@@ -19,14 +19,17 @@
 
 #define MAX_THREADS 1024
 #define SLOTS 4             /* jobs in a ring: a late worker reads its job's slot, which is rewritten 4 jobs later */
-#define IDLE_SPIN_NS 200000 /* a worker spins this long for the next job, then sleeps (a step's jobs are microseconds
-                               apart; the loop's host work between two steps, about a millisecond) */
+#define IDLE_SPIN_NS 200000 /* a worker spins at most this long for the next job, then sleeps (a step's jobs are
+                               microseconds apart; the loop's host work between two steps, about a millisecond) */
+#define PAUSE_NS 20000      /* past this much of a spin, a worker yields its core at every check (a busy machine) */
+#define LATE_NS 50000       /* a worker that sees a job this long after it was posted was descheduled meanwhile */
 #define WAIT_SPIN_NS 20000  /* the caller spins this long for a worker's last chunk, then yields its core */
 
 typedef struct {
     pool_task fn;
     void *ctx;
     int64_t tasks, grain;
+    int64_t posted;       /* now_ns() when the job was posted */
     _Atomic int64_t next; /* the next unclaimed task */
     _Atomic int64_t done; /* tasks finished */
     _Atomic int active;   /* workers inside this job */
@@ -75,13 +78,19 @@ static void *worker_main(void *arg) {
     pool_t *p = s->pool;
     const int worker = s->worker;
     uint64_t seen = atomic_load(&p->generation);
+    /* How long to spin for the next job, adapted: halved each time this worker sees a job late (it was descheduled:
+     * a busy machine, where spinning only takes cores the caller needs), doubled back each time it is on time. */
+    int64_t spin_ns = IDLE_SPIN_NS;
     while (!atomic_load(&p->stop)) {
         uint64_t g = atomic_load(&p->generation);
         if (g == seen) { /* spin a while, then sleep until the next job */
-            const int64_t until = now_ns() + IDLE_SPIN_NS;
+            const int64_t start = now_ns(), until = start + spin_ns;
             for (int spins = 0; (g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop); spins++) {
                 RELAX();
-                if ((spins & 255) == 255 && now_ns() > until) {
+                if ((spins & 63) != 63) continue;
+                const int64_t now = now_ns();
+                if (now - start > PAUSE_NS) sched_yield();
+                if (now > until) {
                     pthread_mutex_lock(&p->lock);
                     atomic_fetch_add(&p->sleeping, 1);
                     while ((g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop))
@@ -96,8 +105,13 @@ static void *worker_main(void *arg) {
         seen = g;
         job_t *j = &p->jobs[g % SLOTS];
         atomic_fetch_add(&j->active, 1);
-        if (atomic_load(&p->generation) == g) work(j, worker); /* else the caller moved on: its slot may be rewritten */
+        int late = 1;
+        if (atomic_load(&p->generation) == g) { /* else the caller moved on: the slot may be rewritten */
+            late = now_ns() - j->posted > LATE_NS;
+            work(j, worker);
+        }
         atomic_fetch_sub(&j->active, 1);
+        spin_ns = late ? spin_ns / 2 : (spin_ns * 2 + 1000 < IDLE_SPIN_NS ? spin_ns * 2 + 1000 : IDLE_SPIN_NS);
     }
     free(s);
     return NULL;
@@ -170,7 +184,7 @@ void pool_run(pool_t *p, int64_t tasks, int64_t grain, pool_task fn, void *ctx) 
     job_t *j = &p->jobs[g % SLOTS];
     while (atomic_load(&j->active)) /* a worker of the job SLOTS back still leaving the slot: practically never */
         sched_yield();
-    j->fn = fn, j->ctx = ctx, j->tasks = tasks, j->grain = grain;
+    j->fn = fn, j->ctx = ctx, j->tasks = tasks, j->grain = grain, j->posted = now_ns();
     atomic_store(&j->next, 0);
     atomic_store(&j->done, 0);
     atomic_store(&p->generation, g); /* publishes the slot */
