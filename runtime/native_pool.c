@@ -78,11 +78,13 @@ static void *worker_main(void *arg) {
     pool_t *p = s->pool;
     const int worker = s->worker;
     uint64_t seen = atomic_load(&p->generation);
-    /* How long to spin for the next job, adapted: halved each time this worker sees a job late (it was descheduled:
-     * a busy machine, where spinning only takes cores the caller needs), doubled back each time it is on time. */
+    /* How long to spin for the next job, adapted: halved each time this worker, spinning, sees a job late (it was
+     * descheduled: a busy machine, where spinning only takes cores the caller needs), doubled back each time it is on
+     * time. A job that woke it from sleep is on time (the wake-up's latency says nothing of the machine). */
     int64_t spin_ns = IDLE_SPIN_NS;
     while (!atomic_load(&p->stop)) {
         uint64_t g = atomic_load(&p->generation);
+        int slept = 0;
         if (g == seen) { /* spin a while, then sleep until the next job */
             const int64_t start = now_ns(), until = start + spin_ns;
             for (int spins = 0; (g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop); spins++) {
@@ -93,8 +95,10 @@ static void *worker_main(void *arg) {
                 if (now > until) {
                     pthread_mutex_lock(&p->lock);
                     atomic_fetch_add(&p->sleeping, 1);
-                    while ((g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop))
+                    while ((g = atomic_load(&p->generation)) == seen && !atomic_load(&p->stop)) {
                         pthread_cond_wait(&p->wake, &p->lock);
+                        slept = 1;
+                    }
                     atomic_fetch_sub(&p->sleeping, 1);
                     pthread_mutex_unlock(&p->lock);
                     break;
@@ -107,7 +111,7 @@ static void *worker_main(void *arg) {
         atomic_fetch_add(&j->active, 1);
         int late = 1;
         if (atomic_load(&p->generation) == g) { /* else the caller moved on: the slot may be rewritten */
-            late = now_ns() - j->posted > LATE_NS;
+            late = !slept && now_ns() - j->posted > LATE_NS;
             work(j, worker);
         }
         atomic_fetch_sub(&j->active, 1);

@@ -656,6 +656,100 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     return OK;
 }
 
+/* ---- the Medusa heads (runtime/native_weights.py's read_heads says which heads graphs these are) ----
+ *   x = hidden, or [hidden | rms(embed[root])] for heads that read the next token (no norm weight)
+ *   y = x @ fused (one linear for every head, n * H wide), head j: h_j = hidden + silu(y_j + bias_j)
+ *   head_logits (B, n, Vd) = h (B * n rows) @ lm; head_topk (B, n, K) the top K of each (a tie: the lower id first) */
+typedef struct {
+    int32_t hidden, heads, draft_vocab, top_k, reads_roots, vocab;
+    float eps;
+    const float *embed; /* (vocab, H) where reads_roots */
+    const float *bias;  /* (heads * H) */
+    const linear_t *fused, *lm;
+} heads_t;
+
+static int64_t heads_floats_per_row(const heads_t *hd) { /* x, y, h (n rows), their int8 scales (n rows) */
+    const int64_t H = hd->hidden, n = hd->heads;
+    return (hd->reads_roots ? 2 : 1) * H + n * H + n * H + n;
+}
+
+int medusa_native_heads_check(const heads_t *hd) {
+    const int64_t H = hd->hidden, n = hd->heads, K = hd->top_k;
+    if (H <= 0 || n <= 0 || hd->draft_vocab <= 0 || K <= 0 || K > MAX_TOPK || K > hd->draft_vocab || !hd->bias) return BAD_MODEL;
+    if (hd->reads_roots && (!hd->embed || hd->vocab <= 0 || !(hd->eps > 0.0f))) return BAD_MODEL;
+    if (!linear_ok(hd->fused, (hd->reads_roots ? 2 : 1) * H, n * H) || !linear_ok(hd->lm, H, hd->draft_vocab)) return BAD_MODEL;
+    return OK;
+}
+
+/* the scratch a heads call on B rows needs: floats, bytes (-1: bad heads or rows) */
+int64_t medusa_native_heads_floats(const heads_t *hd, int64_t B) {
+    return medusa_native_heads_check(hd) || B <= 0 ? -1 : B * heads_floats_per_row(hd);
+}
+
+int64_t medusa_native_heads_bytes(const heads_t *hd, int64_t B) {
+    if (medusa_native_heads_check(hd) || B <= 0) return -1;
+    const int64_t a = hd->fused->kpad, b = hd->lm->kpad * hd->heads;
+    return B * (a > b ? a : b);
+}
+
+typedef struct {
+    const float *logits;
+    int64_t V;
+    int64_t *topk;
+    int k;
+} rank_job;
+
+static void rank_heads(void *ctx, int64_t r0, int64_t r1, int worker) {
+    (void)worker;
+    const rank_job *J = ctx;
+    for (int64_t r = r0; r < r1; r++) top_k(J->logits + r * J->V, J->V, J->k, J->topk + r * J->k);
+}
+
+static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
+                 float *head_logits, int64_t *head_topk, float *scratch, uint8_t *bytes) {
+    const int64_t H = hd->hidden, n = hd->heads, Kin = (hd->reads_roots ? 2 : 1) * H;
+    float *x = scratch, *y = x + B * Kin, *h = y + B * n * H, *xs = h + B * n * H;
+    work_t hw = *wk; /* the step's threads, the heads' scratch */
+    hw.xq = bytes, hw.xs = xs, hw.rows = B * n;
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(x + b * Kin, hidden + b * H, H * sizeof(float));
+        if (!hd->reads_roots) continue;
+        if (roots[b] < 0 || roots[b] >= hd->vocab) return BAD_TOKEN;
+        const float *e = hd->embed + roots[b] * H; /* Pow, ReduceMean, Add eps, Sqrt, Reciprocal, Mul */
+        float s = 0.0f;
+        for (int64_t d = 0; d < H; d++) s += e[d] * e[d];
+        const float inv = 1.0f / sqrtf(s / (float)H + hd->eps);
+        for (int64_t d = 0; d < H; d++) x[b * Kin + H + d] = e[d] * inv;
+    }
+    matmul(hd->fused, x, B, y, &hw); /* (B, n H) */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t d = 0; d < H; d++) { /* Add bias, Sigmoid, Mul, Add hidden */
+                const float z = y[b * n * H + j * H + d] + hd->bias[j * H + d];
+                h[(b * n + j) * H + d] = hidden[b * H + d] + z * (1.0f / (1.0f + expf(-z)));
+            }
+    matmul(hd->lm, h, B * n, head_logits, &hw); /* (B n, Vd) */
+    rank_job R = {head_logits, hd->draft_vocab, head_topk, hd->top_k};
+    pool_run(wk->pool, B * n, 1, rank_heads, &R);
+    return OK;
+}
+
+/* The heads on B rows of hidden (B, H) (and roots (B) where they read the next token) into head_logits (B, n, Vd) and
+ * head_topk (B, n, K), on the step's threads (never beside its step: BUSY), scratch sized by the two functions above */
+int medusa_native_heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
+                        float *head_logits, int64_t *head_topk, float *scratch, int64_t floats, uint8_t *bytes,
+                        int64_t nbytes) {
+    if (medusa_native_heads_check(hd) || B <= 0 || B * hd->heads > wk->rows || !hidden || !head_logits || !head_topk)
+        return BAD_SHAPE;
+    if ((hd->reads_roots && !roots) || floats < medusa_native_heads_floats(hd, B) || nbytes < medusa_native_heads_bytes(hd, B))
+        return BAD_WORK;
+    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
+    if (!pool_enter(wk->pool)) return BUSY;
+    const int rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, scratch, bytes);
+    pool_leave(wk->pool);
+    return rc;
+}
+
 /* One step. logits NULL: the lm_head is skipped (next_ids, topk untouched). k: topk's width (0: none; at most 64).
  * past_k / past_v hold past_slots slots; new_k / new_v T. One step at a time on a work_t: BUSY while another runs. */
 int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,

@@ -32,12 +32,15 @@ import numpy as np
 from medusa_trt.runtime import native_library
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
+    HEAD_LOGITS,
+    HEAD_TOPK,
     HIDDEN,
     INPUT_IDS,
     LOGITS,
     NEW_KEY,
     NEW_VALUE,
     NEXT_IDS,
+    NEXT_INPUT,
     PAST_KEY,
     PAST_VALUE,
     POSITION_IDS,
@@ -45,7 +48,7 @@ from medusa_trt.runtime.contract import (
     TREE_MASK,
 )
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.native_weights import Linear, Weights
+from medusa_trt.runtime.native_weights import HeadsWeights, Linear, NativeCannotRun, Weights
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,14 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
     ]
 
 
+class _Heads(ctypes.Structure):  # native_step.c's heads_t
+    _fields_ = [
+        *((n, ctypes.c_int32) for n in ("hidden", "heads", "draft_vocab", "top_k", "reads_roots", "vocab")),
+        ("eps", ctypes.c_float),
+        *((n, ctypes.c_void_p) for n in ("embed", "bias", "fused", "lm")),
+    ]
+
+
 class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_init fills it)
     _fields_ = [
         *((n, ctypes.c_int64) for n in ("rows", "slots", "threads", "att_floats")),
@@ -140,6 +151,10 @@ def _declared(library: native_library.Library) -> tuple[ctypes.CDLL, str]:
         "medusa_native_work_free": (None, [_P]),
         "medusa_pool_new": (_P, [_I]),
         "medusa_pool_free": (None, [_P]),
+        "medusa_native_heads": (_I, [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64]),
+        "medusa_native_heads_check": (_I, [_P]),
+        "medusa_native_heads_floats": (_I64, [_P, _I64]),
+        "medusa_native_heads_bytes": (_I64, [_P, _I64]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -340,3 +355,58 @@ class NativeStep:
             raise EngineError(f"input_ids outside the vocabulary (0..{d.vocab - 1})")
         if rc != 0:
             raise EngineError(f"backend native: {_ERRORS.get(rc, rc)} (batch {batch}, tokens {tokens}, top-k {k})")
+
+
+class NativeHeads:
+    """The Medusa heads (``native_weights.read_heads``) computed by ``medusa_native_heads`` on a ``NativeStep``'s
+    threads, as a ``host_backend.HostHeads`` on named arrays, for up to ``max_batch`` rows. ``NativeCannotRun`` where
+    they do not fit the engine's metadata (its heads then run on ONNX Runtime)."""
+
+    def __init__(self, weights: HeadsWeights, step: NativeStep, *, hidden: int, heads: int, draft_vocab: int, top_k: int, max_batch: int):
+        wanted = dict(hidden=hidden, heads=heads, draft_vocab=draft_vocab, top_k=top_k)
+        found = dict(hidden=weights.hidden, heads=weights.heads, draft_vocab=weights.lm.shape[1], top_k=weights.top_k)
+        if wrong := [f"{k} {found[k]} (metadata: {wanted[k]})" for k in found if found[k] != wanted[k]]:
+            raise NativeCannotRun(f"heads graph of {', '.join(wrong)}", "heads that do not fit the metadata")
+        if max_batch * weights.heads > step.rows:
+            raise NativeCannotRun(f"{max_batch} x {weights.heads} heads rows past the step's {step.rows}", "too many heads rows")
+        lib, _ = _functions(step.isa)
+        self._fn, self._step, self.reads_roots = lib.medusa_native_heads, step, weights.reads_roots
+        self._keep: list = [weights.bias]
+        embed = weights.embed if weights.embed is not None else None
+        if embed is not None:
+            self._keep.append(embed)
+        fused, lm = _linear_view(weights.fused, self._keep), _linear_view(weights.lm, self._keep)
+        self._heads = _Heads(
+            weights.hidden, weights.heads, weights.lm.shape[1], weights.top_k, int(embed is not None),
+            0 if embed is None else embed.shape[0], weights.eps, None if embed is None else embed.ctypes.data,
+            weights.bias.ctypes.data, ctypes.addressof(fused), ctypes.addressof(lm),
+        )  # fmt: skip
+        view = ctypes.byref(self._heads)
+        if lib.medusa_native_heads_check(view):
+            raise NativeCannotRun(f"heads whose shapes do not fit one another ({found})", "malformed heads")
+        self._floats = np.zeros(lib.medusa_native_heads_floats(view, max_batch), dtype=np.float32)
+        self._bytes = np.zeros(lib.medusa_native_heads_bytes(view, max_batch), dtype=np.uint8)
+        self.shape = (weights.heads, weights.top_k, weights.lm.shape[1])  # n, K, Vd
+        self.max_batch, self.hidden = max_batch, weights.hidden
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        hidden = np.ascontiguousarray(arrays[HIDDEN], dtype=np.float32)  # (B, H)
+        batch = hidden.shape[0] if hidden.ndim == 2 else -1
+        if not 1 <= batch <= self.max_batch or hidden.shape[1] != self.hidden:
+            raise EngineError(f"backend native: heads on hidden {hidden.shape}, not (1..{self.max_batch}, {self.hidden})")
+        n, k, vd = self.shape
+        _expect(HEAD_TOPK, arrays.get(HEAD_TOPK), np.int64, (batch, n, k))
+        _expect(HEAD_LOGITS, arrays.get(HEAD_LOGITS), np.float32, (batch, n, vd))
+        roots = None
+        if self.reads_roots:
+            roots = np.ascontiguousarray(arrays[NEXT_INPUT], dtype=np.int64)
+            _expect(NEXT_INPUT, roots, np.int64, (batch,))
+        rc = self._fn(
+            ctypes.byref(self._heads), ctypes.byref(self._step._work), batch, hidden.ctypes.data,
+            None if roots is None else roots.ctypes.data, arrays[HEAD_LOGITS].ctypes.data, arrays[HEAD_TOPK].ctypes.data,
+            self._floats.ctypes.data, self._floats.size, self._bytes.ctypes.data, self._bytes.size,
+        )  # fmt: skip
+        if rc == 2:
+            raise EngineError("backend native: heads' root ids outside the vocabulary")
+        if rc != 0:
+            raise EngineError(f"backend native: heads: {_ERRORS.get(rc, rc)} (batch {batch})")

@@ -165,10 +165,12 @@ class _Graph:
     def scalar(self, name: str) -> float:
         return float(self.array(name).reshape(-1)[0])
 
-    def linear(self, x: str) -> tuple[Linear, str]:
+    def linear(self, x: str, *, beside: tuple[str, ...] = ()) -> tuple[Linear, str]:
         """The weight matmul reading ``x`` and its output: a MatMul, or the int8 row quantizer chain of
-        exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul)."""
-        readers = sorted((n for n in self.consumers.get(x, []) if n.op_type != "Identity"), key=lambda n: n.op_type)
+        exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul). ``beside``: ops
+        that may read ``x`` too (a residual's Add)."""
+        skip = ("Identity", *beside)
+        readers = sorted((n for n in self.consumers.get(x, []) if n.op_type not in skip), key=lambda n: n.op_type)
         kinds = [n.op_type for n in readers]
         if kinds == ["MatMul"]:
             weight = self.weight_of(readers[0])
@@ -393,3 +395,130 @@ def _lm_head(g: _Graph, step: Path) -> Linear:
     if len(identity) != 1:
         raise _unsupported(step, "a logits gate that does not read hidden")
     return then.linear(identity[0].output[0])[0]
+
+
+@dataclass(frozen=True)
+class HeadsWeights:
+    """The Medusa heads graph ``native_step.c``'s ``medusa_native_heads`` computes: one residual SiLU block a head,
+    every head's linear fused into one, then one shared projection to the draft vocabulary and its top-k."""
+
+    hidden: int  # H
+    heads: int  # n
+    top_k: int  # K
+    fused: Linear  # (H, n H), or (2 H, n H) for heads that also read the next token's normalized embedding
+    bias: np.ndarray  # (n H) float32
+    lm: Linear  # (H, Vd)
+    embed: np.ndarray | None = None  # (V, H) float32 where the heads read the next token
+    eps: float = 0.0  # that embedding's RMS norm epsilon (no weight)
+
+    @property
+    def reads_roots(self) -> bool:
+        return self.embed is not None
+
+
+HEADS_OPS = frozenset(
+    "Gather Pow ReduceMean Add Sqrt Reciprocal Mul Concat MatMul Gemm Split Sigmoid Unsqueeze TopK Identity Transpose "
+    "Abs ReduceMax Max Div Shape ConstantOfShape QuantizeLinear MatMulInteger Cast".split()
+)
+
+
+def read_heads(path: Path) -> HeadsWeights:
+    """The weights of the heads graph at ``path`` (an engine's heads.onnx), checked against the pattern
+    ``medusa_native_heads`` computes: [hidden | RMS-normalized embedding of root_ids] -> one fused linear (fp32 or
+    int8-channel) -> Split a head -> + bias, SiLU, + hidden -> stacked -> one linear -> TopK. Any other heads graph
+    (more blocks a head, a projection a head, heads that read the path) raises ``NativeCannotRun``, naming why."""
+    from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HEADS_INPUTS, NEXT_INPUT
+
+    g = _Graph(path)
+    if extra := sorted({n.op_type for n in g.nodes} - HEADS_OPS):
+        raise _unsupported(path, f"its heads graph has {', '.join(extra)} nodes")
+    hidden_name = HEADS_INPUTS[0]
+    x, embed, eps = hidden_name, None, 0.0
+    gathers = [n for n in g.consumers.get(NEXT_INPUT, []) if n.op_type == "Gather"]
+    if gathers:  # the next token's embedding, RMS-normalized without a weight, beside hidden
+        gather = gathers[0]
+        embed = g.array(gather.input[0])
+        e = gather.output[0]
+        readers = {n.op_type: n for n in g.consumers.get(e, [])}
+        if sorted(readers) != ["Mul", "Pow"] or len(g.consumers[e]) != 2 or g.scalar(readers["Pow"].input[1]) != 2.0:
+            raise _unsupported(path, f"the next token's embedding is read by {sorted(readers)}, not an RMS norm")
+        add = g.only(g.only(readers["Pow"].output[0], "ReduceMean").output[0], "Add")
+        eps = g.scalar(add.input[1])
+        mul = g.only(g.only(g.only(add.output[0], "Sqrt").output[0], "Reciprocal").output[0], "Mul")
+        if e not in mul.input:
+            raise _unsupported(path, "the next token's embedding norm is not x / sqrt(mean(x^2) + eps)")
+        concat = g.only(mul.output[0], "Concat")
+        if list(concat.input) != [hidden_name, mul.output[0]] or _attr(concat, "axis") not in (-1, 1):
+            raise _unsupported(path, "the heads do not read [hidden | the next token's normalized embedding]")
+        x = concat.output[0]
+    gemms = [n for n in g.consumers.get(x, []) if n.op_type == "Gemm"]
+    if gemms:  # fp32 heads: a Gemm a head (x @ W_j.T + b_j), fused here into one linear
+        for gemm in gemms:
+            form = tuple(_attr(gemm, name, default) for name, default in (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0)))
+            if form != (0, 1, 1.0, 1.0):
+                raise _unsupported(path, "a head's Gemm is not x @ W.T + b")
+        ws = [g.array(n.input[1]) for n in gemms]  # (H, Kin) each
+        h = ws[0].shape[0]
+        bs = [g.array(n.input[2]).reshape(-1) if len(n.input) > 2 else np.zeros(h, np.float32) for n in gemms]
+        fused = Linear(np.ascontiguousarray(np.concatenate([w.T for w in ws], axis=1), dtype=np.float32))
+        outputs = [n.output[0] for n in gemms]
+    else:  # one fused linear (int8-channel rows or a MatMul), split a head, then each head's bias
+        fused, y = g.linear(x, beside=("Add",) if x == hidden_name else ())  # hidden also feeds each head's residual
+        split = g.only(y, "Split")
+        widths = list(g.array(split.input[1]).reshape(-1)) if len(split.input) > 1 else None
+        n = len(split.output)
+        h = int(fused.shape[1]) // n if n else 0
+        if not n or widths not in (None, [h] * n) or h * n != fused.shape[1]:
+            raise _unsupported(path, f"the fused heads linear is split as {widths}, not into {n} equal heads")
+        adds = [g.only(part, "Add") for part in split.output]
+        bs = [g.array(add.input[1]).reshape(-1) for add in adds]
+        outputs = [add.output[0] for add in adds]
+    n = len(outputs)
+    if fused.shape[1] != n * h or any(b.shape != (h,) for b in bs):
+        raise _unsupported(path, f"{n} heads of {h} outputs from a fused linear of {fused.shape}")
+    blocks = []
+    for z in outputs:  # SiLU, then the residual on hidden
+        readers = {r.op_type: r for r in g.consumers.get(z, [])}
+        silu = g.only(readers["Sigmoid"].output[0], "Mul") if sorted(readers) == ["Mul", "Sigmoid"] else None
+        if silu is None or silu is not readers["Mul"] or len(g.consumers[z]) != 2:
+            raise _unsupported(path, f"a head's block is {sorted(readers)}, not bias, SiLU, residual")
+        residual = g.only(silu.output[0], "Add")
+        if hidden_name not in residual.input:
+            raise _unsupported(path, "a head's residual does not add hidden (more than one block a head)")
+        unsqueeze = g.only(residual.output[0], "Unsqueeze")
+        if list(g.array(unsqueeze.input[1]).reshape(-1)) not in ([1], [-2]):
+            raise _unsupported(path, "a head's output is not unsqueezed to (B, 1, H)")
+        blocks.append(unsqueeze.output[0])
+    stack = g.only(blocks[0], "Concat")
+    if list(stack.input) != blocks or _attr(stack, "axis") not in (1, -2):
+        raise _unsupported(path, "the heads' outputs are not stacked in order along (B, n, H)'s axis 1")
+    lm, logits = g.linear(stack.output[0])
+    topk = g.only(logits, "TopK")
+    if HEAD_LOGITS not in ({logits} | {n.output[0] for n in g.consumers.get(logits, []) if n.op_type == "Identity"}):
+        raise _unsupported(path, f"the heads' logits are not the graph's {HEAD_LOGITS}")
+    if topk.output[1] != HEAD_TOPK and HEAD_TOPK not in {n.output[0] for n in g.consumers.get(topk.output[1], [])}:
+        raise _unsupported(path, f"the top-k ids are not the graph's {HEAD_TOPK}")
+    if _attr(topk, "largest", 1) != 1 or _attr(topk, "axis", -1) not in (-1, 2):
+        raise _unsupported(path, "a TopK other than the largest along the vocabulary")
+    k = int(g.array(topk.input[1]).reshape(-1)[0])
+    heads = HeadsWeights(h, n, k, fused, np.ascontiguousarray(np.concatenate(bs), dtype=np.float32), lm, embed, eps)
+    _check_heads(heads, path)
+    return heads
+
+
+def _check_heads(w: HeadsWeights, path: Path) -> None:
+    """Every heads array's shape and dtype, before a pointer to any reaches C."""
+    h, n = w.hidden, w.heads
+    width = (2 if w.reads_roots else 1) * h
+    table = [("the fused heads linear", w.fused.weight, (width, n * h)), ("the heads' biases", w.bias, (n * h,)),
+             ("the heads' projection", w.lm.weight, (h, w.lm.shape[1]))]  # fmt: skip
+    if w.reads_roots:
+        table.append(("the next token's embedding", w.embed, (w.embed.shape[0], h)))
+    for what, m in (("the fused heads linear", w.fused), ("the heads' projection", w.lm)):
+        if m.int8:
+            table.append((f"{what}'s column scales", m.scale, m.shape[1:]))
+    for what, a, shape in table:
+        if a.shape != shape or a.dtype not in (np.float32, np.int8) or not a.flags.c_contiguous:
+            raise _malformed(path, f"{what} is {a.dtype} {a.shape}, not contiguous {shape}")
+    if not (0 < w.top_k <= 64 and w.top_k <= w.lm.shape[1]) or (w.reads_roots and not (math.isfinite(w.eps) and w.eps > 0)):
+        raise _malformed(path, f"heads with top-{w.top_k} of {w.lm.shape[1]} ids, norm epsilon {w.eps}")

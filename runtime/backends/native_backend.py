@@ -27,7 +27,7 @@ from medusa_trt.runtime import native_library, native_step, native_weights
 from medusa_trt.runtime.backends.host_backend import HostBackend
 from medusa_trt.runtime.backends.onnx_backend import OrtHeads, checked_files, heads_session_options, open_heads
 from medusa_trt.runtime.backends.ort_buffers import BufferSizes, HostBuffers
-from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.engine import EngineError, engine_meta
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ def open_native(
     if wrong := [f"{k} {found[k]} (metadata: {recorded[k]})" for k in found if found[k] != recorded[k]]:
         raise EngineError(f"{files.step}'s weights do not match its metadata, {', '.join(wrong)}: export again")
     kernel = native_step.NativeStep(weights, rows=max_batch * meta.max_tokens, slots=max_context, threads=threads, isa=isa)
-    session = open_heads(files, meta, heads_session_options(threads), ["CPUExecutionProvider"])
-    heads = None if session is None else OrtHeads(session)
+    heads = _heads(files, meta, kernel, max_batch, threads)
     successors = min(meta.successors, native_step.MAX_TOPK)
     buffers = HostBuffers(BufferSizes.of(meta, max_batch=max_batch, max_context=max_context, dtype=np.float32, successors=successors))
     log.info(
@@ -74,3 +73,26 @@ def open_native(
         buffers.output_bytes / 2**20,
     )
     return HostBackend(NAME, files, meta, kernel, buffers, heads, max_batch=max_batch, max_context=max_context)
+
+
+def _heads(files, meta, kernel: native_step.NativeStep, max_batch: int, threads: int | None):
+    """The engine's heads on the native step's threads (``native_step.NativeHeads``), or its heads graph on ONNX Runtime
+    where they are not the pattern ``medusa_native_heads`` computes (said at info level); None: no heads."""
+    files.check_heads(meta.num_heads)
+    if not meta.num_heads:
+        return None
+    try:
+        weights = native_weights.read_heads(files.heads)
+        heads = native_step.NativeHeads(
+            weights, kernel, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab, top_k=meta.top_k,
+            max_batch=max_batch,
+        )  # fmt: skip
+        if weights.reads_roots != meta.reads_roots or engine_meta(files.heads) != meta:
+            raise EngineError(
+                f"{files.heads} belongs to another engine than {files.step} (their metadata or inputs differ): "
+                "keep the files of one export together or export again"
+            )
+        return heads
+    except native_weights.NativeCannotRun as exc:
+        log.info("heads on onnxruntime: native cannot run %s (%s)", files.heads.name, exc.what or exc)
+    return OrtHeads(open_heads(files, meta, heads_session_options(threads), ["CPUExecutionProvider"]))

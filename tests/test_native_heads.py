@@ -1,0 +1,82 @@
+"""The Medusa heads on the native step's threads (``native_step.NativeHeads``, ``medusa_native_heads`` in C): heads of
+the pattern it computes (one residual SiLU block a head, fused into one linear, a shared projection to the draft
+vocabulary; fp32 or int8 rows; reading hidden, or hidden and the next token) give ONNX Runtime's heads graph's top-k
+ids and its logits to float rounding; drafted output stays the plain output; heads of another pattern run on ONNX
+Runtime beside the native step, said at info level."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import medusa_model
+
+from medusa_trt.exporter import HeadsConfig, init_heads
+from medusa_trt.runtime import MedusaRuntime, native_step, native_weights
+from medusa_trt.runtime.backends.native_backend import open_native
+from medusa_trt.runtime.backends.onnx_backend import OrtHeads, heads_session_options, open_heads
+from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HIDDEN, NEXT_INPUT
+
+KINDS = {  # name: (head_input, quantize)
+    "hidden-int8": ("hidden", "heads-int8"),
+    "next-int8": ("hidden+next", "heads-int8"),
+    "next-fp32": ("hidden+next", None),
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def shared_engine(request, stories_base, export_engine):
+    head_input, quantize = KINDS[request.param]
+    cfg = stories_base.model.config
+    config = HeadsConfig(num_heads=4, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=True,
+                         head_input=head_input)  # fmt: skip
+    embed = stories_base.model.get_input_embeddings() if head_input != "hidden" else None
+    heads = init_heads(config, stories_base.model.lm_head, seed=3, random=True, embed=embed)
+    overrides = {"draft_vocab": 256} | ({"quantize": quantize} if quantize else {})
+    return export_engine(f"stories-shared-{request.param}", medusa_model(stories_base, heads), **overrides)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_heads_give_onnxruntimes_proposals(shared_engine, batch):
+    backend = open_native(shared_engine, max_batch=4, max_context=128, threads=2)
+    assert isinstance(backend.heads, native_step.NativeHeads)
+    rng = np.random.default_rng(batch)
+    hidden = (3 * rng.standard_normal((batch, backend.meta.hidden_size))).astype(np.float32)
+    roots = rng.integers(0, backend.meta.vocab_size, batch) if backend.meta.reads_roots else None
+    got = backend.run_heads(hidden, roots)
+    ort = OrtHeads(open_heads(backend.files, backend.meta, heads_session_options(2), ["CPUExecutionProvider"]))
+    want = {k: np.empty_like(v) for k, v in got.items()}
+    ort({HIDDEN: hidden, **want} | ({NEXT_INPUT: roots} if roots is not None else {}))
+    np.testing.assert_allclose(got[HEAD_LOGITS], want[HEAD_LOGITS], rtol=1e-4, atol=1e-4)
+    assert np.array_equal(got[HEAD_TOPK], want[HEAD_TOPK])
+
+
+def test_drafting_with_native_heads_is_plain_decoding(shared_engine, stories_prompts):
+    runtime = MedusaRuntime(shared_engine, backend="native", max_batch=2, max_context=128, threads=2)
+    assert isinstance(runtime.backend.heads, native_step.NativeHeads)
+    drafted = runtime.generate(stories_prompts[:3], max_new_tokens=24)
+    plain = runtime.plain().generate(stories_prompts[:3], max_new_tokens=24)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+
+
+def test_heads_with_a_projection_each_run_on_onnxruntime(stories_base, stories_fitted, export_engine, caplog):
+    """stories_fitted's heads project with one matrix each (not the pattern): ONNX Runtime's heads, said why."""
+    engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))  # shared with test_runtime
+    with caplog.at_level("INFO", logger="medusa_trt.runtime.backends.native_backend"):
+        backend = open_native(engine, max_batch=1, max_context=128, threads=2)
+    assert isinstance(backend.heads, OrtHeads)
+    assert "heads on onnxruntime: native cannot run" in caplog.text
+
+
+def test_bad_root_ids_are_one_line(shared_engine):
+    backend = open_native(shared_engine, max_batch=1, max_context=128, threads=2)
+    if not backend.meta.reads_roots:
+        pytest.skip("these heads do not read the next token")
+    hidden = np.zeros((1, backend.meta.hidden_size), dtype=np.float32)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        backend.run_heads(hidden, np.array([backend.meta.vocab_size]))
+
+
+def test_read_heads_names_what_it_refuses(stories_base, stories_fitted, export_engine):
+    engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
+    with pytest.raises(native_weights.NativeCannotRun, match="stack is read by Gather, Gather, Gather, Gather"):  # a projection each
+        native_weights.read_heads(engine.with_name(engine.stem + ".heads.onnx"))
