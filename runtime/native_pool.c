@@ -19,7 +19,7 @@
 
 #define MAX_THREADS 1024
 #define SLOTS 4             /* jobs in a ring: a late worker reads its job's slot, which is rewritten 4 jobs later */
-#define IDLE_SPIN_NS 200000 /* a worker spins at most this long for the next job, then sleeps (a step's jobs are
+#define IDLE_SPIN_NS 30000 /* a worker spins at most this long for the next job, then sleeps (a step's jobs are
                                microseconds apart; the loop's host work between two steps, about a millisecond) */
 #define PAUSE_NS 20000      /* past this much of a spin, a worker yields its core at every check (a busy machine) */
 #define LATE_NS 50000       /* a worker that sees a job this long after it was posted was descheduled meanwhile */
