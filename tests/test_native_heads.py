@@ -80,3 +80,23 @@ def test_read_heads_names_what_it_refuses(stories_base, stories_fitted, export_e
     engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
     with pytest.raises(native_weights.NativeCannotRun, match="stack is read by Gather, Gather, Gather, Gather"):  # a projection each
         native_weights.read_heads(engine.with_name(engine.stem + ".heads.onnx"))
+
+
+def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path, capsys):
+    """scripts/heads_in_loop_ab.py: a step alone, then followed by the native heads and by ONNX Runtime's, with the busy
+    machine flag of engine_step_ab beside it (--busy 1 starts and stops one spinning process)."""
+    import json
+
+    from tests.helpers import script
+
+    out = tmp_path / "heads.json"
+    argv = ["--engine", str(shared_engine), "--context", "20", "--tokens", "4", "--rounds", "1", "--out", str(out)]
+    assert script("heads_in_loop_ab").main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["median_ms"]) == {"step alone", "step + native heads", "step + onnxruntime heads"}
+    assert set(report["heads_ms"]) == {"step + native heads", "step + onnxruntime heads"}
+    assert "| step + native heads |" in capsys.readouterr().out
+    busy = ["--engine", f"native={shared_engine}@native", "--engine", f"ort={shared_engine}", "--context", "20", "--tokens", "1"]
+    assert script("engine_step_ab").main([*busy, "--rounds", "1", "--busy", "1", "--out", str(tmp_path / "busy.json")]) == 0
+    assert json.loads((tmp_path / "busy.json").read_text())["busy"] == 1
+    assert "beside 1 busy process" in capsys.readouterr().out

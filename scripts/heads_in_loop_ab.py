@@ -1,0 +1,90 @@
+"""What the Medusa heads cost where the loop calls them: right after a step, whose weights have just pushed the heads'
+out of the CPU's caches. One native engine, its steps alone and each followed by the heads (native ``NativeHeads`` and
+the heads graph on ONNX Runtime, ``OrtHeads``), in rounds with the three orders taking turns; the heads' cost is the
+difference of medians. For issue 47's heads target, not a benchmark of generation (that is ``medusa-bench``).
+
+    .venv/bin/python scripts/heads_in_loop_ab.py --engine build/smollm2-int8-default --context 300 --tokens 8 \\
+        --rounds 9 --out docs/native-heads-ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from step_graph_report import cpu_name, prefill, write_report
+
+log = logging.getLogger("heads_in_loop_ab")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", type=Path, required=True, help="an engine folder native runs, with heads")
+    p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
+    p.add_argument("--tokens", type=int, default=8, help="tokens each timed step scores")
+    p.add_argument("--rounds", type=int, default=9, help="rounds of the three ways, each 0.5 s of steps")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from medusa_trt.runtime import native_step
+    from medusa_trt.runtime.backends.native_backend import open_native
+    from medusa_trt.runtime.backends.onnx_backend import OrtHeads, heads_session_options, open_heads
+    from medusa_trt.runtime.errors import MedusaError
+
+    load_start = os.getloadavg()
+    try:
+        backend = open_native(args.engine, max_batch=1, threads=args.threads)
+        if not isinstance(backend.heads, native_step.NativeHeads):
+            raise MedusaError(f"{args.engine}'s heads do not run natively (its log says why): nothing to compare")
+        ways = {
+            "step alone": None,
+            "step + native heads": backend.heads,
+            "step + onnxruntime heads": OrtHeads(
+                open_heads(backend.files, backend.meta, heads_session_options(args.threads), ["CPUExecutionProvider"])
+            ),
+        }
+        vocab = backend.meta.vocab_size
+        prefill(backend, (np.arange(args.context, dtype=np.int64) * 7919 + 11) % vocab)
+        t = args.tokens
+        ids = ((np.arange(t, dtype=np.int64) * 131 + 7) % vocab)[None]  # (1, T)
+        step = (ids, (args.context + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([args.context]))
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        names = list(ways)
+        for round_ in range(args.rounds):
+            for way in names[round_ % 3 :] + names[: round_ % 3]:
+                backend.heads = ways[way]
+                start, n = time.perf_counter(), 0
+                while time.perf_counter() - start < 0.5:
+                    out = backend.step(*step)
+                    if ways[way] is not None:
+                        backend.propose(np.array([t - 1]), backend.meta.top_k, out.argmax[:, t - 1])
+                    n += 1
+                times[way].append((time.perf_counter() - start) / n * 1e3)
+    except MedusaError as exc:
+        p.exit(2, f"heads_in_loop_ab: error: {exc}\n")
+    load_end = os.getloadavg()
+    med = {way: statistics.median(v) for way, v in times.items()}
+    heads = {way: med[way] - med["step alone"] for way in names[1:]}
+    print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
+    print(f"{t}-token steps over {args.context} cached tokens, each then the heads at its last node; median of {args.rounds} rounds\n")
+    print("| way | ms a step | the heads |")
+    print("| --- | --- | --- |")
+    for way in names:
+        print(f"| {way} | {med[way]:.2f} | {'-' if way not in heads else f'{heads[way]:.2f} ms'} |")
+    if args.out:
+        write_report(
+            args.out, args.threads, (load_start[0], load_end[0]), argv,
+            engine=str(args.engine), context=args.context, tokens=t, median_ms=med, heads_ms=heads,
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
