@@ -373,6 +373,12 @@ def check_weights(weights: Weights, path: Path) -> None:
                 if not positive(value):
                     raise _malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
     legend = f"hidden {H} and vocab {V} read from the embedding, head_dim {D} and MLP width {I} from layer 0, {Hq} heads, {Hkv} kv heads"
+    _check_arrays(path, table, legend)
+
+
+def _check_arrays(path: Path, table: list, legend: str) -> None:
+    """Each (what, array, expected shape, dtypes) of ``table`` as C reads it: that shape, one of those dtypes,
+    contiguous; else one line naming the first that is not (``legend``: where the expected shapes come from)."""
     for what, a, shape, dtypes in table:
         if a is None or a.shape != shape:
             raise _malformed(path, f"{what} has shape {None if a is None else a.shape}, not {shape} ({legend})")
@@ -458,6 +464,8 @@ def read_heads(path: Path) -> HeadsWeights:
             if form != (0, 1, 1.0, 1.0):
                 raise _unsupported(path, "a head's Gemm is not x @ W.T + b")
         ws = [g.array(n.input[1]) for n in gemms]  # (H, Kin) each
+        if len({w.shape for w in ws}) != 1 or ws[0].ndim != 2:
+            raise _malformed(path, f"the heads' Gemm weights have shapes {sorted({w.shape for w in ws})}, not one (H, K) each")
         h = ws[0].shape[0]
         bs = [g.array(n.input[2]).reshape(-1) if len(n.input) > 2 else np.zeros(h, np.float32) for n in gemms]
         fused = Linear(np.ascontiguousarray(np.concatenate([w.T for w in ws], axis=1), dtype=np.float32))
@@ -507,18 +515,17 @@ def read_heads(path: Path) -> HeadsWeights:
 
 
 def _check_heads(w: HeadsWeights, path: Path) -> None:
-    """Every heads array's shape and dtype, before a pointer to any reaches C."""
+    """Every heads array's shape and dtype (``_check_arrays``, as ``check_weights``), before a pointer to any reaches C."""
     h, n = w.hidden, w.heads
     width = (2 if w.reads_roots else 1) * h
-    table = [("the fused heads linear", w.fused.weight, (width, n * h)), ("the heads' biases", w.bias, (n * h,)),
-             ("the heads' projection", w.lm.weight, (h, w.lm.shape[1]))]  # fmt: skip
+    f32, weight = (np.float32,), (np.float32, np.int8)
+    table = [("the fused heads linear", w.fused.weight, (width, n * h), weight), ("the heads' biases", w.bias, (n * h,), f32),
+             ("the heads' projection", w.lm.weight, (h, w.lm.shape[1]), weight)]  # fmt: skip
     if w.reads_roots:
-        table.append(("the next token's embedding", w.embed, (w.embed.shape[0], h)))
+        table.append(("the next token's embedding", w.embed, (w.embed.shape[0], h), f32))
     for what, m in (("the fused heads linear", w.fused), ("the heads' projection", w.lm)):
         if m.int8:
-            table.append((f"{what}'s column scales", m.scale, m.shape[1:]))
-    for what, a, shape in table:
-        if a.shape != shape or a.dtype not in (np.float32, np.int8) or not a.flags.c_contiguous:
-            raise _malformed(path, f"{what} is {a.dtype} {a.shape}, not contiguous {shape}")
+            table.append((f"{what}'s column scales", m.scale, m.shape[1:], f32))
+    _check_arrays(path, table, f"{n} heads of {h} read from the graph's Split or Gemms")
     if not (0 < w.top_k <= 64 and w.top_k <= w.lm.shape[1]) or (w.reads_roots and not (math.isfinite(w.eps) and w.eps > 0)):
         raise _malformed(path, f"heads with top-{w.top_k} of {w.lm.shape[1]} ids, norm epsilon {w.eps}")
