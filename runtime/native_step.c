@@ -549,7 +549,6 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
     wk->att_floats = need - (at - arena);
     wk->xq = bytes;
     wk->rows = rows, wk->slots = slots, wk->threads = threads;
-    wk->pool = NULL;
     if (!(wk->pool = medusa_pool_new(threads))) return NO_THREADS; /* also one thread's: its busy flag */
     return OK;
 }
@@ -560,12 +559,18 @@ void medusa_native_work_free(work_t *wk) {
     wk->pool = NULL;
 }
 
+/* The work's pool taken for one call: OK, BAD_WORK (a pool of more threads than its scratch), BUSY (another call runs) */
+static int enter(const work_t *wk) {
+    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
+    return pool_enter(wk->pool) ? OK : BUSY;
+}
+
 /* One linear alone (tests, timing): y (M, N) = x (M, K) through it; wk needs rows, threads, xq and xs (M rows) and a
  * pool of at most `threads` threads (or NULL) */
 int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y, int64_t xq_bytes) {
     if (!linear_ok(L, L->k, L->n) || M <= 0 || M > wk->rows || wk->threads <= 0 || M * L->kpad > xq_bytes) return BAD_SHAPE;
-    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
-    if (!pool_enter(wk->pool)) return BUSY;
+    const int rc = enter(wk);
+    if (rc) return rc;
     matmul(L, x, M, y, wk);
     pool_leave(wk->pool);
     return OK;
@@ -585,13 +590,15 @@ static void silu_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
     for (int64_t m = m0; m < m1; m++) silu_row(J->gu + m * 2 * J->I, J->gu + m * 2 * J->I + J->I, J->act + m * J->I, J->I);
 }
 
-static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_ids, and the top k where k > 0 */
+static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_ids where asked, the top k where k > 0 */
     (void)worker;
     const rows_job *J = ctx;
     for (int64_t m = m0; m < m1; m++) {
-        int64_t first[1];
-        top_k(J->logits + m * J->V, J->V, 1, first);
-        J->next_ids[m] = first[0];
+        if (J->next_ids) {
+            int64_t first[1];
+            top_k(J->logits + m * J->V, J->V, 1, first);
+            J->next_ids[m] = first[0];
+        }
         if (J->k) top_k(J->logits + m * J->V, J->V, J->k, J->topk + m * J->k);
     }
 }
@@ -692,19 +699,6 @@ int64_t medusa_native_heads_bytes(const heads_t *hd, int64_t B) {
     return B * (a > b ? a : b);
 }
 
-typedef struct {
-    const float *logits;
-    int64_t V;
-    int64_t *topk;
-    int k;
-} rank_job;
-
-static void rank_heads(void *ctx, int64_t r0, int64_t r1, int worker) {
-    (void)worker;
-    const rank_job *J = ctx;
-    for (int64_t r = r0; r < r1; r++) top_k(J->logits + r * J->V, J->V, J->k, J->topk + r * J->k);
-}
-
 static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
                  float *head_logits, int64_t *head_topk, float *scratch, uint8_t *bytes) {
     const int64_t H = hd->hidden, n = hd->heads, Kin = (hd->reads_roots ? 2 : 1) * H;
@@ -729,8 +723,8 @@ static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hi
                 h[(b * n + j) * H + d] = hidden[b * H + d] + z * (1.0f / (1.0f + expf(-z)));
             }
     matmul(hd->lm, h, B * n, head_logits, &hw); /* (B n, Vd) */
-    rank_job R = {head_logits, hd->draft_vocab, head_topk, hd->top_k};
-    pool_run(wk->pool, B * n, 1, rank_heads, &R);
+    rows_job R = {.logits = head_logits, .V = hd->draft_vocab, .topk = head_topk, .k = hd->top_k}; /* no next_ids */
+    pool_run(wk->pool, B * n, 1, rank_rows, &R);
     return OK;
 }
 
@@ -743,9 +737,9 @@ int medusa_native_heads(const heads_t *hd, const work_t *wk, int64_t B, const fl
         return BAD_SHAPE;
     if ((hd->reads_roots && !roots) || floats < medusa_native_heads_floats(hd, B) || nbytes < medusa_native_heads_bytes(hd, B))
         return BAD_WORK;
-    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
-    if (!pool_enter(wk->pool)) return BUSY;
-    const int rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, scratch, bytes);
+    int rc = enter(wk);
+    if (rc) return rc;
+    rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, scratch, bytes);
     pool_leave(wk->pool);
     return rc;
 }
@@ -756,9 +750,9 @@ int medusa_native_step(const model_t *md, const work_t *wk, int B, int T, const 
                        const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v,
                        int64_t past_slots, float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids,
                        int64_t *topk, int k) {
-    if (medusa_pool_threads(wk->pool) > wk->threads) return BAD_WORK;
-    if (!pool_enter(wk->pool)) return BUSY;
-    const int rc = step(md, wk, B, T, ids, pos, mask, lengths, past_k, past_v, past_slots, new_k, new_v, hidden, logits,
+    int rc = enter(wk);
+    if (rc) return rc;
+    rc = step(md, wk, B, T, ids, pos, mask, lengths, past_k, past_v, past_slots, new_k, new_v, hidden, logits,
                         next_ids, topk, k);
     pool_leave(wk->pool);
     return rc;

@@ -372,7 +372,7 @@ class NativeHeads:
         lib, _ = _functions(step.isa)
         self._fn, self._step, self.reads_roots = lib.medusa_native_heads, step, weights.reads_roots
         self._keep: list = [weights.bias]
-        embed = weights.embed if weights.embed is not None else None
+        embed = weights.embed
         if embed is not None:
             self._keep.append(embed)
         fused, lm = _linear_view(weights.fused, self._keep), _linear_view(weights.lm, self._keep)
