@@ -354,6 +354,10 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         raise ExportError(f"tree {tree.name} has {tree.num_nodes} nodes but --max-tokens is {config.max_tokens}: raise it")
     config = _fit_draft_vocab(model, tree, config)
     meta = engine_meta(model, tree, config)
+    if config.backend == "native":  # a model type native never runs: refused before the export's work
+        from medusa_trt.runtime.native_weights import check_architecture
+
+        check_architecture(out, meta.architecture)
     folder = is_folder_out(out)
     final = EngineFiles.in_folder(out) if folder else EngineFiles.beside(out)
     if not folder:
@@ -419,7 +423,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 )
             bar.update()
         if folder:
-            choice = _write_folder(model, staged, meta, tree, config)
+            choice = _write_folder(model, staged, meta, tree, config, out)
         write_manifest(staged)
         checkpoint()  # an interrupt whose exception was swallowed: commit nothing
         if folder:
@@ -434,15 +438,23 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice)
 
 
-def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, config: ExportConfig):
+def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, config: ExportConfig, out: Path):
     """config.json, generation_config.json and drafting.json of the staged folder: the backend chosen where the config
     names none (``backend_choice``), the step cost and exactness measured on that backend unless the config gives the
-    cost. Returns the ``BackendChoice`` (None where the config named the backend)."""
+    cost. Returns the ``BackendChoice`` (None where the config named the backend). A folder told ``native`` whose graph
+    native cannot run is refused, naming ``out`` (nothing is written there)."""
     from medusa_trt.exporter.backend_choice import FALLBACK, NATIVE, choose_backend
     from medusa_trt.exporter.engine_folder import write_folder_files
     from medusa_trt.runtime.backends import ONNX_BACKENDS, open_onnx_backend
     from medusa_trt.runtime.config import RuntimeConfig
 
+    if config.backend == NATIVE:
+        from medusa_trt.runtime.native_weights import NativeCannotRun, read_weights
+
+        try:
+            read_weights(staged.step, meta.architecture)
+        except NativeCannotRun as exc:
+            raise NativeCannotRun(f"backend native cannot run {out}: {exc.what}; use --backend onnxruntime for it", exc.what) from None
     write_folder_files(model, staged, meta, tree, step_cost=config.step_cost, backend=config.backend or FALLBACK)  # what backends open
     choice, backend = None, None
     if config.backend is None:

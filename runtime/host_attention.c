@@ -17,10 +17,17 @@
  *   cache_k, cache_v: element (slot s, row b, head h, d) at s * slot_stride + b * row_stride + h * D + d
  *   mask    uint8 [B, T, T] node i sees node j (ancestors and itself)
  *   lengths int64 [B]      committed slots of each row
+ *   pos     int64 [B, T]   the nodes' positions (read only with a sliding window: committed slot s holds position s)
+ *   window  a sliding window: a query at position p sees keys at positions > p - window (0: every key)
  *   out     [B, T, Hq * D]
  *   scratch float, at least RB * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
  *           the pool's threads (native_pool.h: its tasks run in parallel, each in its worker's part)
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
+ *
+ * A sliding window keeps the order: a row's scores start at its first visible slot, a function of its own position
+ * alone (never of the rows beside it), and the keys it cannot see are left out of its softmax and its value sums, not
+ * weighted by zero. So a verify step still gives each node its plain step's numbers bit for bit. The rows of one
+ * task share the keys they read from the lowest first slot among them; each row's sums start at its own.
  */
 #include <math.h>
 #include <stdint.h>
@@ -202,20 +209,25 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
     }
 }
 
-/* o[r] = sum over the cache's n slots of p[r][s] v_s, then over the row's visible nodes, in that order. */
+/* o[r] = sum over the cache's slots start[r]..n-1 of p[r][s] v_s, then over the row's visible nodes (seen, and not
+ * far: outside its window where far is set), in that order. */
 static inline __attribute__((always_inline)) void sum_values(float *const *o, int nr, const float *base,
                                                              int64_t stride, int64_t n, const float *const *p,
                                                              const float *vn, const uint8_t *const *seen, int T,
+                                                             const int64_t *start, const uint8_t *const *far,
                                                              const int D) {
     if (D % LANES == 0 && D / LANES <= MAXV) { /* the sums in registers across the slots */
         const int nv = D / LANES;
         vec acc[RB][MAXV];
         for (int r = 0; r < nr; r++)
             for (int c = 0; c < nv; c++) acc[r][c] = (vec){0};
-        for (int64_t s = 0; s < n; s++) {
+        int64_t s0 = n; /* the rows' lowest first slot */
+        for (int r = 0; r < nr; r++) s0 = start[r] < s0 ? start[r] : s0;
+        for (int64_t s = s0; s < n; s++) {
             const float *vs = base + s * stride;
             if (s + AHEAD < n) prefetch(vs + AHEAD * stride, D);
             for (int r = 0; r < nr; r++) {
+                if (s < start[r]) continue;
                 const float w = p[r][s];
                 for (int c = 0; c < nv; c++) acc[r][c] += w * load(vs + c * LANES);
             }
@@ -223,7 +235,7 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
         for (int r = 0; r < nr; r++) {
             int64_t m = n;
             for (int j = 0; j < T; j++)
-                if (seen[r][j]) {
+                if (seen[r][j] && !(far[r] && far[r][j])) {
                     const float w = p[r][m++];
                     for (int c = 0; c < nv; c++) acc[r][c] += w * load(vn + (int64_t)j * D + c * LANES);
                 }
@@ -233,27 +245,30 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
     }
     for (int r = 0; r < nr; r++) memset(o[r], 0, sizeof(float) * D);
     for (int64_t s = 0; s < n; s++)
-        for (int r = 0; r < nr; r++) add_scaled(o[r], base + s * stride, p[r][s], D);
+        for (int r = 0; r < nr; r++)
+            if (s >= start[r]) add_scaled(o[r], base + s * stride, p[r][s], D);
     for (int r = 0; r < nr; r++) {
         int64_t m = n;
         for (int j = 0; j < T; j++)
-            if (seen[r][j]) add_scaled(o[r], vn + (int64_t)j * D, p[r][m++], D);
+            if (seen[r][j] && !(far[r] && far[r][j])) add_scaled(o[r], vn + (int64_t)j * D, p[r][m++], D);
     }
 }
 
-/* The scratch (floats) a step of T nodes a row over at most `longest` committed slots needs on `threads` threads */
+/* The scratch (floats) a step of T nodes a row over at most `longest` committed slots needs on `threads` threads: RB
+ * rows of scores (longest + T) and of the nodes' scores (T), and RB rows of T window flags (in floats' room) */
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads) {
     (void)B;
-    return (int64_t)threads * RB * (longest + 2 * (int64_t)T);
+    return (int64_t)threads * RB * (longest + 2 * (int64_t)T + ((int64_t)T + 3) / 4);
 }
 
 typedef struct {
     int B, T, Hq, Hkv, D, groups, per_kv, blocks;
     float scale;
     const float *q, *k, *v, *cache_k, *cache_v;
-    int64_t slot_stride, row_stride, per_thread;
+    int64_t slot_stride, row_stride, per_thread, flags_at; /* flags_at: a worker's window flags, past its rows */
     const uint8_t *mask;
-    const int64_t *lengths;
+    const int64_t *lengths, *pos;
+    int window;
     float *out, *scratch;
 } att_job;
 
@@ -268,6 +283,8 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
         const float *qrow[RB];
         float *orow[RB], *prow[RB];
         const uint8_t *srow[RB];
+        const uint8_t *far[RB] = {0}; /* window: which nodes lie outside a row's window (NULL: none do) */
+        int64_t start[RB] = {0};         /* a row's first visible slot */
         const int64_t length = J->lengths[b], width = length + T; /* scratch: one row of scores a query */
         const float *kb = J->cache_k + b * J->row_stride + (int64_t)kv * D, *vb = J->cache_v + b * J->row_stride + (int64_t)kv * D;
         const float *kn = J->k + ((int64_t)(b * Hkv + kv) * T) * D, *vn = J->v + ((int64_t)(b * Hkv + kv) * T) * D;
@@ -279,21 +296,37 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
             prow[x] = mine + (int64_t)x * (width + T);
             srow[x] = J->mask + ((int64_t)b * T + i) * T;
         }
+        int64_t lo = 0; /* the lowest first visible slot of the task's rows */
+        if (J->window > 0) {
+            uint8_t *flags = (uint8_t *)(mine + J->flags_at);
+            lo = length;
+            for (int x = 0; x < nr; x++) {
+                const int i = (first + x) % T;
+                const int64_t p = J->pos[(int64_t)b * T + i], edge = p - J->window + 1; /* keys at positions >= edge */
+                start[x] = edge < 0 ? 0 : edge > length ? length : edge;
+                lo = start[x] < lo ? start[x] : lo;
+                uint8_t *f = flags + (int64_t)x * T;
+                for (int j = 0; j < T; j++) f[j] = J->pos[(int64_t)b * T + j] < edge;
+                far[x] = f;
+            }
+        }
+        float *from[RB]; /* each row's scores from slot lo */
+        for (int x = 0; x < nr; x++) from[x] = prow[x] + lo;
         if (D == 64)
-            score_keys(qrow, nr, kb, J->slot_stride, length, prow, J->scale, 64);
+            score_keys(qrow, nr, kb + lo * J->slot_stride, J->slot_stride, length - lo, from, J->scale, 64);
         else
-            score_keys(qrow, nr, kb, J->slot_stride, length, prow, J->scale, D);
+            score_keys(qrow, nr, kb + lo * J->slot_stride, J->slot_stride, length - lo, from, J->scale, D);
         float *fresh[RB]; /* scores of the step's own nodes, after the row's cache scores */
         for (int x = 0; x < nr; x++) fresh[x] = prow[x] + width;
         if (D == 64)
             score_keys(qrow, nr, kn, 64, T, fresh, J->scale, 64);
         else
             score_keys(qrow, nr, kn, D, T, fresh, J->scale, D);
-        for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax */
-            float *row = prow[x];
-            int64_t n = length;
+        for (int x = 0; x < nr; x++) { /* the row's own visible nodes, then its softmax over its slots start..length */
+            float *row = prow[x] + start[x];
+            int64_t n = length - start[x];
             for (int j = 0; j < T; j++)
-                if (srow[x][j]) row[n++] = fresh[x][j];
+                if (srow[x][j] && !(far[x] && far[x][j])) row[n++] = fresh[x][j];
             const float top = row_max(row, n);
             for (int64_t m = 0; m < n; m++) row[m] -= top;
             exp_row(row, n);
@@ -302,9 +335,9 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
         }
         const float *const *pr = (const float *const *)prow;
         if (D == 64)
-            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, 64);
+            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, start, far, 64);
         else
-            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, D);
+            sum_values(orow, nr, vb, J->slot_stride, length, pr, vn, srow, T, start, far, D);
     }
 }
 
@@ -312,9 +345,9 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
  * where too small for the pool's threads) */
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                               float *scratch, int64_t scratch_floats, pool_t *pool) {
-    if (Hkv <= 0 || Hq % Hkv != 0) return 1;
+                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
+                               int window, float *out, float *scratch, int64_t scratch_floats, pool_t *pool) {
+    if (Hkv <= 0 || Hq % Hkv != 0 || window < 0 || (window > 0 && !pos)) return 1;
     const int threads = medusa_pool_threads(pool);
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
     const int blocks = (per_kv + RB - 1) / RB;
@@ -322,7 +355,8 @@ int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
     att_job J = {B, T, Hq, Hkv, D, groups, per_kv, blocks, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
-                 (int64_t)RB * (longest + 2 * T), mask, lengths, out, scratch};
+                 medusa_tree_attention_scratch(B, T, longest, 1), (int64_t)RB * (longest + 2 * T), mask, lengths, pos,
+                 window, out, scratch};
     pool_run(pool, (int64_t)B * Hkv * blocks, 1, attend, &J);
     return 0;
 }
@@ -335,5 +369,5 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     return medusa_tree_attention_pool(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride, mask,
-                                      lengths, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
+                                      lengths, NULL, 0, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
 }

@@ -9,7 +9,9 @@
  *   - a matmul output y[m, n] is one chain of multiply-adds over k = 0..K-1 in one lane of a vector of 16
  *     outputs; the tiling (how many rows, which thread) only decides which chains run side by side;
  *   - a norm, the rotary embedding, the activation and the residual adds work on one row at a time;
- *   - the attention adds a query's visible keys in position order (host_attention.c).
+ *   - the attention adds a query's visible keys in position order (host_attention.c); a sliding window starts a
+ *     query's keys at a slot given by its own position alone;
+ *   - biases, q/k norms (one head vector at a time) and the rotary embedding work on one row at a time.
  *
  *   - an int8 matmul (an int8-channel engine's) quantizes each row on its own (its max |x|), and its integer sums
  *     are exact in any order; the float epilogue is per element, in the graph's order.
@@ -36,12 +38,13 @@
 /* host_attention.c's kernel on the pool's threads, its scratch `scratch_floats` long (checked there) */
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
-                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, float *out,
-                               float *scratch, int64_t scratch_floats, pool_t *pool);
+                               int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
+                               int window, float *out, float *scratch, int64_t scratch_floats, pool_t *pool);
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads);
 
 /* error codes of the exported functions (runtime/native_step.py names them) */
-enum { OK = 0, BAD_SHAPE = 1, BAD_TOKEN = 2, BAD_LENGTH = 3, TOO_LARGE = 4, BAD_MODEL = 5, BAD_WORK = 6, BUSY = 7, NO_THREADS = 8 };
+enum { OK = 0, BAD_SHAPE = 1, BAD_TOKEN = 2, BAD_LENGTH = 3, TOO_LARGE = 4, BAD_MODEL = 5, BAD_WORK = 6, BUSY = 7, NO_THREADS = 8,
+       BAD_POSITION = 9 };
 
 #define W 16     /* outputs a generic vector (vec16) holds */
 #define BLOCK 32 /* outputs a packed block holds (N = 576 is 18 blocks, even work for two threads) */
@@ -84,6 +87,12 @@ typedef struct {
     const linear_t *lm_head; /* H -> V */
     const float *const *norm_in, *const *norm_post;                            /* L x (H) */
     const linear_t *const *qkv, *const *o, *const *gate_up, *const *down;      /* L x linear */
+    /* per layer, each entry NULL where the layer has none: */
+    const float *const *qkv_bias;          /* L x ((Hq + 2 Hkv) D): q, k and v biases, added after the q/k/v matmul */
+    const float *const *q_norm, *const *k_norm; /* L x (D): RMS norms of each query / key head, before the rotary */
+    const int32_t *window;                 /* L: sliding window in positions (0: every key) */
+    float qk_eps;                          /* the q/k norms' epsilon */
+    int32_t pad2;
 } model_t;
 
 typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
@@ -445,7 +454,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 3 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 4 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -498,11 +507,14 @@ int medusa_native_check_model(const model_t *md) {
     if (!(md->eps > 0.0f) || !(md->scale > 0.0f) || !isfinite(md->eps) || !isfinite(md->scale)) return BAD_MODEL;
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL;
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
+    if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window) return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!md->norm_in[l] || !md->norm_post[l]) return BAD_MODEL;
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
             !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
+        if (md->window[l] < 0) return BAD_MODEL;
+        if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
     }
     return OK;
 }
@@ -620,6 +632,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     if (medusa_tree_attention_scratch(B, T, longest, threads) > wk->att_floats) return TOO_LARGE;
     for (int64_t m = 0; m < M; m++)
         if (ids[m] < 0 || ids[m] >= V) return BAD_TOKEN;
+    for (int64_t m = 0; m < M; m++) /* a node lies past its row's committed slots (a window reads slot s as position s) */
+        if (pos[m] < lengths[m / T]) return BAD_POSITION;
     float *x = wk->x;
     rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V};
     for (int64_t m = 0; m < M; m++) {
@@ -629,10 +643,17 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t l = 0; l < L; l++) {
         rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
         matmul(md->qkv[l], wk->h, M, wk->qkv, wk);
+        const float *bias = md->qkv_bias[l], *qn = md->q_norm[l], *kn = md->k_norm[l];
         for (int64_t b = 0; b < B; b++)
-            for (int64_t t = 0; t < T; t++) {
-                const float *r = wk->qkv + (b * T + t) * QKV;
+            for (int64_t t = 0; t < T; t++) { /* per row, per head: the bias, the q/k norms, the rotary */
+                float *r = wk->qkv + (b * T + t) * QKV;
                 const float *rot = wk->rot + (b * T + t) * D;
+                if (bias)
+                    for (int64_t e = 0; e < QKV; e++) r[e] += bias[e];
+                if (qn)
+                    for (int64_t h = 0; h < Hq; h++) rms_norm(r + h * D, 1, D, qn, md->qk_eps, r + h * D);
+                if (kn)
+                    for (int64_t h = 0; h < Hkv; h++) rms_norm(r + (Hq + h) * D, 1, D, kn, md->qk_eps, r + (Hq + h) * D);
                 for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, rot, wk->q + ((b * Hq + h) * T + t) * D);
                 for (int64_t h = 0; h < Hkv; h++) {
                     float *kk = wk->k + ((b * Hkv + h) * T + t) * D, *vv = wk->v + ((b * Hkv + h) * T + t) * D;
@@ -644,8 +665,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                 }
             }
         if (medusa_tree_attention_pool(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
-                                       past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, wk->attn,
-                                       wk->att_scratch, wk->att_floats, wk->pool))
+                                       past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, pos,
+                                       md->window[l], wk->attn, wk->att_scratch, wk->att_floats, wk->pool))
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];

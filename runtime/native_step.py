@@ -98,7 +98,10 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         *((n, ctypes.c_void_p) for n in ("inv_freq", "embed", "norm_final", "lm_head")),
-        *((n, _TABLE) for n in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down")),
+        *((n, _TABLE) for n in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")),
+        ("window", ctypes.c_void_p),
+        ("qk_eps", ctypes.c_float),
+        ("pad2", ctypes.c_int32),
     ]
 
 
@@ -128,6 +131,7 @@ _ERRORS = {
     6: "scratch smaller than the step needs",
     7: "a step already running on this backend in another thread: step one at a time",
     8: "its threads could not be started: pass fewer threads",
+    9: "position_ids before their row's committed cache (a node's position is at least its row's cache length)",
 }
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -252,12 +256,16 @@ class NativeStep:
         self.threads = _threads(threads, lib)
         self.dims = d = weights.dims
         self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
+        self._keep += [a for a in (*weights.qkv_bias, *weights.q_norm, *weights.k_norm) if a is not None]
+        window = np.ascontiguousarray(weights.windows, dtype=np.int32)
+        self._keep.append(window)
         linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)
         self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
 
-        def table(items):
-            t = (ctypes.c_void_p * len(items))(*(a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a) for a in items))
+        def table(items):  # a C array of pointers: an array's data, a linear_t's address, or NULL for None
+            address = lambda a: None if a is None else a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a)  # noqa: E731
+            t = (ctypes.c_void_p * len(items))(*(address(a) for a in items))
             self._keep.append(t)
             return ctypes.cast(t, _TABLE)
 
@@ -265,6 +273,7 @@ class NativeStep:
             d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab, 0, d.eps, d.scale,
             weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, ctypes.addressof(lm),
             table(weights.norm_in), table(weights.norm_post), *(table(linears[k]) for k in ("qkv", "o", "gate_up", "down")),
+            table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps, 0,
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

@@ -1,13 +1,15 @@
-"""The weights of a Llama-pattern step graph, read out of the engine's ONNX file and checked against the pattern
-``native_step.c`` computes.
+"""The weights of a step graph of the pattern ``native_step.c`` computes, read out of the engine's ONNX file and
+checked against it.
 
-``read_weights`` refuses, by name, any graph that is not that pattern: per layer RMSNorm, one fused q/k/v MatMul,
-rotate-half rotary embedding, attention, output MatMul, residual Add, RMSNorm, one fused gate/up MatMul, SiLU gate,
-down MatMul, residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each weight matmul is
-fp32 or int8-channel's row-quantized int8 (``_Graph.linear``). Anything else (biases, q/k norms, soft-capping,
-sliding windows, other activations, other quantizers) is refused at load, never approximated: an engine that
-generates other text than its model is the worst failure this project can have. The engine's model type must be
-one whose layers were checked against it.
+``read_weights`` walks the graph from the token embedding to ``hidden``, layer by layer, and refuses by name any
+graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
+q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding, attention
+over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers), output
+matmul, residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul, residual Add; then the final RMSNorm
+(the graph's ``hidden``) and the lm_head. Each weight matmul is fp32 or int8-channel's row-quantized int8
+(``_Graph.linear``). Anything else (soft-capping, sinks, other activations or norms, scaled embeddings, experts,
+other quantizers) is refused at load, never approximated: an engine that generates other text than its model is the
+worst failure this project can have. The engine's model type must be one whose layers were checked against it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
 from medusa_trt.runtime.engine import EngineError
 
-MODEL_TYPES = ("llama", "mistral")  # EngineMeta.architecture values whose layers are the pattern (read_weights checks the graph too)
+# EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
     "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If "
+    "Slice GreaterOrEqual Sub "  # Phi-3's q/k/v slices; a sliding window's mask
     "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger".split()  # the last line: int8-channel's matmuls
 )
 
@@ -75,6 +80,11 @@ class Weights:
     down: list[Linear]  # L x (I, H)
     norm_final: np.ndarray  # (H)
     lm_head: Linear  # (H, V)
+    qkv_bias: list[np.ndarray | None]  # L x ((Hq + 2 Hkv) D): q, k, v biases (None: the layer has none)
+    q_norm: list[np.ndarray | None]  # L x (D): each query head's RMS norm weight (None: none)
+    k_norm: list[np.ndarray | None]  # L x (D)
+    windows: tuple[int, ...]  # L: each layer's sliding window in positions (0: every key)
+    qk_eps: float = 0.0  # the q/k norms' epsilon
 
 
 class NativeCannotRun(EngineError):
@@ -215,31 +225,134 @@ def _mask_root(g: _Graph, tensor: str) -> str:
     return tensor
 
 
+def _past(tensor: str, g: _Graph) -> str:
+    """``tensor``'s source past the Unsqueezes (a scatter's or a difference's operand)."""
+    while (node := g.producer.get(tensor)) is not None and node.op_type == "Unsqueeze":
+        tensor = node.input[0]
+    return tensor
+
+
+def _window(g: _Graph, step: Path, layer: int, mask: str) -> tuple[str, int]:
+    """The mask every layer shares and this layer's sliding window (0: none). A windowed layer's mask is the shared one
+    with every key ``window`` or more positions behind its query masked: Where(Sub(query positions, key positions) >=
+    window, -inf, shared), the key positions being each slot's (slot s holds position s) with the new keys' scattered
+    over their slots."""
+    root = _mask_root(g, mask)
+    where = g.producer.get(root)
+    ge = g.producer.get(_past(where.input[0], g)) if where is not None and where.op_type == "Where" else None
+    if ge is None or ge.op_type not in ("GreaterOrEqual", "Sub"):  # not a window's (the shared mask masks with Not)
+        return root, 0
+    sub = g.producer.get(ge.input[0]) if ge.op_type == "GreaterOrEqual" else None
+    keys = g.producer.get(_past(sub.input[1], g)) if sub is not None and sub.op_type == "Sub" else None
+    if (
+        keys is None
+        or _past(sub.input[0], g) != POSITION_IDS
+        or keys.op_type != "ScatterElements"
+        or list(keys.input[1:]) != [KEY_SLOTS_INPUT, POSITION_IDS]
+        or ge.input[1] not in g.init
+    ):
+        raise _unsupported(step, f"layer {layer}'s attention mask is neither the shared one nor it inside a sliding window")
+    window = g.scalar(ge.input[1])
+    if window != int(window) or not 0 < window < 2**31:
+        raise _malformed(step, f"layer {layer}'s sliding window of {window} positions")
+    return _mask_root(g, where.input[2]), int(window)
+
+
+def _qkv_parts(g: _Graph, step: Path, layer: int, out: str, width: int) -> tuple[list[str], list[int] | None]:
+    """The q, k and v parts of the q/k/v matmul's output and their widths: one Split, or three Slices of the last axis
+    (Phi-3's fused qkv_proj)."""
+    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    kinds = sorted(n.op_type for n in readers)
+    if kinds == ["Split"]:
+        split = readers[0]
+        if _attr(split, "axis", 0) not in (-1, 2) or len(split.output) != 3:
+            raise _unsupported(step, f"layer {layer}'s q/k/v matmul is split {len(split.output)} ways or not along its last axis")
+        return list(split.output), g.array(split.input[1]).tolist() if len(split.input) > 1 and split.input[1] else None
+    if kinds == ["Slice"] * 3:
+        bounds = []
+        for n in readers:
+            args = [g.array(x).reshape(-1).tolist() if x else None for x in list(n.input[1:]) + [""] * (5 - len(n.input))]
+            starts, ends, axes, steps = args[:4]
+            if axes not in ([-1], [2]) or steps not in (None, [1]) or len(starts) != 1 or len(ends) != 1:
+                raise _unsupported(step, f"layer {layer}'s q/k/v matmul is sliced other than into parts of its last axis")
+            bounds.append((max(0, starts[0]), min(width, ends[0]), n.output[0]))
+        bounds.sort()
+        if bounds[0][0] != 0 or bounds[1][0] != bounds[0][1] or bounds[2][0] != bounds[1][1] or bounds[2][1] != width:
+            raise _unsupported(step, f"layer {layer}'s q/k/v slices {[b[:2] for b in bounds]} do not tile its {width} outputs")
+        return [b[2] for b in bounds], [b[1] - b[0] for b in bounds]
+    raise _unsupported(step, f"layer {layer}'s q/k/v matmul is read by {', '.join(kinds) or 'nothing'}, not a Split into q, k, v")
+
+
+def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
+    """One of q, k, v from its slice of the q/k/v matmul to its (B, heads, T, D) layout: an optional bias Add, the
+    Reshape to heads, an optional RMS norm of each head (q and k), the Transpose. (bias, norm weight, norm eps, out)."""
+    bias = weight = None
+    eps = 0.0
+    readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "Add":
+        add = readers[0]
+        constant = [x for x in add.input if x != part]
+        if len(constant) != 1 or constant[0] not in g.init:
+            raise _unsupported(step, f"layer {layer}'s {what} is added to a computed value, not a bias")
+        bias, part = g.array(constant[0]).reshape(-1), add.output[0]
+    out = g.only(part, "Reshape").output[0]
+    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
+        norm = readers[0]
+        if what == "v" or _attr(norm, "axis", -1) not in (-1, 3):
+            raise _unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
+        weight, eps, out = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
+    transpose = g.only(out, "Transpose")
+    if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+        raise _unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
+    return bias, weight, eps, transpose.output[0]
+
+
+def _cache_write(g: _Graph, step: Path, layer: int, tensor: str, cache: str, into: str, stacked: list[str]) -> None:
+    """``tensor``, the layer's new keys or values, scattered into the layer's slice of ``cache`` to make the attention's
+    input ``into``, and stacked as the layer's row of the step's new_key / new_value (``stacked``)."""
+    readers = {n.op_type: n for n in g.consumers.get(tensor, []) if n.op_type != "Identity"}
+    scatter, unsqueeze = readers.get("ScatterElements"), readers.get("Unsqueeze")
+    if sorted(readers) != ["ScatterElements", "Unsqueeze"] or scatter.output[0] != into or scatter.input[2] != tensor:
+        raise _unsupported(step, f"layer {layer}'s new {cache} are not what its attention reads with the cache")
+    if layer >= len(stacked) or stacked[layer] != unsqueeze.output[0]:
+        raise _unsupported(step, f"layer {layer}'s new {cache} are not row {layer} of the step's")
+    transpose = g.producer.get(scatter.input[0])
+    gather = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
+    if gather is None or gather.op_type != "Gather" or gather.input[0] != cache or _attr(gather, "axis", 0) != 1:
+        raise _unsupported(step, f"layer {layer}'s attention does not read its slice of {cache}")
+    if int(g.scalar(gather.input[1])) != layer:
+        raise _unsupported(step, f"layer {layer}'s attention reads layer {int(g.scalar(gather.input[1]))} of {cache}")
+
+
+def _stacked(g: _Graph, step: Path, output: str, layers: int) -> list[str]:
+    """The per-layer rows the step's ``output`` (new_key / new_value: Transpose of a Concat of one Unsqueeze a layer)
+    stacks, in layer order."""
+    transpose = g.producer.get(output)
+    concat = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
+    if concat is None or concat.op_type != "Concat" or len(concat.input) != layers:
+        raise _unsupported(step, f"{output} is not the {layers} layers' new rows stacked")
+    return list(concat.input)
+
+
 def read_weights(step: Path, architecture: str) -> Weights:
     """The weights of the step graph at ``step``, checked against the pattern ``native_step.c`` computes."""
     check_architecture(step, architecture)
     g = _Graph(step)
     ops = Counter(n.op_type for n in g.nodes)
     if extra := sorted(set(ops) - OPS):
-        raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (an fp32 graph of the Llama pattern has none)")
-    norms = [n for n in g.nodes if n.op_type == "RMSNormalization"]
+        raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
     attentions = [n for n in g.nodes if n.op_type == "Attention"]
     rotaries = [n for n in g.nodes if n.op_type == "RotaryEmbedding"]
     layers = len(attentions)
     if not layers:
         raise _unsupported(step, "no Attention nodes (the pattern has one a layer)")
-    counts = {"RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers, "Add": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}
-    for op, want in counts.items():
+    for op, want in {"RotaryEmbedding": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}.items():
         if ops[op] != want:
             raise _unsupported(step, f"{ops[op]} {op} nodes for {layers} layers (the pattern has {want})")
-    eps = {float(_attr(n, "epsilon", 1e-5)) for n in norms}
-    if len(eps) != 1:
-        raise _unsupported(step, f"norms with different epsilons {sorted(eps)}")
     scales = {float(_attr(n, "scale", 0.0)) for n in attentions}
     if len(scales) != 1 or 0.0 in scales:
         raise _unsupported(step, "attentions without one explicit score scale")
-    if len({_mask_root(g, n.input[3]) for n in attentions}) != 1:  # a sliding window's layers read a mask of their own
-        raise _unsupported(step, "layers that read different attention masks (a sliding window)")
     for n in attentions:
         if len(n.input) != 4 or _attr(n, "softcap", 0.0) or _attr(n, "is_causal", 0) or _attr(n, "qk_matmul_output_mode", 0):
             raise _unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
@@ -254,41 +367,53 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if cos.op_type != "Cos" or freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init:
         raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
     inv_freq = g.array(freq.input[1]).reshape(-1)
+    stacked = {cache: _stacked(g, step, output, layers) for cache, output in ((PAST_KEY, NEW_KEY), (PAST_VALUE, NEW_VALUE))}
 
     gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
     if len(gather) != 1:
         raise _unsupported(step, "no token embedding Gather of input_ids")
     embed = g.array(gather[0].input[0])
     x = gather[0].output[0]
-    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down")}
-    splits = []  # per layer: the q/k/v and the gate/up Splits' widths, checked once the dims are
+    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")}
+    eps, qk_eps, masks, windows = set(), set(), set(), []
+    splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
     for layer in range(layers):
-        norm = norms[2 * layer]
-        if norm.input[0] != x:
-            raise _unsupported(step, f"layer {layer}'s first norm does not read the residual stream")
+        norm = _norm_of(g, step, x, f"layer {layer}'s input norm")
+        eps.add(float(_attr(norm, "epsilon", 1e-5)))
         w["norm_in"].append(g.array(norm.input[1]))
         qkv, out = g.linear(norm.output[0])
         w["qkv"].append(qkv)
-        split = g.only(out, "Split")
-        qkv_widths = g.array(split.input[1]).tolist() if len(split.input) > 1 else None
+        parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
+        (qb, qn, qe, q), (kb, kn, ke, k), (vb, _, _, v) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
         attention = attentions[layer]
+        q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
+        if q_rot.input[0] != q or k_rot.input[0] != k or g.only(q_rot.output[0], "Reshape").output[0] != attention.input[0]:
+            raise _unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
+        _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.input[1], stacked[PAST_KEY])
+        _cache_write(g, step, layer, v, PAST_VALUE, attention.input[2], stacked[PAST_VALUE])
+        biases = [qb, kb, vb]
+        w["qkv_bias"].append(None if all(b is None for b in biases) else biases)
+        w["q_norm"].append(qn)
+        w["k_norm"].append(kn)
+        qk_eps.update(e for e, n in ((qe, qn), (ke, kn)) if n is not None)
+        mask, window = _window(g, step, layer, attention.input[3])
+        masks.add(mask)
+        windows.append(window)
         out = attention.output[0]
         for op in ("Reshape", "Transpose", "Reshape"):
             out = g.only(out, op).output[0]
         o, out = g.linear(out)
         w["o"].append(o)
-        add = g.only(out, "Add")
-        if x not in add.input:
-            raise _unsupported(step, f"layer {layer}'s attention output is not added to the residual stream")
-        x = add.output[0]
-        post = norms[2 * layer + 1]
-        if post.input[0] != x:
-            raise _unsupported(step, f"layer {layer}'s second norm does not read the residual stream")
+        x = _residual(g, step, x, out, f"layer {layer}'s attention output")
+        post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm")
+        eps.add(float(_attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(g.array(post.input[1]))
         gu, out = g.linear(post.output[0])
         w["gate_up"].append(gu)
         halves = g.only(out, "Split")
-        splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 else None))
+        if len(halves.output) != 2:
+            raise _unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
+        splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None))
         gate, up = halves.output
         sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
         silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
@@ -299,13 +424,15 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, f"layer {layer}'s MLP does not multiply SiLU(gate) by up")
         down, out = g.linear(prod.output[0])
         w["down"].append(down)
-        add = g.only(out, "Add")
-        if x not in add.input:
-            raise _unsupported(step, f"layer {layer}'s MLP output is not added to the residual stream")
-        x = add.output[0]
-    final = norms[-1]
-    if final.input[0] != x or final.output[0] != "hidden":
+        x = _residual(g, step, x, out, f"layer {layer}'s MLP output")
+    if len(masks) != 1:
+        raise _unsupported(step, "layers that read different attention masks")
+    final = _norm_of(g, step, x, "the final norm")
+    eps.add(float(_attr(final, "epsilon", 1e-5)))
+    if final.output[0] != "hidden":
         raise _unsupported(step, "the final norm is not the graph's hidden output")
+    if len(eps) != 1 or len(qk_eps) > 1:
+        raise _unsupported(step, f"norms with different epsilons {sorted(eps | qk_eps)}")
     vocab, hidden = embed.shape if embed.ndim == 2 else (0, 0)  # a 1-D embedding: check_weights names it
     dims = Dims(
         layers=layers,
@@ -318,16 +445,45 @@ def read_weights(step: Path, architecture: str) -> Weights:
         eps=eps.pop(),
         scale=scales.pop(),
     )
-    weights = Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
-                      g.array(final.input[1]), _lm_head(g, step))  # fmt: skip
-    check_weights(weights, step)
     q, kv, i = heads * dims.head_dim, kv_heads * dims.head_dim, dims.inter
+    qkv_bias = [None if b is None else _joined_bias(step, layer, b, [q, kv, kv]) for layer, b in enumerate(w["qkv_bias"])]
+    weights = Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
+                      g.array(final.input[1]), _lm_head(g, step), qkv_bias, w["q_norm"], w["k_norm"], tuple(windows),
+                      qk_eps.pop() if qk_eps else 0.0)  # fmt: skip
+    check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
-        if qkv_widths != [q, kv, kv]:
+        if qkv_widths not in (None, [q, kv, kv]):
             raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {qkv_widths}, not as q, k, v: {[q, kv, kv]}")
         if gate_up_widths not in (None, [i, i]):
             raise _unsupported(step, f"layer {layer} splits its gate/up matmul as {gate_up_widths}, not into halves of {i}")
     return weights
+
+
+def _norm_of(g: _Graph, step: Path, x: str, what: str):
+    """The one RMSNormalization reading the residual stream ``x`` (the residual Add reads it too)."""
+    norms = [n for n in g.consumers.get(x, []) if n.op_type == "RMSNormalization"]
+    others = [n.op_type for n in g.consumers.get(x, []) if n.op_type not in ("RMSNormalization", "Add", "Identity")]
+    if len(norms) != 1 or others or norms[0].input[0] != x or _attr(norms[0], "axis", -1) != -1:
+        raise _unsupported(step, f"{what} is not one RMS norm of the residual stream")
+    return norms[0]
+
+
+def _residual(g: _Graph, step: Path, x: str, out: str, what: str) -> str:
+    """The residual stream after ``out`` is added to ``x``."""
+    add = g.only(out, "Add")
+    if x not in add.input:
+        raise _unsupported(step, f"{what} is not added to the residual stream")
+    return add.output[0]
+
+
+def _joined_bias(step: Path, layer: int, biases: list, want: list[int]) -> np.ndarray:
+    """The q, k and v biases (None: zeros) as one vector over the q/k/v matmul's outputs."""
+    parts = []
+    for b, width, what in zip(biases, want, "qkv"):
+        if b is not None and (b.dtype != np.float32 or b.shape != (width,)):
+            raise _malformed(step, f"layer {layer}'s {what} bias has {b.dtype} {b.shape}, not float32 ({width},)")
+        parts.append(np.zeros(width, np.float32) if b is None else b)
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
 
 def check_weights(weights: Weights, path: Path) -> None:
@@ -346,10 +502,13 @@ def check_weights(weights: Weights, path: Path) -> None:
         (I > 0, f"MLP width {I} (layer 0's down_proj rows)"),
         (positive(d.eps), f"norm epsilon {d.eps}"),
         (positive(d.scale), f"attention score scale {d.scale}"),
+        (all(0 <= int(w) < 2**31 for w in weights.windows), f"sliding windows {weights.windows}"),
+        (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
     ):
         if not ok:
             raise _malformed(path, f"dims that do not fit: {what}")
-    counts = {field: len(getattr(weights, field)) for field in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down")}
+    fields = ("norm_in", "norm_post", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "windows")
+    counts = {field: len(getattr(weights, field)) for field in fields}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
         raise _malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
 
@@ -361,6 +520,10 @@ def check_weights(weights: Weights, path: Path) -> None:
     for layer in range(d.layers):
         table += [(f"layer {layer}'s input norm", weights.norm_in[layer], (H,), f32),
                   (f"layer {layer}'s post-attention norm", weights.norm_post[layer], (H,), f32)]  # fmt: skip
+        optional = ((f"layer {layer}'s q/k/v bias", weights.qkv_bias, ((Hq + 2 * Hkv) * D,)),
+                    (f"layer {layer}'s query-head norm", weights.q_norm, (D,)),
+                    (f"layer {layer}'s key-head norm", weights.k_norm, (D,)))  # fmt: skip
+        table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H)),
                     (f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 WINDOW = 6  # tokens: every prompt and tree in the tests reaches past it
 INIT = 0.3  # initializer_range: logits spread enough that a dropped feature changes greedy tokens
 VOCAB = 512  # the stories260K tokenizer's vocabulary, so fixtures take its prompts
+BIAS_SPREAD = 0.1  # the spread of the noise on every 1-D parameter (norm weights, biases, sinks)
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -111,6 +112,9 @@ ARCHITECTURES = (
     ),
 )
 
+# the families the native step runs (runtime/native_weights.py's MODEL_TYPES); it refuses the others' engines by name
+NATIVE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
 # Hybrids and other models that a KV cache and a tree mask cannot verify: refused at load, one line
 HYBRIDS = (
     Arch("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "expert_layer_period": 1, "expert_layer_offset": 0}),
@@ -125,6 +129,10 @@ def save_fixture(arch: Arch, folder, tokenizer, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(arch.config())
+    with torch.no_grad():  # norm weights and biases off their 1 / 0 init (each layer its own), so that each one counts
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(torch.randn_like(parameter) * BIAS_SPREAD)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, HYBRIDS, WINDOW, save_fixture
+from architectures import ARCHITECTURES, HYBRIDS, NATIVE, WINDOW, save_fixture
 from conftest import STORIES, assert_greedy_identical, fitted_heads
 from helpers import graph_nodes
 
@@ -107,10 +107,89 @@ def test_export_prints_what_it_exported(family):
 
 
 def test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family):
-    runtime = MedusaRuntime(str(family.engine), tree=TREE, max_batch=3, max_context=128, step_cost=FIXED_BUDGET)
+    runtime = MedusaRuntime(str(family.engine), tree=TREE, max_batch=3, max_context=128, step_cost=FIXED_BUDGET, backend="onnxruntime")
     results = runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS)
     _check_identical(family, family.engine, results)
     assert max(r.stats.mean_accepted for r in results) > 1.0  # the tree's drafts are taken: not plain decoding
+
+
+def _native(family: Family) -> str | None:
+    """Why native refuses the family's engine (None: it runs it), checked against the table of what it runs."""
+    from medusa_trt.runtime.backends.native_backend import open_native
+    from medusa_trt.runtime.native_weights import NativeCannotRun
+
+    try:
+        open_native(family.engine, max_batch=1, max_context=128, threads=2)
+    except NativeCannotRun as exc:
+        assert family.model.attention.architecture not in NATIVE, f"native refuses a family it runs: {exc}"
+        assert "\n" not in str(exc) and "use backend onnxruntime" in str(exc)
+        return exc.what
+    assert family.model.attention.architecture in NATIVE, "native runs a family the table says it refuses"
+    return None
+
+
+def test_native_is_greedy_identical_at_batch_3_on_a_branching_tree(family):
+    """The native column: identical to transformers where native runs the family (biases, q/k norms, sliding windows
+    past the window, Phi-3's sliced q/k/v), else refused by name at load (its default then onnxruntime)."""
+    if (why := _native(family)) is not None:
+        assert why, "a refusal names what native cannot run"
+        return
+    runtime = MedusaRuntime(str(family.engine), tree=TREE, max_batch=3, max_context=128, step_cost=FIXED_BUDGET, backend="native")
+    assert runtime.backend.name == "native"
+    results = runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    _check_identical(family, family.engine, results)
+    assert max(r.stats.mean_accepted for r in results) > 1.0
+
+
+@pytest.mark.parametrize("context", [5, 37])  # before and past the window
+def test_native_verify_steps_are_plain_steps_bit_for_bit(family, context):
+    from medusa_trt.runtime import exactness
+    from medusa_trt.runtime.backends.native_backend import open_native
+
+    if _native(family) is not None:
+        pytest.skip("native refuses this family (test_native_is_greedy_identical_at_batch_3_on_a_branching_tree proves it)")
+    backend = open_native(family.engine, max_batch=1, max_context=128, threads=2)
+    ids = torch.randint(0, backend.meta.vocab_size, (context,), generator=torch.Generator().manual_seed(context)).numpy()
+    path, plain = exactness.plain_steps(backend, ids, 5)
+    for name, layout in exactness.layouts(path, backend.meta.vocab_size).items():
+        assert exactness.verify_diffs(backend, ids, layout, plain) == [0.0] * len(path), name
+
+
+def test_native_honours_each_feature_it_reads(family, monkeypatch):
+    """The native step's prefill logits past the window are transformers' to float rounding, and with the biases,
+    q/k norms and sliding windows it read dropped they are far from them (so the identity above proves each counts)."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    from medusa_trt.runtime import native_weights
+    from medusa_trt.runtime.backends.native_backend import open_native
+
+    if _native(family) is not None:
+        pytest.skip("native refuses this family (test_native_is_greedy_identical_at_batch_3_on_a_branching_tree proves it)")
+    ids = family.prompts[2]
+    assert len(ids) > 2 * WINDOW
+    with torch.no_grad():
+        want = family.reference.model(torch.tensor([ids])).logits[0].numpy()  # (T, V)
+
+    def prefill_logits() -> np.ndarray:
+        backend = open_native(family.engine, max_batch=1, max_context=128, threads=2)
+        t = len(ids)
+        out = backend.step(np.array([ids]), np.arange(t)[None], np.tril(np.ones((t, t), dtype=bool))[None], np.array([0]))
+        return out.logits()[0].copy()
+
+    assert np.abs(prefill_logits() - want).max() < 1e-3
+    read = native_weights.read_weights
+    weights = read(family.engine, family.model.attention.architecture)
+    layers = weights.dims.layers
+    dropped = dict(qkv_bias=[None] * layers, q_norm=[None] * layers, k_norm=[None] * layers, windows=(0,) * layers)
+    found = {"biases": weights.qkv_bias, "q/k norms": weights.q_norm, "windows": [w or None for w in weights.windows]}
+    features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]
+    if not features:
+        pytest.skip(f"{family.model.attention.architecture}: the Llama pattern alone (no bias, q/k norm or window to drop)")
+    monkeypatch.setattr(native_weights, "read_weights", lambda *a: dc.replace(read(*a), **dropped))
+    moved = float(np.abs(prefill_logits() - want).max())
+    assert moved > 0.1, f"dropping {features} moved the logits by only {moved:.3g}"
 
 
 def test_torch_backend_is_greedy_identical(family):
@@ -118,20 +197,28 @@ def test_torch_backend_is_greedy_identical(family):
     _check_identical(family, family.model, runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS))
 
 
-@pytest.mark.parametrize("mode", ["int8-channel", "int4"])
+@pytest.mark.parametrize("mode", ["int8-channel", "int4", "int8-channel-native"])
 def test_quantized_drafted_output_equals_its_own_plain_output(family, mode, tmp_path):
     """The fp32 engine's graphs quantized as ``--quantize MODE`` quantizes them (experts included):
-    int8-channel on every row, int4 (block 32, exact) on the mixture-of-experts rows."""
+    int8-channel on every row, int4 (block 32, exact) on the mixture-of-experts rows; int8-channel on native where
+    native runs the family."""
     if mode == "int4" and not family.moe:
         pytest.skip("int4 is checked on the mixture-of-experts rows (its dense path is tests/test_quantize.py's)")
+    backend = "onnxruntime"
+    if mode == "int8-channel-native":
+        if _native(family) is not None:
+            pytest.skip("native refuses this family (test_native_is_greedy_identical_at_batch_3_on_a_branching_tree proves it)")
+        mode, backend = "int8-channel", "native"
     folder = tmp_path / mode
     shutil.copytree(family.engine.parent, folder)
     files = EngineFiles.locate(folder / family.engine.name)
     meta = dataclasses.replace(read_meta(files.step), quantization=mode)
     quantize_engine(files, meta, QuantizeConfig(mode, block_size=32) if mode == "int4" else QuantizeConfig(mode))
     write_manifest(files)
-    drafted = MedusaRuntime(str(files.step), tree=TREE, step_cost=FIXED_BUDGET).generate(family.prompts, max_new_tokens=NEW_TOKENS)
-    plain = MedusaRuntime(str(files.step), drafters=()).generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    drafting = MedusaRuntime(str(files.step), tree=TREE, step_cost=FIXED_BUDGET, backend=backend)
+    assert drafting.backend.name == backend
+    drafted = drafting.generate(family.prompts, max_new_tokens=NEW_TOKENS)
+    plain = MedusaRuntime(str(files.step), drafters=(), backend=backend).generate(family.prompts, max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
     _assert_weights_quantized(files.step)
 

@@ -199,15 +199,16 @@ def test_int8_channel_drafted_output_equals_its_plain_output(int8_engine, storie
 
 
 def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
-    """q/k/v biases (Qwen2's graph, read as if it were a Llama), other quantizers, another model type: one line each."""
+    """A scaled embedding (Granite's graph, read as if it were a Llama), other quantizers, another model type: one line
+    each."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
 
-    qwen2 = load_base_model(tiny_model_dir("qwen2"))
-    path = export_engine("tiny-qwen2-random", medusa_model(qwen2, random_heads(qwen2)))
-    with pytest.raises(EngineError, match=r"backend native cannot run .*: \d+ Add nodes for 2 layers \(the pattern has 4\)"):
+    granite = load_base_model(tiny_model_dir("granite"))
+    path = export_engine("tiny-granite-random", medusa_model(granite, random_heads(granite)))
+    with pytest.raises(EngineError, match=r"backend native cannot run .*: layer 0's input norm is not one RMS norm of the residual"):
         native_weights.read_weights(path, "llama")
-    with pytest.raises(EngineError, match="model type 'qwen2' is not one of llama, mistral; use backend onnxruntime"):
+    with pytest.raises(EngineError, match="model type 'granite' is not one of llama, mistral, qwen2, qwen3, phi3; use backend onnxruntime"):
         open_native(path)
     quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
     with pytest.raises(EngineError, match=r"its step graph has .*MatMulNBits.* nodes") as info:
@@ -374,3 +375,39 @@ def test_a_damaged_library_is_one_line_exit_2(engine, tmp_path, damage):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert str(Path(target)) in lines[0] and ("truncated" if damage == "truncated" else "writable by other users") in lines[0]
+
+
+def test_export_refuses_native_for_a_model_type_it_never_runs_before_any_work(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """--backend native on a model type native never runs: one line naming the user's --out, before anything is traced,
+    nothing written."""
+    from medusa_trt.cli.export import main
+    from medusa_trt.exporter import onnx_export
+
+    monkeypatch.setattr(onnx_export, "_export_step", lambda *a, **k: pytest.fail("traced before the refusal"))
+    out = tmp_path / "engine"
+    assert main(["--model", str(tiny_model_dir("granite")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"backend native cannot run {out}: model type 'granite'" in err[0], err
+    assert not out.exists()
+
+
+def test_export_refuses_native_for_a_graph_it_cannot_run_naming_the_out_folder(tmp_path, capsys, stories_base):
+    """A Llama whose attention output has a bias (a model type native runs, a graph it does not): one line naming the
+    user's --out and the graph's feature, never the staging folder; nothing written."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from medusa_trt.cli.export import main
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    model_dir = tmp_path / "llama-o-bias"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    stories_base.tokenizer.save_pretrained(model_dir)
+    capsys.readouterr()  # the save's progress bars
+    out = tmp_path / "engine"
+    assert main(["--model", str(model_dir), "--out", str(out), "--backend", "native", "--no-verify", "--max-context", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"backend native cannot run {out}: layer 0's attention output is not added to the residual" in err[0], err
+    assert "use --backend onnxruntime" in err[0] and not out.exists()

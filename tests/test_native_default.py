@@ -90,7 +90,7 @@ def test_an_export_where_native_is_slower_records_onnxruntime(stories_base, stor
 
 
 def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """Tiny Qwen2 (q/k/v biases): onnxruntime, the reason naming the model type; rewritten to say native (a folder of
+    """Tiny Granite (a scaled embedding and residuals): onnxruntime, the reason naming the model type; rewritten to say native (a folder of
     an older or newer medusa-trt), it still opens, on onnxruntime, with one warning; asked for by name, native raises."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
@@ -99,19 +99,19 @@ def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir,
         raise AssertionError("nothing is timed when native cannot run the engine")
 
     monkeypatch.setattr(backend_choice, "time_backends", never)
-    qwen2 = load_base_model(tiny_model_dir("qwen2"))
-    result = _export(medusa_model(qwen2, random_heads(qwen2)), tmp_path / "qwen2", verify=False)
+    granite = load_base_model(tiny_model_dir("granite"))
+    result = _export(medusa_model(granite, random_heads(granite)), tmp_path / "granite", verify=False)
     folder = result.files.folder
     assert read_folder_config(folder).backend == "onnxruntime"
-    why = "native cannot run this engine (model type 'qwen2' is not one of llama, mistral)"
+    why = "native cannot run this engine (model type 'granite' is not one of llama, mistral, qwen2, qwen3, phi3)"
     assert result.backend_choice.summary() == f"backend onnxruntime: {why}"
     assert read_drafting(folder)["backend_choice"]["step_ms"] == {}
     _rewrite_backend(folder, "native")
     with caplog.at_level(logging.WARNING, logger="medusa_trt"):
         assert MedusaRuntime(folder, threads=2).backend.name == "onnxruntime"
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'qwen2'" in warned[0]
-    with pytest.raises(EngineError, match="backend native cannot run .*model type 'qwen2'"):
+    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'granite'" in warned[0]
+    with pytest.raises(EngineError, match="backend native cannot run .*model type 'granite'"):
         MedusaRuntime(folder, backend="native", threads=2)
 
 
