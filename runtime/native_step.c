@@ -81,7 +81,7 @@ typedef struct {
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, pad;
     float eps, scale;
-    const float *inv_freq;   /* (D / 2) */
+    const float *inv_freq;   /* (rope_tables, D / 2): each rotary table's inverse frequencies */
     const float *embed;      /* (V, H) */
     const float *norm_final; /* (H) */
     const linear_t *lm_head; /* H -> V */
@@ -92,13 +92,20 @@ typedef struct {
     const float *const *q_norm, *const *k_norm; /* L x (D): RMS norms of each query / key head, before the rotary */
     const int32_t *window;                 /* L: sliding window in positions (0: every key) */
     float qk_eps;                          /* the q/k norms' epsilon */
-    int32_t pad2;
+    int32_t act;                           /* the MLP gate: ACT_SILU, ACT_GELU_TANH, ACT_GELU */
+    float embed_scale;                     /* the token embedding times this (Gemma: sqrt(H); else 1) */
+    int32_t rope_tables;                   /* rotary tables (local and global bases: 2) */
+    const int32_t *rope_of;                /* L: each layer's rotary table */
+    const float *const *attn_out_norm, *const *mlp_out_norm; /* L x (H): norms of the attention's and the MLP's
+                                                                outputs before their residual adds (Gemma-2/3) */
 } model_t;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
 
 typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
     int64_t rows, slots, threads; /* the most rows (batch x tokens) and cache slots a step may have; its threads */
     int64_t att_floats;           /* att_scratch's length */
-    float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (M, D) cos then sin */
+    float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (tables, M, D) cos then sin */
     uint8_t *xq; /* (M, the widest Kpad): int8 linears' quantized rows */
     float *xs;   /* (M): their scales */
     pool_t *pool; /* `threads` threads (native_pool.h); NULL: the calling thread alone */
@@ -431,6 +438,15 @@ static void silu_row(const float *g, const float *u, float *a, int64_t I) {
     }
 }
 
+/* a = gelu(gate) * up over one row of I, one element at a time (ONNX Gelu: tanh's approximation, or erf's exact) */
+static void gelu_row(const float *g, const float *u, float *a, int64_t I, int tanh_form) {
+    for (int64_t e = 0; e < I; e++) {
+        const float x = g[e];
+        const float inner = tanh_form ? tanhf(0.7978845608f * (x + 0.044715f * x * x * x)) : erff(x * 0.70710678f);
+        a[e] = 0.5f * x * (1.0f + inner) * u[e];
+    }
+}
+
 /* best first; a tie keeps the lower index first (ONNX ArgMax / TopK) */
 static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
     float best[MAX_TOPK];
@@ -454,7 +470,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 4 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 5 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -507,13 +523,15 @@ int medusa_native_check_model(const model_t *md) {
     if (!(md->eps > 0.0f) || !(md->scale > 0.0f) || !isfinite(md->eps) || !isfinite(md->scale)) return BAD_MODEL;
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL;
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
-    if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window) return BAD_MODEL;
+    if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
+    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU) return BAD_MODEL;
+    if (md->rope_tables <= 0 || !isfinite(md->embed_scale)) return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!md->norm_in[l] || !md->norm_post[l]) return BAD_MODEL;
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
             !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
-        if (md->window[l] < 0) return BAD_MODEL;
+        if (md->window[l] < 0 || md->rope_of[l] < 0 || md->rope_of[l] >= md->rope_tables) return BAD_MODEL;
         if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
     }
     return OK;
@@ -521,7 +539,7 @@ int medusa_native_check_model(const model_t *md) {
 
 static int64_t row_floats(const model_t *md) { /* x, h, qkv, q, k, v, attn, gu, act, rot, xs */
     const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads, I = md->inter;
-    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * I + D + 1;
+    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * I + md->rope_tables * D + 1;
 }
 
 static int64_t widest_kpad(const model_t *md) { /* the int8 linears' padded K, at most */
@@ -555,7 +573,7 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
     wk->field = at;                                                                                                    \
     at += rows * (n);
     CARVE(x, H) CARVE(h, H) CARVE(qkv, (Hq + 2 * Hkv) * D) CARVE(q, Hq * D) CARVE(k, Hkv * D) CARVE(v, Hkv * D)
-    CARVE(attn, Hq * D) CARVE(gu, 2 * I) CARVE(act, I) CARVE(rot, D) CARVE(xs, 1)
+    CARVE(attn, Hq * D) CARVE(gu, 2 * I) CARVE(act, I) CARVE(rot, md->rope_tables * D) CARVE(xs, 1)
 #undef CARVE
     wk->att_scratch = at;
     wk->att_floats = need - (at - arena);
@@ -593,13 +611,20 @@ typedef struct {
     int64_t V, I;
     float *gu, *act;
     int64_t *next_ids, *topk;
-    int k;
+    int k, kind; /* kind: the gate's activation */
 } rows_job;
 
-static void silu_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
+static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
     const rows_job *J = ctx;
-    for (int64_t m = m0; m < m1; m++) silu_row(J->gu + m * 2 * J->I, J->gu + m * 2 * J->I + J->I, J->act + m * J->I, J->I);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *g = J->gu + m * 2 * J->I, *u = g + J->I;
+        float *a = J->act + m * J->I;
+        if (J->kind == ACT_SILU)
+            silu_row(g, u, a, J->I);
+        else
+            gelu_row(g, u, a, J->I, J->kind == ACT_GELU_TANH);
+    }
 }
 
 static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_ids where asked, the top k where k > 0 */
@@ -635,10 +660,11 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t m = 0; m < M; m++) /* a node lies past its row's committed slots (a window reads slot s as position s) */
         if (pos[m] < lengths[m / T]) return BAD_POSITION;
     float *x = wk->x;
-    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V};
+    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act};
     for (int64_t m = 0; m < M; m++) {
-        memcpy(x + m * H, md->embed + ids[m] * H, H * sizeof(float));
-        rope_table(D, pos[m], md->inv_freq, wk->rot + m * D);
+        const float *e = md->embed + ids[m] * H;
+        for (int64_t d = 0; d < H; d++) x[m * H + d] = e[d] * md->embed_scale; /* x 1: exact */
+        for (int r = 0; r < md->rope_tables; r++) rope_table(D, pos[m], md->inv_freq + r * (D / 2), wk->rot + (r * M + m) * D);
     }
     for (int64_t l = 0; l < L; l++) {
         rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
@@ -647,7 +673,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) { /* per row, per head: the bias, the q/k norms, the rotary */
                 float *r = wk->qkv + (b * T + t) * QKV;
-                const float *rot = wk->rot + (b * T + t) * D;
+                const float *rot = wk->rot + (md->rope_of[l] * M + b * T + t) * D;
                 if (bias)
                     for (int64_t e = 0; e < QKV; e++) r[e] += bias[e];
                 if (qn)
@@ -669,11 +695,13 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                                        md->window[l], wk->attn, wk->att_scratch, wk->att_floats, wk->pool))
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
+        if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
         matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
-        pool_run(wk->pool, M, 1, silu_rows, &rows);
+        pool_run(wk->pool, M, 1, gate_rows, &rows);
         matmul(md->down[l], wk->act, M, wk->h, wk);
+        if (md->mlp_out_norm[l]) rms_norm(wk->h, M, H, md->mlp_out_norm[l], md->eps, wk->h);
         for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);

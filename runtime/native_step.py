@@ -101,8 +101,15 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         *((n, _TABLE) for n in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")),
         ("window", ctypes.c_void_p),
         ("qk_eps", ctypes.c_float),
-        ("pad2", ctypes.c_int32),
+        ("act", ctypes.c_int32),
+        ("embed_scale", ctypes.c_float),
+        ("rope_tables", ctypes.c_int32),
+        ("rope_of", ctypes.c_void_p),
+        *((n, _TABLE) for n in ("attn_out_norm", "mlp_out_norm")),
     ]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # native_step.c's ACT_* (native_weights.Weights.act)
 
 
 class _Heads(ctypes.Structure):  # native_step.c's heads_t
@@ -256,9 +263,11 @@ class NativeStep:
         self.threads = _threads(threads, lib)
         self.dims = d = weights.dims
         self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
-        self._keep += [a for a in (*weights.qkv_bias, *weights.q_norm, *weights.k_norm) if a is not None]
+        optional = (*weights.qkv_bias, *weights.q_norm, *weights.k_norm, *weights.attn_out_norm, *weights.mlp_out_norm)
+        self._keep += [a for a in optional if a is not None]
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
-        self._keep.append(window)
+        rope_of = np.ascontiguousarray(weights.rope_of, dtype=np.int32)
+        self._keep += [window, rope_of]
         linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)
         self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
@@ -273,7 +282,9 @@ class NativeStep:
             d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab, 0, d.eps, d.scale,
             weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, ctypes.addressof(lm),
             table(weights.norm_in), table(weights.norm_post), *(table(linears[k]) for k in ("qkv", "o", "gate_up", "down")),
-            table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps, 0,
+            table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
+            ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
+            table(weights.attn_out_norm), table(weights.mlp_out_norm),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

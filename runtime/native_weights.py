@@ -25,12 +25,12 @@ from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAS
 from medusa_trt.runtime.engine import EngineError
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text")
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
     "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If "
-    "Slice GreaterOrEqual Sub "  # Phi-3's q/k/v slices; a sliding window's mask
+    "Slice GreaterOrEqual Sub Gelu "  # Phi-3's q/k/v slices; a sliding window's mask; Gemma's gate
     "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger".split()  # the last line: int8-channel's matmuls
 )
 
@@ -70,7 +70,7 @@ class Linear:
 @dataclass(frozen=True)
 class Weights:
     dims: Dims
-    inv_freq: np.ndarray  # (D / 2)
+    inv_freq: np.ndarray  # (R, D / 2): each rotary table's inverse frequencies (R: 1, or 2 for local / global bases)
     embed: np.ndarray  # (V, H)
     norm_in: list[np.ndarray]  # L x (H)
     qkv: list[Linear]  # L x (H, (Hq + 2 Hkv) D)
@@ -84,7 +84,12 @@ class Weights:
     q_norm: list[np.ndarray | None]  # L x (D): each query head's RMS norm weight (None: none)
     k_norm: list[np.ndarray | None]  # L x (D)
     windows: tuple[int, ...]  # L: each layer's sliding window in positions (0: every key)
+    rope_of: tuple[int, ...]  # L: each layer's rotary table (a row of inv_freq)
+    attn_out_norm: list[np.ndarray | None]  # L x (H): the attention output's norm before its residual add (Gemma)
+    mlp_out_norm: list[np.ndarray | None]  # L x (H): the MLP output's norm before its residual add
     qk_eps: float = 0.0  # the q/k norms' epsilon
+    act: str = "silu"  # the MLP gate: silu, gelu_tanh or gelu (native_step.ACTIVATIONS)
+    embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
 
 
 class NativeCannotRun(EngineError):
@@ -285,7 +290,8 @@ def _qkv_parts(g: _Graph, step: Path, layer: int, out: str, width: int) -> tuple
 
 def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
     """One of q, k, v from its slice of the q/k/v matmul to its (B, heads, T, D) layout: an optional bias Add, the
-    Reshape to heads, an optional RMS norm of each head (q and k), the Transpose. (bias, norm weight, norm eps, out)."""
+    Reshape to heads and the Transpose, with an optional RMS norm of each head (q and k) before or after the Transpose.
+    (bias, norm weight, norm eps, out)."""
     bias = weight = None
     eps = 0.0
     readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
@@ -296,16 +302,37 @@ def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
             raise _unsupported(step, f"layer {layer}'s {what} is added to a computed value, not a bias")
         bias, part = g.array(constant[0]).reshape(-1), add.output[0]
     out = g.only(part, "Reshape").output[0]
-    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
-    if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
-        norm = readers[0]
-        if what == "v" or _attr(norm, "axis", -1) not in (-1, 3):
-            raise _unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
-        weight, eps, out = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
-    transpose = g.only(out, "Transpose")
-    if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
-        raise _unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
-    return bias, weight, eps, transpose.output[0]
+    for op in ("Transpose", None):  # a head norm reads the (B, T, heads, D) view or the (B, heads, T, D) transpose
+        readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+        if len(readers) == 1 and readers[0].op_type == "RMSNormalization" and weight is None:
+            norm = readers[0]
+            if what == "v" or _attr(norm, "axis", -1) not in (-1, 3):
+                raise _unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
+            weight, eps, out = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
+        if op is None:
+            break
+        transpose = g.only(out, op)
+        if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+            raise _unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
+        out = transpose.output[0]
+    return bias, weight, eps, out
+
+
+def _rotary_table(g: _Graph, step: Path, rotary) -> np.ndarray:
+    """A RotaryEmbedding's table: the inverse frequencies whose products with the positions its cos and sin read."""
+    cos, sin = g.producer.get(rotary.input[1]), g.producer.get(rotary.input[2])
+    freq = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
+    ok = freq is not None and freq.op_type == "Mul" and sin is not None and sin.op_type == "Sin" and sin.input[0] == cos.input[0]
+    if not ok or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
+        raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+    if _attr(rotary, "interleaved", 0) or _attr(rotary, "rotary_embedding_dim", 0):
+        raise _unsupported(step, "an interleaved or partial rotary embedding")
+    return g.array(freq.input[1]).reshape(-1)
+
+
+def _uncast(g: _Graph, tensor: str) -> str:
+    node = g.producer.get(tensor)
+    return node.input[0] if node is not None and node.op_type == "Cast" else tensor
 
 
 def _cache_write(g: _Graph, step: Path, layer: int, tensor: str, cache: str, into: str, stacked: list[str]) -> None:
@@ -343,39 +370,34 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if extra := sorted(set(ops) - OPS):
         raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
     attentions = [n for n in g.nodes if n.op_type == "Attention"]
-    rotaries = [n for n in g.nodes if n.op_type == "RotaryEmbedding"]
     layers = len(attentions)
     if not layers:
         raise _unsupported(step, "no Attention nodes (the pattern has one a layer)")
-    for op, want in {"RotaryEmbedding": 2 * layers, "Sigmoid": layers, "Cos": 1, "Sin": 1}.items():
-        if ops[op] != want:
-            raise _unsupported(step, f"{ops[op]} {op} nodes for {layers} layers (the pattern has {want})")
+    if ops["RotaryEmbedding"] != 2 * layers:
+        raise _unsupported(step, f"{ops['RotaryEmbedding']} RotaryEmbedding nodes for {layers} layers (the pattern has {2 * layers})")
     scales = {float(_attr(n, "scale", 0.0)) for n in attentions}
     if len(scales) != 1 or 0.0 in scales:
         raise _unsupported(step, "attentions without one explicit score scale")
     for n in attentions:
         if len(n.input) != 4 or _attr(n, "softcap", 0.0) or _attr(n, "is_causal", 0) or _attr(n, "qk_matmul_output_mode", 0):
             raise _unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
-    for n in rotaries:
-        if _attr(n, "interleaved", 0) or _attr(n, "rotary_embedding_dim", 0):
-            raise _unsupported(step, "an interleaved or partial rotary embedding")
-    if len({(n.input[1], n.input[2]) for n in rotaries}) != 1:  # one table for every layer (no local / global bases)
-        raise _unsupported(step, "layers with rotary tables of their own")
-    heads, kv_heads = int(_attr(rotaries[0], "num_heads", 0)), int(_attr(rotaries[1], "num_heads", 0))
-    cos = g.producer[rotaries[0].input[1]]
-    freq = g.producer.get(cos.input[0])
-    if cos.op_type != "Cos" or freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init:
-        raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
-    inv_freq = g.array(freq.input[1]).reshape(-1)
     stacked = {cache: _stacked(g, step, output, layers) for cache, output in ((PAST_KEY, NEW_KEY), (PAST_VALUE, NEW_VALUE))}
 
     gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
     if len(gather) != 1:
         raise _unsupported(step, "no token embedding Gather of input_ids")
     embed = g.array(gather[0].input[0])
-    x = gather[0].output[0]
-    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")}
-    eps, qk_eps, masks, windows = set(), set(), set(), []
+    x, embed_scale = gather[0].output[0], 1.0
+    readers = [n for n in g.consumers.get(x, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "Mul":  # a scaled embedding (Gemma's sqrt(hidden))
+        constant = [name for name in readers[0].input if name != x]
+        if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
+            raise _unsupported(step, "the token embedding is multiplied by something other than one constant")
+        x, embed_scale = readers[0].output[0], g.scalar(constant[0])
+    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out")}
+    eps, qk_eps, masks, windows, acts, heads = set(), set(), set(), [], set(), set()
+    tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
+    rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
     for layer in range(layers):
         norm = _norm_of(g, step, x, f"layer {layer}'s input norm")
@@ -389,6 +411,15 @@ def read_weights(step: Path, architecture: str) -> Weights:
         q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
         if q_rot.input[0] != q or k_rot.input[0] != k or g.only(q_rot.output[0], "Reshape").output[0] != attention.input[0]:
             raise _unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
+        table = (q_rot.input[1], q_rot.input[2])
+        if (k_rot.input[1], k_rot.input[2]) != table:
+            raise _unsupported(step, f"layer {layer}'s queries and keys are rotated by different tables")
+        if table not in tables:
+            tables[table] = len(inv_freqs)
+            inv_freqs.append(_rotary_table(g, step, q_rot))
+        _rotary_table(g, step, k_rot)  # its form checked too
+        rope_of.append(tables[table])
+        heads.add((int(_attr(q_rot, "num_heads", 0)), int(_attr(k_rot, "num_heads", 0))))
         _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.input[1], stacked[PAST_KEY])
         _cache_write(g, step, layer, v, PAST_VALUE, attention.input[2], stacked[PAST_VALUE])
         biases = [qb, kb, vb]
@@ -404,7 +435,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
             out = g.only(out, op).output[0]
         o, out = g.linear(out)
         w["o"].append(o)
-        x = _residual(g, step, x, out, f"layer {layer}'s attention output")
+        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps)
+        w["attn_out"].append(out_norm)
         post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm")
         eps.add(float(_attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(g.array(post.input[1]))
@@ -415,25 +447,31 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
         splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None))
         gate, up = halves.output
-        sig = next((n for n in g.consumers[gate] if n.op_type == "Sigmoid"), None)
-        silu = next((n for n in g.consumers[gate] if n.op_type == "Mul"), None)
-        if sig is None or silu is None or sig.output[0] not in silu.input or len(g.consumers[gate]) != 2:
-            raise _unsupported(step, f"layer {layer}'s MLP gate is not SiLU")
-        prod = g.only(silu.output[0], "Mul")
+        act, gated = _gate(g, step, layer, gate)
+        acts.add(act)
+        prod = g.only(gated, "Mul")
         if up not in prod.input:
-            raise _unsupported(step, f"layer {layer}'s MLP does not multiply SiLU(gate) by up")
+            raise _unsupported(step, f"layer {layer}'s MLP does not multiply its activated gate by up")
         down, out = g.linear(prod.output[0])
         w["down"].append(down)
-        x = _residual(g, step, x, out, f"layer {layer}'s MLP output")
+        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps)
+        w["mlp_out"].append(out_norm)
     if len(masks) != 1:
         raise _unsupported(step, "layers that read different attention masks")
+    if len(acts) != 1:
+        raise _unsupported(step, f"layers with different MLP gates {sorted(acts)}")
+    if len(heads) != 1:
+        raise _unsupported(step, f"layers with different head counts {sorted(heads)}")
     final = _norm_of(g, step, x, "the final norm")
     eps.add(float(_attr(final, "epsilon", 1e-5)))
     if final.output[0] != "hidden":
         raise _unsupported(step, "the final norm is not the graph's hidden output")
     if len(eps) != 1 or len(qk_eps) > 1:
         raise _unsupported(step, f"norms with different epsilons {sorted(eps | qk_eps)}")
+    if len({f.shape for f in inv_freqs}) != 1:
+        raise _malformed(step, f"rotary tables of different lengths {sorted({f.shape for f in inv_freqs})}")
     vocab, hidden = embed.shape if embed.ndim == 2 else (0, 0)  # a 1-D embedding: check_weights names it
+    ((heads, kv_heads),) = heads
     dims = Dims(
         layers=layers,
         hidden=hidden,
@@ -447,9 +485,10 @@ def read_weights(step: Path, architecture: str) -> Weights:
     )
     q, kv, i = heads * dims.head_dim, kv_heads * dims.head_dim, dims.inter
     qkv_bias = [None if b is None else _joined_bias(step, layer, b, [q, kv, kv]) for layer, b in enumerate(w["qkv_bias"])]
-    weights = Weights(dims, inv_freq, embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"], w["gate_up"], w["down"],
-                      g.array(final.input[1]), _lm_head(g, step), qkv_bias, w["q_norm"], w["k_norm"], tuple(windows),
-                      qk_eps.pop() if qk_eps else 0.0)  # fmt: skip
+    weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
+                      w["gate_up"], w["down"], g.array(final.input[1]), _lm_head(g, step), qkv_bias, w["q_norm"], w["k_norm"],
+                      tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
+                      embed_scale)  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -457,6 +496,21 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if gate_up_widths not in (None, [i, i]):
             raise _unsupported(step, f"layer {layer} splits its gate/up matmul as {gate_up_widths}, not into halves of {i}")
     return weights
+
+
+def _gate(g: _Graph, step: Path, layer: int, gate: str) -> tuple[str, str]:
+    """The MLP gate's activation (``native_step.ACTIVATIONS``) and its output: SiLU as Sigmoid and Mul, or Gelu."""
+    readers = {n.op_type: n for n in g.consumers.get(gate, []) if n.op_type != "Identity"}
+    if sorted(readers) == ["Gelu"]:
+        approximate = _attr(readers["Gelu"], "approximate", b"none")
+        approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+        if approximate not in ("none", "tanh"):
+            raise _unsupported(step, f"layer {layer}'s MLP gate is GELU of approximation {approximate!r}")
+        return ("gelu_tanh" if approximate == "tanh" else "gelu"), readers["Gelu"].output[0]
+    sig, silu = readers.get("Sigmoid"), readers.get("Mul")
+    if sorted(readers) != ["Mul", "Sigmoid"] or sig.output[0] not in silu.input or len(g.consumers[gate]) != 2:
+        raise _unsupported(step, f"layer {layer}'s MLP gate is {sorted(readers) or 'nothing'}, not SiLU or GELU")
+    return "silu", silu.output[0]
 
 
 def _norm_of(g: _Graph, step: Path, x: str, what: str):
@@ -468,12 +522,25 @@ def _norm_of(g: _Graph, step: Path, x: str, what: str):
     return norms[0]
 
 
-def _residual(g: _Graph, step: Path, x: str, out: str, what: str) -> str:
-    """The residual stream after ``out`` is added to ``x``."""
-    add = g.only(out, "Add")
+def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set) -> tuple[str, np.ndarray | None]:
+    """The residual stream after ``out``, optionally RMS-normalized first (Gemma's post norms; its epsilon into
+    ``eps``), is added to ``x``; and that norm's weight (None: none)."""
+    weight = None
+    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
+        norm = readers[0]
+        if _attr(norm, "axis", -1) != -1:
+            raise _unsupported(step, f"{what} is normalized along another axis than the hidden one")
+        eps.add(float(_attr(norm, "epsilon", 1e-5)))
+        weight, out = g.array(norm.input[1]), norm.output[0]
+    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    if [n.op_type for n in readers] != ["Add"]:  # a scaled residual (Granite's multiplier), say
+        found = ", ".join(n.op_type for n in readers) or "nothing"
+        raise _unsupported(step, f"{what} is read by {found}, not added to the residual stream")
+    add = readers[0]
     if x not in add.input:
         raise _unsupported(step, f"{what} is not added to the residual stream")
-    return add.output[0]
+    return add.output[0], weight
 
 
 def _joined_bias(step: Path, layer: int, biases: list, want: list[int]) -> np.ndarray:
@@ -494,6 +561,7 @@ def check_weights(weights: Weights, path: Path) -> None:
     d = weights.dims
     H, Hq, Hkv, D, I, V = d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab  # noqa: E741
     positive = lambda x: math.isfinite(x) and x > 0
+    tables = weights.inv_freq.shape[0] if weights.inv_freq.ndim == 2 else 0
     for ok, what in (
         (d.layers > 0, f"{d.layers} layers"),
         (H > 0 and V > 0, f"an embedding of shape {weights.embed.shape}, not (vocab, hidden)"),
@@ -503,26 +571,48 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(d.eps), f"norm epsilon {d.eps}"),
         (positive(d.scale), f"attention score scale {d.scale}"),
         (all(0 <= int(w) < 2**31 for w in weights.windows), f"sliding windows {weights.windows}"),
+        (all(0 <= int(r) < max(tables, 1) for r in weights.rope_of), f"rotary tables {weights.rope_of} of {tables}"),
+        (weights.act in ("silu", "gelu_tanh", "gelu"), f"MLP gate {weights.act}"),
+        (math.isfinite(weights.embed_scale), f"embedding scale {weights.embed_scale}"),
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
     ):
         if not ok:
             raise _malformed(path, f"dims that do not fit: {what}")
-    fields = ("norm_in", "norm_post", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "windows")
+    fields = (
+        "norm_in",
+        "norm_post",
+        "qkv",
+        "o",
+        "gate_up",
+        "down",
+        "qkv_bias",
+        "q_norm",
+        "k_norm",
+        "windows",
+        "rope_of",
+        "attn_out_norm",
+        "mlp_out_norm",
+    )
     counts = {field: len(getattr(weights, field)) for field in fields}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
         raise _malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
 
     # (what, array, expected shape, dtypes): every array C reads
     f32, weight = (np.float32,), (np.float32, np.int8)
-    table = [("the embedding", weights.embed, (V, H), f32), ("the rotary inv_freq", weights.inv_freq, (D // 2,), f32),
-             ("the final norm", weights.norm_final, (H,), f32)]  # fmt: skip
+    table = [("the embedding", weights.embed, (V, H), f32), ("the final norm", weights.norm_final, (H,), f32)]
+    if tables == 0 or not weights.inv_freq.flags.c_contiguous:
+        raise _malformed(path, f"rotary tables of shape {weights.inv_freq.shape}, not one contiguous (tables, head_dim / 2)")
+    table += [("the rotary inv_freq" if tables == 1 else f"rotary table {r}'s inv_freq", weights.inv_freq[r], (D // 2,), f32)
+              for r in range(tables)]  # fmt: skip
     linears = [("the lm_head", weights.lm_head, (H, V))]
     for layer in range(d.layers):
         table += [(f"layer {layer}'s input norm", weights.norm_in[layer], (H,), f32),
                   (f"layer {layer}'s post-attention norm", weights.norm_post[layer], (H,), f32)]  # fmt: skip
         optional = ((f"layer {layer}'s q/k/v bias", weights.qkv_bias, ((Hq + 2 * Hkv) * D,)),
                     (f"layer {layer}'s query-head norm", weights.q_norm, (D,)),
-                    (f"layer {layer}'s key-head norm", weights.k_norm, (D,)))  # fmt: skip
+                    (f"layer {layer}'s key-head norm", weights.k_norm, (D,)),
+                    (f"layer {layer}'s attention output norm", weights.attn_out_norm, (H,)),
+                    (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H)),

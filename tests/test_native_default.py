@@ -15,7 +15,7 @@ import pytest
 from conftest import STORIES, medusa_model
 
 from medusa_trt.exporter import backend_choice
-from medusa_trt.runtime import MedusaRuntime, native_library
+from medusa_trt.runtime import MedusaRuntime, native_library, native_weights
 from medusa_trt.runtime.engine import EngineError, EngineFiles
 from medusa_trt.runtime.engine_folder import read_drafting, read_folder_config, write_folder_config
 from medusa_trt.runtime.manifest import write_manifest
@@ -103,7 +103,7 @@ def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir,
     result = _export(medusa_model(granite, random_heads(granite)), tmp_path / "granite", verify=False)
     folder = result.files.folder
     assert read_folder_config(folder).backend == "onnxruntime"
-    why = "native cannot run this engine (model type 'granite' is not one of llama, mistral, qwen2, qwen3, phi3)"
+    why = f"native cannot run this engine (model type 'granite' is not one of {', '.join(native_weights.MODEL_TYPES)})"
     assert result.backend_choice.summary() == f"backend onnxruntime: {why}"
     assert read_drafting(folder)["backend_choice"]["step_ms"] == {}
     _rewrite_backend(folder, "native")
