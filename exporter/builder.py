@@ -143,10 +143,16 @@ def plan(config: BuildConfig) -> BuildPlan:
     else:
         tensorrt = None
     onnx_out = out if folder else onnx_beside(out) if tensorrt else out
-    if config.backend == "native" and (config.dtype != "fp32" or config.quantize not in (None, "none", "int8-channel")):
+    native_quantizers = (None, "none", "int8-channel", "int4", "int8-block")
+    if config.backend == "native" and (config.dtype != "fp32" or config.quantize not in native_quantizers):
         raise ExportError(
-            f"--backend native runs fp32 and int8-channel step graphs, not --quantize {config.quantize} / --dtype {config.dtype}: "
-            "drop them, pass --quantize int8-channel, or choose --backend onnxruntime"
+            f"--backend native runs fp32, int8-channel, int4 and int8-block step graphs, not --quantize {config.quantize} / "
+            f"--dtype {config.dtype}: drop them, pass --quantize int8-channel or int4, or choose --backend onnxruntime"
+        )
+    if config.backend == "native" and config.accuracy_level not in (None, 4):
+        raise ExportError(
+            f"--backend native computes MatMulNBits at accuracy level 4 (int8 activations), not --accuracy-level "
+            f"{config.accuracy_level}: drop --accuracy-level, or choose --backend onnxruntime"
         )
     if tensorrt is None and config.dtype == "bf16":
         raise ExportError(

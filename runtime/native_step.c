@@ -70,12 +70,17 @@ typedef float vec16 __attribute__((vector_size(W * sizeof(float))));
 #define ROWS 4
 #endif
 
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_NBITS4 = 4, LIN_NBITS8 = 8 };
+
 typedef struct {
-    int32_t int8, k, n, kpad; /* int8 0: fp32 packed weights; 1: rows quantized to uint8 x int8 columns */
+    int32_t kind, k, n, kpad; /* LIN_F32: packed fp32 weights; LIN_INT8: rows quantized to uint8 x int8 columns;
+                                 LIN_NBITS4 / 8: MatMulNBits' 4- or 8-bit blocks (kpad: K padded to whole blocks) */
     const void *w;
-    const float *scale;     /* int8: (N) column scales */
-    const int32_t *colsum;  /* int8: (N) 128 x sum over k of w[k, n] (the rows' zero point, taken out) */
+    const float *scale;     /* int8: (N) column scales; nbits: (groups, blocks, 32) block scales */
+    const int32_t *colsum;  /* int8: (N) 128 x sum over k of w[k, n] (the rows' zero point, taken out);
+                               nbits: (groups, blocks, 32) uint8 block zero points */
     float tiny, divisor;    /* int8: a row's scale is max(max |x|, tiny) / divisor */
+    int32_t block, blocks;  /* nbits: weights a block along K, and blocks (kpad / block) */
 } linear_t;
 
 typedef struct {
@@ -108,6 +113,9 @@ typedef struct { /* scratch carved out of two arenas by medusa_native_work_init,
     float *x, *h, *qkv, *q, *k, *v, *attn, *gu, *act, *rot, *att_scratch; /* rot: (tables, M, D) cos then sin */
     uint8_t *xq; /* (M, the widest Kpad): int8 linears' quantized rows */
     float *xs;   /* (M): their scales */
+    float *bs;   /* (M, max_blocks): an nbits linear's rows' block scales */
+    int32_t *bsum; /* (M, max_blocks): the sums of their quantized blocks */
+    int64_t max_blocks;
     pool_t *pool; /* `threads` threads (native_pool.h); NULL: the calling thread alone */
 } work_t;
 
@@ -353,9 +361,158 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
     pool_run(wk->pool, blocks, grain(blocks, wk), i8_blocks, &J);
 }
 
+/* ---- MatMulNBits' blocks (int4 and int8-block engines, accuracy level 4): each row quantized a block of K at a time
+ * to int8 (scale max |x| / 127, round half to even), each block's integer sums exact, then per output the blocks in
+ * order: y += (float)(sum_k q_k w_k - zero * sum_k q_k) * (row's block scale * weight's block scale), one FMA each.
+ * A row's outputs depend on its own values alone, in the same order whatever the tile, thread or instruction set.
+ * Packed: groups of 32 outputs, each (blocks, block / 4 quads, 32 outputs x 4 k's); 4-bit: a quad's 128 values in
+ * 64 bytes, outputs 0-15 in the low nibbles and 16-31 in the high ones; 8-bit: 128 bytes, outputs 0-15 then 16-31. */
+
+#define NBROWS 4 /* rows an nbits tile multiplies against one group */
+
+static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
+    (void)worker;
+    const i8_job *J = ctx;
+    const linear_t *L = J->L;
+    const work_t *wk = J->wk;
+    const int64_t K = L->k, kpad = L->kpad, block = L->block, blocks = L->blocks;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *r = J->x + m * K;
+        int8_t *q = (int8_t *)wk->xq + m * kpad;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t k0 = b * block, k1 = k0 + block < K ? k0 + block : K;
+            float top = 0.0f;
+            for (int64_t e = k0; e < k1; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
+            const float inv = top != 0.0f ? 127.0f / top : 0.0f;
+            int32_t sum = 0;
+            for (int64_t e = k0; e < k1; e++) {
+                float v = nearbyintf(r[e] * inv);
+                v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
+                q[e] = (int8_t)v;
+                sum += (int32_t)v;
+            }
+            for (int64_t e = k1; e < k0 + block; e++) q[e] = 0;
+            wk->bs[m * wk->max_blocks + b] = top / 127.0f;
+            wk->bsum[m * wk->max_blocks + b] = sum;
+        }
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* rows i < mb of one group of 32 outputs: out[i][0..32) */
+static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g,
+                                                          const int mb, float (*out)[BLOCK]) {
+    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
+    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
+    const uint8_t *w = (const uint8_t *)L->w + g * blocks * quads * qbytes;
+    const float *ws = L->scale + g * blocks * BLOCK;
+    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    const int8_t *xq = (const int8_t *)wk->xq + m * kpad;
+    __m512 f[NBROWS][2];
+    for (int i = 0; i < mb; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i s[NBROWS][2];
+        for (int i = 0; i < mb; i++) s[i][0] = s[i][1] = _mm512_setzero_si512();
+        for (int64_t q = 0; q < quads; q++, w += qbytes) {
+            __m512i w0, w1;
+            if (four) {
+                const __m512i v = _mm512_loadu_si512(w);
+                w0 = _mm512_and_si512(v, low);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            } else {
+                w0 = _mm512_loadu_si512(w);
+                w1 = _mm512_loadu_si512(w + 64);
+            }
+            for (int i = 0; i < mb; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * kpad + b * L->block + q * 4, 4);
+                const __m512i x = _mm512_set1_epi32(quad);
+                s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x); /* unsigned weights x signed activations */
+                s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+            }
+        }
+        for (int j = 0; j < 2; j++) {
+            const __m512 scale = _mm512_loadu_ps(ws + b * BLOCK + 16 * j);
+            const __m512i zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wz + b * BLOCK + 16 * j)));
+            for (int i = 0; i < mb; i++) {
+                const int64_t at = (m + i) * wk->max_blocks + b;
+                const __m512i sum = _mm512_sub_epi32(s[i][j], _mm512_mullo_epi32(zero, _mm512_set1_epi32(wk->bsum[at])));
+                const __m512 both = _mm512_mul_ps(_mm512_set1_ps(wk->bs[at]), scale);
+                f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), both, f[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        _mm512_storeu_ps(out[i], f[i][0]);
+        _mm512_storeu_ps(out[i] + 16, f[i][1]);
+    }
+}
+#else
+static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
+    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
+    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
+    const uint8_t *wg = (const uint8_t *)L->w + g * blocks * quads * qbytes;
+    const float *ws = L->scale + g * blocks * BLOCK;
+    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    for (int i = 0; i < mb; i++) {
+        const int8_t *xq = (const int8_t *)wk->xq + (m + i) * kpad;
+        for (int o = 0; o < BLOCK; o++) {
+            const int half = o / 16, lane = o % 16;
+            float f = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t s = 0;
+                for (int64_t q = 0; q < quads; q++) {
+                    const uint8_t *w = wg + (b * quads + q) * qbytes;
+                    for (int r = 0; r < 4; r++) {
+                        const int at = lane * 4 + r;
+                        const int v = four ? (half ? w[at] >> 4 : w[at] & 0x0F) : w[half * 64 + at];
+                        s += v * xq[b * L->block + q * 4 + r];
+                    }
+                }
+                const int64_t row = (m + i) * wk->max_blocks + b;
+                s -= wz[b * BLOCK + o] * wk->bsum[row];
+                f = fmaf((float)s, wk->bs[row] * ws[b * BLOCK + o], f);
+            }
+            out[i][o] = f;
+        }
+    }
+}
+#endif
+
+static void nb_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
+    (void)worker;
+    const i8_job *J = ctx;
+    const linear_t *L = J->L;
+    const int64_t N = L->n, M = J->M;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t first = g * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
+        for (int64_t m = 0; m < M; m += NBROWS) {
+            float out[NBROWS][BLOCK];
+            const int mb = M - m < NBROWS ? (int)(M - m) : NBROWS;
+            switch (mb) {
+            case 1: tile_nb(L, J->wk, m, g, 1, out); break;
+            case 2: tile_nb(L, J->wk, m, g, 2, out); break;
+            case 3: tile_nb(L, J->wk, m, g, 3, out); break;
+            default: tile_nb(L, J->wk, m, g, NBROWS, out); break;
+            }
+            for (int i = 0; i < mb; i++) memcpy(J->y + (m + i) * N + first, out[i], width * sizeof(float));
+        }
+    }
+}
+
+static void matmul_nb(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
+    i8_job J = {L, x, y, M, wk};
+    pool_run(wk->pool, M, 1, nb_quantize, &J);
+    const int64_t groups = (L->n + BLOCK - 1) / BLOCK;
+    pool_run(wk->pool, groups, grain(groups, wk), nb_groups, &J);
+}
+
 static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
-    if (L->int8)
+    if (L->kind == LIN_INT8)
         matmul_i8(L, x, M, y, wk);
+    else if (L->kind == LIN_NBITS4 || L->kind == LIN_NBITS8)
+        matmul_nb(L, x, M, y, wk);
     else
         matmul_f32(x, M, L->k, (const float *)L->w, y, L->n, wk);
 }
@@ -470,7 +627,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 5 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 6 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -510,7 +667,11 @@ int medusa_native_default_threads(void) {
 
 static int linear_ok(const linear_t *L, int64_t k, int64_t n) {
     if (L == NULL || L->w == NULL || L->k != k || L->n != n || k <= 0 || n <= 0) return 0;
-    if (!L->int8) return L->kpad == k;
+    if (L->kind == LIN_F32) return L->kpad == k;
+    if (L->kind == LIN_NBITS4 || L->kind == LIN_NBITS8)
+        return L->block >= 16 && L->block % 16 == 0 && L->blocks == (k + L->block - 1) / L->block &&
+               L->kpad == (int64_t)L->blocks * L->block && L->scale != NULL && L->colsum != NULL;
+    if (L->kind != LIN_INT8) return 0;
     return L->kpad == (k + 3) / 4 * 4 && L->scale != NULL && L->colsum != NULL && L->tiny > 0.0f && L->divisor > 0.0f;
 }
 
@@ -551,6 +712,19 @@ static int64_t widest_kpad(const model_t *md) { /* the int8 linears' padded K, a
     return most;
 }
 
+static int64_t most_blocks(const model_t *md) { /* the nbits linears' blocks along K, at most (0: none) */
+    int64_t most = md->lm_head->blocks;
+    for (int64_t l = 0; l < md->layers; l++) {
+        const linear_t *all[4] = {md->qkv[l], md->o[l], md->gate_up[l], md->down[l]};
+        for (int j = 0; j < 4; j++) most = all[j]->blocks > most ? all[j]->blocks : most;
+    }
+    return most;
+}
+
+static int64_t xq_bytes(const model_t *md, int64_t rows) { /* the quantized rows' room, a whole number of cache lines */
+    return (rows * widest_kpad(md) + 63) / 64 * 64;
+}
+
 /* The arenas a work_t for `rows` rows over `slots` slots on `threads` threads needs: floats, and bytes (-1: bad sizes) */
 int64_t medusa_native_work_floats(const model_t *md, int64_t rows, int64_t slots, int threads) {
     if (medusa_native_check_model(md) || rows <= 0 || slots < 0 || threads <= 0) return -1;
@@ -559,7 +733,7 @@ int64_t medusa_native_work_floats(const model_t *md, int64_t rows, int64_t slots
 
 int64_t medusa_native_work_bytes(const model_t *md, int64_t rows) {
     if (medusa_native_check_model(md) || rows <= 0) return -1;
-    return rows * widest_kpad(md);
+    return xq_bytes(md, rows) + 2 * rows * most_blocks(md) * 4; /* then the block scales and sums */
 }
 
 /* Carve the work buffers out of the two arenas (sized by the two functions above) */
@@ -578,6 +752,9 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
     wk->att_scratch = at;
     wk->att_floats = need - (at - arena);
     wk->xq = bytes;
+    wk->max_blocks = most_blocks(md);
+    wk->bs = (float *)(bytes + xq_bytes(md, rows));
+    wk->bsum = (int32_t *)(wk->bs + rows * wk->max_blocks);
     wk->rows = rows, wk->slots = slots, wk->threads = threads;
     if (!(wk->pool = medusa_pool_new(threads))) return NO_THREADS; /* also one thread's: its busy flag */
     return OK;
@@ -597,8 +774,9 @@ static int enter(const work_t *wk) {
 
 /* One linear alone (tests, timing): y (M, N) = x (M, K) through it; wk needs rows, threads, xq and xs (M rows) and a
  * pool of at most `threads` threads (or NULL) */
-int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y, int64_t xq_bytes) {
-    if (!linear_ok(L, L->k, L->n) || M <= 0 || M > wk->rows || wk->threads <= 0 || M * L->kpad > xq_bytes) return BAD_SHAPE;
+int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, int64_t M, float *y, int64_t nbytes) {
+    if (!linear_ok(L, L->k, L->n) || M <= 0 || M > wk->rows || wk->threads <= 0 || M * L->kpad > nbytes) return BAD_SHAPE;
+    if (L->blocks > 0 && (L->blocks > wk->max_blocks || !wk->bs || !wk->bsum)) return BAD_WORK;
     const int rc = enter(wk);
     if (rc) return rc;
     matmul(L, x, M, y, wk);
@@ -734,6 +912,7 @@ int medusa_native_heads_check(const heads_t *hd) {
     if (H <= 0 || n <= 0 || hd->draft_vocab <= 0 || K <= 0 || K > MAX_TOPK || K > hd->draft_vocab || !hd->bias) return BAD_MODEL;
     if (hd->reads_roots && (!hd->embed || hd->vocab <= 0 || !(hd->eps > 0.0f))) return BAD_MODEL;
     if (!linear_ok(hd->fused, (hd->reads_roots ? 2 : 1) * H, n * H) || !linear_ok(hd->lm, H, hd->draft_vocab)) return BAD_MODEL;
+    if (hd->fused->kind > LIN_INT8 || hd->lm->kind > LIN_INT8) return BAD_MODEL; /* nbits heads: onnxruntime's */
     return OK;
 }
 

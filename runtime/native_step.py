@@ -80,12 +80,38 @@ def pack_int8(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(-1)
 
 
+def pack_nbits(m: Linear) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An nbits linear (MatMulNBits' values, (K, N) uint8 below 2**bits, with (blocks, N) scales and zero points) in
+    native_step.c's layout: groups of 32 outputs, each (blocks, block / 4 quads, 32 outputs x 4 k's) of bytes, a 4-bit
+    quad's outputs 16-31 in the high nibbles of outputs 0-15's bytes; and the scales and zero points as (groups, blocks,
+    32). K is padded to whole blocks and N to a whole group with zeros."""
+    k, n = m.shape
+    blocks, block = m.scale.shape[0], m.block
+    kpad, npad = blocks * block, -(-n // BLOCK) * BLOCK
+    w = np.zeros((kpad, npad), dtype=np.uint8)
+    w[:k, :n] = m.weight
+    # (groups, blocks, quads, 2 halves, 16 outputs, 4 k's)
+    quads = w.reshape(blocks, block // 4, 4, npad // BLOCK, 2, 16).transpose(3, 0, 1, 4, 5, 2)
+    if m.bits == 4:
+        quads = quads[..., 0, :, :] | (quads[..., 1, :, :] << 4)
+    packed = np.ascontiguousarray(quads).reshape(-1)
+
+    def grouped(a: np.ndarray, dtype) -> np.ndarray:  # (blocks, N) -> (groups, blocks, 32)
+        out = np.zeros((blocks, npad), dtype=dtype)
+        out[:, :n] = a
+        return np.ascontiguousarray(out.reshape(blocks, npad // BLOCK, BLOCK).transpose(1, 0, 2))
+
+    return packed, grouped(m.scale, np.float32), grouped(m.zero, np.uint8)
+
+
 class _Linear(ctypes.Structure):  # native_step.c's linear_t
     _fields_ = [
-        *((n, ctypes.c_int32) for n in ("int8", "k", "n", "kpad")),
+        *((n, ctypes.c_int32) for n in ("kind", "k", "n", "kpad")),
         *((n, ctypes.c_void_p) for n in ("w", "scale", "colsum")),
         ("tiny", ctypes.c_float),
         ("divisor", ctypes.c_float),
+        ("block", ctypes.c_int32),
+        ("blocks", ctypes.c_int32),
     ]
 
 
@@ -124,6 +150,8 @@ class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_ini
     _fields_ = [
         *((n, ctypes.c_int64) for n in ("rows", "slots", "threads", "att_floats")),
         *((n, ctypes.c_void_p) for n in ("x", "h", "qkv", "q", "k", "v", "attn", "gu", "act", "rot", "att_scratch", "xq", "xs")),
+        *((n, ctypes.c_void_p) for n in ("bs", "bsum")),
+        ("max_blocks", ctypes.c_int64),
         ("pool", ctypes.c_void_p),
     ]
 
@@ -205,7 +233,12 @@ def _threads(threads: int | None, lib: ctypes.CDLL) -> int:
 def _linear_view(m: Linear, keep: list) -> _Linear:
     """The C view of one weight matmul, its packed arrays kept alive in ``keep``."""
     k, n = m.shape
-    if not m.int8:
+    if m.bits:
+        packed, scale, zero = pack_nbits(m)
+        keep += [packed, scale, zero]
+        blocks = m.scale.shape[0]
+        view = _Linear(m.bits, k, n, blocks * m.block, packed.ctypes.data, scale.ctypes.data, zero.ctypes.data, 0.0, 1.0, m.block, blocks)
+    elif not m.int8:
         packed = pack(m.weight)
         keep.append(packed)
         view = _Linear(0, k, n, k, packed.ctypes.data, None, None, 0.0, 1.0)
@@ -230,11 +263,13 @@ def run_linear(m: Linear, x: np.ndarray, threads: int | None = None, isa: str | 
     keep: list = []
     view = _linear_view(m, keep)
     xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
+    bs, bsum = np.zeros((rows.shape[0], view.blocks), dtype=np.float32), np.zeros((rows.shape[0], view.blocks), dtype=np.int32)
     n_threads = _threads(threads, lib)
     pool = lib.medusa_pool_new(n_threads)
     if not pool:
         raise EngineError(f"backend native: {_ERRORS[8]}")
-    work = _Work(rows=rows.shape[0], threads=n_threads, xq=xq.ctypes.data, xs=xs.ctypes.data, pool=pool)
+    work = _Work(rows=rows.shape[0], threads=n_threads, xq=xq.ctypes.data, xs=xs.ctypes.data, pool=pool, bs=bs.ctypes.data,
+                 bsum=bsum.ctypes.data, max_blocks=view.blocks)  # fmt: skip
     try:
         rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
     finally:
@@ -271,6 +306,7 @@ class NativeStep:
         linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)
         self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
+        self.bits = max(m.bits for k in ("qkv", "o", "gate_up", "down") for m in (*getattr(weights, k), weights.lm_head))
 
         def table(items):  # a C array of pointers: an array's data, a linear_t's address, or NULL for None
             address = lambda a: None if a is None else a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a)  # noqa: E731

@@ -31,7 +31,8 @@ OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
     "MatMul Split Reshape Transpose Cos Sin RotaryEmbedding Attention Add Sigmoid Identity If "
     "Slice GreaterOrEqual Sub Gelu "  # Phi-3's q/k/v slices; a sliding window's mask; Gemma's gate
-    "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger".split()  # the last line: int8-channel's matmuls
+    "Abs ReduceMax Max Div ConstantOfShape QuantizeLinear MatMulInteger "  # int8-channel's matmuls
+    "MatMulNBits".split()  # int4's and int8-block's
 )
 
 
@@ -50,13 +51,18 @@ class Dims:
 
 @dataclass(frozen=True)
 class Linear:
-    """One weight matmul, (K, N): fp32, or int8 columns with per-row uint8 activations (an int8-channel engine's
-    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128)."""
+    """One weight matmul, (K, N): fp32; int8 columns with per-row uint8 activations (an int8-channel engine's
+    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128); or MatMulNBits' 4- or
+    8-bit blocks at accuracy level 4 (an int4 or int8-block engine's: weight (value - zero) x scale per block of
+    ``block`` inputs and output; activations quantized to int8 a block at a time)."""
 
-    weight: np.ndarray  # (K, N) float32, or int8
-    scale: np.ndarray | None = None  # int8: (N) float32 column scales
+    weight: np.ndarray  # (K, N) float32, or int8; nbits: uint8 values below 2**bits
+    scale: np.ndarray | None = None  # int8: (N) float32 column scales; nbits: (blocks, N) float32 block scales
     tiny: float = 0.0  # int8: the floor of a row's max |x|
     divisor: float = 127.0  # int8
+    zero: np.ndarray | None = None  # nbits: (blocks, N) uint8 zero points
+    block: int = 0  # nbits: inputs a block
+    bits: int = 0  # nbits: 4 or 8 (0: not nbits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,7 +70,7 @@ class Linear:
 
     @property
     def int8(self) -> bool:
-        return self.weight.dtype == np.int8
+        return self.weight.dtype == np.int8 and not self.bits
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,9 @@ class _Graph:
             return np.ascontiguousarray(self.array(source.input[0]).T)
         return self.array(name)  # its dtype as stored: check_weights refuses all but float32 and int8
 
+    def nbits(self, node) -> Linear:
+        return _nbits(self, node)
+
     def scalar(self, name: str) -> float:
         return float(self.array(name).reshape(-1)[0])
 
@@ -192,6 +201,8 @@ class _Graph:
             if weight.ndim != 2:
                 raise _unsupported(self.path, f"{x} is multiplied by a {weight.ndim}-D weight {weight.shape}, not a (K, N) matrix")
             return Linear(weight), readers[0].output[0]
+        if kinds == ["MatMulNBits"]:
+            return self.nbits(readers[0]), readers[0].output[0]
         if kinds != ["Abs", "QuantizeLinear"]:
             raise _unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
         top = self.only(self.only(readers[0].output[0], "ReduceMax").output[0], "Max")
@@ -212,6 +223,43 @@ class _Graph:
             raise _unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
         scale = self.array(column.input[1]).reshape(-1)
         return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
+
+
+def _nbits(g: _Graph, node) -> Linear:
+    """A MatMulNBits node's weight as values (K, N), block scales and zero points (blocks, N): B (N, blocks,
+    block x bits / 8) uint8, two 4-bit values a byte low nibble first; scales (N x blocks); zero points packed the same
+    way (absent: the middle of the range). Accuracy level 4 only (int8 activations, what the C kernel computes)."""
+    k, n, bits, block = (int(_attr(node, a, 0)) for a in ("K", "N", "bits", "block_size"))
+    level = int(_attr(node, "accuracy_level", 0))
+    if bits not in (4, 8) or block < 16 or block & (block - 1):
+        raise _unsupported(g.path, f"a MatMulNBits of {bits} bits in blocks of {block}")
+    if level != 4:
+        raise _unsupported(g.path, f"MatMulNBits at accuracy level {level} (native computes level 4: int8 activations)")
+    if len(node.input) > 4 and any(node.input[4:]):
+        raise _unsupported(g.path, "a MatMulNBits with group indices or a bias")
+    blocks = -(-k // block) if k > 0 else 0
+    packed = g.array(node.input[1])
+    scale = g.array(node.input[2]).astype(np.float32, copy=False).reshape(-1)
+    if packed.dtype != np.uint8 or packed.shape != (n, blocks, block * bits // 8) or scale.size != n * blocks or k <= 0:
+        raise _malformed(g.path, f"a MatMulNBits of K {k}, N {n} with data {packed.dtype} {packed.shape} and {scale.size} scales")
+    if bits == 4:
+        values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * block)
+    else:
+        values = packed.reshape(n, blocks * block)
+    weight = np.ascontiguousarray(values[:, :k].T)  # (K, N)
+    if len(node.input) > 3 and node.input[3]:
+        zp = g.array(node.input[3])
+        if zp.dtype != np.uint8:
+            raise _unsupported(g.path, f"MatMulNBits zero points of {zp.dtype} (native reads packed uint8)")
+        zp = zp.reshape(n, -1)
+        if bits == 4:
+            zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)
+        if zp.shape[1] < blocks:
+            raise _malformed(g.path, f"MatMulNBits zero points {zp.shape} for {blocks} blocks")
+        zero = zp[:, :blocks]
+    else:
+        zero = np.full((n, blocks), 1 << (bits - 1), dtype=np.uint8)
+    return Linear(weight, np.ascontiguousarray(scale.reshape(n, blocks).T), zero=np.ascontiguousarray(zero.T), block=block, bits=bits)
 
 
 def _attr(node, name: str, default=None):
@@ -619,6 +667,13 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
                     (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
     for what, m, shape in linears:
+        if m.bits:  # values below 2**bits in blocks: (blocks, N) scales and zero points
+            blocks = -(-shape[0] // m.block) if m.block >= 16 and not m.block & (m.block - 1) else -1
+            if m.bits not in (4, 8) or blocks < 0 or (m.weight.size and int(m.weight.max()) >= 1 << m.bits):
+                raise _malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
+            table += [(what, m.weight, shape, (np.uint8,)), (f"{what}'s block scales", m.scale, (blocks, shape[1]), f32),
+                      (f"{what}'s zero points", m.zero, (blocks, shape[1]), (np.uint8,))]  # fmt: skip
+            continue
         table.append((what, m.weight, shape, weight))
         if m.int8:  # one float32 scale a column; the row quantizer's floor and divisor
             table.append((f"{what}'s column-scale vector", m.scale, shape[1:], f32))
@@ -762,6 +817,8 @@ def read_heads(path: Path) -> HeadsWeights:
     if _attr(topk, "largest", 1) != 1 or _attr(topk, "axis", -1) not in (-1, 2):
         raise _unsupported(path, "a TopK other than the largest along the vocabulary")
     k = int(g.array(topk.input[1]).reshape(-1)[0])
+    if fused.bits or lm.bits:
+        raise _unsupported(path, f"{max(fused.bits, lm.bits)}-bit heads (native's heads read fp32 and int8-channel)")
     heads = HeadsWeights(h, n, k, fused, np.ascontiguousarray(np.concatenate(bs), dtype=np.float32), lm, embed, eps)
     _check_heads(heads, path)
     return heads

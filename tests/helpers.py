@@ -124,3 +124,27 @@ def row_int8_model(k: int, n: int, seed: int):
         return acc.astype(np.float32) * s * scale
 
     return model, reference
+
+
+def nbits_model(path, k: int, n: int, bits: int, block: int, seed: int, accuracy_level: int = 4):
+    """A one-MatMul ONNX model of ``x`` (B, T, k) @ a random (k, n) weight saved at ``path``, its weight quantized to
+    ``bits``-bit MatMulNBits blocks as exporter/quantize.py's int4 / int8-block modes quantize one; returns ``path``."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(seed)
+    weight = numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "tokens", n])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=False, accuracy_level=accuracy_level)
+    quantizer.process()
+    onnx.save(quantizer.model.model, str(path))
+    return path

@@ -202,18 +202,18 @@ def test_torch_backend_is_greedy_identical(family):
     _check_identical(family, family.model, runtime.generate(family.prompts, max_new_tokens=NEW_TOKENS))
 
 
-@pytest.mark.parametrize("mode", ["int8-channel", "int4", "int8-channel-native"])
+@pytest.mark.parametrize("mode", ["int8-channel", "int4", "int8-channel-native", "int4-native"])
 def test_quantized_drafted_output_equals_its_own_plain_output(family, mode, tmp_path):
     """The fp32 engine's graphs quantized as ``--quantize MODE`` quantizes them (experts included):
-    int8-channel on every row, int4 (block 32, exact) on the mixture-of-experts rows; int8-channel on native where
-    native runs the family."""
+    int8-channel on every row, int4 (block 32, exact) on the mixture-of-experts rows; int8-channel and int4 on native
+    where native runs the family."""
     if mode == "int4" and not family.moe:
         pytest.skip("int4 is checked on the mixture-of-experts rows (its dense path is tests/test_quantize.py's)")
     backend = "onnxruntime"
-    if mode == "int8-channel-native":
+    if mode.endswith("-native"):
         if _native(family) is not None:
             pytest.skip("native refuses this family (test_native_is_greedy_identical_at_batch_3_on_a_branching_tree proves it)")
-        mode, backend = "int8-channel", "native"
+        mode, backend = mode.removesuffix("-native"), "native"
     folder = tmp_path / mode
     shutil.copytree(family.engine.parent, folder)
     files = EngineFiles.locate(folder / family.engine.name)

@@ -105,6 +105,60 @@ def test_int8_channel_verify_steps_are_plain_steps_bit_for_bit(int8_engine, cont
         assert exactness.verify_diffs(backend, ids, layout, plain) == [0.0] * len(path), name
 
 
+@pytest.fixture(scope="module")
+def int4_engine(stories_base, stories_fitted, export_engine):
+    return export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
+
+
+@pytest.mark.parametrize("context", [1, 37])
+def test_int4_verify_steps_are_plain_steps_bit_for_bit(int4_engine, context):
+    """int4 (MatMulNBits, block 32, int8 activations a block at a time): a tree re-scores plain steps bit for bit, and
+    drafted output equals plain output."""
+    backend = open_native(int4_engine, max_batch=1, max_context=256, threads=2)
+    assert backend.kernel.bits == 4
+    ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
+    path, plain = exactness.plain_steps(backend, ids, 5)
+    for name, layout in exactness.layouts(path, backend.meta.vocab_size).items():
+        assert exactness.verify_diffs(backend, ids, layout, plain) == [0.0] * len(path), name
+
+
+def test_int4_drafted_output_equals_its_plain_output(int4_engine, stories_prompts):
+    drafted = MedusaRuntime(str(int4_engine), backend="native", max_batch=4).generate(stories_prompts, max_new_tokens=48)
+    plain = MedusaRuntime(str(int4_engine), backend="native", drafters=()).generate(stories_prompts, max_new_tokens=48)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert max(r.stats.mean_accepted for r in drafted) > 1
+
+
+@pytest.mark.parametrize("bits,k,n,block", [(4, 576, 960, 32), (4, 70, 50, 16), (8, 64, 172, 32), (4, 200, 33, 64)])
+def test_an_nbits_matmul_is_onnxruntimes_to_float_rounding(tmp_path, bits, k, n, block):
+    """MatMulNBits at accuracy level 4 read from its graph and computed by the C kernel: ONNX Runtime's outputs to float
+    rounding (both quantize each row a block at a time), K off a whole block and N off a whole group included; each row
+    alone the same bit for bit as among others."""
+    import onnxruntime as ort
+
+    from tests.helpers import nbits_model
+
+    path = nbits_model(tmp_path / "nbits.onnx", k, n, bits, block, seed=k)
+    graph = native_weights._Graph(path)
+    linear = native_weights._nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
+    assert (linear.bits, linear.block, linear.shape) == (bits, block, (k, n))
+    x = (np.random.default_rng(n).standard_normal((1, 11, k)) * 2).astype(np.float32)
+    ours = native_step.run_linear(linear, x)
+    theirs = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.abs(ours - theirs).max() < 1e-4 * max(1.0, np.abs(theirs).max()), np.abs(ours - theirs).max()
+    for i in (0, 6, 10):
+        assert np.array_equal(native_step.run_linear(linear, x[:, i : i + 1])[0, 0], ours[0, i])
+
+
+def test_nbits_at_another_accuracy_level_is_refused_by_name(tmp_path):
+    from tests.helpers import nbits_model
+
+    path = nbits_model(tmp_path / "nbits.onnx", 64, 32, 4, 32, seed=1, accuracy_level=1)
+    graph = native_weights._Graph(path)
+    with pytest.raises(native_weights.NativeCannotRun, match="MatMulNBits at accuracy level 1 \\(native computes level 4"):
+        native_weights._nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
+
+
 @pytest.mark.parametrize("shape", [(576, 960), (64, 172), (30, 17)])
 def test_an_int8_channel_matmul_is_onnxruntimes_bit_for_bit(shape):
     """One row-quantized int8 matmul (exporter/quantize.py's rows_int8) through the C kernel and through ONNX Runtime:
@@ -211,8 +265,8 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
     types = ", ".join(native_weights.MODEL_TYPES)
     with pytest.raises(EngineError, match=f"model type 'granite' is not one of {types}; use backend onnxruntime"):
         open_native(path)
-    quantized = export_engine("stories-fitted-int4", medusa_model(stories_base, stories_fitted), quantize="int4")
-    with pytest.raises(EngineError, match=r"its step graph has .*MatMulNBits.* nodes") as info:
+    quantized = export_engine("stories-fitted-int8", medusa_model(stories_base, stories_fitted), quantize="int8")
+    with pytest.raises(EngineError, match=r"its step graph has .*DynamicQuantizeLinear.* nodes") as info:
         open_native(quantized)
     assert "\n" not in str(info.value)
 
@@ -271,9 +325,12 @@ def test_export_refuses_native_with_another_quantizer(tmp_path, capsys):
     from tests.conftest import STORIES
 
     out = tmp_path / "engine"
-    assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int4"]) == 2
+    assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--backend native runs fp32 and int8-channel step graphs, not --quantize int4" in err[0]
+    assert len(err) == 1 and "--backend native runs fp32, int8-channel, int4 and int8-block step graphs, not --quantize int8" in err[0]
+    assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int4", "--accuracy-level", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "computes MatMulNBits at accuracy level 4 (int8 activations), not --accuracy-level 1" in err[0]
     assert not out.exists()
 
 
@@ -306,11 +363,11 @@ def _at(isa: str) -> str:
 
 
 @pytest.mark.parametrize("isa", _isas())
-def test_every_instruction_set_is_exact(engine, int8_engine, isa):
+def test_every_instruction_set_is_exact(engine, int8_engine, int4_engine, isa):
     """At every instruction set this CPU runs (as MEDUSA_TRT_CPU_ISA caps it): a chain and a tree re-score plain steps
-    bit for bit, fp32 and int8-channel, and the library loaded is the one asked for."""
+    bit for bit, fp32, int8-channel and int4, and the library loaded is the one asked for."""
     _at(isa)
-    for path, context in ((engine, 45), (int8_engine, 37)):
+    for path, context in ((engine, 45), (int8_engine, 37), (int4_engine, 21)):
         backend = open_native(path, max_batch=1, max_context=128, threads=2, isa=isa)
         assert backend.kernel.isa == isa
         ids = np.random.default_rng(context).integers(0, backend.meta.vocab_size, context, dtype=np.int64)
@@ -341,6 +398,17 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
     linear = native_weights.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
     x = (rng.standard_normal((1, 9, 64)) * 3).astype(np.float32)
     assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), isa
+    # nbits: integer block sums and one FMA a block, the same bits at every instruction set
+    rng = np.random.default_rng(5)
+    for bits, block in ((4, 32), (8, 16)):
+        k, n = 80, 45
+        weight = rng.integers(0, 1 << bits, (k, n), dtype=np.uint8)
+        blocks = -(-k // block)
+        scale = rng.random((blocks, n), dtype=np.float32) * 0.1
+        zero = rng.integers(0, 1 << bits, (blocks, n), dtype=np.uint8)
+        nb = native_weights.Linear(weight, scale, zero=zero, block=block, bits=bits)
+        x = rng.standard_normal((5, k)).astype(np.float32)
+        assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits)
 
 
 def test_a_cap_that_is_not_a_set_of_this_cpu_is_one_line():
