@@ -912,7 +912,6 @@ int medusa_native_heads_check(const heads_t *hd) {
     if (H <= 0 || n <= 0 || hd->draft_vocab <= 0 || K <= 0 || K > MAX_TOPK || K > hd->draft_vocab || !hd->bias) return BAD_MODEL;
     if (hd->reads_roots && (!hd->embed || hd->vocab <= 0 || !(hd->eps > 0.0f))) return BAD_MODEL;
     if (!linear_ok(hd->fused, (hd->reads_roots ? 2 : 1) * H, n * H) || !linear_ok(hd->lm, H, hd->draft_vocab)) return BAD_MODEL;
-    if (hd->fused->kind > LIN_INT8 || hd->lm->kind > LIN_INT8) return BAD_MODEL; /* nbits heads: onnxruntime's */
     return OK;
 }
 
@@ -921,10 +920,18 @@ int64_t medusa_native_heads_floats(const heads_t *hd, int64_t B) {
     return medusa_native_heads_check(hd) || B <= 0 ? -1 : B * heads_floats_per_row(hd);
 }
 
+static int64_t heads_xq_bytes(const heads_t *hd, int64_t B) { /* the quantized rows, whole cache lines */
+    const int64_t a = hd->fused->kpad, b = hd->lm->kpad * hd->heads;
+    return (B * (a > b ? a : b) + 63) / 64 * 64;
+}
+
+static int64_t heads_blocks(const heads_t *hd) { /* the nbits linears' blocks, at most (0: none) */
+    return hd->fused->blocks > hd->lm->blocks ? hd->fused->blocks : hd->lm->blocks;
+}
+
 int64_t medusa_native_heads_bytes(const heads_t *hd, int64_t B) {
     if (medusa_native_heads_check(hd) || B <= 0) return -1;
-    const int64_t a = hd->fused->kpad, b = hd->lm->kpad * hd->heads;
-    return B * (a > b ? a : b);
+    return heads_xq_bytes(hd, B) + 2 * B * hd->heads * heads_blocks(hd) * 4; /* then B n rows' block scales and sums */
 }
 
 static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
@@ -932,7 +939,9 @@ static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hi
     const int64_t H = hd->hidden, n = hd->heads, Kin = (hd->reads_roots ? 2 : 1) * H;
     float *x = scratch, *y = x + B * Kin, *h = y + B * n * H, *xs = h + B * n * H;
     work_t hw = *wk; /* the step's threads, the heads' scratch */
-    hw.xq = bytes, hw.xs = xs, hw.rows = B * n;
+    hw.xq = bytes, hw.xs = xs, hw.rows = B * n, hw.max_blocks = heads_blocks(hd);
+    hw.bs = (float *)(bytes + heads_xq_bytes(hd, B));
+    hw.bsum = (int32_t *)(hw.bs + B * n * hw.max_blocks);
     for (int64_t b = 0; b < B; b++) {
         memcpy(x + b * Kin, hidden + b * H, H * sizeof(float));
         if (!hd->reads_roots) continue;

@@ -667,12 +667,8 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
                     (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
     for what, m, shape in linears:
-        if m.bits:  # values below 2**bits in blocks: (blocks, N) scales and zero points
-            blocks = -(-shape[0] // m.block) if m.block >= 16 and not m.block & (m.block - 1) else -1
-            if m.bits not in (4, 8) or blocks < 0 or (m.weight.size and int(m.weight.max()) >= 1 << m.bits):
-                raise _malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
-            table += [(what, m.weight, shape, (np.uint8,)), (f"{what}'s block scales", m.scale, (blocks, shape[1]), f32),
-                      (f"{what}'s zero points", m.zero, (blocks, shape[1]), (np.uint8,))]  # fmt: skip
+        if m.bits:
+            table += _nbits_rows(path, what, m, shape)
             continue
         table.append((what, m.weight, shape, weight))
         if m.int8:  # one float32 scale a column; the row quantizer's floor and divisor
@@ -682,6 +678,15 @@ def check_weights(weights: Weights, path: Path) -> None:
                     raise _malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
     legend = f"hidden {H} and vocab {V} read from the embedding, head_dim {D} and MLP width {I} from layer 0, {Hq} heads, {Hkv} kv heads"
     _check_arrays(path, table, legend)
+
+
+def _nbits_rows(path: Path, what: str, m: Linear, shape: tuple[int, int]) -> list:
+    """``_check_arrays`` rows of an nbits linear: values below 2**bits, (blocks, N) scales and zero points."""
+    blocks = -(-shape[0] // m.block) if m.block >= 16 and not m.block & (m.block - 1) else -1
+    if m.bits not in (4, 8) or blocks < 0 or (m.weight.size and int(m.weight.max()) >= 1 << m.bits):
+        raise _malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
+    return [(what, m.weight, shape, (np.uint8,)), (f"{what}'s block scales", m.scale, (blocks, shape[1]), (np.float32,)),
+            (f"{what}'s zero points", m.zero, (blocks, shape[1]), (np.uint8,))]  # fmt: skip
 
 
 def _check_arrays(path: Path, table: list, legend: str) -> None:
@@ -731,7 +736,7 @@ class HeadsWeights:
 
 
 HEADS_OPS = frozenset(
-    "Gather Pow ReduceMean Add Sqrt Reciprocal Mul Concat MatMul Gemm Split Sigmoid Unsqueeze TopK Identity Transpose "
+    "Gather Pow ReduceMean Add Sqrt Reciprocal Mul Concat MatMul Gemm Split Sigmoid Unsqueeze TopK Identity Transpose MatMulNBits "
     "Abs ReduceMax Max Div Shape ConstantOfShape QuantizeLinear MatMulInteger Cast".split()
 )
 
@@ -817,8 +822,6 @@ def read_heads(path: Path) -> HeadsWeights:
     if _attr(topk, "largest", 1) != 1 or _attr(topk, "axis", -1) not in (-1, 2):
         raise _unsupported(path, "a TopK other than the largest along the vocabulary")
     k = int(g.array(topk.input[1]).reshape(-1)[0])
-    if fused.bits or lm.bits:
-        raise _unsupported(path, f"{max(fused.bits, lm.bits)}-bit heads (native's heads read fp32 and int8-channel)")
     heads = HeadsWeights(h, n, k, fused, np.ascontiguousarray(np.concatenate(bs), dtype=np.float32), lm, embed, eps)
     _check_heads(heads, path)
     return heads
@@ -829,8 +832,12 @@ def _check_heads(w: HeadsWeights, path: Path) -> None:
     h, n = w.hidden, w.heads
     width = (2 if w.reads_roots else 1) * h
     f32, weight = (np.float32,), (np.float32, np.int8)
-    table = [("the fused heads linear", w.fused.weight, (width, n * h), weight), ("the heads' biases", w.bias, (n * h,), f32),
-             ("the heads' projection", w.lm.weight, (h, w.lm.shape[1]), weight)]  # fmt: skip
+    table = [("the heads' biases", w.bias, (n * h,), f32)]
+    for what, m, shape in (("the fused heads linear", w.fused, (width, n * h)), ("the heads' projection", w.lm, (h, w.lm.shape[1]))):
+        if m.bits:
+            table += _nbits_rows(path, what, m, shape)
+        else:
+            table.append((what, m.weight, shape, weight))
     if w.reads_roots:
         table.append(("the next token's embedding", w.embed, (w.embed.shape[0], h), f32))
     for what, m in (("the fused heads linear", w.fused), ("the heads' projection", w.lm)):

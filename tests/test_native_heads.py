@@ -1,6 +1,6 @@
 """The Medusa heads on the native step's threads (``native_step.NativeHeads``, ``medusa_native_heads`` in C): heads of
 the pattern it computes (one residual SiLU block a head, fused into one linear, a shared projection to the draft
-vocabulary; fp32 or int8 rows; reading hidden, or hidden and the next token) give ONNX Runtime's heads graph's top-k
+vocabulary; fp32, int8 rows or int4 blocks; reading hidden, or hidden and the next token) give ONNX Runtime's heads graph's top-k
 ids and its logits to float rounding; drafted output stays the plain output; heads of another pattern run on ONNX
 Runtime beside the native step, said at info level."""
 
@@ -20,6 +20,7 @@ KINDS = {  # name: (head_input, quantize)
     "hidden-int8": ("hidden", "heads-int8"),
     "next-int8": ("hidden+next", "heads-int8"),
     "next-fp32": ("hidden+next", None),
+    "next-int4": ("hidden+next", "int4"),  # MatMulNBits blocks, the step's too
 }
 
 
