@@ -446,10 +446,12 @@ class NativeHeads:
         self.max_batch, self.hidden = max_batch, weights.hidden
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd): ``max_batch`` rows a call
+        (more rows, such as every node of a tree, in turns of that many: each row's proposals are its own)."""
         hidden = np.ascontiguousarray(arrays[HIDDEN], dtype=np.float32)  # (B, H)
         batch = hidden.shape[0] if hidden.ndim == 2 else -1
-        if not 1 <= batch <= self.max_batch or hidden.shape[1] != self.hidden:
-            raise EngineError(f"backend native: heads on hidden {hidden.shape}, not (1..{self.max_batch}, {self.hidden})")
+        if batch < 1 or hidden.shape[1] != self.hidden:
+            raise EngineError(f"backend native: heads on hidden {hidden.shape}, not (rows, {self.hidden})")
         n, k, vd = self.shape
         _expect(HEAD_TOPK, arrays.get(HEAD_TOPK), np.int64, (batch, n, k))
         _expect(HEAD_LOGITS, arrays.get(HEAD_LOGITS), np.float32, (batch, n, vd))
@@ -457,12 +459,18 @@ class NativeHeads:
         if self.reads_roots:
             roots = np.ascontiguousarray(arrays[NEXT_INPUT], dtype=np.int64)
             _expect(NEXT_INPUT, roots, np.int64, (batch,))
+        for first in range(0, batch, self.max_batch):
+            rows = slice(first, min(batch, first + self.max_batch))
+            self._run(hidden[rows], None if roots is None else roots[rows], arrays[HEAD_LOGITS][rows], arrays[HEAD_TOPK][rows])
+
+    def _run(self, hidden: np.ndarray, roots: np.ndarray | None, logits: np.ndarray, topk: np.ndarray) -> None:
+        """One call of at most ``max_batch`` rows, every array C-contiguous (row slices of checked arrays)."""
         rc = self._fn(
-            ctypes.byref(self._heads), ctypes.byref(self._step._work), batch, hidden.ctypes.data,
-            None if roots is None else roots.ctypes.data, arrays[HEAD_LOGITS].ctypes.data, arrays[HEAD_TOPK].ctypes.data,
+            ctypes.byref(self._heads), ctypes.byref(self._step._work), hidden.shape[0], hidden.ctypes.data,
+            None if roots is None else roots.ctypes.data, logits.ctypes.data, topk.ctypes.data,
             self._floats.ctypes.data, self._floats.size, self._bytes.ctypes.data, self._bytes.size,
         )  # fmt: skip
         if rc == 2:
             raise EngineError("backend native: heads' root ids outside the vocabulary")
         if rc != 0:
-            raise EngineError(f"backend native: heads: {_ERRORS.get(rc, rc)} (batch {batch})")
+            raise EngineError(f"backend native: heads: {_ERRORS.get(rc, rc)} (batch {hidden.shape[0]})")

@@ -101,3 +101,27 @@ def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path,
     assert script("engine_step_ab").main([*busy, "--rounds", "1", "--busy", "1", "--out", str(tmp_path / "busy.json")]) == 0
     assert json.loads((tmp_path / "busy.json").read_text())["busy"] == 1
     assert "beside 1 busy process" in capsys.readouterr().out
+
+
+def test_native_heads_on_more_rows_than_the_batch_take_turns(shared_engine):
+    """The heads on every node of a tree (what medusa-bench's heads cost times) on a backend sized for one row: turns of
+    one row each, ONNX Runtime's heads graph's logits on all rows at once to float rounding, and each row's proposals
+    what it gets alone."""
+    from medusa_trt.bench.heads_cost import heads_cost
+
+    runtime = MedusaRuntime(shared_engine, backend="native", max_batch=1, max_context=256, threads=2)
+    backend = runtime.backend
+    assert isinstance(backend.heads, native_step.NativeHeads) and backend.max_batch == 1
+    rng = np.random.default_rng(7)
+    hidden = (3 * rng.standard_normal((7, backend.meta.hidden_size))).astype(np.float32)
+    roots = rng.integers(0, backend.meta.vocab_size, 7) if backend.meta.reads_roots else None
+    got = backend.run_heads(hidden, roots)
+    ort = OrtHeads(open_heads(backend.files, backend.meta, heads_session_options(2), ["CPUExecutionProvider"]))
+    want = {k: np.empty_like(v) for k, v in got.items()}
+    ort({HIDDEN: hidden, **want} | ({NEXT_INPUT: roots} if roots is not None else {}))
+    np.testing.assert_allclose(got[HEAD_LOGITS], want[HEAD_LOGITS], rtol=1e-4, atol=1e-4)
+    for row in (0, 3, 6):
+        alone = backend.run_heads(hidden[row : row + 1], None if roots is None else roots[row : row + 1])
+        assert np.array_equal(alone[HEAD_TOPK][0], got[HEAD_TOPK][row]) and np.array_equal(alone[HEAD_LOGITS][0], got[HEAD_LOGITS][row])
+    cost = heads_cost(runtime)
+    assert cost["tree_nodes"] == runtime.tree.num_nodes > 1 and cost["heads_all_nodes_ms"] > 0
