@@ -103,6 +103,8 @@ typedef struct {
     const int32_t *rope_of;                /* L: each layer's rotary table */
     const float *const *attn_out_norm, *const *mlp_out_norm; /* L x (H): norms of the attention's and the MLP's
                                                                 outputs before their residual adds (Gemma-2/3) */
+    float residual_scale; /* each attention and MLP output times this before its residual add (Granite; else 1) */
+    float logit_divisor;  /* the logits: the lm_head's output over this (Granite's logits scaling; else 1) */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -595,6 +597,11 @@ static void silu_row(const float *g, const float *u, float *a, int64_t I) {
     }
 }
 
+/* x += h * scale, as the graph's Mul then Add (-ffp-contract=off: never fused into one FMA); scale 1: x += h */
+static void add_scaled_rows(float *x, const float *h, int64_t n, float scale) {
+    for (int64_t e = 0; e < n; e++) x[e] += h[e] * scale;
+}
+
 /* a = gelu(gate) * up over one row of I, one element at a time (ONNX Gelu: tanh's approximation, or erf's exact) */
 static void gelu_row(const float *g, const float *u, float *a, int64_t I, int tanh_form) {
     for (int64_t e = 0; e < I; e++) {
@@ -627,7 +634,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 6 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 7 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -686,7 +693,8 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
     if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU) return BAD_MODEL;
-    if (md->rope_tables <= 0 || !isfinite(md->embed_scale)) return BAD_MODEL;
+    if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
+    if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!md->norm_in[l] || !md->norm_post[l]) return BAD_MODEL;
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
@@ -785,11 +793,12 @@ int medusa_native_linear(const linear_t *L, const work_t *wk, const float *x, in
 }
 
 typedef struct {
-    const float *logits;
+    float *logits;
     int64_t V, I;
     float *gu, *act;
     int64_t *next_ids, *topk;
-    int k, kind; /* kind: the gate's activation */
+    int k, kind;   /* kind: the gate's activation */
+    float divisor; /* the logits over this first (1: untouched) */
 } rows_job;
 
 static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
@@ -809,6 +818,8 @@ static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_i
     (void)worker;
     const rows_job *J = ctx;
     for (int64_t m = m0; m < m1; m++) {
+        if (J->divisor != 1.0f)
+            for (int64_t e = 0; e < J->V; e++) J->logits[m * J->V + e] /= J->divisor;
         if (J->next_ids) {
             int64_t first[1];
             top_k(J->logits + m * J->V, J->V, 1, first);
@@ -838,7 +849,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t m = 0; m < M; m++) /* a node lies past its row's committed slots (a window reads slot s as position s) */
         if (pos[m] < lengths[m / T]) return BAD_POSITION;
     float *x = wk->x;
-    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act};
+    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act, .divisor = md->logit_divisor};
     for (int64_t m = 0; m < M; m++) {
         const float *e = md->embed + ids[m] * H;
         for (int64_t d = 0; d < H; d++) x[m * H + d] = e[d] * md->embed_scale; /* x 1: exact */
@@ -874,13 +885,13 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
-        for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
+        add_scaled_rows(x, wk->h, M * H, md->residual_scale);
         rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
         matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
         pool_run(wk->pool, M, 1, gate_rows, &rows);
         matmul(md->down[l], wk->act, M, wk->h, wk);
         if (md->mlp_out_norm[l]) rms_norm(wk->h, M, H, md->mlp_out_norm[l], md->eps, wk->h);
-        for (int64_t e = 0; e < M * H; e++) x[e] += wk->h[e];
+        add_scaled_rows(x, wk->h, M * H, md->residual_scale);
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);
     if (logits == NULL) return OK;
@@ -960,7 +971,7 @@ static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hi
                 h[(b * n + j) * H + d] = hidden[b * H + d] + z * (1.0f / (1.0f + expf(-z)));
             }
     matmul(hd->lm, h, B * n, head_logits, &hw); /* (B n, Vd) */
-    rows_job R = {.logits = head_logits, .V = hd->draft_vocab, .topk = head_topk, .k = hd->top_k}; /* no next_ids */
+    rows_job R = {.logits = head_logits, .V = hd->draft_vocab, .topk = head_topk, .k = hd->top_k, .divisor = 1.0f}; /* no next_ids */
     pool_run(wk->pool, B * n, 1, rank_rows, &R);
     return OK;
 }

@@ -132,6 +132,8 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("rope_tables", ctypes.c_int32),
         ("rope_of", ctypes.c_void_p),
         *((n, _TABLE) for n in ("attn_out_norm", "mlp_out_norm")),
+        ("residual_scale", ctypes.c_float),
+        ("logit_divisor", ctypes.c_float),
     ]
 
 
@@ -320,7 +322,7 @@ class NativeStep:
             table(weights.norm_in), table(weights.norm_post), *(table(linears[k]) for k in ("qkv", "o", "gate_up", "down")),
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
-            table(weights.attn_out_norm), table(weights.mlp_out_norm),
+            table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):
@@ -339,6 +341,8 @@ class NativeStep:
             raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
         weakref.finalize(self, lib.medusa_native_work_free, ctypes.byref(self._work))  # stops the pool's threads
         self.rows, self.slots = rows, slots
+        # what a step reads whatever its tokens: every packed weight and norm (the embedding: only its tokens' rows)
+        self.weight_bytes = sum(a.nbytes for a in self._keep if isinstance(a, np.ndarray) and a is not weights.embed)
 
     exact = True  # batch-invariant: every verify step is a plain step bit for bit
 

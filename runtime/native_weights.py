@@ -25,7 +25,7 @@ from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAS
 from medusa_trt.runtime.engine import EngineError
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite")
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -96,6 +96,8 @@ class Weights:
     qk_eps: float = 0.0  # the q/k norms' epsilon
     act: str = "silu"  # the MLP gate: silu, gelu_tanh or gelu (native_step.ACTIVATIONS)
     embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
+    residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
+    logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
 
 
 class NativeCannotRun(EngineError):
@@ -443,7 +445,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, "the token embedding is multiplied by something other than one constant")
         x, embed_scale = readers[0].output[0], g.scalar(constant[0])
     w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out")}
-    eps, qk_eps, masks, windows, acts, heads = set(), set(), set(), [], set(), set()
+    eps, qk_eps, masks, windows, acts, heads, residual_scales = set(), set(), set(), [], set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
@@ -483,7 +485,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
             out = g.only(out, op).output[0]
         o, out = g.linear(out)
         w["o"].append(o)
-        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps)
+        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps, residual_scales)
         w["attn_out"].append(out_norm)
         post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm")
         eps.add(float(_attr(post, "epsilon", 1e-5)))
@@ -502,7 +504,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, f"layer {layer}'s MLP does not multiply its activated gate by up")
         down, out = g.linear(prod.output[0])
         w["down"].append(down)
-        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps)
+        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
         w["mlp_out"].append(out_norm)
     if len(masks) != 1:
         raise _unsupported(step, "layers that read different attention masks")
@@ -533,10 +535,14 @@ def read_weights(step: Path, architecture: str) -> Weights:
     )
     q, kv, i = heads * dims.head_dim, kv_heads * dims.head_dim, dims.inter
     qkv_bias = [None if b is None else _joined_bias(step, layer, b, [q, kv, kv]) for layer, b in enumerate(w["qkv_bias"])]
+    lm_head, logit_divisor = _lm_head(g, step)
+    if len(residual_scales) != 1:
+        raise _unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
+    residual_scale = residual_scales.pop()
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
-                      w["gate_up"], w["down"], g.array(final.input[1]), _lm_head(g, step), qkv_bias, w["q_norm"], w["k_norm"],
+                      w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
-                      embed_scale)  # fmt: skip
+                      embed_scale, residual_scale, logit_divisor)  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -570,9 +576,10 @@ def _norm_of(g: _Graph, step: Path, x: str, what: str):
     return norms[0]
 
 
-def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set) -> tuple[str, np.ndarray | None]:
+def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set, scales: set) -> tuple[str, np.ndarray | None]:
     """The residual stream after ``out``, optionally RMS-normalized first (Gemma's post norms; its epsilon into
-    ``eps``), is added to ``x``; and that norm's weight (None: none)."""
+    ``eps``) and optionally times one constant (Granite's residual multiplier, into ``scales``; 1.0 where none), is
+    added to ``x``; and that norm's weight (None: none)."""
     weight = None
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
@@ -582,6 +589,14 @@ def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set) -> t
         eps.add(float(_attr(norm, "epsilon", 1e-5)))
         weight, out = g.array(norm.input[1]), norm.output[0]
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    scale = 1.0
+    if len(readers) == 1 and readers[0].op_type == "Mul":
+        constant = [name for name in readers[0].input if name != out]
+        if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
+            raise _unsupported(step, f"{what} is multiplied by something other than one constant")
+        scale, out = g.scalar(constant[0]), readers[0].output[0]
+        readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    scales.add(scale)
     if [n.op_type for n in readers] != ["Add"]:  # a scaled residual (Granite's multiplier), say
         found = ", ".join(n.op_type for n in readers) or "nothing"
         raise _unsupported(step, f"{what} is read by {found}, not added to the residual stream")
@@ -622,6 +637,8 @@ def check_weights(weights: Weights, path: Path) -> None:
         (all(0 <= int(r) < max(tables, 1) for r in weights.rope_of), f"rotary tables {weights.rope_of} of {tables}"),
         (weights.act in ("silu", "gelu_tanh", "gelu"), f"MLP gate {weights.act}"),
         (math.isfinite(weights.embed_scale), f"embedding scale {weights.embed_scale}"),
+        (math.isfinite(weights.residual_scale), f"residual scale {weights.residual_scale}"),
+        (math.isfinite(weights.logit_divisor) and weights.logit_divisor != 0, f"logit divisor {weights.logit_divisor}"),
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
     ):
         if not ok:
@@ -701,19 +718,33 @@ def _check_arrays(path: Path, table: list, legend: str) -> None:
             raise _malformed(path, f"{what} is not one contiguous array")
 
 
-def _lm_head(g: _Graph, step: Path) -> Linear:
+def _lm_head(g: _Graph, step: Path) -> tuple[Linear, float]:
     """The lm_head: the weight matmul reading ``hidden``, in the graph or in the logits gate's then branch (which
-    reads it through an Identity)."""
+    reads it through an Identity), whose output (or its quotient by one constant: Granite's logits scaling) is the
+    logits the step returns and ranks; and that divisor (1: none)."""
     gates = [n for n in g.nodes if n.op_type == "If"]
     if not gates:
-        return g.linear("hidden")[0]
-    if len(gates) != 1 or g.producer.get(gates[0].input[0]) is not None:
-        raise _unsupported(step, "an If other than the logits gate")
-    then = g.branch(next(a.g for a in gates[0].attribute if a.name == "then_branch").node)
-    identity = [n for n in g.consumers.get("hidden", []) if n.op_type == "Identity"]
-    if len(identity) != 1:
-        raise _unsupported(step, "a logits gate that does not read hidden")
-    return then.linear(identity[0].output[0])[0]
+        graph, source, logits = g, "hidden", {"logits"}
+    else:
+        if len(gates) != 1 or g.producer.get(gates[0].input[0]) is not None:
+            raise _unsupported(step, "an If other than the logits gate")
+        branch = next(a.g for a in gates[0].attribute if a.name == "then_branch")
+        graph = g.branch(branch.node)
+        identity = [n for n in g.consumers.get("hidden", []) if n.op_type == "Identity"]
+        if len(identity) != 1:
+            raise _unsupported(step, "a logits gate that does not read hidden")
+        source, logits = identity[0].output[0], {branch.output[0].name}
+    lm, out = graph.linear(source)
+    divisor = 1.0
+    readers = [n for n in graph.consumers.get(out, []) if n.op_type == "Div"]
+    if out not in logits and len(readers) == 1 and readers[0].input[0] == out and readers[0].input[1] in g.init:
+        divisor, out = g.scalar(readers[0].input[1]), readers[0].output[0]
+    if out not in logits:  # a soft-cap, say, between the lm_head and the logits
+        found = ", ".join(sorted(n.op_type for n in graph.consumers.get(out, []))) or "nothing"
+        raise _unsupported(step, f"the lm_head's output is read by {found} before it is the step's logits")
+    if not (math.isfinite(divisor) and divisor != 0):
+        raise _malformed(step, f"logits divided by {divisor}")
+    return lm, divisor
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20, help=f"rounds; an engine takes {BURST - 1} timed steps of each size a round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--busy", type=int, default=0, help="time beside this many processes that each keep a core busy")
-    p.add_argument("--floor", action="store_true", help="also measure the bandwidth here and print each step against the floor")
+    p.add_argument(
+        "--floor", action="store_true", help="also measure the bandwidth here and print each one-token step against its own floor"
+    )
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     engines = dict(args.engine)
@@ -103,10 +105,13 @@ def main(argv=None) -> int:
         p.exit(2, f"engine_step_ab: error: {exc}\n")
     load_end = os.getloadavg()
     floor = None
-    if args.floor:  # the first engine's weights read once at the bandwidth measured now, after the timed steps
+    if args.floor:  # each engine's weights read once at the bandwidth measured now, after the timed steps
         read = bandwidth(args.threads)
-        floor = {"weight_bytes": weight_bytes(backends[next(iter(backends))].files.step), "bytes_per_s": read}
-        floor["ms"] = floor["weight_bytes"] / read * 1e3
+        # native: the bytes of its packed weights (what a step reads); else the graph's weights file
+        own = {n: getattr(getattr(b, "kernel", None), "weight_bytes", None) or weight_bytes(b.files.step) for n, b in backends.items()}
+        first = next(iter(own))
+        floor = {"weight_bytes": own[first], "bytes_per_s": read, "ms": own[first] / read * 1e3,
+                 "engines": {n: {"weight_bytes": own[n], "ms": own[n] / read * 1e3} for n in own}}  # fmt: skip
     names = list(backends)
     nodes = {name: sum(op_counts(b.files.step).values()) for name, b in backends.items()}  # the step graph's nodes
     beside = f"; beside {args.busy} busy process{'es' if args.busy > 1 else ''}" if args.busy else ""
@@ -124,9 +129,11 @@ def main(argv=None) -> int:
         print(f"| {t} | " + " | ".join(cells) + " |")
     if floor:
         one = table.get(1)
-        print(f"\nfloor: {floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s = {floor['ms']:.2f} ms")
+        mine = floor["engines"]
+        print(f"\nfloors at {floor['bytes_per_s'] / 1e9:.1f} GB/s: " + ", ".join(
+            f"{n} {mine[n]['weight_bytes'] / 1e6:.0f} MB = {mine[n]['ms']:.2f} ms" for n in names))  # fmt: skip
         if one:
-            print("one-token step / floor (median): " + ", ".join(f"{n} {one['median_ms'][n] / floor['ms']:.2f}x" for n in names))
+            print("one-token step / floor (median): " + ", ".join(f"{n} {one['median_ms'][n] / mine[n]['ms']:.2f}x" for n in names))
     if args.out:
         write_report(
             args.out, args.threads, (load_start[0], load_end[0]), argv,

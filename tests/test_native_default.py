@@ -90,8 +90,9 @@ def test_an_export_where_native_is_slower_records_onnxruntime(stories_base, stor
 
 
 def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """Tiny Granite (a scaled embedding and residuals): onnxruntime, the reason naming the model type; rewritten to say native (a folder of
-    an older or newer medusa-trt), it still opens, on onnxruntime, with one warning; asked for by name, native raises."""
+    """Tiny OLMo-2 (norms after the attention and the MLP only): onnxruntime, the reason naming the model type;
+    rewritten to say native (a folder of an older or newer medusa-trt), it still opens, on onnxruntime, with one
+    warning; asked for by name, native raises."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
 
@@ -99,19 +100,19 @@ def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir,
         raise AssertionError("nothing is timed when native cannot run the engine")
 
     monkeypatch.setattr(backend_choice, "time_backends", never)
-    granite = load_base_model(tiny_model_dir("granite"))
-    result = _export(medusa_model(granite, random_heads(granite)), tmp_path / "granite", verify=False)
+    olmo2 = load_base_model(tiny_model_dir("olmo2"))
+    result = _export(medusa_model(olmo2, random_heads(olmo2)), tmp_path / "olmo2", verify=False)
     folder = result.files.folder
     assert read_folder_config(folder).backend == "onnxruntime"
-    why = f"native cannot run this engine (model type 'granite' is not one of {', '.join(native_weights.MODEL_TYPES)})"
+    why = f"native cannot run this engine (model type 'olmo2' is not one of {', '.join(native_weights.MODEL_TYPES)})"
     assert result.backend_choice.summary() == f"backend onnxruntime: {why}"
     assert read_drafting(folder)["backend_choice"]["step_ms"] == {}
     _rewrite_backend(folder, "native")
     with caplog.at_level(logging.WARNING, logger="medusa_trt"):
         assert MedusaRuntime(folder, threads=2).backend.name == "onnxruntime"
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'granite'" in warned[0]
-    with pytest.raises(EngineError, match="backend native cannot run .*model type 'granite'"):
+    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'olmo2'" in warned[0]
+    with pytest.raises(EngineError, match="backend native cannot run .*model type 'olmo2'"):
         MedusaRuntime(folder, backend="native", threads=2)
 
 

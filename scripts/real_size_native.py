@@ -1,0 +1,127 @@
+"""The native step on models of real size (a benchmark, not a test): random weights of real shapes, exported as plain
+engines (no heads) for native in fp32, int8-channel and int4, then each engine's one- and eight-token steps side by
+side with its own memory floor (``engine_step_ab.py --floor``: its packed weights read once at the bandwidth measured
+in the same run).
+
+    .venv/bin/python scripts/real_size_native.py --shape llama-1b --shape qwen-0.5b --root build/real-size export
+    .venv/bin/python scripts/real_size_native.py --shape llama-1b --shape qwen-0.5b --root build/real-size time \\
+        --out docs/real-size-native.json
+
+``export`` saves each shape once as a safetensors folder with the stories260K tokenizer (its model vocabulary is the
+shape's; only a step's timing is measured, never text) and exports ``SHAPE/fp32/model.onnx`` (``--no-verify``: a 1B
+model's verification would hold a second copy), then quantizes copies of it; folders that exist are reused.
+``time`` runs engine_step_ab.py on each shape's engines, native, in one process each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
+
+COMMON = dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+SHAPES = {  # transformers config overrides: the public checkpoints' shapes
+    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0)),  # Llama-3.2-1B
+    "qwen-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2, use_sliding_window=False)),  # Qwen2.5-0.5B
+    "qwen-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                num_attention_heads=12, num_key_value_heads=2, use_sliding_window=False)),  # Qwen2.5-1.5B
+}  # fmt: skip
+MODES = ("fp32", "int8-channel", "int4")
+MAX_CONTEXT = 512
+
+log = logging.getLogger("real_size_native")
+
+
+def make_model(folder: Path, shape: str) -> None:
+    """Random weights of ``shape`` (initializer range 0.02, norms and biases perturbed) saved as safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_trt.exporter import load_base_model
+
+    if (folder / "config.json").is_file():
+        log.info("%s exists: reused", folder)
+        return
+    model_type, overrides = SHAPES[shape]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(COMMON | overrides)))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.save_pretrained(folder, max_shard_size="1GB")
+    load_base_model(STORIES).tokenizer.save_pretrained(folder)
+    log.info("%s: %.2fB parameters", shape, sum(p.numel() for p in model.parameters()) / 1e9)
+
+
+def export(root: Path, shape: str) -> None:
+    from medusa_trt.cli.export import main as export_main
+    from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
+    from medusa_trt.runtime.engine import EngineFiles, read_meta
+    from medusa_trt.runtime.manifest import write_manifest
+
+    model = root / shape / "model"
+    make_model(model, shape)
+    fp32 = root / shape / "fp32" / "model.onnx"
+    if not fp32.is_file():
+        fp32.parent.mkdir(parents=True, exist_ok=True)
+        argv = ["--model", str(model), "--out", str(fp32), "--max-batch", "1", "--max-context", str(MAX_CONTEXT), "--no-verify"]
+        if export_main(argv) != 0:
+            raise SystemExit(f"export of {shape} failed")
+    for mode in MODES[1:]:
+        folder = root / shape / mode
+        if (folder / "model.onnx").is_file():
+            continue
+        shutil.copytree(fp32.parent, folder)
+        files = EngineFiles.locate(folder / "model.onnx")
+        meta = dataclasses.replace(read_meta(files.step), quantization=mode)
+        quantize_engine(files, meta, QuantizeConfig(mode))
+        write_manifest(files)
+        log.info("%s %s written", shape, mode)
+
+
+def time_shape(root: Path, shape: str, rounds: int, threads: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_step_ab import main as ab_main
+
+    out = root / shape / "steps.json"
+    argv = [arg for mode in MODES for arg in ("--engine", f"{mode}={root / shape / mode / 'model.onnx'}@native")]
+    argv += ["--context", "256", "--tokens", "1", "--tokens", "8", "--rounds", str(rounds), "--threads", str(threads), "--floor"]
+    print(f"\n## {shape}")
+    if ab_main([*argv, "--out", str(out)]) != 0:
+        raise SystemExit(f"timing {shape} failed")
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("export", "time"))
+    p.add_argument("--shape", action="append", choices=sorted(SHAPES), help="a shape (repeat; default llama-1b and qwen-0.5b)")
+    p.add_argument("--root", type=Path, default=ROOT / "build" / "real-size")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, help="time: the figures of every shape as one JSON file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shapes = args.shape or ["llama-1b", "qwen-0.5b"]
+    if args.what == "export":
+        for shape in shapes:
+            export(args.root, shape)
+        return 0
+    reports = {shape: time_shape(args.root, shape, args.rounds, args.threads) for shape in shapes}
+    if args.out:
+        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "shapes": reports}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
