@@ -90,7 +90,7 @@ typedef struct {
     const float *embed;      /* (V, H) */
     const float *norm_final; /* (H) */
     const linear_t *lm_head; /* H -> V */
-    const float *const *norm_in, *const *norm_post;                            /* L x (H) */
+    const float *const *norm_in, *const *norm_post; /* L x (H); NULL: the next matmul reads the residual stream itself */
     const linear_t *const *qkv, *const *o, *const *gate_up, *const *down;      /* L x linear */
     /* per layer, each entry NULL where the layer has none: */
     const float *const *qkv_bias;          /* L x ((Hq + 2 Hkv) D): q, k and v biases, added after the q/k/v matmul */
@@ -105,6 +105,7 @@ typedef struct {
                                                                 outputs before their residual adds (Gemma-2/3) */
     float residual_scale; /* each attention and MLP output times this before its residual add (Granite; else 1) */
     float logit_divisor;  /* the logits: the lm_head's output over this (Granite's logits scaling; else 1) */
+    int32_t qk_norm_whole; /* q_norm / k_norm span the whole (Hq D) / (Hkv D) projection, not one head (OLMo-2) */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -634,7 +635,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 7 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 8 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -689,14 +690,13 @@ int medusa_native_check_model(const model_t *md) {
     if (L <= 0 || H <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || D % 2 != 0 || I <= 0 || V <= 0)
         return BAD_MODEL;
     if (!(md->eps > 0.0f) || !(md->scale > 0.0f) || !isfinite(md->eps) || !isfinite(md->scale)) return BAD_MODEL;
-    if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL;
+    if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL; /* entries may be NULL */
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
     if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
-        if (!md->norm_in[l] || !md->norm_post[l]) return BAD_MODEL;
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
             !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
@@ -856,8 +856,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         for (int r = 0; r < md->rope_tables; r++) rope_table(D, pos[m], md->inv_freq + r * (D / 2), wk->rot + (r * M + m) * D);
     }
     for (int64_t l = 0; l < L; l++) {
-        rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
-        matmul(md->qkv[l], wk->h, M, wk->qkv, wk);
+        if (md->norm_in[l]) rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
+        matmul(md->qkv[l], md->norm_in[l] ? wk->h : x, M, wk->qkv, wk);
         const float *bias = md->qkv_bias[l], *qn = md->q_norm[l], *kn = md->k_norm[l];
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) { /* per row, per head: the bias, the q/k norms, the rotary */
@@ -865,9 +865,11 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                 const float *rot = wk->rot + (md->rope_of[l] * M + b * T + t) * D;
                 if (bias)
                     for (int64_t e = 0; e < QKV; e++) r[e] += bias[e];
-                if (qn)
+                if (qn && md->qk_norm_whole) rms_norm(r, 1, Hq * D, qn, md->qk_eps, r);
+                if (kn && md->qk_norm_whole) rms_norm(r + Hq * D, 1, Hkv * D, kn, md->qk_eps, r + Hq * D);
+                if (qn && !md->qk_norm_whole)
                     for (int64_t h = 0; h < Hq; h++) rms_norm(r + h * D, 1, D, qn, md->qk_eps, r + h * D);
-                if (kn)
+                if (kn && !md->qk_norm_whole)
                     for (int64_t h = 0; h < Hkv; h++) rms_norm(r + (Hq + h) * D, 1, D, kn, md->qk_eps, r + (Hq + h) * D);
                 for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, rot, wk->q + ((b * Hq + h) * T + t) * D);
                 for (int64_t h = 0; h < Hkv; h++) {
@@ -886,8 +888,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
         add_scaled_rows(x, wk->h, M * H, md->residual_scale);
-        rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
-        matmul(md->gate_up[l], wk->h, M, wk->gu, wk);
+        if (md->norm_post[l]) rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
+        matmul(md->gate_up[l], md->norm_post[l] ? wk->h : x, M, wk->gu, wk);
         pool_run(wk->pool, M, 1, gate_rows, &rows);
         matmul(md->down[l], wk->act, M, wk->h, wk);
         if (md->mlp_out_norm[l]) rms_norm(wk->h, M, H, md->mlp_out_norm[l], md->eps, wk->h);

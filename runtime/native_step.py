@@ -134,6 +134,7 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         *((n, _TABLE) for n in ("attn_out_norm", "mlp_out_norm")),
         ("residual_scale", ctypes.c_float),
         ("logit_divisor", ctypes.c_float),
+        ("qk_norm_whole", ctypes.c_int32),
     ]
 
 
@@ -299,8 +300,16 @@ class NativeStep:
         self._fn = lib.medusa_native_step
         self.threads = _threads(threads, lib)
         self.dims = d = weights.dims
-        self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final, *weights.norm_in, *weights.norm_post]
-        optional = (*weights.qkv_bias, *weights.q_norm, *weights.k_norm, *weights.attn_out_norm, *weights.mlp_out_norm)
+        self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final]
+        optional = (
+            *weights.norm_in,
+            *weights.norm_post,
+            *weights.qkv_bias,
+            *weights.q_norm,
+            *weights.k_norm,
+            *weights.attn_out_norm,
+            *weights.mlp_out_norm,
+        )
         self._keep += [a for a in optional if a is not None]
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
         rope_of = np.ascontiguousarray(weights.rope_of, dtype=np.int32)
@@ -323,6 +332,7 @@ class NativeStep:
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
             table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
+            int(weights.qk_norm_whole),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

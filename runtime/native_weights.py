@@ -25,7 +25,7 @@ from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAS
 from medusa_trt.runtime.engine import EngineError
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite", "olmo2")
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -78,10 +78,10 @@ class Weights:
     dims: Dims
     inv_freq: np.ndarray  # (R, D / 2): each rotary table's inverse frequencies (R: 1, or 2 for local / global bases)
     embed: np.ndarray  # (V, H)
-    norm_in: list[np.ndarray]  # L x (H)
+    norm_in: list[np.ndarray | None]  # L x (H); None: the layer's q/k/v matmul reads the residual stream itself
     qkv: list[Linear]  # L x (H, (Hq + 2 Hkv) D)
     o: list[Linear]  # L x (Hq D, H)
-    norm_post: list[np.ndarray]
+    norm_post: list[np.ndarray | None]  # None: the gate/up matmul reads the residual stream itself
     gate_up: list[Linear]  # L x (H, 2 I): gate then up
     down: list[Linear]  # L x (I, H)
     norm_final: np.ndarray  # (H)
@@ -98,6 +98,7 @@ class Weights:
     embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
+    qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, (Hq D) / (Hkv D), not one head (OLMo-2)
 
 
 class NativeCannotRun(EngineError):
@@ -341,7 +342,7 @@ def _qkv_parts(g: _Graph, step: Path, layer: int, out: str, width: int) -> tuple
 def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
     """One of q, k, v from its slice of the q/k/v matmul to its (B, heads, T, D) layout: an optional bias Add, the
     Reshape to heads and the Transpose, with an optional RMS norm of each head (q and k) before or after the Transpose.
-    (bias, norm weight, norm eps, out)."""
+    (bias, norm weight, norm eps, out, whether that norm spans the whole projection)."""
     bias = weight = None
     eps = 0.0
     readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
@@ -351,11 +352,20 @@ def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
         if len(constant) != 1 or constant[0] not in g.init:
             raise _unsupported(step, f"layer {layer}'s {what} is added to a computed value, not a bias")
         bias, part = g.array(constant[0]).reshape(-1), add.output[0]
+    readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
+    whole = len(readers) == 1 and readers[0].op_type == "RMSNormalization"
+    if whole:  # a norm of the whole projection, all heads at once (OLMo-2)
+        norm = readers[0]
+        if what == "v" or _attr(norm, "axis", -1) != -1:
+            raise _unsupported(step, f"layer {layer}'s {what} is normalized other than over its whole projection")
+        weight, eps, part = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
     out = g.only(part, "Reshape").output[0]
     for op in ("Transpose", None):  # a head norm reads the (B, T, heads, D) view or the (B, heads, T, D) transpose
         readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
-        if len(readers) == 1 and readers[0].op_type == "RMSNormalization" and weight is None:
+        if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
             norm = readers[0]
+            if weight is not None:
+                raise _unsupported(step, f"layer {layer}'s {what} is normalized twice")
             if what == "v" or _attr(norm, "axis", -1) not in (-1, 3):
                 raise _unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
             weight, eps, out = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
@@ -365,7 +375,7 @@ def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
         if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
             raise _unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
         out = transpose.output[0]
-    return bias, weight, eps, out
+    return bias, weight, eps, out, whole
 
 
 def _rotary_table(g: _Graph, step: Path, rotary) -> np.ndarray:
@@ -445,18 +455,20 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise _unsupported(step, "the token embedding is multiplied by something other than one constant")
         x, embed_scale = readers[0].output[0], g.scalar(constant[0])
     w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out")}
-    eps, qk_eps, masks, windows, acts, heads, residual_scales = set(), set(), set(), [], set(), set(), set()
+    eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
     for layer in range(layers):
-        norm = _norm_of(g, step, x, f"layer {layer}'s input norm")
-        eps.add(float(_attr(norm, "epsilon", 1e-5)))
-        w["norm_in"].append(g.array(norm.input[1]))
-        qkv, out = g.linear(norm.output[0])
+        norm = _norm_of(g, step, x, f"layer {layer}'s input norm", optional=True)  # OLMo-2 has none
+        if norm is not None:
+            eps.add(float(_attr(norm, "epsilon", 1e-5)))
+        w["norm_in"].append(None if norm is None else g.array(norm.input[1]))
+        qkv, out = g.linear(x, beside=("Add",)) if norm is None else g.linear(norm.output[0])
         w["qkv"].append(qkv)
         parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
-        (qb, qn, qe, q), (kb, kn, ke, k), (vb, _, _, v) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
+        (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
+        spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
         attention = attentions[layer]
         q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
         if q_rot.input[0] != q or k_rot.input[0] != k or g.only(q_rot.output[0], "Reshape").output[0] != attention.input[0]:
@@ -487,10 +499,11 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["o"].append(o)
         x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps, residual_scales)
         w["attn_out"].append(out_norm)
-        post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm")
-        eps.add(float(_attr(post, "epsilon", 1e-5)))
-        w["norm_post"].append(g.array(post.input[1]))
-        gu, out = g.linear(post.output[0])
+        post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm", optional=True)
+        if post is not None:
+            eps.add(float(_attr(post, "epsilon", 1e-5)))
+        w["norm_post"].append(None if post is None else g.array(post.input[1]))
+        gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
         w["gate_up"].append(gu)
         halves = g.only(out, "Split")
         if len(halves.output) != 2:
@@ -539,10 +552,12 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if len(residual_scales) != 1:
         raise _unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
     residual_scale = residual_scales.pop()
+    if len(spans) > 1:
+        raise _unsupported(step, "q/k norms of whole projections beside norms of single heads")
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
-                      embed_scale, residual_scale, logit_divisor)  # fmt: skip
+                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()))  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -567,9 +582,12 @@ def _gate(g: _Graph, step: Path, layer: int, gate: str) -> tuple[str, str]:
     return "silu", silu.output[0]
 
 
-def _norm_of(g: _Graph, step: Path, x: str, what: str):
-    """The one RMSNormalization reading the residual stream ``x`` (the residual Add reads it too)."""
+def _norm_of(g: _Graph, step: Path, x: str, what: str, optional: bool = False):
+    """The one RMSNormalization reading the residual stream ``x`` (the residual Add reads it too); None where
+    ``optional`` and no norm reads it (the next linear reads the stream itself: OLMo-2's layers)."""
     norms = [n for n in g.consumers.get(x, []) if n.op_type == "RMSNormalization"]
+    if optional and not norms:
+        return None
     others = [n.op_type for n in g.consumers.get(x, []) if n.op_type not in ("RMSNormalization", "Add", "Identity")]
     if len(norms) != 1 or others or norms[0].input[0] != x or _attr(norms[0], "axis", -1) != -1:
         raise _unsupported(step, f"{what} is not one RMS norm of the residual stream")
@@ -671,11 +689,12 @@ def check_weights(weights: Weights, path: Path) -> None:
               for r in range(tables)]  # fmt: skip
     linears = [("the lm_head", weights.lm_head, (H, V))]
     for layer in range(d.layers):
-        table += [(f"layer {layer}'s input norm", weights.norm_in[layer], (H,), f32),
-                  (f"layer {layer}'s post-attention norm", weights.norm_post[layer], (H,), f32)]  # fmt: skip
-        optional = ((f"layer {layer}'s q/k/v bias", weights.qkv_bias, ((Hq + 2 * Hkv) * D,)),
-                    (f"layer {layer}'s query-head norm", weights.q_norm, (D,)),
-                    (f"layer {layer}'s key-head norm", weights.k_norm, (D,)),
+        q_span, k_span = (Hq * D, Hkv * D) if weights.qk_norm_whole else (D, D)
+        optional = ((f"layer {layer}'s input norm", weights.norm_in, (H,)),
+                    (f"layer {layer}'s post-attention norm", weights.norm_post, (H,)),
+                    (f"layer {layer}'s q/k/v bias", weights.qkv_bias, ((Hq + 2 * Hkv) * D,)),
+                    (f"layer {layer}'s query norm", weights.q_norm, (q_span,)),
+                    (f"layer {layer}'s key norm", weights.k_norm, (k_span,)),
                     (f"layer {layer}'s attention output norm", weights.attn_out_norm, (H,)),
                     (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]

@@ -140,7 +140,7 @@ def stories_fitted(stories_base):
 
 
 def _tiny_config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config
+    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=512,
@@ -162,14 +162,14 @@ def _tiny_config(kind: str):
         return MistralConfig(**common, sliding_window=None)
     if kind == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
-    if kind == "olmo2":  # norms after the attention and the MLP only, q/k norms over whole projections: native refuses it
-        return Olmo2Config(**common)
+    if kind == "gpt_neox":  # layer norms, a parallel residual, partial rotary: a graph native refuses
+        return GPTNeoXConfig(**common, rotary_pct=0.5)
     raise ValueError(kind)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, stories_base):
-    """Random tiny Llama / Mistral / Qwen2 / OLMo-2 saved as Hugging Face folders (config.json +
+    """Random tiny Llama / Mistral / Qwen2 / GPT-NeoX saved as Hugging Face folders (config.json +
     safetensors) with the stories260K tokenizer, loaded back through the folder path."""
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +177,7 @@ def tiny_model_dir(tmp_path_factory, stories_base):
 
     def make(kind: str) -> Path:
         if kind not in made:
-            torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3, "olmo2": 4}[kind])
+            torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3, "gpt_neox": 4}[kind])
             model = AutoModelForCausalLM.from_config(_tiny_config(kind))
             folder = tmp_path_factory.mktemp(f"tiny-{kind}")
             model.save_pretrained(folder)

@@ -253,17 +253,17 @@ def test_int8_channel_drafted_output_equals_its_plain_output(int8_engine, storie
 
 
 def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
-    """Norms after the attention only (OLMo-2's graph, read as if it were a Llama), other quantizers, another model type:
-    one line each."""
+    """Layer norms (GPT-NeoX's graph, read as if it were a Llama), other quantizers, another model type: one line
+    each."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
 
-    olmo2 = load_base_model(tiny_model_dir("olmo2"))
-    path = export_engine("tiny-olmo2-random", medusa_model(olmo2, random_heads(olmo2)))
-    with pytest.raises(EngineError, match=r"backend native cannot run .*: layer 0's input norm is not one RMS norm of the residual"):
+    neox = load_base_model(tiny_model_dir("gpt_neox"))
+    path = export_engine("tiny-gpt_neox-random", medusa_model(neox, random_heads(neox)))
+    with pytest.raises(EngineError, match=r"backend native cannot run .*: its step graph has .*LayerNormalization"):
         native_weights.read_weights(path, "llama")
     types = ", ".join(native_weights.MODEL_TYPES)
-    with pytest.raises(EngineError, match=f"model type 'olmo2' is not one of {types}; use backend onnxruntime"):
+    with pytest.raises(EngineError, match=f"model type 'gpt_neox' is not one of {types}; use backend onnxruntime"):
         open_native(path)
     quantized = export_engine("stories-fitted-int8", medusa_model(stories_base, stories_fitted), quantize="int8")
     with pytest.raises(EngineError, match=r"its step graph has .*DynamicQuantizeLinear.* nodes") as info:
@@ -454,9 +454,9 @@ def test_export_refuses_native_for_a_model_type_it_never_runs_before_any_work(ti
 
     monkeypatch.setattr(onnx_export, "_export_step", lambda *a, **k: pytest.fail("traced before the refusal"))
     out = tmp_path / "engine"
-    assert main(["--model", str(tiny_model_dir("olmo2")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2
+    assert main(["--model", str(tiny_model_dir("gpt_neox")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"backend native cannot run {out}: model type 'olmo2'" in err[0], err
+    assert len(err) == 1 and f"backend native cannot run {out}: model type 'gpt_neox'" in err[0], err
     assert not out.exists()
 
 
