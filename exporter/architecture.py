@@ -13,6 +13,11 @@ unchanged. What the tree attention must honour is read from the model itself, in
    A keyword the tree attention does not implement is refused, never dropped: an engine that
    generates other text than its model is the worst failure this project can have.
 
+The attention function gets its per-forward scratch (the probe here, the step's KV cache in
+``exporter/wrapper.py``) from the ``medusa_kv`` keyword where the model threads its forward's
+``**kwargs`` down to attention, else from ``attention_scratch``, a context variable set around the
+forward: StableLM and Nemotron call the interface but their decoder layers drop ``**kwargs``.
+
 The result is an ``AttentionPlan``: one frozen ``LayerAttention`` per layer, the KV cache
 geometry, and the features the engine's forms of the attention must implement.
 """
@@ -20,7 +25,11 @@ geometry, and the features the engine's forms of the attention must implement.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,6 +65,31 @@ _FEATURE_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "scaling"})
 
 class UnsupportedModelError(MedusaError):
     """The model has a feature the tree attention cannot verify with a KV cache and a tree mask."""
+
+
+class ExporterBugError(MedusaError):
+    """This project's own code failed on a model (not the model's fault): the message asks for a report."""
+
+
+# The attention function's scratch for the forward in progress (a Probe, or exporter/wrapper.py's _StepKV).
+# A context variable, not a module attribute: set and reset around one forward, per thread, so it reaches
+# the attention of models whose layers do not pass **kwargs on, and never outlives the call that set it.
+_SCRATCH: ContextVar[object | None] = ContextVar("medusa_kv", default=None)
+
+
+@contextmanager
+def attention_scratch(scratch) -> Iterator[None]:
+    """Make ``scratch`` what ``current_scratch()`` returns inside the block (torch.export traces through it)."""
+    token = _SCRATCH.set(scratch)
+    try:
+        yield
+    finally:
+        _SCRATCH.reset(token)
+
+
+def current_scratch():
+    """The scratch of the forward in progress (None: plain ``transformers`` use of the model)."""
+    return _SCRATCH.get()
 
 
 @dataclass(frozen=True)
@@ -156,7 +190,7 @@ def _expected_window(config, layer: int) -> int | None:
 
 
 class Probe:
-    """Passed as ``medusa_kv`` through one forward: the attention function records each call here."""
+    """The scratch of one forward (``medusa_kv``, ``attention_scratch``): the attention function records each call here."""
 
     def __init__(self):
         self.calls: list[tuple[torch.nn.Module, tuple[int, ...], tuple[int, ...], dict]] = []
@@ -197,23 +231,32 @@ def _layer_attention(kind: str, i: int, module, kwargs: dict, head_dim: int) -> 
 
 def probe_attention(model, attend) -> AttentionPlan:
     """Run ``model`` (a transformers causal LM whose attention implementation routes to the tree
-    attention) on two tokens with ``attend(probe)`` as its ``medusa_kv`` keyword, and read what
-    every layer's attention call asks for. Raises UnsupportedModelError on anything it cannot serve."""
+    attention) on two tokens with ``attend(probe)`` as its scratch (the ``medusa_kv`` keyword and
+    ``attention_scratch``), and read what every layer's attention call asks for. Raises
+    UnsupportedModelError on anything it cannot serve, ExporterBugError where our own code fails."""
     config = model.config
     kind = getattr(config, "model_type", type(config).__name__)
     probe = Probe()
     ids = torch.zeros((1, 2), dtype=torch.long, device=next(model.parameters()).device)
+    scratch = attend(probe)
     try:
-        with torch.no_grad():
-            model(input_ids=ids, position_ids=torch.arange(2, device=ids.device)[None], use_cache=False, medusa_kv=attend(probe))
+        with torch.no_grad(), attention_scratch(scratch):
+            model(input_ids=ids, position_ids=torch.arange(2, device=ids.device)[None], use_cache=False, medusa_kv=scratch)
     except UnsupportedModelError:
         raise
-    except (TypeError, ValueError, RuntimeError, AttributeError, NotImplementedError) as exc:
-        reason = " ".join(str(exc).split())[:200]
-        raise _refuse(kind, f"a forward the tree attention cannot drive ({type(exc).__name__}: {reason})", "open an issue") from exc
+    except Exception as exc:  # whose failure: ours is a bug to report, the model's a forward we cannot drive
+        ours = _our_frame(exc, model)
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        if ours is not None:
+            raise ExporterBugError(
+                f"medusa-trt's {ours} failed on {kind} (layer {len(probe.calls)}, {reason}): this is a medusa-trt bug, please report it"
+            ) from exc
+        if not isinstance(exc, (TypeError, ValueError, RuntimeError, AttributeError, NotImplementedError)):
+            raise
+        raise _refuse(kind, f"a forward the tree attention cannot drive ({reason})", "open an issue") from exc
     layers = getattr(config, "num_hidden_layers", None)
     if not probe.calls:
-        raise _refuse(kind, "no layer that attends through transformers' attention interface (recurrent or custom attention)")
+        raise _no_attention_calls(kind, model)
     if layers is not None and len(probe.calls) != layers:
         raise _refuse(kind, f"{len(probe.calls)} attention calls for {layers} layers (recurrent, linear-attention or shared layers)")
     _, q_shape, k_shape, _ = probe.calls[0]
@@ -236,3 +279,54 @@ def probe_attention(model, attend) -> AttentionPlan:
             )
         plan.append(layer)
     return AttentionPlan(kind, tuple(plan), num_q, num_kv, head_dim)
+
+
+# where this project's code lies (the repository root is the package: its .venv and build/ are not ours)
+_PACKAGE = Path(__file__).resolve().parents[1]
+_OUR_CODE = tuple(_PACKAGE / name for name in ("exporter", "plugins", "runtime"))
+_OUR_PARTS = {"exporter/wrapper.py": "tree attention", "exporter/architecture.py": "attention probe", "exporter/experts.py": "experts"}
+
+
+def _our_frame(exc: BaseException, model) -> str | None:
+    """What of ours failed in ``model``'s forward (``tree attention (exporter/wrapper.py:107 in
+    _medusa_tree_attention)``); None: the model did.
+
+    Past the frame that called the model, the innermost frame in this project's code or in the model's
+    (transformers, or the folder of the model's own class: remote code) decides: a library either side
+    calls (torch, a test's stand-in) fails on that caller's behalf. Our attention function runs inside the
+    model's forward, so a failure in it has our frame innermost; one in the model's code has the model's."""
+    import inspect
+    from importlib.util import find_spec
+
+    model_code = [Path(find_spec("transformers").origin).resolve().parent]
+    try:
+        model_code.append(Path(inspect.getfile(type(model))).resolve().parent)
+    except (TypeError, OSError):  # a class without a source file (built in a REPL): transformers' frames decide
+        pass
+    tb, innermost = exc.__traceback__.tb_next, None  # the first frame is the caller's (probe_attention)
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if any(path.is_relative_to(root) for root in model_code):
+            innermost = None
+        elif any(path.is_relative_to(root) for root in _OUR_CODE):
+            innermost = (path, tb.tb_lineno, tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if innermost is None:
+        return None
+    path, line, function = innermost
+    where = path.relative_to(_PACKAGE)
+    what = _OUR_PARTS.get(where.as_posix(), "tree attention" if where.parts[0] == "plugins" else "export wrapper")
+    return f"{what} ({where}:{line} in {function})"
+
+
+def _no_attention_calls(kind: str, model) -> UnsupportedModelError:
+    """Why no layer of ``model`` reached the attention interface, named from its modules."""
+    inline = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
+    if not inline:
+        return _refuse(
+            kind, "no layer that attends through transformers' attention interface (no attention modules: recurrent or state-space)"
+        )
+    return UnsupportedModelError(
+        f"model architecture {kind!r} computes attention inside its own modules ({', '.join(inline[:3])}), not through "
+        "transformers' AttentionInterface, so the tree attention cannot take its place: open an issue with the model's name"
+    )

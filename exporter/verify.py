@@ -60,7 +60,11 @@ class VerificationError(MedusaError):
 
 
 def _diff(a: torch.Tensor, b: np.ndarray) -> float:
-    return float(np.abs(a.detach().float().cpu().numpy() - b.astype(np.float32)).max()) if b.size else 0.0
+    """The largest absolute difference; inf where either side holds a NaN (NaN > tolerance is False: never a pass)."""
+    if not b.size:
+        return 0.0
+    diff = np.abs(a.detach().float().cpu().numpy() - b.astype(np.float32))
+    return float("inf") if np.isnan(diff).any() else float(diff.max())
 
 
 def numpy_dtype(dtype: torch.dtype):

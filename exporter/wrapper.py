@@ -2,9 +2,12 @@
 
 ``MedusaModel.forward`` scores T new tokens per sequence against the committed KV cache under a
 tree mask. It wraps the ``transformers`` model as it is: the only hook is a registered attention
-function (``medusa_tree``) that reads the committed cache of its layer and the visibility bias
-from the call's kwargs, so the model's own projections, rotary embeddings, norms and MLPs run
-unchanged. Without those kwargs the function falls back to SDPA, so the same model object still
+function (``medusa_tree``) that reads the committed cache of its layer from the step's scratch
+(``_StepKV``) and the visibility bias from its mask argument, so the model's own projections, rotary
+embeddings, norms and MLPs run unchanged. The scratch arrives as the ``medusa_kv`` keyword where the
+model passes its forward's kwargs down to attention, else through ``attention_scratch`` (a context
+variable set around the forward: StableLM's and Nemotron's decoder layers drop the kwargs). Outside
+a step the function runs the attention the model was loaded with, so the same model object still
 serves ``transformers`` ``generate()``.
 
 Two forms of the attention: ``attention_form = "onnx"`` (the default) is the reference math in
@@ -29,7 +32,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from medusa_trt.exporter.architecture import AttentionPlan, Probe, UnsupportedModelError, probe_attention, record_call
+from medusa_trt.exporter.architecture import (
+    AttentionPlan,
+    Probe,
+    UnsupportedModelError,
+    attention_scratch,
+    current_scratch,
+    probe_attention,
+    record_call,
+)
 from medusa_trt.exporter.experts import use_export_experts
 from medusa_trt.exporter.heads import MedusaHeads
 from medusa_trt.exporter.models import BaseModel
@@ -43,7 +54,7 @@ ATTENTION_FORMS = ("onnx", "plugin")  # standard ops | one custom node per layer
 
 @dataclass
 class _StepKV:
-    """Per-call scratch passed to every attention layer through the model's kwargs."""
+    """Per-call scratch for every attention layer: the ``medusa_kv`` keyword, else ``current_scratch()``."""
 
     past_key: torch.Tensor  # [S, layers, B, Hkv, D] committed cache (slot-major: its first S slots are contiguous)
     past_value: torch.Tensor  # [S, layers, B, Hkv, D]
@@ -101,6 +112,8 @@ def _medusa_tree_attention(module, query, key, value, attention_mask, scaling=No
     Returns ([B, T, Hq, D], None) like the built-in implementations. The layer's attention features
     arrive as keywords (``sliding_window``, ``softcap``, ``s_aux`` sinks) and are honoured here in
     every form; ``exporter/architecture.py`` refuses, at load, any keyword not implemented."""
+    if medusa_kv is None:  # a model whose layers drop **kwargs (Nemotron, StableLM): the scratch set around the forward
+        medusa_kv = current_scratch()
     if medusa_kv is None:  # plain transformers use of the same model object
         return _original_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(medusa_kv, Probe):  # MedusaModel's load-time probe: what does this layer ask for?
@@ -172,6 +185,10 @@ class MedusaModel(nn.Module):
         config = self.base.config
         if config._attn_implementation != ATTN_IMPLEMENTATION:  # kept for plain transformers use (_original_attention)
             config._medusa_original_attention = config._attn_implementation
+        # routes every family whose attention classes look the implementation up in transformers' AttentionInterface,
+        # StableLM too: its _supports_attention_backend = False (read by vLLM and TGI, not by this routing) reflects that
+        # its layers drop **kwargs, which the scratch's context variable covers. A family computing attention in its own
+        # modules (Bloom, Falcon, GPT-Neo, MPT) keeps it: transformers only warns, and the probe refuses it by name.
         self.base.set_attn_implementation(ATTN_IMPLEMENTATION)
         use_export_experts(self.base)  # MoE blocks: an experts implementation that exports (exporter/experts.py)
         self.attention: AttentionPlan = probe_attention(self.base, lambda probe: probe)  # refuses what it cannot serve
@@ -255,15 +272,16 @@ class MedusaModel(nn.Module):
         else:
             bias = scattered_bias(cache_lengths, tree_mask, key_slots, past_key.shape[0], self.kv_spec.dtype)  # (B, 1, T, S)
         # the whole causal LM, so its own logit processing (final soft-capping, Granite's logits scaling) stays in
-        out = self.base(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=bias,  # 4D: passed through untouched to the attention function
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=0,
-            medusa_kv=kv,
-        )
+        with attention_scratch(kv):
+            out = self.base(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=bias,  # 4D: passed through untouched to the attention function
+                use_cache=False,
+                output_hidden_states=True,
+                logits_to_keep=0,
+                medusa_kv=kv,
+            )
         logits = out.logits  # (B, T, V)
         # hidden_states[-1] is the decoder's output after its final norm (transformers ties it to last_hidden_state)
         hidden = out.hidden_states[-1 if self.head_layer is None else self.head_layer + 1]  # (B, T, H)
