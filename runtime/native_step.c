@@ -451,6 +451,49 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
         _mm512_storeu_ps(out[i] + 16, f[i][1]);
     }
 }
+#elif I8_MADD
+/* AVX2: each block's integer sums with vpmaddwd over int16-widened values (exact, as sums_madd), 16 outputs (one half
+ * of the group) and one row at a time, then the generic build's float epilogue: the same bits as every other build. */
+static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
+    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
+    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
+    const uint8_t *wg = (const uint8_t *)L->w + g * blocks * quads * qbytes;
+    const float *ws = L->scale + g * blocks * BLOCK;
+    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < mb; i++) {
+        const int8_t *xq = (const int8_t *)wk->xq + (m + i) * kpad;
+        float f[BLOCK] = {0};
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t row = (m + i) * wk->max_blocks + b;
+            for (int half = 0; half < 2; half++) {
+                __m256i acc[4];
+                for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_si256();
+                for (int64_t q = 0; q < quads; q++) {
+                    const uint8_t *w = wg + (b * quads + q) * qbytes;
+                    int32_t quad;
+                    memcpy(&quad, xq + b * L->block + q * 4, 4);
+                    const __m256i x = _mm256_cvtepi8_epi16(_mm_set1_epi32(quad)); /* the row's 4 values, 4 times */
+                    for (int j = 0; j < 4; j++) { /* outputs 4j..4j+3 of this half, 4 k's each */
+                        __m128i v = _mm_loadu_si128((const __m128i *)(w + (four ? 0 : half * 64) + 16 * j));
+                        if (four) v = half ? _mm_and_si128(_mm_srli_epi16(v, 4), low) : _mm_and_si128(v, low);
+                        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_cvtepu8_epi16(v), x));
+                    }
+                }
+                for (int j = 0; j < 4; j++) { /* lanes: output 4j + o's two pair sums at 2o, 2o + 1 */
+                    int32_t lanes[8];
+                    _mm256_storeu_si256((__m256i *)lanes, acc[j]);
+                    for (int o = 0; o < 4; o++) {
+                        const int at = half * 16 + 4 * j + o;
+                        const int32_t sum = lanes[2 * o] + lanes[2 * o + 1] - wz[b * BLOCK + at] * wk->bsum[row];
+                        f[at] = fmaf((float)sum, wk->bs[row] * ws[b * BLOCK + at], f[at]);
+                    }
+                }
+            }
+        }
+        memcpy(out[i], f, sizeof f);
+    }
+}
 #else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
     const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
