@@ -373,6 +373,27 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
 
 #define NBROWS 4 /* rows an nbits tile multiplies against one group */
 
+typedef struct { /* one group of 32 outputs of an nbits linear, where its bytes lie */
+    int64_t blocks, quads, kpad;
+    int four, qbytes;      /* 4-bit (64 bytes a quad) or 8-bit (128) */
+    const uint8_t *w, *wz; /* the group's packed quads; its (blocks, 32) zero points */
+    const float *ws;       /* its (blocks, 32) scales */
+} nb_group;
+
+static inline nb_group nb_at(const linear_t *L, int64_t g) {
+    nb_group G = {L->blocks, L->block / 4, L->kpad, L->kind == LIN_NBITS4, 0, NULL, NULL, NULL};
+    G.qbytes = G.four ? 64 : 128;
+    G.w = (const uint8_t *)L->w + g * G.blocks * G.quads * G.qbytes;
+    G.wz = (const uint8_t *)L->colsum + g * G.blocks * BLOCK;
+    G.ws = L->scale + g * G.blocks * BLOCK;
+    return G;
+}
+
+/* one output's block added to its float sum: (float)(sum - zero x row sum) x (row scale x weight scale), one FMA */
+static inline float nb_add(float f, int32_t sum, const nb_group *G, const work_t *wk, int64_t row, int64_t b, int o) {
+    return fmaf((float)(sum - G->wz[b * BLOCK + o] * wk->bsum[row]), wk->bs[row] * G->ws[b * BLOCK + o], f);
+}
+
 static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
     const i8_job *J = ctx;
@@ -405,11 +426,11 @@ static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
 /* rows i < mb of one group of 32 outputs: out[i][0..32) */
 static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g,
                                                           const int mb, float (*out)[BLOCK]) {
-    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
-    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
-    const uint8_t *w = (const uint8_t *)L->w + g * blocks * quads * qbytes;
-    const float *ws = L->scale + g * blocks * BLOCK;
-    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    const nb_group G = nb_at(L, g);
+    const int64_t blocks = G.blocks, quads = G.quads, kpad = G.kpad;
+    const int four = G.four, qbytes = G.qbytes;
+    const uint8_t *w = G.w, *wz = G.wz;
+    const float *ws = G.ws;
     const int8_t *xq = (const int8_t *)wk->xq + m * kpad;
     __m512 f[NBROWS][2];
     for (int i = 0; i < mb; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
@@ -455,11 +476,10 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
 /* AVX2: each block's integer sums with vpmaddwd over int16-widened values (exact, as sums_madd), 16 outputs (one half
  * of the group) and one row at a time, then the generic build's float epilogue: the same bits as every other build. */
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
-    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
-    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
-    const uint8_t *wg = (const uint8_t *)L->w + g * blocks * quads * qbytes;
-    const float *ws = L->scale + g * blocks * BLOCK;
-    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    const nb_group G = nb_at(L, g);
+    const int64_t blocks = G.blocks, quads = G.quads, kpad = G.kpad;
+    const int four = G.four, qbytes = G.qbytes;
+    const uint8_t *wg = G.w;
     const __m128i low = _mm_set1_epi8(0x0F);
     for (int i = 0; i < mb; i++) {
         const int8_t *xq = (const int8_t *)wk->xq + (m + i) * kpad;
@@ -485,8 +505,7 @@ static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64
                     _mm256_storeu_si256((__m256i *)lanes, acc[j]);
                     for (int o = 0; o < 4; o++) {
                         const int at = half * 16 + 4 * j + o;
-                        const int32_t sum = lanes[2 * o] + lanes[2 * o + 1] - wz[b * BLOCK + at] * wk->bsum[row];
-                        f[at] = fmaf((float)sum, wk->bs[row] * ws[b * BLOCK + at], f[at]);
+                        f[at] = nb_add(f[at], lanes[2 * o] + lanes[2 * o + 1], &G, wk, row, b, at);
                     }
                 }
             }
@@ -496,11 +515,10 @@ static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64
 }
 #else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
-    const int64_t blocks = L->blocks, quads = L->block / 4, kpad = L->kpad;
-    const int four = L->kind == LIN_NBITS4, qbytes = four ? 64 : 128;
-    const uint8_t *wg = (const uint8_t *)L->w + g * blocks * quads * qbytes;
-    const float *ws = L->scale + g * blocks * BLOCK;
-    const uint8_t *wz = (const uint8_t *)L->colsum + g * blocks * BLOCK;
+    const nb_group G = nb_at(L, g);
+    const int64_t blocks = G.blocks, quads = G.quads, kpad = G.kpad;
+    const int four = G.four, qbytes = G.qbytes;
+    const uint8_t *wg = G.w;
     for (int i = 0; i < mb; i++) {
         const int8_t *xq = (const int8_t *)wk->xq + (m + i) * kpad;
         for (int o = 0; o < BLOCK; o++) {
@@ -516,9 +534,7 @@ static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64
                         s += v * xq[b * L->block + q * 4 + r];
                     }
                 }
-                const int64_t row = (m + i) * wk->max_blocks + b;
-                s -= wz[b * BLOCK + o] * wk->bsum[row];
-                f = fmaf((float)s, wk->bs[row] * ws[b * BLOCK + o], f);
+                f = nb_add(f, s, &G, wk, (m + i) * wk->max_blocks + b, b, o);
             }
             out[i][o] = f;
         }
