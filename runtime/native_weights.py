@@ -7,7 +7,7 @@ q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rot
 over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers), output
 matmul, residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul, residual Add; then the final RMSNorm
 (the graph's ``hidden``) and the lm_head. Each weight matmul is fp32 or int8-channel's row-quantized int8
-(``_Graph.linear``). Anything else (soft-capping, sinks, other activations or norms, scaled embeddings, experts,
+(``Graph.linear``). Anything else (soft-capping, sinks, other activations or norms, scaled embeddings, experts,
 other quantizers) is refused at load, never approximated: an engine that generates other text than its model is the
 worst failure this project can have. The engine's model type must be one whose layers were checked against it.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
-from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite", "olmo2")
@@ -47,30 +47,6 @@ class Dims:
     vocab: int  # V
     eps: float
     scale: float  # the attention's score scale
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One weight matmul, (K, N): fp32; int8 columns with per-row uint8 activations (an int8-channel engine's
-    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128); or MatMulNBits' 4- or
-    8-bit blocks at accuracy level 4 (an int4 or int8-block engine's: weight (value - zero) x scale per block of
-    ``block`` inputs and output; activations quantized to int8 a block at a time)."""
-
-    weight: np.ndarray  # (K, N) float32, or int8; nbits: uint8 values below 2**bits
-    scale: np.ndarray | None = None  # int8: (N) float32 column scales; nbits: (blocks, N) float32 block scales
-    tiny: float = 0.0  # int8: the floor of a row's max |x|
-    divisor: float = 127.0  # int8
-    zero: np.ndarray | None = None  # nbits: (blocks, N) uint8 zero points
-    block: int = 0  # nbits: inputs a block
-    bits: int = 0  # nbits: 4 or 8 (0: not nbits)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape
-
-    @property
-    def int8(self) -> bool:
-        return self.weight.dtype == np.int8 and not self.bits
 
 
 @dataclass(frozen=True)
@@ -101,194 +77,27 @@ class Weights:
     qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, (Hq D) / (Hkv D), not one head (OLMo-2)
 
 
-class NativeCannotRun(EngineError):
-    """The native step does not run this engine (a graph other than the pattern, weights it cannot read here); ``what``
-    says why in a few words. Where native was an engine folder's choice, not the user's, the runtime falls back to
-    onnxruntime on it (``runtime/backends/__init__.py``)."""
-
-    def __init__(self, message: str, what: str | None = None):
-        super().__init__(message)
-        self.what = what or message
-
-
-def _unsupported(path: Path, what: str) -> NativeCannotRun:
-    return NativeCannotRun(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine", what)
-
-
-def _malformed(path: Path, what: str) -> NativeCannotRun:
-    return NativeCannotRun(
-        f"backend native cannot run {path}: {what}; the file is not one medusa-export writes: export the engine again", what
-    )
-
-
 def check_architecture(path: Path, architecture: str) -> None:
     """Refuse model types whose layers were never checked against the pattern (the graph is read strictly too)."""
     if architecture not in MODEL_TYPES:
-        raise _unsupported(path, f"model type {architecture!r} is not one of {', '.join(MODEL_TYPES)}")
+        raise unsupported(path, f"model type {architecture!r} is not one of {', '.join(MODEL_TYPES)}")
 
 
-class _Graph:
-    """The step graph's nodes, producers, consumers and initializers (arrays read on demand)."""
-
-    def __init__(self, path: Path):
-        try:
-            import onnx
-            from onnx import numpy_helper
-        except ImportError as exc:
-            raise NativeCannotRun(
-                f"backend native reads the engine's weights with the onnx package ({exc}): pip install 'medusa-trt[native]'",
-                "no onnx package to read its weights with",
-            ) from exc
-
-        self.path = path
-        model = onnx.load(str(path))  # with its external weights
-        self.init = {t.name: t for t in model.graph.initializer}
-        self.to_array = numpy_helper.to_array
-        self.outputs = {o.name for o in model.graph.output}
-        self._index(list(model.graph.node))
-
-    def branch(self, nodes) -> _Graph:
-        """The same graph's initializers over a subgraph's nodes (an If branch)."""
-        sub = object.__new__(_Graph)
-        sub.path, sub.init, sub.to_array, sub.outputs = self.path, self.init, self.to_array, set()
-        sub._index(list(nodes))
-        sub.producer = self.producer | sub.producer  # the branch reads outer values (a tied lm_head's Transpose)
-        return sub
-
-    def _index(self, nodes) -> None:
-        self.nodes = nodes
-        self.consumers: dict[str, list] = {}
-        self.producer = {}
-        for node in self.nodes:
-            for name in node.input:
-                self.consumers.setdefault(name, []).append(node)
-            for name in node.output:
-                self.producer[name] = node
-
-    def array(self, name: str) -> np.ndarray:
-        if name not in self.init:
-            raise _unsupported(self.path, f"{name} is computed, not a weight")
-        return self.to_array(self.init[name])
-
-    def only(self, tensor: str, op: str):
-        """The one node that reads ``tensor``, which must be an ``op``."""
-        readers = [n for n in self.consumers.get(tensor, []) if n.op_type != "Identity"]
-        if len(readers) != 1 or readers[0].op_type != op:
-            found = ", ".join(n.op_type for n in readers) or "nothing"
-            raise _unsupported(self.path, f"{tensor} is read by {found} where the pattern has one {op}")
-        return readers[0]
-
-    def weight_of(self, node) -> np.ndarray:
-        """A MatMul's (K, N) weight: its second input, an initializer or the Transpose of one (a tied lm_head)."""
-        name = node.input[1]
-        source = self.producer.get(name)
-        if source is not None and source.op_type == "Transpose" and list(_attr(source, "perm", [])) == [1, 0]:
-            return np.ascontiguousarray(self.array(source.input[0]).T)
-        return self.array(name)  # its dtype as stored: check_weights refuses all but float32 and int8
-
-    def nbits(self, node) -> Linear:
-        return _nbits(self, node)
-
-    def scalar(self, name: str) -> float:
-        return float(self.array(name).reshape(-1)[0])
-
-    def linear(self, x: str, *, beside: tuple[str, ...] = ()) -> tuple[Linear, str]:
-        """The weight matmul reading ``x`` and its output: a MatMul, or the int8 row quantizer chain of
-        exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul). ``beside``: ops
-        that may read ``x`` too (a residual's Add)."""
-        skip = ("Identity", *beside)
-        readers = sorted((n for n in self.consumers.get(x, []) if n.op_type not in skip), key=lambda n: n.op_type)
-        kinds = [n.op_type for n in readers]
-        if kinds == ["MatMul"]:
-            weight = self.weight_of(readers[0])
-            if weight.ndim != 2:
-                raise _unsupported(self.path, f"{x} is multiplied by a {weight.ndim}-D weight {weight.shape}, not a (K, N) matrix")
-            return Linear(weight), readers[0].output[0]
-        if kinds == ["MatMulNBits"]:
-            return self.nbits(readers[0]), readers[0].output[0]
-        if kinds != ["Abs", "QuantizeLinear"]:
-            raise _unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
-        top = self.only(self.only(readers[0].output[0], "ReduceMax").output[0], "Max")
-        div = self.only(top.output[0], "Div")
-        quant = readers[1]
-        if list(self.array(self.producer[top.input[0]].input[1]).reshape(-1)) != [-1] or quant.input[1] != div.output[0]:
-            raise _unsupported(self.path, f"{x}'s quantizer is not one scale a row")
-        zero = self.producer.get(quant.input[2]) if len(quant.input) > 2 else None
-        zero_value = _attr(zero, "value") if zero is not None and zero.op_type == "ConstantOfShape" else None
-        matmul = self.only(quant.output[0], "MatMulInteger")
-        if zero_value is None or int(self.to_array(zero_value).reshape(-1)[0]) != 128 or self.scalar(matmul.input[2]) != 128:
-            raise _unsupported(self.path, f"{x}'s quantizer has another zero point than 128")
-        weight = self.array(matmul.input[1])
-        cast = self.only(matmul.output[0], "Cast")
-        row = self.only(cast.output[0], "Mul")
-        column = self.only(row.output[0], "Mul")
-        if weight.dtype != np.int8 or weight.ndim != 2 or div.output[0] not in row.input:
-            raise _unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
-        scale = self.array(column.input[1]).reshape(-1)
-        return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
-
-
-def _nbits(g: _Graph, node) -> Linear:
-    """A MatMulNBits node's weight as values (K, N), block scales and zero points (blocks, N): B (N, blocks,
-    block x bits / 8) uint8, two 4-bit values a byte low nibble first; scales (N x blocks); zero points packed the same
-    way (absent: the middle of the range). Accuracy level 4 only (int8 activations, what the C kernel computes)."""
-    k, n, bits, block = (int(_attr(node, a, 0)) for a in ("K", "N", "bits", "block_size"))
-    level = int(_attr(node, "accuracy_level", 0))
-    if bits not in (4, 8) or block < 16 or block & (block - 1):
-        raise _unsupported(g.path, f"a MatMulNBits of {bits} bits in blocks of {block}")
-    if level != 4:
-        raise _unsupported(g.path, f"MatMulNBits at accuracy level {level} (native computes level 4: int8 activations)")
-    if len(node.input) > 4 and any(node.input[4:]):
-        raise _unsupported(g.path, "a MatMulNBits with group indices or a bias")
-    blocks = -(-k // block) if k > 0 else 0
-    packed = g.array(node.input[1])
-    scale = g.array(node.input[2]).astype(np.float32, copy=False).reshape(-1)
-    if packed.dtype != np.uint8 or packed.shape != (n, blocks, block * bits // 8) or scale.size != n * blocks or k <= 0:
-        raise _malformed(g.path, f"a MatMulNBits of K {k}, N {n} with data {packed.dtype} {packed.shape} and {scale.size} scales")
-    if bits == 4:
-        values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * block)
-    else:
-        values = packed.reshape(n, blocks * block)
-    weight = np.ascontiguousarray(values[:, :k].T)  # (K, N)
-    if len(node.input) > 3 and node.input[3]:
-        zp = g.array(node.input[3])
-        if zp.dtype != np.uint8:
-            raise _unsupported(g.path, f"MatMulNBits zero points of {zp.dtype} (native reads packed uint8)")
-        zp = zp.reshape(n, -1)
-        if bits == 4:
-            zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)
-        if zp.shape[1] < blocks:
-            raise _malformed(g.path, f"MatMulNBits zero points {zp.shape} for {blocks} blocks")
-        zero = zp[:, :blocks]
-    else:
-        zero = np.full((n, blocks), 1 << (bits - 1), dtype=np.uint8)
-    return Linear(weight, np.ascontiguousarray(scale.reshape(n, blocks).T), zero=np.ascontiguousarray(zero.T), block=block, bits=bits)
-
-
-def _attr(node, name: str, default=None):
-    from onnx import helper
-
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _mask_root(g: _Graph, tensor: str) -> str:
+def _mask_root(g: Graph, tensor: str) -> str:
     """Where an attention's mask comes from, past the per-layer reshapes."""
     while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze"):
         tensor = node.input[0]
     return tensor
 
 
-def _past(tensor: str, g: _Graph) -> str:
+def _past(tensor: str, g: Graph) -> str:
     """``tensor``'s source past the Unsqueezes (a scatter's or a difference's operand)."""
     while (node := g.producer.get(tensor)) is not None and node.op_type == "Unsqueeze":
         tensor = node.input[0]
     return tensor
 
 
-def _window(g: _Graph, step: Path, layer: int, mask: str) -> tuple[str, int]:
+def _window(g: Graph, step: Path, layer: int, mask: str) -> tuple[str, int]:
     """The mask every layer shares and this layer's sliding window (0: none). A windowed layer's mask is the shared one
     with every key ``window`` or more positions behind its query masked: Where(Sub(query positions, key positions) >=
     window, -inf, shared), the key positions being each slot's (slot s holds position s) with the new keys' scattered
@@ -307,22 +116,22 @@ def _window(g: _Graph, step: Path, layer: int, mask: str) -> tuple[str, int]:
         or list(keys.input[1:]) != [KEY_SLOTS_INPUT, POSITION_IDS]
         or ge.input[1] not in g.init
     ):
-        raise _unsupported(step, f"layer {layer}'s attention mask is neither the shared one nor it inside a sliding window")
+        raise unsupported(step, f"layer {layer}'s attention mask is neither the shared one nor it inside a sliding window")
     window = g.scalar(ge.input[1])
     if window != int(window) or not 0 < window < 2**31:
-        raise _malformed(step, f"layer {layer}'s sliding window of {window} positions")
+        raise malformed(step, f"layer {layer}'s sliding window of {window} positions")
     return _mask_root(g, where.input[2]), int(window)
 
 
-def _qkv_parts(g: _Graph, step: Path, layer: int, out: str, width: int) -> tuple[list[str], list[int] | None]:
+def _qkv_parts(g: Graph, step: Path, layer: int, out: str, width: int) -> tuple[list[str], list[int] | None]:
     """The q, k and v parts of the q/k/v matmul's output and their widths: one Split, or three Slices of the last axis
     (Phi-3's fused qkv_proj)."""
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     kinds = sorted(n.op_type for n in readers)
     if kinds == ["Split"]:
         split = readers[0]
-        if _attr(split, "axis", 0) not in (-1, 2) or len(split.output) != 3:
-            raise _unsupported(step, f"layer {layer}'s q/k/v matmul is split {len(split.output)} ways or not along its last axis")
+        if attr(split, "axis", 0) not in (-1, 2) or len(split.output) != 3:
+            raise unsupported(step, f"layer {layer}'s q/k/v matmul is split {len(split.output)} ways or not along its last axis")
         return list(split.output), g.array(split.input[1]).tolist() if len(split.input) > 1 and split.input[1] else None
     if kinds == ["Slice"] * 3:
         bounds = []
@@ -330,16 +139,16 @@ def _qkv_parts(g: _Graph, step: Path, layer: int, out: str, width: int) -> tuple
             args = [g.array(x).reshape(-1).tolist() if x else None for x in list(n.input[1:]) + [""] * (5 - len(n.input))]
             starts, ends, axes, steps = args[:4]
             if axes not in ([-1], [2]) or steps not in (None, [1]) or len(starts) != 1 or len(ends) != 1:
-                raise _unsupported(step, f"layer {layer}'s q/k/v matmul is sliced other than into parts of its last axis")
+                raise unsupported(step, f"layer {layer}'s q/k/v matmul is sliced other than into parts of its last axis")
             bounds.append((max(0, starts[0]), min(width, ends[0]), n.output[0]))
         bounds.sort()
         if bounds[0][0] != 0 or bounds[1][0] != bounds[0][1] or bounds[2][0] != bounds[1][1] or bounds[2][1] != width:
-            raise _unsupported(step, f"layer {layer}'s q/k/v slices {[b[:2] for b in bounds]} do not tile its {width} outputs")
+            raise unsupported(step, f"layer {layer}'s q/k/v slices {[b[:2] for b in bounds]} do not tile its {width} outputs")
         return [b[2] for b in bounds], [b[1] - b[0] for b in bounds]
-    raise _unsupported(step, f"layer {layer}'s q/k/v matmul is read by {', '.join(kinds) or 'nothing'}, not a Split into q, k, v")
+    raise unsupported(step, f"layer {layer}'s q/k/v matmul is read by {', '.join(kinds) or 'nothing'}, not a Split into q, k, v")
 
 
-def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
+def _head_part(g: Graph, step: Path, layer: int, part: str, what: str):
     """One of q, k, v from its slice of the q/k/v matmul to its (B, heads, T, D) layout: an optional bias Add, the
     Reshape to heads and the Transpose, with an optional RMS norm of each head (q and k) before or after the Transpose.
     (bias, norm weight, norm eps, out, whether that norm spans the whole projection)."""
@@ -350,109 +159,109 @@ def _head_part(g: _Graph, step: Path, layer: int, part: str, what: str):
         add = readers[0]
         constant = [x for x in add.input if x != part]
         if len(constant) != 1 or constant[0] not in g.init:
-            raise _unsupported(step, f"layer {layer}'s {what} is added to a computed value, not a bias")
+            raise unsupported(step, f"layer {layer}'s {what} is added to a computed value, not a bias")
         bias, part = g.array(constant[0]).reshape(-1), add.output[0]
     readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
     whole = len(readers) == 1 and readers[0].op_type == "RMSNormalization"
     if whole:  # a norm of the whole projection, all heads at once (OLMo-2)
         norm = readers[0]
-        if what == "v" or _attr(norm, "axis", -1) != -1:
-            raise _unsupported(step, f"layer {layer}'s {what} is normalized other than over its whole projection")
-        weight, eps, part = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
+        if what == "v" or attr(norm, "axis", -1) != -1:
+            raise unsupported(step, f"layer {layer}'s {what} is normalized other than over its whole projection")
+        weight, eps, part = g.array(norm.input[1]), float(attr(norm, "epsilon", 1e-5)), norm.output[0]
     out = g.only(part, "Reshape").output[0]
     for op in ("Transpose", None):  # a head norm reads the (B, T, heads, D) view or the (B, heads, T, D) transpose
         readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
         if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
             norm = readers[0]
             if weight is not None:
-                raise _unsupported(step, f"layer {layer}'s {what} is normalized twice")
-            if what == "v" or _attr(norm, "axis", -1) not in (-1, 3):
-                raise _unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
-            weight, eps, out = g.array(norm.input[1]), float(_attr(norm, "epsilon", 1e-5)), norm.output[0]
+                raise unsupported(step, f"layer {layer}'s {what} is normalized twice")
+            if what == "v" or attr(norm, "axis", -1) not in (-1, 3):
+                raise unsupported(step, f"layer {layer}'s {what} is normalized other than one head at a time")
+            weight, eps, out = g.array(norm.input[1]), float(attr(norm, "epsilon", 1e-5)), norm.output[0]
         if op is None:
             break
         transpose = g.only(out, op)
-        if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
-            raise _unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
+        if list(attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+            raise unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
         out = transpose.output[0]
     return bias, weight, eps, out, whole
 
 
-def _rotary_table(g: _Graph, step: Path, rotary) -> np.ndarray:
+def _rotary_table(g: Graph, step: Path, rotary) -> np.ndarray:
     """A RotaryEmbedding's table: the inverse frequencies whose products with the positions its cos and sin read."""
     cos, sin = g.producer.get(rotary.input[1]), g.producer.get(rotary.input[2])
     freq = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
     ok = freq is not None and freq.op_type == "Mul" and sin is not None and sin.op_type == "Sin" and sin.input[0] == cos.input[0]
     if not ok or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
-        raise _unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
-    if _attr(rotary, "interleaved", 0) or _attr(rotary, "rotary_embedding_dim", 0):
-        raise _unsupported(step, "an interleaved or partial rotary embedding")
+        raise unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+    if attr(rotary, "interleaved", 0) or attr(rotary, "rotary_embedding_dim", 0):
+        raise unsupported(step, "an interleaved or partial rotary embedding")
     return g.array(freq.input[1]).reshape(-1)
 
 
-def _uncast(g: _Graph, tensor: str) -> str:
+def _uncast(g: Graph, tensor: str) -> str:
     node = g.producer.get(tensor)
     return node.input[0] if node is not None and node.op_type == "Cast" else tensor
 
 
-def _cache_write(g: _Graph, step: Path, layer: int, tensor: str, cache: str, into: str, stacked: list[str]) -> None:
+def _cache_write(g: Graph, step: Path, layer: int, tensor: str, cache: str, into: str, stacked: list[str]) -> None:
     """``tensor``, the layer's new keys or values, scattered into the layer's slice of ``cache`` to make the attention's
     input ``into``, and stacked as the layer's row of the step's new_key / new_value (``stacked``)."""
     readers = {n.op_type: n for n in g.consumers.get(tensor, []) if n.op_type != "Identity"}
     scatter, unsqueeze = readers.get("ScatterElements"), readers.get("Unsqueeze")
     if sorted(readers) != ["ScatterElements", "Unsqueeze"] or scatter.output[0] != into or scatter.input[2] != tensor:
-        raise _unsupported(step, f"layer {layer}'s new {cache} are not what its attention reads with the cache")
+        raise unsupported(step, f"layer {layer}'s new {cache} are not what its attention reads with the cache")
     if layer >= len(stacked) or stacked[layer] != unsqueeze.output[0]:
-        raise _unsupported(step, f"layer {layer}'s new {cache} are not row {layer} of the step's")
+        raise unsupported(step, f"layer {layer}'s new {cache} are not row {layer} of the step's")
     transpose = g.producer.get(scatter.input[0])
     gather = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
-    if gather is None or gather.op_type != "Gather" or gather.input[0] != cache or _attr(gather, "axis", 0) != 1:
-        raise _unsupported(step, f"layer {layer}'s attention does not read its slice of {cache}")
+    if gather is None or gather.op_type != "Gather" or gather.input[0] != cache or attr(gather, "axis", 0) != 1:
+        raise unsupported(step, f"layer {layer}'s attention does not read its slice of {cache}")
     if int(g.scalar(gather.input[1])) != layer:
-        raise _unsupported(step, f"layer {layer}'s attention reads layer {int(g.scalar(gather.input[1]))} of {cache}")
+        raise unsupported(step, f"layer {layer}'s attention reads layer {int(g.scalar(gather.input[1]))} of {cache}")
 
 
-def _stacked(g: _Graph, step: Path, output: str, layers: int) -> list[str]:
+def _stacked(g: Graph, step: Path, output: str, layers: int) -> list[str]:
     """The per-layer rows the step's ``output`` (new_key / new_value: Transpose of a Concat of one Unsqueeze a layer)
     stacks, in layer order."""
     transpose = g.producer.get(output)
     concat = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
     if concat is None or concat.op_type != "Concat" or len(concat.input) != layers:
-        raise _unsupported(step, f"{output} is not the {layers} layers' new rows stacked")
+        raise unsupported(step, f"{output} is not the {layers} layers' new rows stacked")
     return list(concat.input)
 
 
 def read_weights(step: Path, architecture: str) -> Weights:
     """The weights of the step graph at ``step``, checked against the pattern ``native_step.c`` computes."""
     check_architecture(step, architecture)
-    g = _Graph(step)
+    g = Graph(step)
     ops = Counter(n.op_type for n in g.nodes)
     if extra := sorted(set(ops) - OPS):
-        raise _unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
+        raise unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
     attentions = [n for n in g.nodes if n.op_type == "Attention"]
     layers = len(attentions)
     if not layers:
-        raise _unsupported(step, "no Attention nodes (the pattern has one a layer)")
+        raise unsupported(step, "no Attention nodes (the pattern has one a layer)")
     if ops["RotaryEmbedding"] != 2 * layers:
-        raise _unsupported(step, f"{ops['RotaryEmbedding']} RotaryEmbedding nodes for {layers} layers (the pattern has {2 * layers})")
-    scales = {float(_attr(n, "scale", 0.0)) for n in attentions}
+        raise unsupported(step, f"{ops['RotaryEmbedding']} RotaryEmbedding nodes for {layers} layers (the pattern has {2 * layers})")
+    scales = {float(attr(n, "scale", 0.0)) for n in attentions}
     if len(scales) != 1 or 0.0 in scales:
-        raise _unsupported(step, "attentions without one explicit score scale")
+        raise unsupported(step, "attentions without one explicit score scale")
     for n in attentions:
-        if len(n.input) != 4 or _attr(n, "softcap", 0.0) or _attr(n, "is_causal", 0) or _attr(n, "qk_matmul_output_mode", 0):
-            raise _unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
+        if len(n.input) != 4 or attr(n, "softcap", 0.0) or attr(n, "is_causal", 0) or attr(n, "qk_matmul_output_mode", 0):
+            raise unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
     stacked = {cache: _stacked(g, step, output, layers) for cache, output in ((PAST_KEY, NEW_KEY), (PAST_VALUE, NEW_VALUE))}
 
     gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
     if len(gather) != 1:
-        raise _unsupported(step, "no token embedding Gather of input_ids")
+        raise unsupported(step, "no token embedding Gather of input_ids")
     embed = g.array(gather[0].input[0])
     x, embed_scale = gather[0].output[0], 1.0
     readers = [n for n in g.consumers.get(x, []) if n.op_type != "Identity"]
     if len(readers) == 1 and readers[0].op_type == "Mul":  # a scaled embedding (Gemma's sqrt(hidden))
         constant = [name for name in readers[0].input if name != x]
         if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
-            raise _unsupported(step, "the token embedding is multiplied by something other than one constant")
+            raise unsupported(step, "the token embedding is multiplied by something other than one constant")
         x, embed_scale = readers[0].output[0], g.scalar(constant[0])
     w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out")}
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
@@ -462,7 +271,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     for layer in range(layers):
         norm = _norm_of(g, step, x, f"layer {layer}'s input norm", optional=True)  # OLMo-2 has none
         if norm is not None:
-            eps.add(float(_attr(norm, "epsilon", 1e-5)))
+            eps.add(float(attr(norm, "epsilon", 1e-5)))
         w["norm_in"].append(None if norm is None else g.array(norm.input[1]))
         qkv, out = g.linear(x, beside=("Add",)) if norm is None else g.linear(norm.output[0])
         w["qkv"].append(qkv)
@@ -472,16 +281,16 @@ def read_weights(step: Path, architecture: str) -> Weights:
         attention = attentions[layer]
         q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
         if q_rot.input[0] != q or k_rot.input[0] != k or g.only(q_rot.output[0], "Reshape").output[0] != attention.input[0]:
-            raise _unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
+            raise unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
         table = (q_rot.input[1], q_rot.input[2])
         if (k_rot.input[1], k_rot.input[2]) != table:
-            raise _unsupported(step, f"layer {layer}'s queries and keys are rotated by different tables")
+            raise unsupported(step, f"layer {layer}'s queries and keys are rotated by different tables")
         if table not in tables:
             tables[table] = len(inv_freqs)
             inv_freqs.append(_rotary_table(g, step, q_rot))
         _rotary_table(g, step, k_rot)  # its form checked too
         rope_of.append(tables[table])
-        heads.add((int(_attr(q_rot, "num_heads", 0)), int(_attr(k_rot, "num_heads", 0))))
+        heads.add((int(attr(q_rot, "num_heads", 0)), int(attr(k_rot, "num_heads", 0))))
         _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.input[1], stacked[PAST_KEY])
         _cache_write(g, step, layer, v, PAST_VALUE, attention.input[2], stacked[PAST_VALUE])
         biases = [qb, kb, vb]
@@ -501,38 +310,38 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["attn_out"].append(out_norm)
         post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm", optional=True)
         if post is not None:
-            eps.add(float(_attr(post, "epsilon", 1e-5)))
+            eps.add(float(attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(None if post is None else g.array(post.input[1]))
         gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
         w["gate_up"].append(gu)
         halves = g.only(out, "Split")
         if len(halves.output) != 2:
-            raise _unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
+            raise unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
         splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None))
         gate, up = halves.output
-        act, gated = _gate(g, step, layer, gate)
+        act, gated = gate_of(g, step, layer, gate)
         acts.add(act)
         prod = g.only(gated, "Mul")
         if up not in prod.input:
-            raise _unsupported(step, f"layer {layer}'s MLP does not multiply its activated gate by up")
+            raise unsupported(step, f"layer {layer}'s MLP does not multiply its activated gate by up")
         down, out = g.linear(prod.output[0])
         w["down"].append(down)
         x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
         w["mlp_out"].append(out_norm)
     if len(masks) != 1:
-        raise _unsupported(step, "layers that read different attention masks")
+        raise unsupported(step, "layers that read different attention masks")
     if len(acts) != 1:
-        raise _unsupported(step, f"layers with different MLP gates {sorted(acts)}")
+        raise unsupported(step, f"layers with different MLP gates {sorted(acts)}")
     if len(heads) != 1:
-        raise _unsupported(step, f"layers with different head counts {sorted(heads)}")
+        raise unsupported(step, f"layers with different head counts {sorted(heads)}")
     final = _norm_of(g, step, x, "the final norm")
-    eps.add(float(_attr(final, "epsilon", 1e-5)))
+    eps.add(float(attr(final, "epsilon", 1e-5)))
     if final.output[0] != "hidden":
-        raise _unsupported(step, "the final norm is not the graph's hidden output")
+        raise unsupported(step, "the final norm is not the graph's hidden output")
     if len(eps) != 1 or len(qk_eps) > 1:
-        raise _unsupported(step, f"norms with different epsilons {sorted(eps | qk_eps)}")
+        raise unsupported(step, f"norms with different epsilons {sorted(eps | qk_eps)}")
     if len({f.shape for f in inv_freqs}) != 1:
-        raise _malformed(step, f"rotary tables of different lengths {sorted({f.shape for f in inv_freqs})}")
+        raise malformed(step, f"rotary tables of different lengths {sorted({f.shape for f in inv_freqs})}")
     vocab, hidden = embed.shape if embed.ndim == 2 else (0, 0)  # a 1-D embedding: check_weights names it
     ((heads, kv_heads),) = heads
     dims = Dims(
@@ -550,10 +359,10 @@ def read_weights(step: Path, architecture: str) -> Weights:
     qkv_bias = [None if b is None else _joined_bias(step, layer, b, [q, kv, kv]) for layer, b in enumerate(w["qkv_bias"])]
     lm_head, logit_divisor = _lm_head(g, step)
     if len(residual_scales) != 1:
-        raise _unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
+        raise unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
     residual_scale = residual_scales.pop()
     if len(spans) > 1:
-        raise _unsupported(step, "q/k norms of whole projections beside norms of single heads")
+        raise unsupported(step, "q/k norms of whole projections beside norms of single heads")
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
@@ -561,40 +370,25 @@ def read_weights(step: Path, architecture: str) -> Weights:
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
-            raise _unsupported(step, f"layer {layer} splits its q/k/v matmul as {qkv_widths}, not as q, k, v: {[q, kv, kv]}")
+            raise unsupported(step, f"layer {layer} splits its q/k/v matmul as {qkv_widths}, not as q, k, v: {[q, kv, kv]}")
         if gate_up_widths not in (None, [i, i]):
-            raise _unsupported(step, f"layer {layer} splits its gate/up matmul as {gate_up_widths}, not into halves of {i}")
+            raise unsupported(step, f"layer {layer} splits its gate/up matmul as {gate_up_widths}, not into halves of {i}")
     return weights
 
 
-def _gate(g: _Graph, step: Path, layer: int, gate: str) -> tuple[str, str]:
-    """The MLP gate's activation (``native_step.ACTIVATIONS``) and its output: SiLU as Sigmoid and Mul, or Gelu."""
-    readers = {n.op_type: n for n in g.consumers.get(gate, []) if n.op_type != "Identity"}
-    if sorted(readers) == ["Gelu"]:
-        approximate = _attr(readers["Gelu"], "approximate", b"none")
-        approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
-        if approximate not in ("none", "tanh"):
-            raise _unsupported(step, f"layer {layer}'s MLP gate is GELU of approximation {approximate!r}")
-        return ("gelu_tanh" if approximate == "tanh" else "gelu"), readers["Gelu"].output[0]
-    sig, silu = readers.get("Sigmoid"), readers.get("Mul")
-    if sorted(readers) != ["Mul", "Sigmoid"] or sig.output[0] not in silu.input or len(g.consumers[gate]) != 2:
-        raise _unsupported(step, f"layer {layer}'s MLP gate is {sorted(readers) or 'nothing'}, not SiLU or GELU")
-    return "silu", silu.output[0]
-
-
-def _norm_of(g: _Graph, step: Path, x: str, what: str, optional: bool = False):
+def _norm_of(g: Graph, step: Path, x: str, what: str, optional: bool = False):
     """The one RMSNormalization reading the residual stream ``x`` (the residual Add reads it too); None where
     ``optional`` and no norm reads it (the next linear reads the stream itself: OLMo-2's layers)."""
     norms = [n for n in g.consumers.get(x, []) if n.op_type == "RMSNormalization"]
     if optional and not norms:
         return None
     others = [n.op_type for n in g.consumers.get(x, []) if n.op_type not in ("RMSNormalization", "Add", "Identity")]
-    if len(norms) != 1 or others or norms[0].input[0] != x or _attr(norms[0], "axis", -1) != -1:
-        raise _unsupported(step, f"{what} is not one RMS norm of the residual stream")
+    if len(norms) != 1 or others or norms[0].input[0] != x or attr(norms[0], "axis", -1) != -1:
+        raise unsupported(step, f"{what} is not one RMS norm of the residual stream")
     return norms[0]
 
 
-def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set, scales: set) -> tuple[str, np.ndarray | None]:
+def _residual(g: Graph, step: Path, x: str, out: str, what: str, eps: set, scales: set) -> tuple[str, np.ndarray | None]:
     """The residual stream after ``out``, optionally RMS-normalized first (Gemma's post norms; its epsilon into
     ``eps``) and optionally times one constant (Granite's residual multiplier, into ``scales``; 1.0 where none), is
     added to ``x``; and that norm's weight (None: none)."""
@@ -602,25 +396,25 @@ def _residual(g: _Graph, step: Path, x: str, out: str, what: str, eps: set, scal
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     if len(readers) == 1 and readers[0].op_type == "RMSNormalization":
         norm = readers[0]
-        if _attr(norm, "axis", -1) != -1:
-            raise _unsupported(step, f"{what} is normalized along another axis than the hidden one")
-        eps.add(float(_attr(norm, "epsilon", 1e-5)))
+        if attr(norm, "axis", -1) != -1:
+            raise unsupported(step, f"{what} is normalized along another axis than the hidden one")
+        eps.add(float(attr(norm, "epsilon", 1e-5)))
         weight, out = g.array(norm.input[1]), norm.output[0]
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     scale = 1.0
     if len(readers) == 1 and readers[0].op_type == "Mul":
         constant = [name for name in readers[0].input if name != out]
         if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
-            raise _unsupported(step, f"{what} is multiplied by something other than one constant")
+            raise unsupported(step, f"{what} is multiplied by something other than one constant")
         scale, out = g.scalar(constant[0]), readers[0].output[0]
         readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     scales.add(scale)
     if [n.op_type for n in readers] != ["Add"]:  # a scaled residual (Granite's multiplier), say
         found = ", ".join(n.op_type for n in readers) or "nothing"
-        raise _unsupported(step, f"{what} is read by {found}, not added to the residual stream")
+        raise unsupported(step, f"{what} is read by {found}, not added to the residual stream")
     add = readers[0]
     if x not in add.input:
-        raise _unsupported(step, f"{what} is not added to the residual stream")
+        raise unsupported(step, f"{what} is not added to the residual stream")
     return add.output[0], weight
 
 
@@ -629,7 +423,7 @@ def _joined_bias(step: Path, layer: int, biases: list, want: list[int]) -> np.nd
     parts = []
     for b, width, what in zip(biases, want, "qkv"):
         if b is not None and (b.dtype != np.float32 or b.shape != (width,)):
-            raise _malformed(step, f"layer {layer}'s {what} bias has {b.dtype} {b.shape}, not float32 ({width},)")
+            raise malformed(step, f"layer {layer}'s {what} bias has {b.dtype} {b.shape}, not float32 ({width},)")
         parts.append(np.zeros(width, np.float32) if b is None else b)
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
@@ -660,7 +454,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
     ):
         if not ok:
-            raise _malformed(path, f"dims that do not fit: {what}")
+            raise malformed(path, f"dims that do not fit: {what}")
     fields = (
         "norm_in",
         "norm_post",
@@ -678,13 +472,13 @@ def check_weights(weights: Weights, path: Path) -> None:
     )
     counts = {field: len(getattr(weights, field)) for field in fields}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
-        raise _malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
+        raise malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
 
     # (what, array, expected shape, dtypes): every array C reads
     f32, weight = (np.float32,), (np.float32, np.int8)
     table = [("the embedding", weights.embed, (V, H), f32), ("the final norm", weights.norm_final, (H,), f32)]
     if tables == 0 or not weights.inv_freq.flags.c_contiguous:
-        raise _malformed(path, f"rotary tables of shape {weights.inv_freq.shape}, not one contiguous (tables, head_dim / 2)")
+        raise malformed(path, f"rotary tables of shape {weights.inv_freq.shape}, not one contiguous (tables, head_dim / 2)")
     table += [("the rotary inv_freq" if tables == 1 else f"rotary table {r}'s inv_freq", weights.inv_freq[r], (D // 2,), f32)
               for r in range(tables)]  # fmt: skip
     linears = [("the lm_head", weights.lm_head, (H, V))]
@@ -711,7 +505,7 @@ def check_weights(weights: Weights, path: Path) -> None:
             table.append((f"{what}'s column-scale vector", m.scale, shape[1:], f32))
             for name, value in (("tiny", m.tiny), ("divisor", m.divisor)):
                 if not positive(value):
-                    raise _malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
+                    raise malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
     legend = f"hidden {H} and vocab {V} read from the embedding, head_dim {D} and MLP width {I} from layer 0, {Hq} heads, {Hkv} kv heads"
     _check_arrays(path, table, legend)
 
@@ -720,7 +514,7 @@ def _nbits_rows(path: Path, what: str, m: Linear, shape: tuple[int, int]) -> lis
     """``_check_arrays`` rows of an nbits linear: values below 2**bits, (blocks, N) scales and zero points."""
     blocks = -(-shape[0] // m.block) if m.block >= 16 and not m.block & (m.block - 1) else -1
     if m.bits not in (4, 8) or blocks < 0 or (m.weight.size and int(m.weight.max()) >= 1 << m.bits):
-        raise _malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
+        raise malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
     return [(what, m.weight, shape, (np.uint8,)), (f"{what}'s block scales", m.scale, (blocks, shape[1]), (np.float32,)),
             (f"{what}'s zero points", m.zero, (blocks, shape[1]), (np.uint8,))]  # fmt: skip
 
@@ -730,14 +524,14 @@ def _check_arrays(path: Path, table: list, legend: str) -> None:
     contiguous; else one line naming the first that is not (``legend``: where the expected shapes come from)."""
     for what, a, shape, dtypes in table:
         if a is None or a.shape != shape:
-            raise _malformed(path, f"{what} has shape {None if a is None else a.shape}, not {shape} ({legend})")
+            raise malformed(path, f"{what} has shape {None if a is None else a.shape}, not {shape} ({legend})")
         if a.dtype not in dtypes:
-            raise _malformed(path, f"{what} has dtype {a.dtype}, not {' or '.join(np.dtype(t).name for t in dtypes)}")
+            raise malformed(path, f"{what} has dtype {a.dtype}, not {' or '.join(np.dtype(t).name for t in dtypes)}")
         if not a.flags.c_contiguous:  # C reads the norms, the embedding and the scales where they lie
-            raise _malformed(path, f"{what} is not one contiguous array")
+            raise malformed(path, f"{what} is not one contiguous array")
 
 
-def _lm_head(g: _Graph, step: Path) -> tuple[Linear, float]:
+def _lm_head(g: Graph, step: Path) -> tuple[Linear, float]:
     """The lm_head: the weight matmul reading ``hidden``, in the graph or in the logits gate's then branch (which
     reads it through an Identity), whose output (or its quotient by one constant: Granite's logits scaling) is the
     logits the step returns and ranks; and that divisor (1: none)."""
@@ -746,12 +540,12 @@ def _lm_head(g: _Graph, step: Path) -> tuple[Linear, float]:
         graph, source, logits = g, "hidden", {"logits"}
     else:
         if len(gates) != 1 or g.producer.get(gates[0].input[0]) is not None:
-            raise _unsupported(step, "an If other than the logits gate")
+            raise unsupported(step, "an If other than the logits gate")
         branch = next(a.g for a in gates[0].attribute if a.name == "then_branch")
         graph = g.branch(branch.node)
         identity = [n for n in g.consumers.get("hidden", []) if n.op_type == "Identity"]
         if len(identity) != 1:
-            raise _unsupported(step, "a logits gate that does not read hidden")
+            raise unsupported(step, "a logits gate that does not read hidden")
         source, logits = identity[0].output[0], {branch.output[0].name}
     lm, out = graph.linear(source)
     divisor = 1.0
@@ -760,9 +554,9 @@ def _lm_head(g: _Graph, step: Path) -> tuple[Linear, float]:
         divisor, out = g.scalar(readers[0].input[1]), readers[0].output[0]
     if out not in logits:  # a soft-cap, say, between the lm_head and the logits
         found = ", ".join(sorted(n.op_type for n in graph.consumers.get(out, []))) or "nothing"
-        raise _unsupported(step, f"the lm_head's output is read by {found} before it is the step's logits")
+        raise unsupported(step, f"the lm_head's output is read by {found} before it is the step's logits")
     if not (math.isfinite(divisor) and divisor != 0):
-        raise _malformed(step, f"logits divided by {divisor}")
+        raise malformed(step, f"logits divided by {divisor}")
     return lm, divisor
 
 
@@ -798,9 +592,9 @@ def read_heads(path: Path) -> HeadsWeights:
     (more blocks a head, a projection a head, heads that read the path) raises ``NativeCannotRun``, naming why."""
     from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HEADS_INPUTS, NEXT_INPUT
 
-    g = _Graph(path)
+    g = Graph(path)
     if extra := sorted({n.op_type for n in g.nodes} - HEADS_OPS):
-        raise _unsupported(path, f"its heads graph has {', '.join(extra)} nodes")
+        raise unsupported(path, f"its heads graph has {', '.join(extra)} nodes")
     hidden_name = HEADS_INPUTS[0]
     x, embed, eps = hidden_name, None, 0.0
     gathers = [n for n in g.consumers.get(NEXT_INPUT, []) if n.op_type == "Gather"]
@@ -810,25 +604,25 @@ def read_heads(path: Path) -> HeadsWeights:
         e = gather.output[0]
         readers = {n.op_type: n for n in g.consumers.get(e, [])}
         if sorted(readers) != ["Mul", "Pow"] or len(g.consumers[e]) != 2 or g.scalar(readers["Pow"].input[1]) != 2.0:
-            raise _unsupported(path, f"the next token's embedding is read by {sorted(readers)}, not an RMS norm")
+            raise unsupported(path, f"the next token's embedding is read by {sorted(readers)}, not an RMS norm")
         add = g.only(g.only(readers["Pow"].output[0], "ReduceMean").output[0], "Add")
         eps = g.scalar(add.input[1])
         mul = g.only(g.only(g.only(add.output[0], "Sqrt").output[0], "Reciprocal").output[0], "Mul")
         if e not in mul.input:
-            raise _unsupported(path, "the next token's embedding norm is not x / sqrt(mean(x^2) + eps)")
+            raise unsupported(path, "the next token's embedding norm is not x / sqrt(mean(x^2) + eps)")
         concat = g.only(mul.output[0], "Concat")
-        if list(concat.input) != [hidden_name, mul.output[0]] or _attr(concat, "axis") not in (-1, 1):
-            raise _unsupported(path, "the heads do not read [hidden | the next token's normalized embedding]")
+        if list(concat.input) != [hidden_name, mul.output[0]] or attr(concat, "axis") not in (-1, 1):
+            raise unsupported(path, "the heads do not read [hidden | the next token's normalized embedding]")
         x = concat.output[0]
     gemms = [n for n in g.consumers.get(x, []) if n.op_type == "Gemm"]
     if gemms:  # fp32 heads: a Gemm a head (x @ W_j.T + b_j), fused here into one linear
         for gemm in gemms:
-            form = tuple(_attr(gemm, name, default) for name, default in (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0)))
+            form = tuple(attr(gemm, name, default) for name, default in (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0)))
             if form != (0, 1, 1.0, 1.0):
-                raise _unsupported(path, "a head's Gemm is not x @ W.T + b")
+                raise unsupported(path, "a head's Gemm is not x @ W.T + b")
         ws = [g.array(n.input[1]) for n in gemms]  # (H, Kin) each
         if len({w.shape for w in ws}) != 1 or ws[0].ndim != 2:
-            raise _malformed(path, f"the heads' Gemm weights have shapes {sorted({w.shape for w in ws})}, not one (H, K) each")
+            raise malformed(path, f"the heads' Gemm weights have shapes {sorted({w.shape for w in ws})}, not one (H, K) each")
         h = ws[0].shape[0]
         bs = [g.array(n.input[2]).reshape(-1) if len(n.input) > 2 else np.zeros(h, np.float32) for n in gemms]
         fused = Linear(np.ascontiguousarray(np.concatenate([w.T for w in ws], axis=1), dtype=np.float32))
@@ -840,37 +634,37 @@ def read_heads(path: Path) -> HeadsWeights:
         n = len(split.output)
         h = int(fused.shape[1]) // n if n else 0
         if not n or widths not in (None, [h] * n) or h * n != fused.shape[1]:
-            raise _unsupported(path, f"the fused heads linear is split as {widths}, not into {n} equal heads")
+            raise unsupported(path, f"the fused heads linear is split as {widths}, not into {n} equal heads")
         adds = [g.only(part, "Add") for part in split.output]
         bs = [g.array(add.input[1]).reshape(-1) for add in adds]
         outputs = [add.output[0] for add in adds]
     n = len(outputs)
     if fused.shape[1] != n * h or any(b.shape != (h,) for b in bs):
-        raise _unsupported(path, f"{n} heads of {h} outputs from a fused linear of {fused.shape}")
+        raise unsupported(path, f"{n} heads of {h} outputs from a fused linear of {fused.shape}")
     blocks = []
     for z in outputs:  # SiLU, then the residual on hidden
         readers = {r.op_type: r for r in g.consumers.get(z, [])}
         silu = g.only(readers["Sigmoid"].output[0], "Mul") if sorted(readers) == ["Mul", "Sigmoid"] else None
         if silu is None or silu is not readers["Mul"] or len(g.consumers[z]) != 2:
-            raise _unsupported(path, f"a head's block is {sorted(readers)}, not bias, SiLU, residual")
+            raise unsupported(path, f"a head's block is {sorted(readers)}, not bias, SiLU, residual")
         residual = g.only(silu.output[0], "Add")
         if hidden_name not in residual.input:
-            raise _unsupported(path, "a head's residual does not add hidden (more than one block a head)")
+            raise unsupported(path, "a head's residual does not add hidden (more than one block a head)")
         unsqueeze = g.only(residual.output[0], "Unsqueeze")
         if list(g.array(unsqueeze.input[1]).reshape(-1)) not in ([1], [-2]):
-            raise _unsupported(path, "a head's output is not unsqueezed to (B, 1, H)")
+            raise unsupported(path, "a head's output is not unsqueezed to (B, 1, H)")
         blocks.append(unsqueeze.output[0])
     stack = g.only(blocks[0], "Concat")
-    if list(stack.input) != blocks or _attr(stack, "axis") not in (1, -2):
-        raise _unsupported(path, "the heads' outputs are not stacked in order along (B, n, H)'s axis 1")
+    if list(stack.input) != blocks or attr(stack, "axis") not in (1, -2):
+        raise unsupported(path, "the heads' outputs are not stacked in order along (B, n, H)'s axis 1")
     lm, logits = g.linear(stack.output[0])
     topk = g.only(logits, "TopK")
     if HEAD_LOGITS not in ({logits} | {n.output[0] for n in g.consumers.get(logits, []) if n.op_type == "Identity"}):
-        raise _unsupported(path, f"the heads' logits are not the graph's {HEAD_LOGITS}")
+        raise unsupported(path, f"the heads' logits are not the graph's {HEAD_LOGITS}")
     if topk.output[1] != HEAD_TOPK and HEAD_TOPK not in {n.output[0] for n in g.consumers.get(topk.output[1], [])}:
-        raise _unsupported(path, f"the top-k ids are not the graph's {HEAD_TOPK}")
-    if _attr(topk, "largest", 1) != 1 or _attr(topk, "axis", -1) not in (-1, 2):
-        raise _unsupported(path, "a TopK other than the largest along the vocabulary")
+        raise unsupported(path, f"the top-k ids are not the graph's {HEAD_TOPK}")
+    if attr(topk, "largest", 1) != 1 or attr(topk, "axis", -1) not in (-1, 2):
+        raise unsupported(path, "a TopK other than the largest along the vocabulary")
     k = int(g.array(topk.input[1]).reshape(-1)[0])
     heads = HeadsWeights(h, n, k, fused, np.ascontiguousarray(np.concatenate(bs), dtype=np.float32), lm, embed, eps)
     _check_heads(heads, path)
@@ -895,4 +689,4 @@ def _check_heads(w: HeadsWeights, path: Path) -> None:
             table.append((f"{what}'s column scales", m.scale, m.shape[1:], f32))
     _check_arrays(path, table, f"{n} heads of {h} read from the graph's Split or Gemms")
     if not (0 < w.top_k <= 64 and w.top_k <= w.lm.shape[1]) or (w.reads_roots and not (math.isfinite(w.eps) and w.eps > 0)):
-        raise _malformed(path, f"heads with top-{w.top_k} of {w.lm.shape[1]} ids, norm epsilon {w.eps}")
+        raise malformed(path, f"heads with top-{w.top_k} of {w.lm.shape[1]} ids, norm epsilon {w.eps}")

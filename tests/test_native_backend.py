@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import medusa_model
 
-from medusa_trt.runtime import MedusaRuntime, exactness, native_step, native_weights
+from medusa_trt.runtime import MedusaRuntime, exactness, native_graph, native_step, native_weights
 from medusa_trt.runtime.backends.native_backend import open_native
 from medusa_trt.runtime.backends.onnx_backend import OnnxBackend
 from medusa_trt.runtime.engine import EngineError
@@ -139,8 +139,8 @@ def test_an_nbits_matmul_is_onnxruntimes_to_float_rounding(tmp_path, bits, k, n,
     from tests.helpers import nbits_model
 
     path = nbits_model(tmp_path / "nbits.onnx", k, n, bits, block, seed=k)
-    graph = native_weights._Graph(path)
-    linear = native_weights._nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
+    graph = native_graph.Graph(path)
+    linear = native_graph.read_nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
     assert (linear.bits, linear.block, linear.shape) == (bits, block, (k, n))
     x = (np.random.default_rng(n).standard_normal((1, 11, k)) * 2).astype(np.float32)
     ours = native_step.run_linear(linear, x)
@@ -154,9 +154,9 @@ def test_nbits_at_another_accuracy_level_is_refused_by_name(tmp_path):
     from tests.helpers import nbits_model
 
     path = nbits_model(tmp_path / "nbits.onnx", 64, 32, 4, 32, seed=1, accuracy_level=1)
-    graph = native_weights._Graph(path)
+    graph = native_graph.Graph(path)
     with pytest.raises(native_weights.NativeCannotRun, match="MatMulNBits at accuracy level 1 \\(native computes level 4"):
-        native_weights._nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
+        native_graph.read_nbits(graph, next(node for node in graph.nodes if node.op_type == "MatMulNBits"))
 
 
 @pytest.mark.parametrize("shape", [(576, 960), (64, 172), (30, 17)])
