@@ -83,6 +83,15 @@ typedef struct {
     int32_t block, blocks;  /* nbits: weights a block along K, and blocks (kpad / block) */
 } linear_t;
 
+#define MAX_EXPERTS 256 /* experts a layer, at most (runtime/native_weights.py's MAX_EXPERTS) */
+
+typedef struct { /* one layer's routed experts (runtime/native_experts.py reads them) */
+    int32_t experts, top_k, normalize, inter, shared_inter, pad; /* normalize: the k weights over their sum */
+    const linear_t *router;                       /* H -> E */
+    const linear_t *const *gate_up, *const *down; /* E x: H -> 2 inter (gate then up), inter -> H */
+    const linear_t *shared_gate_up, *shared_down, *shared_gate; /* a shared expert (H -> 2 Is, Is -> H, H -> 1), or NULL */
+} experts_t;
+
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, pad;
     float eps, scale;
@@ -106,6 +115,7 @@ typedef struct {
     float residual_scale; /* each attention and MLP output times this before its residual add (Granite; else 1) */
     float logit_divisor;  /* the logits: the lm_head's output over this (Granite's logits scaling; else 1) */
     int32_t qk_norm_whole; /* q_norm / k_norm span the whole (Hq D) / (Hkv D) projection, not one head (OLMo-2) */
+    const experts_t *const *experts; /* L: the layer's routed experts, NULL where its MLP is dense (gate_up, down) */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -120,6 +130,12 @@ typedef struct { /* scratch carved out of two arenas by medusa_native_work_init,
     int32_t *bsum; /* (M, max_blocks): the sums of their quantized blocks */
     int64_t max_blocks;
     pool_t *pool; /* `threads` threads (native_pool.h); NULL: the calling thread alone */
+    /* routed experts' scratch (NULL in a model without): router logits (M, E), the rows an expert takes (M, H) and
+     * its outputs (M, H), the layer's sum (M, H), each row's k weights and expert ids (M, k), an expert's rows (M) and
+     * their weights (M) */
+    float *moe_logits, *moe_x, *moe_y, *moe_sum, *moe_w;
+    int32_t *moe_ids, *moe_rows;
+    float *moe_rw;
 } work_t;
 
 #define CHUNKS 4 /* chunks a parallel loop is cut into per thread: late or slow threads leave theirs to the others */
@@ -694,7 +710,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 8 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 9 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -742,6 +758,17 @@ static int linear_ok(const linear_t *L, int64_t k, int64_t n) {
     return L->kpad == (k + 3) / 4 * 4 && L->scale != NULL && L->colsum != NULL && L->tiny > 0.0f && L->divisor > 0.0f;
 }
 
+static int experts_ok(const experts_t *ex, int64_t H) {
+    const int64_t E = ex->experts, I = ex->inter, S = ex->shared_inter;
+    if (E <= 0 || E > MAX_EXPERTS || ex->top_k <= 0 || ex->top_k > E || I <= 0 || !linear_ok(ex->router, H, E)) return 0;
+    if (!ex->gate_up || !ex->down) return 0;
+    for (int64_t e = 0; e < E; e++)
+        if (!linear_ok(ex->gate_up[e], H, 2 * I) || !linear_ok(ex->down[e], I, H)) return 0;
+    if (!ex->shared_gate_up && !ex->shared_down && !ex->shared_gate) return S == 0;
+    return S > 0 && linear_ok(ex->shared_gate_up, H, 2 * S) && linear_ok(ex->shared_down, S, H) &&
+           linear_ok(ex->shared_gate, H, 1);
+}
+
 /* 0 where every linear's K and N fit the dims and every pointer is set */
 int medusa_native_check_model(const model_t *md) {
     const int64_t L = md->layers, H = md->hidden, Hq = md->heads, Hkv = md->kv_heads, D = md->head_dim;
@@ -752,12 +779,13 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL; /* entries may be NULL */
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
-    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU) return BAD_MODEL;
+    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU || !md->experts) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
-        if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H) ||
-            !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
+        if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H)) return BAD_MODEL;
+        if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l]
+                           : !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
         if (md->window[l] < 0 || md->rope_of[l] < 0 || md->rope_of[l] >= md->rope_tables) return BAD_MODEL;
         if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
@@ -765,28 +793,46 @@ int medusa_native_check_model(const model_t *md) {
     return OK;
 }
 
-static int64_t row_floats(const model_t *md) { /* x, h, qkv, q, k, v, attn, gu, act, rot, xs */
-    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads, I = md->inter;
-    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * I + md->rope_tables * D + 1;
+typedef struct { /* the widest of a checked model's linears and MLPs */
+    int64_t kpad, blocks; /* the linears' padded K, and their nbits blocks along K (0: none) */
+    int64_t inter;        /* the MLPs' width: dense, routed or shared experts' */
+    int64_t experts, k;   /* the routed experts a layer and a row (0: no layer has any) */
+} widest_t;
+
+static void widen(widest_t *w, const linear_t *L) {
+    if (!L) return;
+    w->kpad = L->kpad > w->kpad ? L->kpad : w->kpad;
+    w->blocks = L->blocks > w->blocks ? L->blocks : w->blocks;
 }
 
-static int64_t widest_kpad(const model_t *md) { /* the int8 linears' padded K, at most */
-    int64_t most = md->lm_head->kpad;
+static widest_t widest(const model_t *md) {
+    widest_t w = {.inter = md->inter};
+    widen(&w, md->lm_head);
     for (int64_t l = 0; l < md->layers; l++) {
-        const linear_t *all[4] = {md->qkv[l], md->o[l], md->gate_up[l], md->down[l]};
-        for (int j = 0; j < 4; j++) most = all[j]->kpad > most ? all[j]->kpad : most;
+        widen(&w, md->qkv[l]), widen(&w, md->o[l]), widen(&w, md->gate_up[l]), widen(&w, md->down[l]);
+        const experts_t *ex = md->experts[l];
+        if (!ex) continue;
+        widen(&w, ex->router), widen(&w, ex->shared_gate_up), widen(&w, ex->shared_down), widen(&w, ex->shared_gate);
+        for (int64_t e = 0; e < ex->experts; e++) widen(&w, ex->gate_up[e]), widen(&w, ex->down[e]);
+        w.inter = ex->inter > w.inter ? ex->inter : w.inter;
+        w.inter = ex->shared_inter > w.inter ? ex->shared_inter : w.inter;
+        w.experts = ex->experts > w.experts ? ex->experts : w.experts;
+        w.k = ex->top_k > w.k ? ex->top_k : w.k;
     }
-    return most;
+    return w;
 }
 
-static int64_t most_blocks(const model_t *md) { /* the nbits linears' blocks along K, at most (0: none) */
-    int64_t most = md->lm_head->blocks;
-    for (int64_t l = 0; l < md->layers; l++) {
-        const linear_t *all[4] = {md->qkv[l], md->o[l], md->gate_up[l], md->down[l]};
-        for (int j = 0; j < 4; j++) most = all[j]->blocks > most ? all[j]->blocks : most;
-    }
-    return most;
+/* x, h, qkv, q, k, v, attn, gu, act, rot, xs; then the experts' logits, x, y, sum, weights, ids, rows, row weights */
+static int64_t row_floats(const model_t *md) {
+    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
+    const widest_t w = widest(md);
+    const int64_t moe = w.experts ? w.experts + 3 * H + 2 * w.k + 2 : 0;
+    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * w.inter + md->rope_tables * D + 1 + moe;
 }
+
+static int64_t widest_kpad(const model_t *md) { return widest(md).kpad; } /* the int8 linears' padded K, at most */
+
+static int64_t most_blocks(const model_t *md) { return widest(md).blocks; } /* the nbits linears' blocks (0: none) */
 
 static int64_t xq_bytes(const model_t *md, int64_t rows) { /* the quantized rows' room, a whole number of cache lines */
     return (rows * widest_kpad(md) + 63) / 64 * 64;
@@ -808,13 +854,21 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
                             int64_t rows, int64_t slots, int threads) {
     const int64_t need = medusa_native_work_floats(md, rows, slots, threads);
     if (need < 0 || floats < need || nbytes < medusa_native_work_bytes(md, rows) || !arena || !bytes) return BAD_WORK;
-    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads, I = md->inter;
+    const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
+    const widest_t w = widest(md);
+    const int64_t I = w.inter;
     float *at = arena;
 #define CARVE(field, n)                                                                                                \
-    wk->field = at;                                                                                                    \
+    wk->field = (void *)at;                                                                                            \
     at += rows * (n);
     CARVE(x, H) CARVE(h, H) CARVE(qkv, (Hq + 2 * Hkv) * D) CARVE(q, Hq * D) CARVE(k, Hkv * D) CARVE(v, Hkv * D)
     CARVE(attn, Hq * D) CARVE(gu, 2 * I) CARVE(act, I) CARVE(rot, md->rope_tables * D) CARVE(xs, 1)
+    wk->moe_logits = wk->moe_x = wk->moe_y = wk->moe_sum = wk->moe_w = wk->moe_rw = NULL;
+    wk->moe_ids = wk->moe_rows = NULL;
+    if (w.experts) {
+        CARVE(moe_logits, w.experts) CARVE(moe_x, H) CARVE(moe_y, H) CARVE(moe_sum, H) CARVE(moe_w, w.k)
+        CARVE(moe_ids, w.k) CARVE(moe_rows, 1) CARVE(moe_rw, 1) /* int32 ids and rows in float-sized slots */
+    }
 #undef CARVE
     wk->att_scratch = at;
     wk->att_floats = need - (at - arena);
@@ -888,6 +942,73 @@ static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_i
     }
 }
 
+/* Each row's routing (runtime/native_experts.py): softmax over the router's E logits (in place), the k largest (a tie:
+ * the lower expert first) into ids, their probabilities into w, optionally over their sum (taken in rank order) */
+static void route(const experts_t *ex, float *logits, int64_t M, int32_t *ids, float *w) {
+    const int64_t E = ex->experts, k = ex->top_k;
+    for (int64_t m = 0; m < M; m++) {
+        float *p = logits + m * E, top = p[0], total = 0.0f;
+        for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
+        for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
+        for (int64_t e = 0; e < E; e++) p[e] /= total;
+        for (int64_t j = 0; j < k; j++) { /* selection: k is small; ties keep the lower expert */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= ids[m * k + i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[m * k + j] = (int32_t)best, w[m * k + j] = p[best];
+        }
+        if (ex->normalize) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; j++) sum += w[m * k + j];
+            for (int64_t j = 0; j < k; j++) w[m * k + j] /= sum;
+        }
+    }
+}
+
+/* One layer's routed experts on `in` (M, H) into `out` (M, H): expert after expert (0 .. E - 1), the rows routed to it
+ * gathered, its gate/up, activation and down, each row's output times its weight added to that row's sum; then the
+ * shared expert's output times the sigmoid of its gate. A row's sum depends on its own routing alone. */
+static void experts(const model_t *md, const experts_t *ex, const work_t *wk, int64_t M, const float *in, float *out) {
+    const int64_t H = md->hidden, k = ex->top_k;
+    matmul(ex->router, in, M, wk->moe_logits, wk);
+    route(ex, wk->moe_logits, M, wk->moe_ids, wk->moe_w);
+    memset(out, 0, (size_t)(M * H) * sizeof(float));
+    rows_job gate = {.gu = wk->gu, .act = wk->act, .I = ex->inter, .kind = md->act};
+    for (int64_t e = 0; e < ex->experts; e++) {
+        int64_t n = 0;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < k; j++)
+                if (wk->moe_ids[m * k + j] == e) {
+                    wk->moe_rows[n] = (int32_t)m, wk->moe_rw[n] = wk->moe_w[m * k + j];
+                    memcpy(wk->moe_x + n * H, in + m * H, (size_t)H * sizeof(float));
+                    n++;
+                    break;
+                }
+        if (n == 0) continue;
+        matmul(ex->gate_up[e], wk->moe_x, n, wk->gu, wk);
+        pool_run(wk->pool, n, 1, gate_rows, &gate);
+        matmul(ex->down[e], wk->act, n, wk->moe_y, wk);
+        for (int64_t i = 0; i < n; i++) {
+            float *sum = out + (int64_t)wk->moe_rows[i] * H;
+            const float *y = wk->moe_y + i * H, r = wk->moe_rw[i];
+            for (int64_t d = 0; d < H; d++) sum[d] += y[d] * r;
+        }
+    }
+    if (!ex->shared_down) return;
+    gate.I = ex->shared_inter;
+    matmul(ex->shared_gate_up, in, M, wk->gu, wk);
+    pool_run(wk->pool, M, 1, gate_rows, &gate);
+    matmul(ex->shared_down, wk->act, M, wk->moe_y, wk);
+    matmul(ex->shared_gate, in, M, wk->moe_logits, wk); /* (M, 1) */
+    for (int64_t m = 0; m < M; m++) {
+        const float s = 1.0f / (1.0f + expf(-wk->moe_logits[m]));
+        for (int64_t d = 0; d < H; d++) out[m * H + d] += s * wk->moe_y[m * H + d];
+    }
+}
+
 static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t *ids, const int64_t *pos,
                 const uint8_t *mask, const int64_t *lengths, const float *past_k, const float *past_v, int64_t past_slots,
                 float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids, int64_t *topk, int k) {
@@ -948,11 +1069,18 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
         add_scaled_rows(x, wk->h, M * H, md->residual_scale);
         if (md->norm_post[l]) rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
-        matmul(md->gate_up[l], md->norm_post[l] ? wk->h : x, M, wk->gu, wk);
-        pool_run(wk->pool, M, 1, gate_rows, &rows);
-        matmul(md->down[l], wk->act, M, wk->h, wk);
-        if (md->mlp_out_norm[l]) rms_norm(wk->h, M, H, md->mlp_out_norm[l], md->eps, wk->h);
-        add_scaled_rows(x, wk->h, M * H, md->residual_scale);
+        const float *mlp_in = md->norm_post[l] ? wk->h : x;
+        float *mlp_out = wk->h;
+        if (md->experts[l]) {
+            experts(md, md->experts[l], wk, M, mlp_in, wk->moe_sum);
+            mlp_out = wk->moe_sum;
+        } else {
+            matmul(md->gate_up[l], mlp_in, M, wk->gu, wk);
+            pool_run(wk->pool, M, 1, gate_rows, &rows);
+            matmul(md->down[l], wk->act, M, wk->h, wk);
+        }
+        if (md->mlp_out_norm[l]) rms_norm(mlp_out, M, H, md->mlp_out_norm[l], md->eps, mlp_out);
+        add_scaled_rows(x, mlp_out, M * H, md->residual_scale);
     }
     rms_norm(x, M, H, md->norm_final, md->eps, hidden);
     if (logits == NULL) return OK;

@@ -135,6 +135,16 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("residual_scale", ctypes.c_float),
         ("logit_divisor", ctypes.c_float),
         ("qk_norm_whole", ctypes.c_int32),
+        ("experts", _TABLE),
+    ]
+
+
+class _Experts(ctypes.Structure):  # native_step.c's experts_t
+    _fields_ = [
+        *((n, ctypes.c_int32) for n in ("experts", "top_k", "normalize", "inter", "shared_inter", "pad")),
+        ("router", ctypes.c_void_p),
+        *((n, _TABLE) for n in ("gate_up", "down")),
+        *((n, ctypes.c_void_p) for n in ("shared_gate_up", "shared_down", "shared_gate")),
     ]
 
 
@@ -156,6 +166,7 @@ class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_ini
         *((n, ctypes.c_void_p) for n in ("bs", "bsum")),
         ("max_blocks", ctypes.c_int64),
         ("pool", ctypes.c_void_p),
+        *((n, ctypes.c_void_p) for n in ("moe_logits", "moe_x", "moe_y", "moe_sum", "moe_w", "moe_ids", "moe_rows", "moe_rw")),
     ]
 
 
@@ -314,10 +325,12 @@ class NativeStep:
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
         rope_of = np.ascontiguousarray(weights.rope_of, dtype=np.int32)
         self._keep += [window, rope_of]
-        linears = {k: [_linear_view(m, self._keep) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
+        view = lambda m: None if m is None else _linear_view(m, self._keep)  # noqa: E731
+        linears = {k: [view(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)
-        self.int8 = weights.lm_head.int8 or any(m.int8 for k in linears for m in getattr(weights, k))
-        self.bits = max(m.bits for k in ("qkv", "o", "gate_up", "down") for m in (*getattr(weights, k), weights.lm_head))
+        every = [weights.lm_head, *(m for k in linears for m in getattr(weights, k) if m is not None)]
+        every += [m for e in weights.experts if e is not None for _, m, _ in e.linears()]
+        self.int8, self.bits = any(m.int8 for m in every), max(m.bits for m in every)
 
         def table(items):  # a C array of pointers: an array's data, a linear_t's address, or NULL for None
             address = lambda a: None if a is None else a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a)  # noqa: E731
@@ -325,6 +338,7 @@ class NativeStep:
             self._keep.append(t)
             return ctypes.cast(t, _TABLE)
 
+        experts = [None if e is None else self._experts(e, view, table) for e in weights.experts or [None] * d.layers]
         self._model = _Model(
             d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab, 0, d.eps, d.scale,
             weights.inv_freq.ctypes.data, weights.embed.ctypes.data, weights.norm_final.ctypes.data, ctypes.addressof(lm),
@@ -332,7 +346,7 @@ class NativeStep:
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
             table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
-            int(weights.qk_norm_whole),
+            int(weights.qk_norm_whole), table(experts),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):
@@ -353,6 +367,15 @@ class NativeStep:
         self.rows, self.slots = rows, slots
         # what a step reads whatever its tokens: every packed weight and norm (the embedding: only its tokens' rows)
         self.weight_bytes = sum(a.nbytes for a in self._keep if isinstance(a, np.ndarray) and a is not weights.embed)
+
+    def _experts(self, e, view, table) -> _Experts:
+        """The C view of one layer's routed experts (``native_experts.Experts``), kept alive with the step."""
+        shared = [view(m) for m in (e.shared_gate_up, e.shared_down, e.shared_gate)]
+        address = lambda v: None if v is None else ctypes.addressof(v)  # noqa: E731
+        c = _Experts(e.count, e.top_k, int(e.normalize), e.inter, e.shared_inter, 0, address(view(e.router)),
+                     table([view(m) for m in e.gate_up]), table([view(m) for m in e.down]), *map(address, shared))  # fmt: skip
+        self._keep.append(c)
+        return c
 
     exact = True  # batch-invariant: every verify step is a plain step bit for bit
 

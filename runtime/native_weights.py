@@ -5,10 +5,10 @@ checked against it.
 graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
 q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding, attention
 over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers), output
-matmul, residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul, residual Add; then the final RMSNorm
-(the graph's ``hidden``) and the lm_head. Each weight matmul is fp32 or int8-channel's row-quantized int8
-(``Graph.linear``). Anything else (soft-capping, sinks, other activations or norms, scaled embeddings, experts,
-other quantizers) is refused at load, never approximated: an engine that generates other text than its model is the
+matmul, residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul (or routed experts:
+``native_experts``), residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each weight matmul
+is fp32, int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (soft-capping,
+sinks, other activations or norms, other quantizers) is refused at load, never approximated: an engine that generates other text than its model is the
 worst failure this project can have. The engine's model type must be one whose layers were checked against it.
 """
 
@@ -22,10 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
+from medusa_trt.runtime.native_experts import MOE_OPS, Experts, read_experts, routed
 from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
 
-# EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite", "olmo2")
+# EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too); the MoE ones
+# route their MLPs through experts (native_experts.py)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite", "olmo2", *MOE_TYPES)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -58,8 +62,8 @@ class Weights:
     qkv: list[Linear]  # L x (H, (Hq + 2 Hkv) D)
     o: list[Linear]  # L x (Hq D, H)
     norm_post: list[np.ndarray | None]  # None: the gate/up matmul reads the residual stream itself
-    gate_up: list[Linear]  # L x (H, 2 I): gate then up
-    down: list[Linear]  # L x (I, H)
+    gate_up: list[Linear | None]  # L x (H, 2 I): gate then up (None: the layer routes its MLP through experts)
+    down: list[Linear | None]  # L x (I, H)
     norm_final: np.ndarray  # (H)
     lm_head: Linear  # (H, V)
     qkv_bias: list[np.ndarray | None]  # L x ((Hq + 2 Hkv) D): q, k, v biases (None: the layer has none)
@@ -75,6 +79,7 @@ class Weights:
     residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
     qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, (Hq D) / (Hkv D), not one head (OLMo-2)
+    experts: tuple[Experts | None, ...] = ()  # L: each layer's routed experts (None: its dense MLP); (): no layer has any
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -236,7 +241,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     check_architecture(step, architecture)
     g = Graph(step)
     ops = Counter(n.op_type for n in g.nodes)
-    if extra := sorted(set(ops) - OPS):
+    if extra := sorted(set(ops) - OPS - (MOE_OPS if architecture in MOE_TYPES else frozenset())):
         raise unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
     attentions = [n for n in g.nodes if n.op_type == "Attention"]
     layers = len(attentions)
@@ -263,7 +268,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
             raise unsupported(step, "the token embedding is multiplied by something other than one constant")
         x, embed_scale = readers[0].output[0], g.scalar(constant[0])
-    w = {k: [] for k in ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out")}
+    per_layer = ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out", "experts")
+    w = {k: [] for k in per_layer}
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
@@ -312,6 +318,13 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if post is not None:
             eps.add(float(attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(None if post is None else g.array(post.input[1]))
+        if routed(g, x if post is None else post.output[0]):
+            experts, layer_acts, out = read_experts(g, step, layer, x if post is None else post.output[0])
+            w["gate_up"].append(None), w["down"].append(None), w["experts"].append(experts), acts.update(layer_acts)
+            x, out_norm = _residual(g, step, x, out, f"layer {layer}'s experts' output", eps, residual_scales)
+            w["mlp_out"].append(out_norm)
+            continue
+        w["experts"].append(None)
         gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
         w["gate_up"].append(gu)
         halves = g.only(out, "Split")
@@ -350,7 +363,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         heads=heads,
         kv_heads=kv_heads,
         head_dim=w["o"][0].shape[0] // heads if heads > 0 else 0,
-        inter=w["down"][0].shape[0],
+        inter=next(d.shape[0] for d in w["down"] + [e.down[0] for e in w["experts"] if e and e.down] if d is not None),  # dense first
         vocab=vocab,
         eps=eps.pop(),
         scale=scales.pop(),
@@ -366,7 +379,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
-                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()))  # fmt: skip
+                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]))  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -470,7 +483,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         "attn_out_norm",
         "mlp_out_norm",
     )
-    counts = {field: len(getattr(weights, field)) for field in fields}
+    counts = {field: len(getattr(weights, field)) for field in fields + (("experts",) if weights.experts else ())}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
         raise malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
 
@@ -493,9 +506,18 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
-                    (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H)),
-                    (f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
-                    (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
+                    (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H))]  # fmt: skip
+        experts = weights.experts[layer] if weights.experts else None
+        if experts is None:  # a dense MLP
+            linears += [(f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
+                        (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
+            continue
+        E, k = experts.count, experts.top_k
+        if weights.gate_up[layer] is not None or weights.down[layer] is not None or not (0 < k <= E <= MAX_EXPERTS and experts.inter > 0):
+            raise malformed(path, f"layer {layer}: {E} experts choosing {k} of width {experts.inter}, or experts beside a dense MLP")
+        if len({m is None for m in (experts.shared_gate_up, experts.shared_down, experts.shared_gate)}) != 1:
+            raise malformed(path, f"layer {layer}: a shared expert without its gate/up, down or gate")
+        linears += [(f"layer {layer}'s {what}", m, shape) for what, m, shape in experts.linears()]
     for what, m, shape in linears:
         if m.bits:
             table += _nbits_rows(path, what, m, shape)

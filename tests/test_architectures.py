@@ -189,10 +189,14 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
              "rotary tables": [r or None for r in weights.rope_of], "output norms": weights.attn_out_norm + weights.mlp_out_norm,
              "GELU": [None if weights.act == "silu" else weights.act],
              "embedding scale": [None if weights.embed_scale == 1 else weights.embed_scale],
-             "residual and logit scales": [None if (weights.residual_scale, weights.logit_divisor) == (1, 1) else 1]}  # fmt: skip
+             "residual and logit scales": [None if (weights.residual_scale, weights.logit_divisor) == (1, 1) else 1],
+             "normalized routing": [e.normalize or None for e in weights.experts if e is not None],
+             "shared experts": [e.shared_down for e in weights.experts if e is not None]}  # fmt: skip
     features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]
     if not features:
         pytest.skip(f"{family.model.attention.architecture}: the Llama pattern alone (no bias, q/k norm or window to drop)")
+    plain = dict(normalize=False, shared_gate_up=None, shared_down=None, shared_gate=None)  # routing as the softmax gives it
+    dropped["experts"] = tuple(e and dc.replace(e, **plain) for e in weights.experts)
     monkeypatch.setattr(native_weights, "read_weights", lambda *a: dc.replace(read(*a), **dropped))
     moved = float(np.abs(prefill_logits() - want).max())
     assert moved > 0.1, f"dropping {features} moved the logits by only {moved:.3g}"
