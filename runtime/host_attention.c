@@ -19,6 +19,7 @@
  *   lengths int64 [B]      committed slots of each row
  *   pos     int64 [B, T]   the nodes' positions (read only with a sliding window: committed slot s holds position s)
  *   window  a sliding window: a query at position p sees keys at positions > p - window (0: every key)
+ *   softcap each scaled score s becomes softcap tanh(s / softcap) before the softmax (Gemma-2; 0: none)
  *   out     [B, T, Hq * D]
  *   scratch float, at least RB * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
  *           the pool's threads (native_pool.h: its tasks run in parallel, each in its worker's part)
@@ -269,6 +270,7 @@ typedef struct {
     const uint8_t *mask;
     const int64_t *lengths, *pos;
     int window;
+    float softcap; /* each score s becomes c tanh(s / c) before the softmax (0: none) */
     float *out, *scratch;
 } att_job;
 
@@ -327,6 +329,8 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
             int64_t n = length - start[x];
             for (int j = 0; j < T; j++)
                 if (srow[x][j] && !(far[x] && far[x][j])) row[n++] = fresh[x][j];
+            if (J->softcap > 0.0f) /* per score, one function of it alone */
+                for (int64_t m = 0; m < n; m++) row[m] = J->softcap * tanhf(row[m] / J->softcap);
             const float top = row_max(row, n);
             for (int64_t m = 0; m < n; m++) row[m] -= top;
             exp_row(row, n);
@@ -346,8 +350,9 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
                                int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
-                               int window, float *out, float *scratch, int64_t scratch_floats, pool_t *pool) {
-    if (Hkv <= 0 || Hq % Hkv != 0 || window < 0 || (window > 0 && !pos)) return 1;
+                               int window, float softcap, float *out, float *scratch, int64_t scratch_floats,
+                               pool_t *pool) {
+    if (Hkv <= 0 || Hq % Hkv != 0 || window < 0 || (window > 0 && !pos) || !(softcap >= 0.0f)) return 1;
     const int threads = medusa_pool_threads(pool);
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
     const int blocks = (per_kv + RB - 1) / RB;
@@ -356,7 +361,7 @@ int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale
     if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
     att_job J = {B, T, Hq, Hkv, D, groups, per_kv, blocks, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
                  medusa_tree_attention_scratch(B, T, longest, 1), (int64_t)RB * (longest + 2 * T), mask, lengths, pos,
-                 window, out, scratch};
+                 window, softcap, out, scratch};
     pool_run(pool, (int64_t)B * Hkv * blocks, 1, attend, &J);
     return 0;
 }
@@ -369,5 +374,5 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     return medusa_tree_attention_pool(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride, mask,
-                                      lengths, NULL, 0, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
+                                      lengths, NULL, 0, 0.0f, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
 }

@@ -39,7 +39,7 @@
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
                                int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
-                               int window, float *out, float *scratch, int64_t scratch_floats, pool_t *pool);
+                               int window, float softcap, float *out, float *scratch, int64_t scratch_floats, pool_t *pool);
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads);
 
 /* error codes of the exported functions (runtime/native_step.py names them) */
@@ -116,6 +116,8 @@ typedef struct {
     float logit_divisor;  /* the logits: the lm_head's output over this (Granite's logits scaling; else 1) */
     int32_t qk_norm_whole; /* q_norm / k_norm span the whole (Hq D) / (Hkv D) projection, not one head (OLMo-2) */
     const experts_t *const *experts; /* L: the layer's routed experts, NULL where its MLP is dense (gate_up, down) */
+    float attn_softcap;  /* each scaled score s becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none) */
+    float final_softcap; /* each logit z becomes c tanh(z / c) (Gemma-2; 0: none) */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -710,7 +712,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 9 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 10 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -782,6 +784,8 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU || !md->experts) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
+    if (!(md->attn_softcap >= 0.0f) || !isfinite(md->attn_softcap) || !(md->final_softcap >= 0.0f) || !isfinite(md->final_softcap))
+        return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H)) return BAD_MODEL;
         if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l]
@@ -912,6 +916,7 @@ typedef struct {
     int64_t *next_ids, *topk;
     int k, kind;   /* kind: the gate's activation */
     float divisor; /* the logits over this first (1: untouched) */
+    float softcap; /* then c tanh(z / c) (0: none) */
 } rows_job;
 
 static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
@@ -933,6 +938,8 @@ static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_i
     for (int64_t m = m0; m < m1; m++) {
         if (J->divisor != 1.0f)
             for (int64_t e = 0; e < J->V; e++) J->logits[m * J->V + e] /= J->divisor;
+        if (J->softcap > 0.0f)
+            for (int64_t e = 0; e < J->V; e++) J->logits[m * J->V + e] = J->softcap * tanhf(J->logits[m * J->V + e] / J->softcap);
         if (J->next_ids) {
             int64_t first[1];
             top_k(J->logits + m * J->V, J->V, 1, first);
@@ -1029,7 +1036,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t m = 0; m < M; m++) /* a node lies past its row's committed slots (a window reads slot s as position s) */
         if (pos[m] < lengths[m / T]) return BAD_POSITION;
     float *x = wk->x;
-    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act, .divisor = md->logit_divisor};
+    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act, .divisor = md->logit_divisor,
+                     .softcap = md->final_softcap};
     for (int64_t m = 0; m < M; m++) {
         const float *e = md->embed + ids[m] * H;
         for (int64_t d = 0; d < H; d++) x[m * H + d] = e[d] * md->embed_scale; /* x 1: exact */
@@ -1063,7 +1071,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
             }
         if (medusa_tree_attention_pool(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
                                        past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, pos,
-                                       md->window[l], wk->attn, wk->att_scratch, wk->att_floats, wk->pool))
+                                       md->window[l], md->attn_softcap, wk->attn, wk->att_scratch, wk->att_floats, wk->pool))
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);

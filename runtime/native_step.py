@@ -136,6 +136,8 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("logit_divisor", ctypes.c_float),
         ("qk_norm_whole", ctypes.c_int32),
         ("experts", _TABLE),
+        ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float),
     ]
 
 
@@ -346,7 +348,7 @@ class NativeStep:
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
             table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
-            int(weights.qk_norm_whole), table(experts),
+            int(weights.qk_norm_whole), table(experts), weights.attn_softcap, weights.final_softcap,
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

@@ -4,12 +4,14 @@ checked against it.
 ``read_weights`` walks the graph from the token embedding to ``hidden``, layer by layer, and refuses by name any
 graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
 q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding, attention
-over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers), output
-matmul, residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul (or routed experts:
-``native_experts``), residual Add; then the final RMSNorm (the graph's ``hidden``) and the lm_head. Each weight matmul
-is fp32, int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (soft-capping,
-sinks, other activations or norms, other quantizers) is refused at load, never approximated: an engine that generates other text than its model is the
-worst failure this project can have. The engine's model type must be one whose layers were checked against it.
+over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers; an Attention
+node, or Gemma-2's decomposed attention with its soft-cap), output matmul, residual Add, RMSNorm, one fused gate/up
+matmul, SiLU gate, down matmul (or routed experts: ``native_experts``), residual Add; then the final RMSNorm (the
+graph's ``hidden``) and the lm_head (optionally a divisor or a final soft-cap after it). Each weight matmul is fp32,
+int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (sinks, other
+activations or norms, other quantizers) is refused at load, never approximated: an engine that generates other text
+than its model is the worst failure this project can have. The engine's model type must be one whose layers were
+checked against it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too); the MoE ones
 # route their MLPs through experts (native_experts.py)
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# ops a model type's graphs hold beyond OPS: routed experts' (native_experts.py), Gemma-2's decomposed soft-capped
+# attention and final soft-cap
+MODEL_OPS = {**{t: MOE_OPS for t in MOE_TYPES}, "gemma2": frozenset({"Softmax", "Tanh"})}
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "granite", "olmo2", *MOE_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", *MOE_TYPES)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -80,6 +85,8 @@ class Weights:
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
     qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, (Hq D) / (Hkv D), not one head (OLMo-2)
     experts: tuple[Experts | None, ...] = ()  # L: each layer's routed experts (None: its dense MLP); (): no layer has any
+    attn_softcap: float = 0.0  # each score s (scaled) becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none)
+    final_softcap: float = 0.0  # each logit z (past the divisor) becomes c tanh(z / c) (Gemma-2; 0: none)
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -236,25 +243,75 @@ def _stacked(g: Graph, step: Path, output: str, layers: int) -> list[str]:
     return list(concat.input)
 
 
+def _layers(g: Graph, step: Path) -> int:
+    """The layers the step stacks into new_key (one row each)."""
+    transpose = g.producer.get(NEW_KEY)
+    concat = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
+    if concat is None or concat.op_type != "Concat" or not concat.input:
+        raise unsupported(step, f"{NEW_KEY} is not the layers' new keys stacked")
+    return len(concat.input)
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """One layer's attention as native computes it: softmax(c tanh(scale q k^T / c) + mask) v (c = softcap; 0: none)."""
+
+    k: str  # the keys it reads (the cache slice with the step's keys scattered in)
+    v: str
+    mask: str
+    out: str  # (B, Hq, T, D), or (B, Hkv, groups x T, D) where decomposed
+    scale: float
+    softcap: float
+
+
+def _attention(g: Graph, step: Path, layer: int, q: str) -> _Attention:
+    """The attention reading the rotated queries ``q``: one Attention node (opset 23), or the same decomposed (Gemma-2's
+    soft-capped eager attention): MatMul(q, Transpose(k)), Mul(scale), optionally Div(c), Tanh, Mul(c), Add(mask),
+    Softmax, MatMul(v)."""
+    readers = [n for n in g.consumers.get(q, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "Attention":
+        n = readers[0]
+        scale, softcap = float(attr(n, "scale", 0.0)), float(attr(n, "softcap", 0.0))
+        if len(n.input) != 4 or n.input[0] != q or attr(n, "is_causal", 0) or attr(n, "qk_matmul_output_mode", 0) or not scale > 0:
+            raise unsupported(step, f"layer {layer}'s attention is causal, returns its scores or has no explicit scale")
+        return _Attention(n.input[1], n.input[2], n.input[3], n.output[0], scale, softcap)
+    scores = g.only(q, "MatMul")
+    keys = g.producer.get(scores.input[1])
+    if scores.input[0] != q or keys is None or keys.op_type != "Transpose" or list(attr(keys, "perm", [])) != [0, 1, 3, 2]:
+        raise unsupported(step, f"layer {layer}'s attention scores are not its queries times its keys transposed")
+    scaled = g.only(scores.output[0], "Mul")
+    constant = [x for x in scaled.input if x != scores.output[0]]
+    if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
+        raise unsupported(step, f"layer {layer}'s attention scores are scaled by something other than one constant")
+    scale, softcap, s = g.scalar(constant[0]), 0.0, scaled.output[0]
+    readers = [n for n in g.consumers.get(s, []) if n.op_type != "Identity"]
+    if len(readers) == 1 and readers[0].op_type == "Div":  # a soft-cap: c tanh(s / c)
+        div = readers[0]
+        times = g.only(g.only(div.output[0], "Tanh").output[0], "Mul")
+        if div.input[0] != s or div.input[1] not in g.init or [x for x in times.input if x in g.init] != [div.input[1]]:
+            raise unsupported(step, f"layer {layer}'s attention scores are capped other than as c tanh(s / c)")
+        softcap, s = g.scalar(div.input[1]), times.output[0]
+    add = g.only(s, "Add")
+    softmax = g.only(add.output[0], "Softmax")
+    values = g.only(softmax.output[0], "MatMul")
+    mask = [x for x in add.input if x != s]
+    if len(mask) != 1 or attr(softmax, "axis", -1) not in (-1, 3) or values.input[0] != softmax.output[0]:
+        raise unsupported(step, f"layer {layer}'s attention is not a softmax over masked scores times its values")
+    if not (scale > 0 and math.isfinite(scale) and softcap >= 0 and math.isfinite(softcap)):
+        raise malformed(step, f"layer {layer}'s attention scale {scale} or soft-cap {softcap}")
+    return _Attention(keys.input[0], values.input[1], mask[0], values.output[0], scale, softcap)
+
+
 def read_weights(step: Path, architecture: str) -> Weights:
     """The weights of the step graph at ``step``, checked against the pattern ``native_step.c`` computes."""
     check_architecture(step, architecture)
     g = Graph(step)
     ops = Counter(n.op_type for n in g.nodes)
-    if extra := sorted(set(ops) - OPS - (MOE_OPS if architecture in MOE_TYPES else frozenset())):
+    if extra := sorted(set(ops) - OPS - MODEL_OPS.get(architecture, frozenset())):
         raise unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
-    attentions = [n for n in g.nodes if n.op_type == "Attention"]
-    layers = len(attentions)
-    if not layers:
-        raise unsupported(step, "no Attention nodes (the pattern has one a layer)")
+    layers = _layers(g, step)
     if ops["RotaryEmbedding"] != 2 * layers:
         raise unsupported(step, f"{ops['RotaryEmbedding']} RotaryEmbedding nodes for {layers} layers (the pattern has {2 * layers})")
-    scales = {float(attr(n, "scale", 0.0)) for n in attentions}
-    if len(scales) != 1 or 0.0 in scales:
-        raise unsupported(step, "attentions without one explicit score scale")
-    for n in attentions:
-        if len(n.input) != 4 or attr(n, "softcap", 0.0) or attr(n, "is_causal", 0) or attr(n, "qk_matmul_output_mode", 0):
-            raise unsupported(step, f"attention {n.name or n.output[0]} soft-caps, is causal or returns its scores")
     stacked = {cache: _stacked(g, step, output, layers) for cache, output in ((PAST_KEY, NEW_KEY), (PAST_VALUE, NEW_VALUE))}
 
     gather = [n for n in g.nodes if n.op_type == "Gather" and n.input[1] == "input_ids"]
@@ -271,6 +328,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     per_layer = ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out", "experts")
     w = {k: [] for k in per_layer}
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
+    scales, softcaps = set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
@@ -284,10 +342,11 @@ def read_weights(step: Path, architecture: str) -> Weights:
         parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
         (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
         spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
-        attention = attentions[layer]
         q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
-        if q_rot.input[0] != q or k_rot.input[0] != k or g.only(q_rot.output[0], "Reshape").output[0] != attention.input[0]:
+        if q_rot.input[0] != q or k_rot.input[0] != k:
             raise unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
+        attention = _attention(g, step, layer, g.only(q_rot.output[0], "Reshape").output[0])
+        scales.add(attention.scale), softcaps.add(attention.softcap)
         table = (q_rot.input[1], q_rot.input[2])
         if (k_rot.input[1], k_rot.input[2]) != table:
             raise unsupported(step, f"layer {layer}'s queries and keys are rotated by different tables")
@@ -297,17 +356,17 @@ def read_weights(step: Path, architecture: str) -> Weights:
         _rotary_table(g, step, k_rot)  # its form checked too
         rope_of.append(tables[table])
         heads.add((int(attr(q_rot, "num_heads", 0)), int(attr(k_rot, "num_heads", 0))))
-        _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.input[1], stacked[PAST_KEY])
-        _cache_write(g, step, layer, v, PAST_VALUE, attention.input[2], stacked[PAST_VALUE])
+        _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.k, stacked[PAST_KEY])
+        _cache_write(g, step, layer, v, PAST_VALUE, attention.v, stacked[PAST_VALUE])
         biases = [qb, kb, vb]
         w["qkv_bias"].append(None if all(b is None for b in biases) else biases)
         w["q_norm"].append(qn)
         w["k_norm"].append(kn)
         qk_eps.update(e for e, n in ((qe, qn), (ke, kn)) if n is not None)
-        mask, window = _window(g, step, layer, attention.input[3])
+        mask, window = _window(g, step, layer, attention.mask)
         masks.add(mask)
         windows.append(window)
-        out = attention.output[0]
+        out = attention.out
         for op in ("Reshape", "Transpose", "Reshape"):
             out = g.only(out, op).output[0]
         o, out = g.linear(out)
@@ -343,6 +402,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["mlp_out"].append(out_norm)
     if len(masks) != 1:
         raise unsupported(step, "layers that read different attention masks")
+    if len(scales) != 1 or len(softcaps) != 1:
+        raise unsupported(step, f"layers with different score scales {sorted(scales)} or soft-caps {sorted(softcaps)}")
     if len(acts) != 1:
         raise unsupported(step, f"layers with different MLP gates {sorted(acts)}")
     if len(heads) != 1:
@@ -370,7 +431,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     )
     q, kv, i = heads * dims.head_dim, kv_heads * dims.head_dim, dims.inter
     qkv_bias = [None if b is None else _joined_bias(step, layer, b, [q, kv, kv]) for layer, b in enumerate(w["qkv_bias"])]
-    lm_head, logit_divisor = _lm_head(g, step)
+    lm_head, logit_divisor, final_softcap = _lm_head(g, step)
     if len(residual_scales) != 1:
         raise unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
     residual_scale = residual_scales.pop()
@@ -379,7 +440,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
-                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]))  # fmt: skip
+                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
+                      softcaps.pop(), final_softcap)  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -464,6 +526,10 @@ def check_weights(weights: Weights, path: Path) -> None:
         (math.isfinite(weights.embed_scale), f"embedding scale {weights.embed_scale}"),
         (math.isfinite(weights.residual_scale), f"residual scale {weights.residual_scale}"),
         (math.isfinite(weights.logit_divisor) and weights.logit_divisor != 0, f"logit divisor {weights.logit_divisor}"),
+        (
+            all(math.isfinite(c) and c >= 0 for c in (weights.attn_softcap, weights.final_softcap)),
+            f"soft-caps {weights.attn_softcap}, {weights.final_softcap}",
+        ),
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
     ):
         if not ok:
@@ -553,10 +619,11 @@ def _check_arrays(path: Path, table: list, legend: str) -> None:
             raise malformed(path, f"{what} is not one contiguous array")
 
 
-def _lm_head(g: Graph, step: Path) -> tuple[Linear, float]:
+def _lm_head(g: Graph, step: Path) -> tuple[Linear, float, float]:
     """The lm_head: the weight matmul reading ``hidden``, in the graph or in the logits gate's then branch (which
-    reads it through an Identity), whose output (or its quotient by one constant: Granite's logits scaling) is the
-    logits the step returns and ranks; and that divisor (1: none)."""
+    reads it through an Identity), whose output (or its quotient by one constant: Granite's logits scaling; or that
+    quotient's tanh times the same constant: Gemma-2's final soft-cap) is the logits the step returns and ranks; that
+    divisor (1: none) and that soft-cap (0: none)."""
     gates = [n for n in g.nodes if n.op_type == "If"]
     if not gates:
         graph, source, logits = g, "hidden", {"logits"}
@@ -574,12 +641,18 @@ def _lm_head(g: Graph, step: Path) -> tuple[Linear, float]:
     readers = [n for n in graph.consumers.get(out, []) if n.op_type == "Div"]
     if out not in logits and len(readers) == 1 and readers[0].input[0] == out and readers[0].input[1] in g.init:
         divisor, out = g.scalar(readers[0].input[1]), readers[0].output[0]
+    softcap = 0.0
+    tanh = [n for n in graph.consumers.get(out, []) if n.op_type == "Tanh"]
+    if out not in logits and divisor != 1.0 and len(tanh) == 1 and len(graph.consumers[out]) == 1:  # Gemma-2's c tanh(z / c)
+        times = graph.only(tanh[0].output[0], "Mul")
+        if [x for x in times.input if x != tanh[0].output[0]] == [readers[0].input[1]]:  # the same constant c
+            softcap, divisor, out = divisor, 1.0, times.output[0]
     if out not in logits:  # a soft-cap, say, between the lm_head and the logits
         found = ", ".join(sorted(n.op_type for n in graph.consumers.get(out, []))) or "nothing"
         raise unsupported(step, f"the lm_head's output is read by {found} before it is the step's logits")
-    if not (math.isfinite(divisor) and divisor != 0):
-        raise malformed(step, f"logits divided by {divisor}")
-    return lm, divisor
+    if not (math.isfinite(divisor) and divisor != 0 and math.isfinite(softcap) and softcap >= 0):
+        raise malformed(step, f"logits divided by {divisor}, soft-capped at {softcap}")
+    return lm, divisor, softcap
 
 
 @dataclass(frozen=True)

@@ -184,14 +184,16 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
     layers = weights.dims.layers
     none = [None] * layers
     dropped = dict(qkv_bias=none, q_norm=none, k_norm=none, windows=(0,) * layers, rope_of=(0,) * layers, attn_out_norm=none,
-                   mlp_out_norm=none, act="silu", embed_scale=1.0, residual_scale=1.0, logit_divisor=1.0)  # fmt: skip
+                   mlp_out_norm=none, act="silu", embed_scale=1.0, residual_scale=1.0, logit_divisor=1.0, attn_softcap=0.0,
+                   final_softcap=0.0)  # fmt: skip
     found = {"biases": weights.qkv_bias, "q/k norms": weights.q_norm, "windows": [w or None for w in weights.windows],
              "rotary tables": [r or None for r in weights.rope_of], "output norms": weights.attn_out_norm + weights.mlp_out_norm,
              "GELU": [None if weights.act == "silu" else weights.act],
              "embedding scale": [None if weights.embed_scale == 1 else weights.embed_scale],
              "residual and logit scales": [None if (weights.residual_scale, weights.logit_divisor) == (1, 1) else 1],
              "normalized routing": [e.normalize or None for e in weights.experts if e is not None],
-             "shared experts": [e.shared_down for e in weights.experts if e is not None]}  # fmt: skip
+             "shared experts": [e.shared_down for e in weights.experts if e is not None],
+             "soft-caps": [weights.attn_softcap or None, weights.final_softcap or None]}  # fmt: skip
     features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]
     if not features:
         pytest.skip(f"{family.model.attention.architecture}: the Llama pattern alone (no bias, q/k norm or window to drop)")
