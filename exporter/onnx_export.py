@@ -259,7 +259,7 @@ def _export_step(model: MedusaModel, config: ExportConfig):
     k = min(config.successors, model.vocab_size)
     graph, names = (_WithSuccessors(model, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (model, list(STEP_OUTPUTS))
     try:
-        return torch.onnx.export(
+        program = torch.onnx.export(
             graph,
             _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots),
             dynamo=True,
@@ -269,9 +269,11 @@ def _export_step(model: MedusaModel, config: ExportConfig):
             output_names=names,
             verbose=False,
             custom_translation_table=table,
+            optimize=False,  # _optimized: exact no-op rules
         )
     finally:
         model.attention_form = previous
+    return _optimized(program)
 
 
 def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
@@ -282,7 +284,7 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
     inputs, names, dynamic = (hidden,), list(HEADS_INPUTS), ({0: batch},)
     if model.heads.config.reads_next:  # next-token-aware heads: the next tree's root as a second input
         inputs, names, dynamic = (hidden, torch.tensor([1, 2], device=model.device)), [*HEADS_INPUTS, NEXT_INPUT], ({0: batch}, {0: batch})
-    return torch.onnx.export(
+    program = torch.onnx.export(
         graph,
         inputs,
         dynamo=True,
@@ -291,7 +293,18 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
         input_names=names,
         output_names=list(HEADS_OUTPUTS),
         verbose=False,
+        optimize=False,
     )
+    return _optimized(program)
+
+
+def _optimized(program):
+    """``program`` with its graph optimized as ``torch.onnx.export`` would, no-ops removed only where exact
+    (``exporter/onnx_optimize.py``: torch's optimizer takes ``x + 1e-8`` for ``x + 0``)."""
+    from medusa_trt.exporter.onnx_optimize import optimize
+
+    optimize(program.model)
+    return program
 
 
 def engine_meta(model: MedusaModel, tree: CompiledTree, config: ExportConfig) -> EngineMeta:

@@ -34,11 +34,10 @@ WIRING = (
 )
 by_family = pytest.mark.parametrize("family", WIRING, indirect=True, ids=lambda a: a.id)
 
-# onnxscript 0.7's optimizer (torch.onnx.export's optimize=True) rewrites x + c to x for |c| <= 1e-8 (its "no-op" rules
-# compare with abs_tol 1e-8, rel_tol 1e-5): Helium's RMSNorm epsilon of 1e-8 is dropped, and the padding token's zero
-# embedding (padding_idx) normalises to 0 * inf = NaN, which the attention's zero weights (0 * NaN) carry to every row
-# of a padded batch. The fix is exporter/onnx_export.py's (optimize with exact no-op rules), a file outside this change.
-EPSILON_DROPPED = pytest.mark.xfail(strict=True, reason="the ONNX optimizer drops Helium's 1e-8 RMSNorm epsilon (onnx_export.py)")
+# onnxscript's optimizer as torch.onnx.export(optimize=True) runs it rewrites x + c to x for |c| <= 1e-8 (its "no-op"
+# rules compare with abs_tol 1e-8, rel_tol 1e-5): Helium's RMSNorm epsilon of 1e-8 would be dropped, and the padding
+# token's zero embedding (padding_idx) would normalise to 0 * inf = NaN, which the attention's zero weights (0 * NaN)
+# carry to every row of a padded batch. The exporter optimizes with exact no-op rules (exporter/onnx_optimize.py).
 
 
 @by_family
@@ -46,13 +45,12 @@ def test_export_prints_what_it_exported(family):
     rows.test_export_prints_what_it_exported(family)
 
 
-@pytest.mark.parametrize("family", [*WIRING[:2], pytest.param(WIRING[2], marks=EPSILON_DROPPED)], indirect=True, ids=lambda a: a.id)
+@by_family
 def test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family):
     rows.test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family)
 
 
 @pytest.mark.parametrize("family", [WIRING[2]], indirect=True, ids=lambda a: a.id)
-@EPSILON_DROPPED
 def test_the_norm_epsilon_survives_the_onnx_optimizer(family):
     """Every RMSNorm of the step graph keeps its epsilon: fused (RMSNormalization) with it, or its Sqrt reading mean(x^2) + eps."""
     import onnx
