@@ -172,6 +172,38 @@ static inline void score_tile(const float *qr, const float *keys, int64_t stride
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << count) - 1), sums);
 }
 #define TILED(D) ((D) % LANES == 0 && (D) <= MAXD)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TILE 8
+#define MAXD 256
+#define MAXD_OR_1 MAXD
+#define TILE_OR_1 TILE /* keys scored together: one FMA chain a key over 8 lanes, then the 8 lane sums in one tree */
+
+/* Scores of one query row against a whole tile of 8 keys at keys + j * stride; the first count stored at dst. Key j's
+ * lanes are added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whatever j is. */
+static inline void score_tile(const float *qr, const float *keys, int64_t stride, int count, float *dst, float scale,
+                              const int D) {
+    __m256 acc[TILE];
+    for (int j = 0; j < TILE; j++) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + d);
+        for (int j = 0; j < TILE; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + j * stride + d), acc[j]);
+    }
+    /* pairs, then quads within each 128-bit half: lane order (k0 k1 k2 k3 | k4 k5 k6 k7) per half; then the halves */
+    const __m256 p01 = _mm256_hadd_ps(acc[0], acc[1]), p23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 p45 = _mm256_hadd_ps(acc[4], acc[5]), p67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 q0 = _mm256_hadd_ps(p01, p23), q1 = _mm256_hadd_ps(p45, p67); /* keys 0-3 (low half: lanes 0-3) */
+    const __m256 lo = _mm256_permute2f128_ps(q0, q1, 0x20), hi = _mm256_permute2f128_ps(q0, q1, 0x31);
+    const __m256 sums = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale));
+    if (count == TILE) {
+        _mm256_storeu_ps(dst, sums);
+    } else {
+        float all[TILE];
+        _mm256_storeu_ps(all, sums);
+        memcpy(dst, all, sizeof(float) * (size_t)count);
+    }
+}
+#define TILED(D) ((D) % 8 == 0 && (D) <= MAXD)
 #else
 #define TILED(D) 0
 #define TILE_OR_1 1
@@ -210,6 +242,42 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
     }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 (16 ymm registers, too few for RB rows' 16-lane sums): one row at a time, 64 dimensions a pass in 8 ymm sums,
+ * each weight broadcast once; the same order per lane as below (slots start..n-1, then the visible nodes). */
+static void sum_values_avx2(float *const *o, int nr, const float *base, int64_t stride, int64_t n, const float *const *p,
+                            const float *vn, const uint8_t *const *seen, int T, const int64_t *start,
+                            const uint8_t *const *far, const int D) {
+    for (int r = 0; r < nr; r++)
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            const int nv = (D - c0 < 64 ? D - c0 : 64) / 8;
+            __m256 acc[8];
+            for (int c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t s = start[r]; s < n; s++) {
+                const float *vs = base + s * stride + c0;
+                const __m256 w = _mm256_set1_ps(p[r][s]);
+                for (int c = 0; c < nv; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(w, _mm256_loadu_ps(vs + 8 * c)));
+            }
+            int64_t m = n;
+            for (int j = 0; j < T; j++)
+                if (seen[r][j] && !(far[r] && far[r][j])) {
+                    const __m256 w = _mm256_set1_ps(p[r][m++]);
+                    const float *vj = vn + (int64_t)j * D + c0;
+                    for (int c = 0; c < nv; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(w, _mm256_loadu_ps(vj + 8 * c)));
+                }
+            for (int c = 0; c < nv; c++) _mm256_storeu_ps(o[r] + c0 + 8 * c, acc[c]);
+        }
+}
+#define SUMS_AVX2(D) ((D) % 8 == 0)
+#else
+#define SUMS_AVX2(D) 0
+static void sum_values_avx2(float *const *o, int nr, const float *base, int64_t stride, int64_t n, const float *const *p,
+                            const float *vn, const uint8_t *const *seen, int T, const int64_t *start,
+                            const uint8_t *const *far, const int D) {
+    (void)o, (void)nr, (void)base, (void)stride, (void)n, (void)p, (void)vn, (void)seen, (void)T, (void)start, (void)far, (void)D;
+}
+#endif
+
 /* o[r] = sum over the cache's slots start[r]..n-1 of p[r][s] v_s, then over the row's visible nodes (seen, and not
  * far: outside its window where far is set), in that order. */
 static inline __attribute__((always_inline)) void sum_values(float *const *o, int nr, const float *base,
@@ -217,6 +285,10 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
                                                              const float *vn, const uint8_t *const *seen, int T,
                                                              const int64_t *start, const uint8_t *const *far,
                                                              const int D) {
+    if (SUMS_AVX2(D)) {
+        sum_values_avx2(o, nr, base, stride, n, p, vn, seen, T, start, far, D);
+        return;
+    }
     if (D % LANES == 0 && D / LANES <= MAXV) { /* the sums in registers across the slots */
         const int nv = D / LANES;
         vec acc[RB][MAXV];

@@ -492,44 +492,106 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
 }
 #elif I8_MADD
 /* AVX2: each block's integer sums with vpmaddwd over int16-widened values (exact, as sums_madd), 16 outputs (one half
- * of the group) and one row at a time, then the generic build's float epilogue: the same bits as every other build. */
-static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
-    const nb_group G = nb_at(L, g);
-    const int64_t blocks = G.blocks, quads = G.quads, kpad = G.kpad;
-    const int four = G.four, qbytes = G.qbytes;
-    const uint8_t *wg = G.w;
+ * of the group) for R rows at a time, each weight vector widened once for all R; the pair sums added (exact integers),
+ * then the float epilogue 8 outputs a vector, (float)(sum - zero x row sum) x (row scale x weight scale) in one FMA:
+ * the same bits as every other build. */
+static inline __attribute__((always_inline)) void nb_rows_avx2(const nb_group *G, const linear_t *L, const work_t *wk,
+                                                               int64_t m, const int R, float (*out)[BLOCK]) {
+    const int64_t blocks = G->blocks, quads = G->quads, kpad = G->kpad;
+    const int four = G->four, qbytes = G->qbytes;
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (int i = 0; i < mb; i++) {
-        const int8_t *xq = (const int8_t *)wk->xq + (m + i) * kpad;
-        float f[BLOCK] = {0};
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t row = (m + i) * wk->max_blocks + b;
-            for (int half = 0; half < 2; half++) {
-                __m256i acc[4];
-                for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_si256();
-                for (int64_t q = 0; q < quads; q++) {
-                    const uint8_t *w = wg + (b * quads + q) * qbytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int half = 0; half < 2; half++) {
+            __m256i acc[3][4];
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+            for (int64_t q = 0; q < quads; q++) {
+                const uint8_t *w = G->w + (b * quads + q) * qbytes + (four ? 0 : half * 64);
+                __m256i x[3];
+                for (int i = 0; i < R; i++) { /* row m + i's 4 values, 4 times */
                     int32_t quad;
-                    memcpy(&quad, xq + b * L->block + q * 4, 4);
-                    const __m256i x = _mm256_cvtepi8_epi16(_mm_set1_epi32(quad)); /* the row's 4 values, 4 times */
-                    for (int j = 0; j < 4; j++) { /* outputs 4j..4j+3 of this half, 4 k's each */
-                        __m128i v = _mm_loadu_si128((const __m128i *)(w + (four ? 0 : half * 64) + 16 * j));
-                        if (four) v = half ? _mm_and_si128(_mm_srli_epi16(v, 4), low) : _mm_and_si128(v, low);
-                        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_cvtepu8_epi16(v), x));
-                    }
+                    memcpy(&quad, (const int8_t *)wk->xq + (m + i) * kpad + b * L->block + q * 4, 4);
+                    x[i] = _mm256_cvtepi8_epi16(_mm_set1_epi32(quad));
                 }
-                for (int j = 0; j < 4; j++) { /* lanes: output 4j + o's two pair sums at 2o, 2o + 1 */
-                    int32_t lanes[8];
-                    _mm256_storeu_si256((__m256i *)lanes, acc[j]);
-                    for (int o = 0; o < 4; o++) {
-                        const int at = half * 16 + 4 * j + o;
-                        f[at] = nb_add(f[at], lanes[2 * o] + lanes[2 * o + 1], &G, wk, row, b, at);
-                    }
+                for (int j = 0; j < 4; j++) { /* outputs 4j..4j+3 of this half, 4 k's each */
+                    __m128i v = _mm_loadu_si128((const __m128i *)(w + 16 * j));
+                    if (four) v = half ? _mm_and_si128(_mm_srli_epi16(v, 4), low) : _mm_and_si128(v, low);
+                    const __m256i wide = _mm256_cvtepu8_epi16(v);
+                    for (int i = 0; i < R; i++) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wide, x[i]));
+                }
+            }
+            for (int i = 0; i < R; i++) { /* lanes 2o, 2o + 1 of acc[j]: output 4j + o; hadd then 64-bit lanes in order */
+                const int64_t at = (m + i) * wk->max_blocks + b;
+                const __m256 both = _mm256_set1_ps(wk->bs[at]);
+                const __m256i rowsum = _mm256_set1_epi32(wk->bsum[at]);
+                for (int e = 0; e < 2; e++) { /* outputs half * 16 + 8e .. + 8 */
+                    const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * e], acc[i][2 * e + 1]), 0xD8);
+                    const int o = half * 16 + 8 * e;
+                    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
+                    const __m256i sum = _mm256_sub_epi32(s, _mm256_mullo_epi32(zero, rowsum));
+                    const __m256 scale = _mm256_mul_ps(both, _mm256_loadu_ps(G->ws + b * BLOCK + o));
+                    _mm256_storeu_ps(out[i] + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out[i] + o)));
                 }
             }
         }
-        memcpy(out[i], f, sizeof f);
     }
+}
+
+/* AVX2, 4-bit weights: vpmaddubsw (unsigned weights x signed activations, pairs to int16: at most 2 x 15 x 127, no
+ * saturation) then vpmaddwd by ones (to int32: output l's 4 products in lane l), 8 outputs a vector with no widening;
+ * R rows at a time, half a group (16 outputs) a pass. The same exact integer sums, the same float epilogue. */
+static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *G, const linear_t *L, const work_t *wk,
+                                                                int64_t m, const int R, float (*out)[BLOCK]) {
+    const int64_t blocks = G->blocks, quads = G->quads, kpad = G->kpad;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int half = 0; half < 2; half++) { /* outputs 0-15: the low nibbles; 16-31: the high ones */
+            __m256i acc[4][2];
+            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            for (int64_t q = 0; q < quads; q++) {
+                const uint8_t *w = G->w + (b * quads + q) * 64; /* 16 outputs x 4 k's, two a byte */
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                if (half) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
+                v0 = _mm256_and_si256(v0, low), v1 = _mm256_and_si256(v1, low);
+                for (int i = 0; i < R; i++) {
+                    int32_t quad;
+                    memcpy(&quad, (const int8_t *)wk->xq + (m + i) * kpad + b * L->block + q * 4, 4);
+                    const __m256i x = _mm256_set1_epi32(quad);
+                    acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x), ones));
+                    acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), ones));
+                }
+            }
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (m + i) * wk->max_blocks + b;
+                const __m256 both = _mm256_set1_ps(wk->bs[at]);
+                const __m256i rowsum = _mm256_set1_epi32(wk->bsum[at]);
+                for (int e = 0; e < 2; e++) { /* outputs half * 16 + 8e .. + 8, one a lane */
+                    const int o = half * 16 + 8 * e;
+                    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
+                    const __m256i sum = _mm256_sub_epi32(acc[i][e], _mm256_mullo_epi32(zero, rowsum));
+                    const __m256 scale = _mm256_mul_ps(both, _mm256_loadu_ps(G->ws + b * BLOCK + o));
+                    _mm256_storeu_ps(out[i] + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out[i] + o)));
+                }
+            }
+        }
+    }
+}
+
+static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
+    const nb_group G = nb_at(L, g);
+    memset(out, 0, sizeof(float) * BLOCK * (size_t)mb);
+    if (G.four) {
+        int i = 0;
+        for (; i + 4 <= mb; i += 4) nb4_rows_avx2(&G, L, wk, m + i, 4, out + i);
+        if (mb - i == 3) nb4_rows_avx2(&G, L, wk, m + i, 3, out + i);
+        if (mb - i == 2) nb4_rows_avx2(&G, L, wk, m + i, 2, out + i);
+        if (mb - i == 1) nb4_rows_avx2(&G, L, wk, m + i, 1, out + i);
+        return;
+    }
+    int i = 0;
+    for (; i + 3 <= mb; i += 3) nb_rows_avx2(&G, L, wk, m + i, 3, out + i);
+    if (mb - i == 2) nb_rows_avx2(&G, L, wk, m + i, 2, out + i);
+    if (mb - i == 1) nb_rows_avx2(&G, L, wk, m + i, 1, out + i);
 }
 #else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {

@@ -407,8 +407,14 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
         scale = rng.random((blocks, n), dtype=np.float32) * 0.1
         zero = rng.integers(0, 1 << bits, (blocks, n), dtype=np.uint8)
         nb = native_weights.Linear(weight, scale, zero=zero, block=block, bits=bits)
-        x = rng.standard_normal((5, k)).astype(np.float32)
-        assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits)
+        for rows in (1, 2, 3, 5, 7):  # every tile height and remainder
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits, rows)
+        # the largest products: every weight at its top value, every activation at +-127 (AVX2's 4-bit pairs stay in int16)
+        top = native_weights.Linear(np.full((k, n), (1 << bits) - 1, np.uint8), scale, zero=np.zeros_like(zero), block=block, bits=bits)
+        x = np.where(rng.random((3, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+        want = native_step.run_linear(top, x, isa="baseline")
+        assert np.array_equal(native_step.run_linear(top, x, isa=isa), want), (isa, bits, "top")
 
 
 def test_a_cap_that_is_not_a_set_of_this_cpu_is_one_line():
