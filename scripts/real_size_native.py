@@ -34,6 +34,11 @@ SHAPES = {  # transformers config overrides: the public checkpoints' shapes
                                 num_attention_heads=14, num_key_value_heads=2, use_sliding_window=False)),  # Qwen2.5-0.5B
     "qwen-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                 num_attention_heads=12, num_key_value_heads=2, use_sliding_window=False)),  # Qwen2.5-1.5B
+    # routed experts: Qwen3-30B-A3B's router (128 experts, 8 a token) over 4 of its 48 layers, at half its hidden size
+    # and expert width (the whole model's 30B parameters do not fit this machine's memory in fp32)
+    "qwen3-moe-mini": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, moe_intermediate_size=384, intermediate_size=3072,
+                                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
 }  # fmt: skip
 MODES = ("fp32", "int8-channel", "int4")
 MAX_CONTEXT = 512
@@ -89,12 +94,14 @@ def export(root: Path, shape: str) -> None:
         log.info("%s %s written", shape, mode)
 
 
-def time_shape(root: Path, shape: str, rounds: int, threads: int) -> dict:
+def time_shape(root: Path, shape: str, rounds: int, threads: int, backends: tuple[str, ...]) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_step_ab import main as ab_main
 
     out = root / shape / "steps.json"
-    argv = [arg for mode in MODES for arg in ("--engine", f"{mode}={root / shape / mode / 'model.onnx'}@native")]
+    name = lambda mode, b: mode + (f"-{b}" if len(backends) > 1 else "")  # noqa: E731
+    engines = [(name(mode, b), root / shape / mode / "model.onnx", b) for mode in MODES for b in backends]
+    argv = [arg for name, path, backend in engines for arg in ("--engine", f"{name}={path}@{backend}")]
     argv += ["--context", "256", "--tokens", "1", "--tokens", "8", "--rounds", str(rounds), "--threads", str(threads), "--floor"]
     print(f"\n## {shape}")
     if ab_main([*argv, "--out", str(out)]) != 0:
@@ -110,6 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="time: the figures of every shape as one JSON file")
+    p.add_argument("--onnxruntime", action="store_true", help="time: each engine on onnxruntime too, beside native")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     shapes = args.shape or ["llama-1b", "qwen-0.5b"]
@@ -117,7 +125,8 @@ def main(argv=None) -> int:
         for shape in shapes:
             export(args.root, shape)
         return 0
-    reports = {shape: time_shape(args.root, shape, args.rounds, args.threads) for shape in shapes}
+    backends = ("native", "onnxruntime") if args.onnxruntime else ("native",)
+    reports = {shape: time_shape(args.root, shape, args.rounds, args.threads, backends) for shape in shapes}
     if args.out:
         args.out.write_text(json.dumps({"command": " ".join(sys.argv), "shapes": reports}, indent=1) + "\n")
     return 0
