@@ -118,6 +118,10 @@ typedef struct {
     const experts_t *const *experts; /* L: the layer's routed experts, NULL where its MLP is dense (gate_up, down) */
     float attn_softcap;  /* each scaled score s becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none) */
     float final_softcap; /* each logit z becomes c tanh(z / c) (Gemma-2; 0: none) */
+    int32_t layer_norm;  /* norm_in, norm_post and norm_final are layer norms (mean and variance; StableLM), not RMS */
+    int32_t rotary_dim;  /* the leading dims of each head the rotary turns (partial rotary); the rest pass (D: all) */
+    const float *const *norm_in_bias, *const *norm_post_bias; /* L x (H) a layer norm's bias, NULL: none */
+    const float *norm_final_bias;                             /* (H), NULL: none */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -685,7 +689,28 @@ static void rms_norm(const float *x, int64_t M, int64_t H, const float *weight, 
     }
 }
 
-/* the cos and sin of position pos times each frequency: rot = (cos[D / 2], sin[D / 2]) */
+/* a layer norm of each row: (x - mean) / sqrt(variance + eps) x weight (+ bias), the sums in index order */
+static void layer_norm(const float *x, int64_t M, int64_t H, const float *weight, const float *bias, float eps, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * H;
+        float s = 0.0f, v = 0.0f;
+        for (int64_t d = 0; d < H; d++) s += r[d];
+        const float mean = s / (float)H;
+        for (int64_t d = 0; d < H; d++) v += (r[d] - mean) * (r[d] - mean);
+        const float inv = 1.0f / sqrtf(v / (float)H + eps);
+        for (int64_t d = 0; d < H; d++) y[m * H + d] = (r[d] - mean) * inv * weight[d] + (bias ? bias[d] : 0.0f);
+    }
+}
+
+/* the residual stream's norm (input, post-attention, final): RMS or layer norm, as the model's */
+static void norm_rows(const model_t *md, const float *x, int64_t M, const float *weight, const float *bias, float *y) {
+    if (md->layer_norm)
+        layer_norm(x, M, md->hidden, weight, bias, md->eps, y);
+    else
+        rms_norm(x, M, md->hidden, weight, md->eps, y);
+}
+
+/* the cos and sin of position pos times each frequency: rot = (cos[D / 2], sin[D / 2]) (D: the rotary dims) */
 static void rope_table(int D, int64_t pos, const float *inv_freq, float *rot) {
     const int half = D / 2;
     for (int i = 0; i < half; i++) {
@@ -695,14 +720,16 @@ static void rope_table(int D, int64_t pos, const float *inv_freq, float *rot) {
     }
 }
 
-/* rotate_half rotary embedding of one head vector (D) with its row's table, into out */
-static void rope(const float *x, int D, const float *rot, float *out) {
-    const int half = D / 2;
+/* rotate_half rotary embedding of one head vector (D) with its row's table, into out: its leading R dims turned, the
+ * rest copied (partial rotary; R = D: all) */
+static void rope(const float *x, int D, int R, const float *rot, float *out) {
+    const int half = R / 2;
     const float *c = rot, *s = rot + half;
     for (int i = 0; i < half; i++) {
         out[i] = x[i] * c[i] - x[i + half] * s[i];
         out[i + half] = x[i + half] * c[i] + x[i] * s[i];
     }
+    for (int i = R; i < D; i++) out[i] = x[i];
 }
 
 /* e^v, one polynomial (host_attention.c's, over the whole float range): 2^n e^r, |r| <= ln2 / 2 */
@@ -774,7 +801,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 10 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 11 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -846,6 +873,8 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU || !md->experts) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
+    if (md->rotary_dim <= 0 || md->rotary_dim > D || md->rotary_dim % 2 || !md->norm_in_bias || !md->norm_post_bias)
+        return BAD_MODEL;
     if (!(md->attn_softcap >= 0.0f) || !isfinite(md->attn_softcap) || !(md->final_softcap >= 0.0f) || !isfinite(md->final_softcap))
         return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
@@ -1083,6 +1112,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                 float *new_k, float *new_v, float *hidden, float *logits, int64_t *next_ids, int64_t *topk, int k) {
     const int64_t M = (int64_t)B * T, H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
     const int64_t L = md->layers, I = md->inter, V = md->vocab, QKV = (Hq + 2 * Hkv) * D;
+    const int R = md->rotary_dim;
     const int64_t row_stride = Hkv * D, layer_stride = B * Hkv * D, slot_stride = L * layer_stride;
     const int threads = (int)wk->threads;
     if (B <= 0 || T <= 0 || M > wk->rows || k < 0 || k > MAX_TOPK || past_slots < 0 || threads <= 0) return BAD_SHAPE;
@@ -1103,10 +1133,10 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t m = 0; m < M; m++) {
         const float *e = md->embed + ids[m] * H;
         for (int64_t d = 0; d < H; d++) x[m * H + d] = e[d] * md->embed_scale; /* x 1: exact */
-        for (int r = 0; r < md->rope_tables; r++) rope_table(D, pos[m], md->inv_freq + r * (D / 2), wk->rot + (r * M + m) * D);
+        for (int r = 0; r < md->rope_tables; r++) rope_table(R, pos[m], md->inv_freq + r * (R / 2), wk->rot + (r * M + m) * D);
     }
     for (int64_t l = 0; l < L; l++) {
-        if (md->norm_in[l]) rms_norm(x, M, H, md->norm_in[l], md->eps, wk->h);
+        if (md->norm_in[l]) norm_rows(md, x, M, md->norm_in[l], md->norm_in_bias[l], wk->h);
         matmul(md->qkv[l], md->norm_in[l] ? wk->h : x, M, wk->qkv, wk);
         const float *bias = md->qkv_bias[l], *qn = md->q_norm[l], *kn = md->k_norm[l];
         for (int64_t b = 0; b < B; b++)
@@ -1121,10 +1151,10 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                     for (int64_t h = 0; h < Hq; h++) rms_norm(r + h * D, 1, D, qn, md->qk_eps, r + h * D);
                 if (kn && !md->qk_norm_whole)
                     for (int64_t h = 0; h < Hkv; h++) rms_norm(r + (Hq + h) * D, 1, D, kn, md->qk_eps, r + (Hq + h) * D);
-                for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, rot, wk->q + ((b * Hq + h) * T + t) * D);
+                for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, R, rot, wk->q + ((b * Hq + h) * T + t) * D);
                 for (int64_t h = 0; h < Hkv; h++) {
                     float *kk = wk->k + ((b * Hkv + h) * T + t) * D, *vv = wk->v + ((b * Hkv + h) * T + t) * D;
-                    rope(r + (Hq + h) * D, D, rot, kk);
+                    rope(r + (Hq + h) * D, D, R, rot, kk);
                     memcpy(vv, r + (Hq + Hkv + h) * D, D * sizeof(float));
                     const int64_t at = t * L * layer_stride + l * layer_stride + b * row_stride + h * D;
                     memcpy(new_k + at, kk, D * sizeof(float));
@@ -1138,7 +1168,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         matmul(md->o[l], wk->attn, M, wk->h, wk);
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
         add_scaled_rows(x, wk->h, M * H, md->residual_scale);
-        if (md->norm_post[l]) rms_norm(x, M, H, md->norm_post[l], md->eps, wk->h);
+        if (md->norm_post[l]) norm_rows(md, x, M, md->norm_post[l], md->norm_post_bias[l], wk->h);
         const float *mlp_in = md->norm_post[l] ? wk->h : x;
         float *mlp_out = wk->h;
         if (md->experts[l]) {
@@ -1152,7 +1182,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
         if (md->mlp_out_norm[l]) rms_norm(mlp_out, M, H, md->mlp_out_norm[l], md->eps, mlp_out);
         add_scaled_rows(x, mlp_out, M * H, md->residual_scale);
     }
-    rms_norm(x, M, H, md->norm_final, md->eps, hidden);
+    norm_rows(md, x, M, md->norm_final, md->norm_final_bias, hidden);
     if (logits == NULL) return OK;
     matmul(md->lm_head, hidden, M, logits, wk);
     rows.logits = logits, rows.next_ids = next_ids, rows.topk = topk, rows.k = k;

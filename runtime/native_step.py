@@ -138,6 +138,10 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("experts", _TABLE),
         ("attn_softcap", ctypes.c_float),
         ("final_softcap", ctypes.c_float),
+        ("layer_norm", ctypes.c_int32),
+        ("rotary_dim", ctypes.c_int32),
+        *((n, _TABLE) for n in ("norm_in_bias", "norm_post_bias")),
+        ("norm_final_bias", ctypes.c_void_p),
     ]
 
 
@@ -322,6 +326,9 @@ class NativeStep:
             *weights.k_norm,
             *weights.attn_out_norm,
             *weights.mlp_out_norm,
+            *weights.norm_in_bias,
+            *weights.norm_post_bias,
+            weights.norm_final_bias,
         )
         self._keep += [a for a in optional if a is not None]
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
@@ -348,7 +355,10 @@ class NativeStep:
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
             table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
-            int(weights.qk_norm_whole), table(experts), weights.attn_softcap, weights.final_softcap,
+            int(weights.qk_norm_whole), table(experts), weights.attn_softcap, weights.final_softcap, int(weights.layer_norm),
+            weights.rotary_dim or d.head_dim, table(list(weights.norm_in_bias) or [None] * d.layers),
+            table(list(weights.norm_post_bias) or [None] * d.layers),
+            None if weights.norm_final_bias is None else weights.norm_final_bias.ctypes.data,
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

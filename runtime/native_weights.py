@@ -32,9 +32,9 @@ from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # ops a model type's graphs hold beyond OPS: routed experts' (native_experts.py), Gemma-2's decomposed soft-capped
 # attention and final soft-cap
-MODEL_OPS = {**{t: MOE_OPS for t in MOE_TYPES}, "gemma2": frozenset({"Softmax", "Tanh"})}
+MODEL_OPS = {**{t: MOE_OPS for t in MOE_TYPES}, "gemma2": frozenset({"Softmax", "Tanh"}), "stablelm": frozenset({"LayerNormalization"})}
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", *MOE_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", *MOE_TYPES)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -87,6 +87,11 @@ class Weights:
     experts: tuple[Experts | None, ...] = ()  # L: each layer's routed experts (None: its dense MLP); (): no layer has any
     attn_softcap: float = 0.0  # each score s (scaled) becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none)
     final_softcap: float = 0.0  # each logit z (past the divisor) becomes c tanh(z / c) (Gemma-2; 0: none)
+    layer_norm: bool = False  # every norm of the residual stream is a layer norm (mean and variance; StableLM), not RMS
+    rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (0: all; StableLM's partial rotary)
+    norm_in_bias: tuple | list = ()  # L x (H) or None: a layer norm's bias (): none at all
+    norm_post_bias: tuple | list = ()
+    norm_final_bias: np.ndarray | None = None
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -243,6 +248,31 @@ def _stacked(g: Graph, step: Path, output: str, layers: int) -> list[str]:
     return list(concat.input)
 
 
+def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
+    """The rotary embedding of the heads ``x`` (B, heads, T, D): one RotaryEmbedding of all D, or (partial rotary) of
+    the leading R dims, Concat-ed back with the rest. (its RotaryEmbedding node, the rotated tensor, R; 0: all D)."""
+    readers = [n for n in g.consumers.get(x, []) if n.op_type != "Identity"]
+    if [n.op_type for n in readers] == ["RotaryEmbedding"] and readers[0].input[0] == x:
+        return readers[0], readers[0].output[0], 0
+    if [n.op_type for n in readers] != ["Slice", "Slice"]:
+        raise unsupported(step, f"layer {layer}'s heads are read by {sorted(n.op_type for n in readers)}, not a rotary embedding")
+    bounds = []
+    for n in readers:
+        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
+        starts, ends, axes, steps = args[:4]
+        if n.input[0] != x or axes not in ([-1], [3]) or steps not in (None, [1]) or len(starts) != 1 or len(ends) != 1:
+            raise unsupported(step, f"layer {layer}'s heads are sliced other than along their last axis")
+        bounds.append((starts[0], ends[0], n.output[0]))
+    (a0, r, head), (r2, _, tail) = sorted(bounds)
+    rotary = g.only(head, "RotaryEmbedding")
+    concat = g.only(rotary.output[0], "Concat")
+    if a0 != 0 or r2 != r or r <= 0 or list(concat.input) != [rotary.output[0], tail] or attr(concat, "axis", 0) not in (-1, 3):
+        raise unsupported(step, f"layer {layer}'s partial rotary is not the leading dims turned and the rest kept")
+    if g.consumers.get(tail, []) != [concat]:
+        raise unsupported(step, f"layer {layer}'s heads past the rotary dims are read by more than the Concat")
+    return rotary, concat.output[0], int(r)
+
+
 def _layers(g: Graph, step: Path) -> int:
     """The layers the step stacks into new_key (one row each)."""
     transpose = g.producer.get(NEW_KEY)
@@ -325,10 +355,25 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if len(constant) != 1 or constant[0] not in g.init or g.array(constant[0]).size != 1:
             raise unsupported(step, "the token embedding is multiplied by something other than one constant")
         x, embed_scale = readers[0].output[0], g.scalar(constant[0])
-    per_layer = ("norm_in", "qkv", "o", "norm_post", "gate_up", "down", "qkv_bias", "q_norm", "k_norm", "attn_out", "mlp_out", "experts")
+    per_layer = (
+        "norm_in",
+        "qkv",
+        "o",
+        "norm_post",
+        "gate_up",
+        "down",
+        "qkv_bias",
+        "q_norm",
+        "k_norm",
+        "attn_out",
+        "mlp_out",
+        "experts",
+        "norm_in_bias",
+        "norm_post_bias",
+    )
     w = {k: [] for k in per_layer}
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
-    scales, softcaps = set(), set()
+    scales, softcaps, norm_kinds, rotary_dims = set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
@@ -337,15 +382,15 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if norm is not None:
             eps.add(float(attr(norm, "epsilon", 1e-5)))
         w["norm_in"].append(None if norm is None else g.array(norm.input[1]))
+        w["norm_in_bias"].append(_norm_bias(g, norm, norm_kinds))
         qkv, out = g.linear(x, beside=("Add",)) if norm is None else g.linear(norm.output[0])
         w["qkv"].append(qkv)
         parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
         (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
         spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
-        q_rot, k_rot = g.only(q, "RotaryEmbedding"), g.only(k, "RotaryEmbedding")
-        if q_rot.input[0] != q or k_rot.input[0] != k:
-            raise unsupported(step, f"layer {layer}'s attention does not read its rotated queries")
-        attention = _attention(g, step, layer, g.only(q_rot.output[0], "Reshape").output[0])
+        (q_rot, q_out, q_dim), (k_rot, k_out, k_dim) = _rotated(g, step, layer, q), _rotated(g, step, layer, k)
+        rotary_dims.update((q_dim, k_dim))
+        attention = _attention(g, step, layer, g.only(q_out, "Reshape").output[0])
         scales.add(attention.scale), softcaps.add(attention.softcap)
         table = (q_rot.input[1], q_rot.input[2])
         if (k_rot.input[1], k_rot.input[2]) != table:
@@ -356,7 +401,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         _rotary_table(g, step, k_rot)  # its form checked too
         rope_of.append(tables[table])
         heads.add((int(attr(q_rot, "num_heads", 0)), int(attr(k_rot, "num_heads", 0))))
-        _cache_write(g, step, layer, k_rot.output[0], PAST_KEY, attention.k, stacked[PAST_KEY])
+        _cache_write(g, step, layer, k_out, PAST_KEY, attention.k, stacked[PAST_KEY])
         _cache_write(g, step, layer, v, PAST_VALUE, attention.v, stacked[PAST_VALUE])
         biases = [qb, kb, vb]
         w["qkv_bias"].append(None if all(b is None for b in biases) else biases)
@@ -377,6 +422,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         if post is not None:
             eps.add(float(attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(None if post is None else g.array(post.input[1]))
+        w["norm_post_bias"].append(_norm_bias(g, post, norm_kinds))
         if routed(g, x if post is None else post.output[0]):
             experts, layer_acts, out = read_experts(g, step, layer, x if post is None else post.output[0])
             w["gate_up"].append(None), w["down"].append(None), w["experts"].append(experts), acts.update(layer_acts)
@@ -410,6 +456,9 @@ def read_weights(step: Path, architecture: str) -> Weights:
         raise unsupported(step, f"layers with different head counts {sorted(heads)}")
     final = _norm_of(g, step, x, "the final norm")
     eps.add(float(attr(final, "epsilon", 1e-5)))
+    final_bias = _norm_bias(g, final, norm_kinds)
+    if len(norm_kinds) != 1 or len(rotary_dims) != 1:
+        raise unsupported(step, f"norms of kinds {sorted(norm_kinds)} or rotary widths {sorted(rotary_dims)} across layers")
     if final.output[0] != "hidden":
         raise unsupported(step, "the final norm is not the graph's hidden output")
     if len(eps) != 1 or len(qk_eps) > 1:
@@ -441,7 +490,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
                       embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
-                      softcaps.pop(), final_softcap)  # fmt: skip
+                      softcaps.pop(), final_softcap, norm_kinds.pop() == "LayerNormalization", rotary_dims.pop(),
+                      w["norm_in_bias"], w["norm_post_bias"], final_bias)  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -451,16 +501,27 @@ def read_weights(step: Path, architecture: str) -> Weights:
     return weights
 
 
+NORMS = ("RMSNormalization", "LayerNormalization")  # a layer norm's bias is its third input (StableLM's)
+
+
 def _norm_of(g: Graph, step: Path, x: str, what: str, optional: bool = False):
-    """The one RMSNormalization reading the residual stream ``x`` (the residual Add reads it too); None where
-    ``optional`` and no norm reads it (the next linear reads the stream itself: OLMo-2's layers)."""
-    norms = [n for n in g.consumers.get(x, []) if n.op_type == "RMSNormalization"]
+    """The one RMSNormalization or LayerNormalization reading the residual stream ``x`` (the residual Add reads it too);
+    None where ``optional`` and no norm reads it (the next linear reads the stream itself: OLMo-2's layers)."""
+    norms = [n for n in g.consumers.get(x, []) if n.op_type in NORMS]
     if optional and not norms:
         return None
-    others = [n.op_type for n in g.consumers.get(x, []) if n.op_type not in ("RMSNormalization", "Add", "Identity")]
+    others = [n.op_type for n in g.consumers.get(x, []) if n.op_type not in (*NORMS, "Add", "Identity")]
     if len(norms) != 1 or others or norms[0].input[0] != x or attr(norms[0], "axis", -1) != -1:
-        raise unsupported(step, f"{what} is not one RMS norm of the residual stream")
+        raise unsupported(step, f"{what} is not one RMS or layer norm of the residual stream")
     return norms[0]
+
+
+def _norm_bias(g: Graph, norm, kinds: set) -> np.ndarray | None:
+    """A norm's bias (a LayerNormalization's third input; None: an RMS norm or none), its kind added to ``kinds``."""
+    if norm is None:
+        return None
+    kinds.add(norm.op_type)
+    return g.array(norm.input[2]) if norm.op_type == "LayerNormalization" and len(norm.input) > 2 and norm.input[2] else None
 
 
 def _residual(g: Graph, step: Path, x: str, out: str, what: str, eps: set, scales: set) -> tuple[str, np.ndarray | None]:
@@ -558,8 +619,13 @@ def check_weights(weights: Weights, path: Path) -> None:
     table = [("the embedding", weights.embed, (V, H), f32), ("the final norm", weights.norm_final, (H,), f32)]
     if tables == 0 or not weights.inv_freq.flags.c_contiguous:
         raise malformed(path, f"rotary tables of shape {weights.inv_freq.shape}, not one contiguous (tables, head_dim / 2)")
-    table += [("the rotary inv_freq" if tables == 1 else f"rotary table {r}'s inv_freq", weights.inv_freq[r], (D // 2,), f32)
+    R = weights.rotary_dim or D
+    if not (0 < R <= D and R % 2 == 0):
+        raise malformed(path, f"a rotary embedding of {R} dims of heads of {D}")
+    table += [("the rotary inv_freq" if tables == 1 else f"rotary table {r}'s inv_freq", weights.inv_freq[r], (R // 2,), f32)
               for r in range(tables)]  # fmt: skip
+    if weights.norm_final_bias is not None:
+        table.append(("the final norm's bias", weights.norm_final_bias, (H,), f32))
     linears = [("the lm_head", weights.lm_head, (H, V))]
     for layer in range(d.layers):
         q_span, k_span = (Hq * D, Hkv * D) if weights.qk_norm_whole else (D, D)
@@ -569,7 +635,9 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s query norm", weights.q_norm, (q_span,)),
                     (f"layer {layer}'s key norm", weights.k_norm, (k_span,)),
                     (f"layer {layer}'s attention output norm", weights.attn_out_norm, (H,)),
-                    (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)))  # fmt: skip
+                    (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)),
+                    (f"layer {layer}'s input norm bias", weights.norm_in_bias or [None] * d.layers, (H,)),
+                    (f"layer {layer}'s post-attention norm bias", weights.norm_post_bias or [None] * d.layers, (H,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H))]  # fmt: skip

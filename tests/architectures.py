@@ -40,6 +40,11 @@ class Arch:
     overrides: dict = field(default_factory=dict)
     features: tuple[str, ...] = ()  # what the fixture makes count (for the docs table and test ids)
     moe: bool = False
+    native: bool | None = None  # whether the native step runs it (None: its model type is one of NATIVE)
+
+    @property
+    def runs_native(self) -> bool:
+        return self.native if self.native is not None else self.model_type in NATIVE
 
     @property
     def id(self) -> str:
@@ -114,7 +119,7 @@ ARCHITECTURES = (
 )
 
 # the families the native step runs (runtime/native_weights.py's MODEL_TYPES); it refuses the others' engines by name
-NATIVE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2")
+NATIVE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm")
 NATIVE += ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # routed experts (runtime/native_experts.py)
 
 # Hybrids and other models that a KV cache and a tree mask cannot verify: refused at load, one line

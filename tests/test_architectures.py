@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, HYBRIDS, NATIVE, WINDOW, save_fixture
+from architectures import ARCHITECTURES, HYBRIDS, WINDOW, save_fixture
 from conftest import STORIES, assert_greedy_identical, fitted_heads
 from helpers import graph_nodes
 
@@ -58,6 +58,7 @@ class Family:
     fasterdecoding: object  # the same heads in the FasterDecoding layout
     prompts: list
     moe: bool  # the row has mixture-of-experts blocks
+    native: bool  # the native step runs it (Arch.runs_native)
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.id)
@@ -81,7 +82,7 @@ def family(request, tmp_path_factory, stories_tokenizer):
         )
     assert code == 0, printed.getvalue()
     model = load_medusa(str(folder), str(ours))
-    return Family(reference, model, engine, printed.getvalue(), ours, theirs, prompts, arch.moe)
+    return Family(reference, model, engine, printed.getvalue(), ours, theirs, prompts, arch.moe, arch.runs_native)
 
 
 def _tree_file(root) -> str:
@@ -121,10 +122,10 @@ def _native(family: Family) -> str | None:
     try:
         open_native(family.engine, max_batch=1, max_context=128, threads=2)
     except NativeCannotRun as exc:
-        assert family.model.attention.architecture not in NATIVE, f"native refuses a family it runs: {exc}"
+        assert not family.native, f"native refuses a family it runs: {exc}"
         assert "\n" not in str(exc) and "use backend onnxruntime" in str(exc)
         return exc.what
-    assert family.model.attention.architecture in NATIVE, "native runs a family the table says it refuses"
+    assert family.native, "native runs a family the table says it refuses"
     return None
 
 
@@ -185,7 +186,7 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
     none = [None] * layers
     dropped = dict(qkv_bias=none, q_norm=none, k_norm=none, windows=(0,) * layers, rope_of=(0,) * layers, attn_out_norm=none,
                    mlp_out_norm=none, act="silu", embed_scale=1.0, residual_scale=1.0, logit_divisor=1.0, attn_softcap=0.0,
-                   final_softcap=0.0)  # fmt: skip
+                   final_softcap=0.0, layer_norm=False, norm_in_bias=none, norm_post_bias=none, norm_final_bias=None)  # fmt: skip
     found = {"biases": weights.qkv_bias, "q/k norms": weights.q_norm, "windows": [w or None for w in weights.windows],
              "rotary tables": [r or None for r in weights.rope_of], "output norms": weights.attn_out_norm + weights.mlp_out_norm,
              "GELU": [None if weights.act == "silu" else weights.act],
@@ -193,7 +194,8 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
              "residual and logit scales": [None if (weights.residual_scale, weights.logit_divisor) == (1, 1) else 1],
              "normalized routing": [e.normalize or None for e in weights.experts if e is not None],
              "shared experts": [e.shared_down for e in weights.experts if e is not None],
-             "soft-caps": [weights.attn_softcap or None, weights.final_softcap or None]}  # fmt: skip
+             "soft-caps": [weights.attn_softcap or None, weights.final_softcap or None],
+             "layer norms": [weights.layer_norm or None]}  # fmt: skip
     features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]
     if not features:
         pytest.skip(f"{family.model.attention.architecture}: the Llama pattern alone (no bias, q/k norm or window to drop)")

@@ -28,7 +28,8 @@ family, stories_tokenizer = rows.family, rows.stories_tokenizer  # its fixtures:
 STABLELM = {"use_qkv_bias": True, "qk_layernorm": True, "use_parallel_residual": True}  # as StableLM-2 12B: all its options count
 WIRING = (
     # decoder layers drop **kwargs (the class keeps _supports_attention_backend False); quarter rotary, LayerNorm
-    Arch("stablelm", STABLELM, ("partial-rotary", "qk-norm", "parallel-residual")),
+    Arch("stablelm", STABLELM, ("partial-rotary", "qk-norm", "parallel-residual"), native=False),  # native: no per-head LayerNorm
+    Arch("stablelm", {"use_qkv_bias": True}, ("partial-rotary", "layer-norm", "qkv-bias")),  # as StableLM-2 1.6B: native runs it
     Arch("nemotron", {}, ("partial-rotary", "relu2")),  # decoder layers drop **kwargs; LayerNorm1P, half rotary, squared ReLU
     Arch("helium", {"head_dim": 16}),  # its o_proj maps the hidden size: heads x head_dim must equal it (128 by default)
 )
@@ -50,7 +51,29 @@ def test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family)
     rows.test_onnx_runtime_is_greedy_identical_at_batch_3_on_a_branching_tree(family)
 
 
-@pytest.mark.parametrize("family", [WIRING[2]], indirect=True, ids=lambda a: a.id)
+@by_family
+def test_native_is_greedy_identical_or_refused_by_name(family):
+    rows.test_native_is_greedy_identical_at_batch_3_on_a_branching_tree(family)
+
+
+@by_family
+@pytest.mark.parametrize("context", [5, 37])
+def test_native_verify_steps_are_plain_steps_bit_for_bit(family, context):
+    rows.test_native_verify_steps_are_plain_steps_bit_for_bit(family, context)
+
+
+@by_family
+def test_native_honours_each_feature_it_reads(family, monkeypatch):
+    rows.test_native_honours_each_feature_it_reads(family, monkeypatch)
+
+
+@by_family
+@pytest.mark.parametrize("mode", ["int8-channel-native", "int4-native"])
+def test_quantized_native_drafted_output_equals_its_own_plain_output(family, mode, tmp_path):
+    rows.test_quantized_drafted_output_equals_its_own_plain_output(family, mode, tmp_path)
+
+
+@pytest.mark.parametrize("family", [WIRING[3]], indirect=True, ids=lambda a: a.id)
 def test_the_norm_epsilon_survives_the_onnx_optimizer(family):
     """Every RMSNorm of the step graph keeps its epsilon: fused (RMSNormalization) with it, or its Sqrt reading mean(x^2) + eps."""
     import onnx
