@@ -151,3 +151,83 @@ def test_int8_quantizer_scalars_are_checked(engines):
         bad = dataclasses.replace(weights, o=[dataclasses.replace(weights.o[0], **{field: value}), *weights.o[1:]])
         with pytest.raises(EngineError, match=f"layer 0's o_proj row quantizer {field}"):
             native_weights.check_weights(bad, step)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert) exported fp32 with two untrained heads."""
+    from architectures import ARCHITECTURES, save_fixture
+    from conftest import STORIES
+
+    from medusa_trt.cli.export import main as export_main
+    from medusa_trt.exporter import load_base_model
+
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} missing")
+    root = tmp_path_factory.mktemp("moe")
+    arch = next(a for a in ARCHITECTURES if a.model_type == "qwen2_moe")
+    folder = save_fixture(arch, root / "model", load_base_model(STORIES).tokenizer)
+    step = root / "engine" / "model.onnx"
+    step.parent.mkdir()
+    argv = ["--model", str(folder), "--untrained-heads", "2", "--out", str(step), "--max-context", "64"]
+    assert export_main(argv) == 0
+    return step
+
+
+# id: the expert initializer (in layer 1), its change (weights (out, in), read transposed), what the one line says
+MOE_MUTATIONS = {
+    "expert-down-one-more-output": (
+        "experts._medusa_split.down2",
+        more_rows,
+        "layer 1's expert 2's down_proj has shape (32, 65), not (32, 64)",
+    ),
+    "expert-gate-up-narrower": (
+        "experts._medusa_split.up3",
+        lambda a: a[:-2],
+        "layer 1's expert 3's gate/up_proj has shape (64, 62), not (64, 64)",
+    ),
+    "expert-gate-up-odd": (
+        "experts._medusa_split.up1",
+        shorter,
+        "layer 1's experts: expert 1's gate/up matmul is not split into gate and up halves",
+    ),
+    "router-one-more-expert": ("mlp.gate.weight", more_rows, "experts [0, 1, 2, 3] for a router of 5 outputs"),
+    # the shared expert's width is read from its down_proj: its gate/up is named
+    "shared-down-wider": (
+        "shared_expert.down_proj.weight",
+        more_columns,
+        "shared expert's gate/up_proj has shape (64, 128), not (64, 130)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name, change, named", list(MOE_MUTATIONS.values()), ids=list(MOE_MUTATIONS))
+def test_a_malformed_experts_engine_is_one_line_exit_2(moe_engine, tmp_path, capsys, name, change, named):
+    """Routed and shared experts' weights are checked like every other array: one line naming the layer, the expert and
+    both shapes, exit 2, before anything reaches the C step."""
+    from medusa_trt.cli.run import main
+
+    shutil.copytree(moe_engine.parent, tmp_path / "engine")
+    step = tmp_path / "engine" / moe_engine.name
+    model = onnx.load(str(step))
+    tensor = next(
+        t for t in model.graph.initializer if t.name == f"model.base.model.layers.1.mlp.{name}" or t.name.endswith(f"layers.1.{name}")
+    )
+    tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), tensor.name))
+    onnx.save(model, str(step))
+    write_manifest(EngineFiles.locate(step))
+    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
+    assert named in err[0], err[0]
+
+
+def test_experts_that_do_not_fit_are_refused(moe_engine):
+    """check_weights on the real experts with one field changed: more experts chosen than there are, a shared expert
+    without its gate."""
+    weights = native_weights.read_weights(moe_engine, "qwen2_moe")
+    for change, named in (({"top_k": 5}, "4 experts choosing 5"), ({"shared_gate": None}, "a shared expert without")):
+        experts = (dataclasses.replace(weights.experts[0], **change), *weights.experts[1:])
+        with pytest.raises(EngineError, match=named):
+            native_weights.check_weights(dataclasses.replace(weights, experts=experts), moe_engine)
