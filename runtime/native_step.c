@@ -106,7 +106,7 @@ typedef struct {
     const float *const *q_norm, *const *k_norm; /* L x (D): RMS norms of each query / key head, before the rotary */
     const int32_t *window;                 /* L: sliding window in positions (0: every key) */
     float qk_eps;                          /* the q/k norms' epsilon */
-    int32_t act;                           /* the MLP gate: ACT_SILU, ACT_GELU_TANH, ACT_GELU */
+    int32_t act;                           /* the MLP gate: ACT_SILU, ACT_GELU_TANH, ACT_GELU; ACT_RELU2: ungated */
     float embed_scale;                     /* the token embedding times this (Gemma: sqrt(H); else 1) */
     int32_t rope_tables;                   /* rotary tables (local and global bases: 2) */
     const int32_t *rope_of;                /* L: each layer's rotary table */
@@ -124,7 +124,7 @@ typedef struct {
     const float *norm_final_bias;                             /* (H), NULL: none */
 } model_t;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU2 = 3 }; /* RELU2: gate_up is up alone (I wide), relu(up)^2 */
 
 typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
     int64_t rows, slots, threads; /* the most rows (batch x tokens) and cache slots a step may have; its threads */
@@ -801,7 +801,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 11 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 12 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -870,7 +870,7 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL; /* entries may be NULL */
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
-    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU || !md->experts) return BAD_MODEL;
+    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_RELU2 || !md->experts) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     if (md->rotary_dim <= 0 || md->rotary_dim > D || md->rotary_dim % 2 || !md->norm_in_bias || !md->norm_post_bias)
@@ -879,8 +879,8 @@ int medusa_native_check_model(const model_t *md) {
         return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H)) return BAD_MODEL;
-        if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l]
-                           : !linear_ok(md->gate_up[l], H, 2 * I) || !linear_ok(md->down[l], I, H))
+        if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l] || md->act == ACT_RELU2
+                           : !linear_ok(md->gate_up[l], H, (md->act == ACT_RELU2 ? 1 : 2) * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
         if (md->window[l] < 0 || md->rope_of[l] < 0 || md->rope_of[l] >= md->rope_tables) return BAD_MODEL;
         if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
@@ -1014,9 +1014,11 @@ static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
     const rows_job *J = ctx;
     for (int64_t m = m0; m < m1; m++) {
-        const float *g = J->gu + m * 2 * J->I, *u = g + J->I;
+        const float *g = J->gu + m * (J->kind == ACT_RELU2 ? 1 : 2) * J->I, *u = g + J->I;
         float *a = J->act + m * J->I;
-        if (J->kind == ACT_SILU)
+        if (J->kind == ACT_RELU2)
+            for (int64_t i = 0; i < J->I; i++) a[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
+        else if (J->kind == ACT_SILU)
             silu_row(g, u, a, J->I);
         else
             gelu_row(g, u, a, J->I, J->kind == ACT_GELU_TANH);

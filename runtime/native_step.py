@@ -154,7 +154,7 @@ class _Experts(ctypes.Structure):  # native_step.c's experts_t
     ]
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # native_step.c's ACT_* (native_weights.Weights.act)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3}  # native_step.c's ACT_* (native_weights.Weights.act)
 
 
 class _Heads(ctypes.Structure):  # native_step.c's heads_t

@@ -32,9 +32,15 @@ from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # ops a model type's graphs hold beyond OPS: routed experts' (native_experts.py), Gemma-2's decomposed soft-capped
 # attention and final soft-cap
-MODEL_OPS = {**{t: MOE_OPS for t in MOE_TYPES}, "gemma2": frozenset({"Softmax", "Tanh"}), "stablelm": frozenset({"LayerNormalization"})}
+MODEL_OPS = {
+    **{t: MOE_OPS for t in MOE_TYPES},
+    "gemma2": frozenset({"Softmax", "Tanh"}),
+    "stablelm": frozenset({"LayerNormalization"}),
+    "nemotron": frozenset({"LayerNormalization", "Relu", "Pow"}),
+}
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", *MOE_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
+MODEL_TYPES += MOE_TYPES
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -79,7 +85,7 @@ class Weights:
     attn_out_norm: list[np.ndarray | None]  # L x (H): the attention output's norm before its residual add (Gemma)
     mlp_out_norm: list[np.ndarray | None]  # L x (H): the MLP output's norm before its residual add
     qk_eps: float = 0.0  # the q/k norms' epsilon
-    act: str = "silu"  # the MLP gate: silu, gelu_tanh or gelu (native_step.ACTIVATIONS)
+    act: str = "silu"  # the MLP gate: silu, gelu_tanh or gelu; relu2 an ungated MLP, relu(up)^2 (native_step.ACTIVATIONS)
     embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
@@ -273,6 +279,14 @@ def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
     return rotary, concat.output[0], int(r)
 
 
+def _squared_relu(g: Graph, step: Path, layer: int, up: str) -> str:
+    """Nemotron's ungated MLP activation: Pow(Relu(up), 2); its output."""
+    square = g.only(g.only(up, "Relu").output[0], "Pow")
+    if square.input[1] not in g.init or g.scalar(square.input[1]) != 2.0:
+        raise unsupported(step, f"layer {layer}'s MLP raises its ReLU to another power than 2")
+    return square.output[0]
+
+
 def _layers(g: Graph, step: Path) -> int:
     """The layers the step stacks into new_key (one row each)."""
     transpose = g.producer.get(NEW_KEY)
@@ -432,6 +446,12 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["experts"].append(None)
         gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
         w["gate_up"].append(gu)
+        if [n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity"] == ["Relu"]:  # ungated: down(relu(up)^2)
+            down, out = g.linear(_squared_relu(g, step, layer, out))
+            acts.add("relu2"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
+            x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
+            w["mlp_out"].append(out_norm)
+            continue
         halves = g.only(out, "Split")
         if len(halves.output) != 2:
             raise unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
@@ -583,7 +603,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(d.scale), f"attention score scale {d.scale}"),
         (all(0 <= int(w) < 2**31 for w in weights.windows), f"sliding windows {weights.windows}"),
         (all(0 <= int(r) < max(tables, 1) for r in weights.rope_of), f"rotary tables {weights.rope_of} of {tables}"),
-        (weights.act in ("silu", "gelu_tanh", "gelu"), f"MLP gate {weights.act}"),
+        (weights.act in ("silu", "gelu_tanh", "gelu", "relu2"), f"MLP gate {weights.act}"),
         (math.isfinite(weights.embed_scale), f"embedding scale {weights.embed_scale}"),
         (math.isfinite(weights.residual_scale), f"residual scale {weights.residual_scale}"),
         (math.isfinite(weights.logit_divisor) and weights.logit_divisor != 0, f"logit divisor {weights.logit_divisor}"),
@@ -643,7 +663,7 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H))]  # fmt: skip
         experts = weights.experts[layer] if weights.experts else None
         if experts is None:  # a dense MLP
-            linears += [(f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, 2 * I)),
+            linears += [(f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, I if weights.act == "relu2" else 2 * I)),
                         (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
             continue
         E, k = experts.count, experts.top_k
