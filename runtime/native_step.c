@@ -495,6 +495,17 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
     }
 }
 #elif I8_MADD
+/* AVX2: outputs o..o + 8 of row m's block b added to their float sums in out: (float)(sum - zero x row sum) x (row scale
+ * x weight scale), one FMA (nb_add's arithmetic, 8 outputs a vector) */
+static inline __attribute__((always_inline)) void nb_epilogue_avx2(const nb_group *G, const work_t *wk, int64_t m, int64_t b,
+                                                                   int o, __m256i sums, float *out) {
+    const int64_t at = m * wk->max_blocks + b;
+    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
+    const __m256i sum = _mm256_sub_epi32(sums, _mm256_mullo_epi32(zero, _mm256_set1_epi32(wk->bsum[at])));
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wk->bs[at]), _mm256_loadu_ps(G->ws + b * BLOCK + o));
+    _mm256_storeu_ps(out + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out + o)));
+}
+
 /* AVX2: each block's integer sums with vpmaddwd over int16-widened values (exact, as sums_madd), 16 outputs (one half
  * of the group) for R rows at a time, each weight vector widened once for all R; the pair sums added (exact integers),
  * then the float epilogue 8 outputs a vector, (float)(sum - zero x row sum) x (row scale x weight scale) in one FMA:
@@ -524,19 +535,10 @@ static inline __attribute__((always_inline)) void nb_rows_avx2(const nb_group *G
                     for (int i = 0; i < R; i++) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wide, x[i]));
                 }
             }
-            for (int i = 0; i < R; i++) { /* lanes 2o, 2o + 1 of acc[j]: output 4j + o; hadd then 64-bit lanes in order */
-                const int64_t at = (m + i) * wk->max_blocks + b;
-                const __m256 both = _mm256_set1_ps(wk->bs[at]);
-                const __m256i rowsum = _mm256_set1_epi32(wk->bsum[at]);
-                for (int e = 0; e < 2; e++) { /* outputs half * 16 + 8e .. + 8 */
-                    const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * e], acc[i][2 * e + 1]), 0xD8);
-                    const int o = half * 16 + 8 * e;
-                    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
-                    const __m256i sum = _mm256_sub_epi32(s, _mm256_mullo_epi32(zero, rowsum));
-                    const __m256 scale = _mm256_mul_ps(both, _mm256_loadu_ps(G->ws + b * BLOCK + o));
-                    _mm256_storeu_ps(out[i] + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out[i] + o)));
-                }
-            }
+            for (int i = 0; i < R; i++) /* lanes 2o, 2o + 1 of acc[j]: output 4j + o; hadd then 64-bit lanes in order */
+                for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8 */
+                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e,
+                                     _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * e], acc[i][2 * e + 1]), 0xD8), out[i]);
         }
     }
 }
@@ -565,18 +567,9 @@ static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *
                     acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), ones));
                 }
             }
-            for (int i = 0; i < R; i++) {
-                const int64_t at = (m + i) * wk->max_blocks + b;
-                const __m256 both = _mm256_set1_ps(wk->bs[at]);
-                const __m256i rowsum = _mm256_set1_epi32(wk->bsum[at]);
-                for (int e = 0; e < 2; e++) { /* outputs half * 16 + 8e .. + 8, one a lane */
-                    const int o = half * 16 + 8 * e;
-                    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
-                    const __m256i sum = _mm256_sub_epi32(acc[i][e], _mm256_mullo_epi32(zero, rowsum));
-                    const __m256 scale = _mm256_mul_ps(both, _mm256_loadu_ps(G->ws + b * BLOCK + o));
-                    _mm256_storeu_ps(out[i] + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out[i] + o)));
-                }
-            }
+            for (int i = 0; i < R; i++)
+                for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8, one a lane */
+                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e, acc[i][e], out[i]);
         }
     }
 }
