@@ -278,6 +278,23 @@ static void sum_values_avx2(float *const *o, int nr, const float *base, int64_t 
 }
 #endif
 
+_Static_assert(RB == 4, "sum_values unrolls rows 1, 2, 3 and RB");
+
+/* acc[r] += p[r][s] v_s over slots s0..n-1 for rows r < nr (a constant where inlined), each slot's values loaded once */
+static inline __attribute__((always_inline)) void slot_sums(vec (*acc)[MAXV], const int nr, const int nv, const float *base,
+                                                            int64_t stride, int64_t s0, int64_t n, const float *const *p) {
+    for (int64_t s = s0; s < n; s++) {
+        const float *vs = base + s * stride;
+        if (s + AHEAD < n) prefetch(vs + AHEAD * stride, nv * LANES);
+        vec v[MAXV];
+        for (int c = 0; c < nv; c++) v[c] = load(vs + c * LANES);
+        for (int r = 0; r < nr; r++) {
+            const float w = p[r][s];
+            for (int c = 0; c < nv; c++) acc[r][c] += w * v[c];
+        }
+    }
+}
+
 /* o[r] = sum over the cache's slots start[r]..n-1 of p[r][s] v_s, then over the row's visible nodes (seen, and not
  * far: outside its window where far is set), in that order. */
 static inline __attribute__((always_inline)) void sum_values(float *const *o, int nr, const float *base,
@@ -294,9 +311,16 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
         vec acc[RB][MAXV];
         for (int r = 0; r < nr; r++)
             for (int c = 0; c < nv; c++) acc[r][c] = (vec){0};
-        int64_t s0 = n; /* the rows' lowest first slot */
-        for (int r = 0; r < nr; r++) s0 = start[r] < s0 ? start[r] : s0;
-        for (int64_t s = s0; s < n; s++) {
+        int64_t s0 = n, s1 = 0; /* the rows' lowest and highest first slots */
+        for (int r = 0; r < nr; r++) s0 = start[r] < s0 ? start[r] : s0, s1 = start[r] > s1 ? start[r] : s1;
+        if (s0 == s1) /* every row from the same slot (no window, or one it all sees): the rows unrolled */
+            switch (nr) {
+            case 1: slot_sums(acc, 1, nv, base, stride, s0, n, p); break;
+            case 2: slot_sums(acc, 2, nv, base, stride, s0, n, p); break;
+            case 3: slot_sums(acc, 3, nv, base, stride, s0, n, p); break;
+            default: slot_sums(acc, RB, nv, base, stride, s0, n, p); break; /* nr == RB */
+            }
+        for (int64_t s = s0 == s1 ? n : s0; s < n; s++) {
             const float *vs = base + s * stride;
             if (s + AHEAD < n) prefetch(vs + AHEAD * stride, D);
             for (int r = 0; r < nr; r++) {
