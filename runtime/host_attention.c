@@ -20,6 +20,8 @@
  *   pos     int64 [B, T]   the nodes' positions (read only with a sliding window: committed slot s holds position s)
  *   window  a sliding window: a query at position p sees keys at positions > p - window (0: every key)
  *   softcap each scaled score s becomes softcap tanh(s / softcap) before the softmax (Gemma-2; 0: none)
+ *   sinks   float [Hq] or NULL: each head's sink logit, a last term of its rows' softmax (in the max and the sum, no
+ *           value): gpt-oss's attention sinks
  *   out     [B, T, Hq * D]
  *   scratch float, at least RB * (max(lengths) + 2 * T) elements (RB rows of scores and of the nodes' scores), times
  *           the pool's threads (native_pool.h: its tasks run in parallel, each in its worker's part)
@@ -367,6 +369,7 @@ typedef struct {
     const int64_t *lengths, *pos;
     int window;
     float softcap; /* each score s becomes c tanh(s / c) before the softmax (0: none) */
+    const float *sinks; /* (Hq): each head's sink logit, one more term of its softmax's denominator (NULL: none) */
     float *out, *scratch;
 } att_job;
 
@@ -427,10 +430,12 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
                 if (srow[x][j] && !(far[x] && far[x][j])) row[n++] = fresh[x][j];
             if (J->softcap > 0.0f) /* per score, one function of it alone */
                 for (int64_t m = 0; m < n; m++) row[m] = J->softcap * tanhf(row[m] / J->softcap);
-            const float top = row_max(row, n);
-            for (int64_t m = 0; m < n; m++) row[m] -= top;
-            exp_row(row, n);
-            const float inv = n ? 1.0f / row_sum(row, n) : 0.0f;
+            int64_t all = n; /* with the head's sink last (the row has room: its fresh scores are copied in by now) */
+            if (J->sinks) row[all++] = J->sinks[kv * groups + (first + x) / T];
+            const float top = row_max(row, all);
+            for (int64_t m = 0; m < all; m++) row[m] -= top;
+            exp_row(row, all);
+            const float inv = all ? 1.0f / row_sum(row, all) : 0.0f;
             for (int64_t m = 0; m < n; m++) row[m] *= inv;
         }
         const float *const *pr = (const float *const *)prow;
@@ -446,8 +451,8 @@ static void attend(void *ctx, int64_t first_task, int64_t last_task, int worker)
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
                                int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
-                               int window, float softcap, float *out, float *scratch, int64_t scratch_floats,
-                               pool_t *pool) {
+                               int window, float softcap, const float *sinks, float *out, float *scratch,
+                               int64_t scratch_floats, pool_t *pool) {
     if (Hkv <= 0 || Hq % Hkv != 0 || window < 0 || (window > 0 && !pos) || !(softcap >= 0.0f)) return 1;
     const int threads = medusa_pool_threads(pool);
     const int groups = Hq / Hkv, per_kv = groups * T; /* rows of a key/value head: query head kv * groups + g, node i */
@@ -457,7 +462,7 @@ int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale
     if (threads <= 0 || longest < 0 || medusa_tree_attention_scratch(B, T, longest, threads) > scratch_floats) return 2;
     att_job J = {B, T, Hq, Hkv, D, groups, per_kv, blocks, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride,
                  medusa_tree_attention_scratch(B, T, longest, 1), (int64_t)RB * (longest + 2 * T), mask, lengths, pos,
-                 window, softcap, out, scratch};
+                 window, softcap, sinks, out, scratch};
     pool_run(pool, (int64_t)B * Hkv * blocks, 1, attend, &J);
     return 0;
 }
@@ -470,5 +475,5 @@ int medusa_tree_attention(int B, int T, int Hq, int Hkv, int D, float scale, con
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     return medusa_tree_attention_pool(B, T, Hq, Hkv, D, scale, q, k, v, cache_k, cache_v, slot_stride, row_stride, mask,
-                                      lengths, NULL, 0, 0.0f, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
+                                      lengths, NULL, 0, 0.0f, NULL, out, scratch, medusa_tree_attention_scratch(B, T, longest, 1), NULL);
 }

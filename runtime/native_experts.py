@@ -1,18 +1,21 @@
-"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) read out of a step graph, as ``exporter/experts.py`` and the
+"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) read out of a step graph, as ``exporter/experts.py`` and the
 model's own router export them, and checked against what ``native_step.c``'s ``experts`` computes.
 
 Per layer, on the post-attention norm's rows (flattened to (N, H)):
 
-* the router: one linear to E logits, Softmax, TopK k (largest), optionally the k weights over their sum;
+* the router: one linear to E logits, Softmax, TopK k (largest), optionally the k weights over their sum; or
+  (gpt-oss) a linear with a bias, TopK k of the logits, Softmax over those k;
 * a fixed loop over the experts 0 .. E - 1: the rows routed to expert e (``Equal(top-k ids, e)``, any over k,
   ``NonZero``) gathered, one gate/up linear, Split, the gate's activation times up, one down linear, times the row's
   routing weight for e, scatter-added (``ScatterND`` add) into a zero sum, expert after expert;
+* gpt-oss's experts: biases on gate/up and down, gate and up interleaved (even and odd columns: read here as gate
+  then up halves, exact: each output column's sum is its own), the clamped SwiGLU (``swiglu_limit``);
 * optionally a shared expert every row runs (Qwen2-MoE): gate and up linears (fused here into one), the activation,
   down, times the sigmoid of one more linear to a single output, added after the routed experts' sum.
 
 Each row's sum is taken in expert order and depends on its own routing alone, so the result never depends on which
-other rows share the step (batch invariance; ``docs/exactness.md``). Anything else around the experts (a router
-bias, a soft-max after the top-k, gpt-oss's clamped gate, a post-expert norm) is refused by name.
+other rows share the step (batch invariance; ``docs/exactness.md``). Anything else around the experts (a post-expert
+norm, another activation) is refused by name.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, gate_of, unsupported
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported
 
 # the ops of routed experts, beside the dense pattern's (native_weights.OPS)
-MOE_OPS = frozenset("Gemm Softmax TopK ReduceSum Equal NonZero ScatterND".split())
+MOE_OPS = frozenset("Gemm Softmax TopK ReduceSum Equal NonZero ScatterND Clip".split())  # Clip: gpt-oss's clamps
 # what lies between the top-k ids and an expert's row indices: Equal, Cast, ReduceMax (any over k), Cast, NonZero, ...
 _INDEX_OPS = ("Reshape", "Squeeze", "Transpose", "NonZero", "Cast", "ReduceMax", "Unsqueeze")
 
@@ -42,6 +45,12 @@ class Experts:
     shared_gate_up: Linear | None = None  # (H, 2 Is): a shared expert every row runs (Qwen2-MoE); None: none
     shared_down: Linear | None = None  # (Is, H)
     shared_gate: Linear | None = None  # (H, 1): the shared expert's output times the sigmoid of this
+    router_bias: np.ndarray | None = None  # (E): added to the router's logits (gpt-oss)
+    topk_first: bool = False  # the softmax over the k largest logits (gpt-oss), not the k largest of the softmax
+    gate_up_bias: tuple = ()  # E x (2 I), gate then up (gpt-oss); (): none
+    down_bias: tuple = ()  # E x (H)
+    alpha: float = 0.0  # swiglu_limit's sigmoid slope and clamp (gpt-oss; 0: another activation)
+    limit: float = 0.0
 
     @property
     def count(self) -> int:
@@ -91,36 +100,59 @@ def read_experts(g: Graph, step: Path, layer: int, src: str) -> tuple[Experts, s
                 gathers.append(n)
             elif n.op_type not in ("Reshape", "Shape", "Identity", "MatMul", "Gemm", "MatMulNBits", "Abs", "QuantizeLinear"):
                 raise unsupported(step, f"{where}' input rows are read by a {n.op_type}")
-        linears += g.linears(view)
-    routers = [(lin, out) for lin, out in linears if any(n.op_type == "Softmax" for n in g.consumers.get(out, []))]
+        linears += g.linears(view, bias=True)
+    ranked = ("Softmax", "TopK")  # a router's logits are read by its softmax, or (gpt-oss) its top-k
+    routers = []
+    for lin, out in linears:
+        added, logits = biased(g, out) if lin.bias is None else (lin.bias, out)
+        if any(n.op_type in ranked for n in g.consumers.get(logits, [])):
+            routers.append((lin, out, added, logits))
     if len(routers) != 1:
-        raise unsupported(step, f"{where} have {len(routers)} routers (a linear whose logits a Softmax reads), not one")
-    router, logits = routers[0]
-    top_k, normalize, ids, weights = _routing(g, step, where, logits)
+        raise unsupported(step, f"{where} have {len(routers)} routers (a linear whose logits a Softmax or TopK reads), not one")
+    router, router_out, router_bias, logits = routers[0]
+    if router_bias is not None and router_bias.shape != (router.shape[1],):
+        raise malformed(step, f"{where}' router bias of shape {router_bias.shape} for {router.shape[1]} experts")
+    top_k, normalize, topk_first, ids, weights = _routing(g, step, where, logits)
     experts: dict[int, tuple] = {}
-    acts = set()
+    acts, clamps = set(), set()
     for gather in gathers:
-        e, act, up, down, scatter = _expert(g, step, layer, gather, ids, weights)
+        e, act, up, down, scatter, biases, clamp = _expert(g, step, layer, gather, ids, weights)
         if e in experts:
             raise unsupported(step, f"{where} run expert {e} twice")
-        experts[e] = (up, down, scatter)
-        acts.add(act)
+        experts[e] = (up, down, scatter, *biases)
+        acts.add(act), clamps.add(clamp)
     count = router.shape[1]
     if sorted(experts) != list(range(count)) or not 0 < top_k <= count:
         raise unsupported(step, f"{where}: experts {sorted(experts)} for a router of {count} outputs choosing {top_k}")
     total = _sum_in_order(g, step, where, [experts[e][2] for e in range(count)])
-    shared = [(lin, out) for lin, out in linears if out != logits]
-    fields = {}
+    shared = [(lin, out) for lin, out in linears if out != router_out]
+    fields = {"router_bias": router_bias, "topk_first": topk_first}
+    if len(clamps) != 1:
+        raise unsupported(step, f"{where} clamp their gates differently {sorted(clamps)}")
+    fields["alpha"], fields["limit"] = clamps.pop()
+    biases = [experts[e][3:] for e in range(count)]
+    if any(b is not None for pair in biases for b in pair):
+        if any(b is None for pair in biases for b in pair):
+            raise unsupported(step, f"{where}: some experts have biases and some have none")
+        fields["gate_up_bias"], fields["down_bias"] = tuple(b[0] for b in biases), tuple(b[1] for b in biases)
     if shared:
-        total, act, fields = _shared(g, step, layer, shared, total)
-        acts.add(act)
+        total, act, shared_fields = _shared(g, step, layer, shared, total)
+        acts.add(act), fields.update(shared_fields)
     out = g.only(total, "Reshape").output[0]
     gate_up, down = (tuple(experts[e][j] for e in range(count)) for j in (0, 1))
     return Experts(router, top_k, normalize, gate_up, down, **fields), acts, out
 
 
-def _routing(g: Graph, step: Path, where: str, logits: str) -> tuple[int, bool, str, str]:
-    """Softmax, TopK, optionally the weights over their sum: (k, normalize, the top-k ids, the routing weights)."""
+def _routing(g: Graph, step: Path, where: str, logits: str) -> tuple[int, bool, bool, str, str]:
+    """Softmax, TopK, optionally the weights over their sum; or TopK, Softmax of the k values (gpt-oss): (k, normalize,
+    topk first, the top-k ids, the routing weights)."""
+    readers = [n for n in g.consumers.get(logits, []) if n.op_type != "Identity"]
+    if [n.op_type for n in readers] == ["TopK"]:
+        topk = readers[0]
+        softmax = g.only(topk.output[0], "Softmax")
+        if attr(topk, "axis", -1) not in (-1, 1) or attr(topk, "largest", 1) != 1 or attr(softmax, "axis", -1) not in (-1, 1):
+            raise unsupported(step, f"{where}' router is not the k largest logits and a softmax over them")
+        return int(g.scalar(topk.input[1])), False, True, topk.output[1], softmax.output[0]
     softmax = g.only(logits, "Softmax")
     topk = g.only(softmax.output[0], "TopK")
     if attr(softmax, "axis", -1) not in (-1, 1) or attr(topk, "axis", -1) not in (-1, 1) or attr(topk, "largest", 1) != 1:
@@ -133,8 +165,8 @@ def _routing(g: Graph, step: Path, where: str, logits: str) -> tuple[int, bool, 
         axes = g.array(total.input[1]).reshape(-1).tolist() if len(total.input) > 1 and total.input[1] else None
         if axes not in ([-1], [1]) or attr(total, "keepdims", 1) != 1 or list(div.input) != [values, total.output[0]]:
             raise unsupported(step, f"{where}' routing weights are not the top-k values over their sum")
-        return k, True, ids, div.output[0]
-    return k, False, ids, values
+        return k, True, False, ids, div.output[0]
+    return k, False, False, ids, values
 
 
 def _index_root(g: Graph, tensor: str) -> str:
@@ -158,19 +190,28 @@ def _chosen(g: Graph, step: Path, where: str, rows: str, ids: str):
 
 
 def _expert(g: Graph, step: Path, layer: int, gather, ids: str, weights: str):
-    """One expert from the Gather of its rows: (e, its activation, gate/up, down, its ScatterND)."""
+    """One expert from the Gather of its rows: (e, its activation, gate/up, down, its ScatterND, (gate/up bias, down
+    bias), (alpha, limit) of a clamped SwiGLU (0, 0: another activation))."""
     where = f"layer {layer}'s experts"
     equal, e = _chosen(g, step, where, gather.input[1], ids)
     up, out = g.linear(gather.output[0])
-    halves = g.only(out, "Split")
-    widths = g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None
-    if len(halves.output) != 2 or widths not in (None, [up.shape[1] // 2] * 2) or up.shape[1] % 2:
-        raise unsupported(step, f"{where}: expert {e}'s gate/up matmul is not split into gate and up halves")
-    act, gated = gate_of(g, step, layer, halves.output[0])
-    prod = g.only(gated, "Mul")
-    if halves.output[1] not in prod.input:
-        raise unsupported(step, f"{where}: expert {e} does not multiply its activated gate by up")
-    down, out = g.linear(prod.output[0])
+    up_bias, out = biased(g, out)
+    clamp = (0.0, 0.0)
+    if sorted(n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity") == ["Slice", "Slice"]:
+        order, (alpha, limit, prod) = _interleaved(g, step, where, e, out, up.shape[1])
+        up, up_bias, act, clamp = _columns(up, order), None if up_bias is None else up_bias[order], "swiglu_limit", (alpha, limit)
+    else:
+        halves = g.only(out, "Split")
+        widths = g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None
+        if len(halves.output) != 2 or widths not in (None, [up.shape[1] // 2] * 2) or up.shape[1] % 2:
+            raise unsupported(step, f"{where}: expert {e}'s gate/up matmul is not split into gate and up halves")
+        act, gated = gate_of(g, step, layer, halves.output[0])
+        prod = g.only(gated, "Mul")
+        if halves.output[1] not in prod.input:
+            raise unsupported(step, f"{where}: expert {e} does not multiply its activated gate by up")
+        prod = prod.output[0]
+    down, out = g.linear(prod)
+    down_bias, out = biased(g, out)
     weighted = g.only(out, "Mul")
     scale = g.producer.get(_index_root(g, next((x for x in weighted.input if x != out), "")))
     total = g.producer.get(scale.input[0]) if scale is not None and scale.op_type == "Gather" else None
@@ -191,7 +232,61 @@ def _expert(g: Graph, step: Path, layer: int, gather, ids: str, weights: str):
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
     if reduction != "add" or scatter.input[2] != weighted.output[0] or _index_root(g, scatter.input[1]) != _index_root(g, gather.input[1]):
         raise unsupported(step, f"{where}: expert {e}'s output is not added into its own rows")
-    return e, act, up, down, scatter
+    for what, b, n in (("gate/up", up_bias, up.shape[1]), ("down", down_bias, down.shape[1])):
+        if b is not None and b.shape != (n,):
+            raise malformed(step, f"{where}: expert {e}'s {what} bias of shape {b.shape} for {n} outputs")
+    return e, act, up, down, scatter, (up_bias, down_bias), clamp
+
+
+def _interleaved(g: Graph, step: Path, where: str, e: int, out: str, width: int) -> tuple[np.ndarray, tuple[float, float, str]]:
+    """gpt-oss's gate/up: gate the even columns, up the odd ones (two Slices of step 2), then
+    (clip(up, -limit, limit) + 1) * (g * sigmoid(alpha g)), g = clip(gate, max=limit): (the column order that makes
+    them gate then up halves, (alpha, limit, the product))."""
+    parts = {}
+    for n in g.consumers[out]:
+        if n.op_type == "Identity":
+            continue
+        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
+        starts, ends, axes, steps = args[:4]
+        if n.input[0] != out or axes not in ([-1], [1]) or steps != [2] or starts not in ([0], [1]) or ends[0] < width:
+            raise unsupported(step, f"{where}: expert {e}'s gate/up is sliced other than into its even and odd columns")
+        parts[starts[0]] = n.output[0]
+    if sorted(parts) != [0, 1] or width % 2:
+        raise unsupported(step, f"{where}: expert {e}'s gate/up is not its even and odd columns")
+    gate_clip, up_clip = g.only(parts[0], "Clip"), g.only(parts[1], "Clip")
+    bound = lambda clip, i: g.scalar(clip.input[i]) if len(clip.input) > i and clip.input[i] else None  # noqa: E731
+    limit = bound(gate_clip, 2)
+    readers = [n for n in g.consumers.get(gate_clip.output[0], []) if n.op_type != "Identity"]
+    scaled = next((n for n in readers if n.op_type == "Mul" and any(x in g.init for x in n.input)), None)
+    sigmoid = g.only(scaled.output[0], "Sigmoid") if scaled is not None else None
+    glu = g.only(sigmoid.output[0], "Mul") if sigmoid is not None else None
+    shifted = g.only(up_clip.output[0], "Add")
+    prod = g.only(shifted.output[0], "Mul")
+    alpha = [g.scalar(x) for x in (scaled.input if scaled is not None else []) if x in g.init]
+    one = [g.scalar(x) for x in shifted.input if x in g.init]
+    if (
+        limit is None
+        or bound(gate_clip, 1) is not None
+        or bound(up_clip, 1) != -limit
+        or bound(up_clip, 2) != limit
+        or len(alpha) != 1
+        or sorted(n.op_type for n in readers) != ["Mul", "Mul"]
+        or glu not in readers
+        or sorted(glu.input) != sorted([gate_clip.output[0], sigmoid.output[0]])
+        or one != [1.0]
+        or sorted(prod.input) != sorted([shifted.output[0], glu.output[0]])
+    ):
+        raise unsupported(step, f"{where}: expert {e}'s activation is not gpt-oss's clamped SwiGLU")
+    if not (limit > 0 and np.isfinite(limit) and np.isfinite(alpha[0])):
+        raise malformed(step, f"{where}: expert {e}'s SwiGLU clamp {limit} or slope {alpha[0]}")
+    order = np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
+    return order, (float(alpha[0]), float(limit), prod.output[0])
+
+
+def _columns(m: Linear, order: np.ndarray) -> Linear:
+    """``m``'s outputs in ``order`` (a permutation): exact, each output's sums are its own."""
+    take = lambda x: None if x is None else np.ascontiguousarray(x[..., order])  # noqa: E731
+    return Linear(take(m.weight), take(m.scale), m.tiny, m.divisor, take(m.zero), m.block, m.bits)
 
 
 def _sum_in_order(g: Graph, step: Path, where: str, scatters: list) -> str:

@@ -26,6 +26,7 @@ class Linear:
     zero: np.ndarray | None = None  # nbits: (blocks, N) uint8 zero points
     block: int = 0  # nbits: inputs a block
     bits: int = 0  # nbits: 4 or 8 (0: not nbits)
+    bias: np.ndarray | None = None  # (N): a Gemm's bias, read only where its reader asks (``linear_at(bias=True)``)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -131,28 +132,32 @@ class Graph:
             raise unsupported(self.path, f"{x} is read by {', '.join(kinds) or 'nothing'} where the pattern has a weight matmul")
         return self.linear_at(x, readers[0])
 
-    def linears(self, x: str) -> list[tuple[Linear, str]]:
+    def linears(self, x: str, *, bias: bool = False) -> list[tuple[Linear, str]]:
         """Every weight matmul reading ``x`` (several linears of one input: a router and a shared expert's), in graph
-        order: each MatMul, Gemm and MatMulNBits, and each int8 chain (its Abs; its QuantizeLinear is found from it)."""
+        order: each MatMul, Gemm and MatMulNBits, and each int8 chain (its Abs; its QuantizeLinear is found from it).
+        ``bias``: as ``linear_at``'s."""
         readers = [n for n in self.consumers.get(x, []) if n.op_type in ("MatMul", "Gemm", "MatMulNBits", "Abs")]
-        return [self.linear_at(x, n) for n in readers]
+        return [self.linear_at(x, n, bias=bias) for n in readers]
 
-    def linear_at(self, x: str, node) -> tuple[Linear, str]:
-        """The weight matmul ``node`` starts on ``x``, and its output: a MatMul; a Gemm x @ B (or B.T) without a bias; a
-        MatMulNBits; or (``node`` its Abs) the int8 row quantizer chain of exporter/quantize.py (Abs, ReduceMax, Max,
-        Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul)."""
+    def linear_at(self, x: str, node, *, bias: bool = False) -> tuple[Linear, str]:
+        """The weight matmul ``node`` starts on ``x``, and its output: a MatMul; a Gemm x @ B (or B.T) without a bias
+        (with one where ``bias``: in the Linear's ``bias``); a MatMulNBits; or (``node`` its Abs) the int8 row quantizer
+        chain of exporter/quantize.py (Abs, ReduceMax, Max, Div; QuantizeLinear; MatMulInteger; Cast; Mul; Mul)."""
         if node.op_type in ("MatMul", "Gemm"):
+            added = None
             if node.op_type == "Gemm":
                 form = tuple(attr(node, a, d) for a, d in (("transA", 0), ("alpha", 1.0), ("beta", 1.0)))
-                if form != (0, 1.0, 1.0) or (len(node.input) > 2 and node.input[2]) or node.input[0] != x:
+                has_bias = len(node.input) > 2 and bool(node.input[2])
+                if form != (0, 1.0, 1.0) or (has_bias and not (bias and node.input[2] in self.init)) or node.input[0] != x:
                     raise unsupported(self.path, f"{x} is read by a Gemm other than x @ W (a bias, a scale or a transposed x)")
                 weight = self.array(node.input[1])
                 weight = np.ascontiguousarray(weight.T) if attr(node, "transB", 0) and weight.ndim == 2 else weight
+                added = np.ascontiguousarray(self.array(node.input[2]).reshape(-1), dtype=np.float32) if has_bias else None
             else:
                 weight = self.weight_of(node)
             if weight.ndim != 2:
                 raise unsupported(self.path, f"{x} is multiplied by a {weight.ndim}-D weight {weight.shape}, not a (K, N) matrix")
-            return Linear(weight), node.output[0]
+            return Linear(weight, bias=added), node.output[0]
         if node.op_type == "MatMulNBits":
             return self.nbits(node), node.output[0]
         if node.op_type != "Abs":
@@ -176,6 +181,18 @@ class Graph:
             raise unsupported(self.path, f"{x}'s int8 matmul is not int8 columns times row-scaled rows")
         scale = self.array(column.input[1]).reshape(-1)
         return Linear(weight, scale, self.scalar(top.input[1]), self.scalar(div.input[1])), column.output[0]
+
+
+def biased(g: Graph, out: str) -> tuple[np.ndarray | None, str]:
+    """The bias a linear's output ``out`` is added to (one Add of it and one initializer) and the sum; (None, out)
+    where ``out`` is read otherwise."""
+    readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
+    if len(readers) != 1 or readers[0].op_type != "Add":
+        return None, out
+    constant = [x for x in readers[0].input if x != out]
+    if len(constant) != 1 or constant[0] not in g.init:
+        return None, out
+    return np.ascontiguousarray(g.array(constant[0]).reshape(-1), dtype=np.float32), readers[0].output[0]
 
 
 def read_nbits(g: Graph, node) -> Linear:

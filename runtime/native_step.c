@@ -39,7 +39,8 @@
 int medusa_tree_attention_pool(int B, int T, int Hq, int Hkv, int D, float scale, const float *q, const float *k,
                                const float *v, const float *cache_k, const float *cache_v, int64_t slot_stride,
                                int64_t row_stride, const uint8_t *mask, const int64_t *lengths, const int64_t *pos,
-                               int window, float softcap, float *out, float *scratch, int64_t scratch_floats, pool_t *pool);
+                               int window, float softcap, const float *sinks, float *out, float *scratch,
+                               int64_t scratch_floats, pool_t *pool);
 int64_t medusa_tree_attention_scratch(int B, int T, int64_t longest, int threads);
 
 /* error codes of the exported functions (runtime/native_step.py names them) */
@@ -86,10 +87,13 @@ typedef struct {
 #define MAX_EXPERTS 256 /* experts a layer, at most (runtime/native_weights.py's MAX_EXPERTS) */
 
 typedef struct { /* one layer's routed experts (runtime/native_experts.py reads them) */
-    int32_t experts, top_k, normalize, inter, shared_inter, pad; /* normalize: the k weights over their sum */
+    int32_t experts, top_k, normalize, inter, shared_inter; /* normalize: the k weights over their sum */
+    int32_t topk_first; /* the softmax over the k largest logits (gpt-oss), not the k largest of the softmax over all */
     const linear_t *router;                       /* H -> E */
     const linear_t *const *gate_up, *const *down; /* E x: H -> 2 inter (gate then up), inter -> H */
     const linear_t *shared_gate_up, *shared_down, *shared_gate; /* a shared expert (H -> 2 Is, Is -> H, H -> 1), or NULL */
+    const float *router_bias;                          /* (E) added to the router's logits, or NULL (gpt-oss) */
+    const float *const *gate_up_bias, *const *down_bias; /* E x (2 inter) / (H): each expert's biases, entries NULL: none */
 } experts_t;
 
 typedef struct {
@@ -122,9 +126,15 @@ typedef struct {
     int32_t rotary_dim;  /* the leading dims of each head the rotary turns (partial rotary); the rest pass (D: all) */
     const float *const *norm_in_bias, *const *norm_post_bias; /* L x (H) a layer norm's bias, NULL: none */
     const float *norm_final_bias;                             /* (H), NULL: none */
+    const float *const *o_bias; /* L x (H): the attention output projection's bias, NULL: none (gpt-oss) */
+    const float *const *sinks;  /* L x (Hq): each head's sink logit, one more term of every softmax's denominator (gpt-oss) */
+    float rope_factor;          /* the rotary tables' cos and sin times this (YaRN's attention factor; else 1) */
+    float act_alpha, act_limit; /* ACT_SWIGLU_LIMIT's sigmoid slope and clamp */
 } model_t;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU2 = 3 }; /* RELU2: gate_up is up alone (I wide), relu(up)^2 */
+/* RELU2: gate_up is up alone (I wide), relu(up)^2. SWIGLU_LIMIT (gpt-oss): g = min(gate, limit), u = clamp(up, -limit,
+ * limit), (u + 1) * g * sigmoid(alpha g) */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU2 = 3, ACT_SWIGLU_LIMIT = 4 };
 
 typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
     int64_t rows, slots, threads; /* the most rows (batch x tokens) and cache slots a step may have; its threads */
@@ -704,12 +714,12 @@ static void norm_rows(const model_t *md, const float *x, int64_t M, const float 
 }
 
 /* the cos and sin of position pos times each frequency: rot = (cos[D / 2], sin[D / 2]) (D: the rotary dims) */
-static void rope_table(int D, int64_t pos, const float *inv_freq, float *rot) {
+static void rope_table(int D, int64_t pos, const float *inv_freq, float factor, float *rot) {
     const int half = D / 2;
     for (int i = 0; i < half; i++) {
         const float f = (float)pos * inv_freq[i];
-        rot[i] = cosf(f);
-        rot[half + i] = sinf(f);
+        rot[i] = cosf(f) * factor; /* x 1: exact */
+        rot[half + i] = sinf(f) * factor;
     }
 }
 
@@ -757,6 +767,21 @@ static void silu_row(const float *g, const float *u, float *a, int64_t I) {
     }
 }
 
+/* gpt-oss's clamped SwiGLU over one row of I (as the graph's Clip, Mul, Sigmoid, Mul, Add, Mul) */
+static void swiglu_limit_row(const float *g, const float *u, float *a, int64_t I, float alpha, float limit) {
+    for (int64_t e = 0; e < I; e++) {
+        const float gc = g[e] < limit ? g[e] : limit;
+        const float uc = u[e] < -limit ? -limit : u[e] > limit ? limit : u[e];
+        a[e] = (uc + 1.0f) * (gc * (1.0f / (1.0f + expf(-(gc * alpha)))));
+    }
+}
+
+/* y[m] += bias over M rows of N (a linear's bias, after its matmul) */
+static void add_bias_rows(float *y, int64_t M, int64_t N, const float *bias) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
+}
+
 /* x += h * scale, as the graph's Mul then Add (-ffp-contract=off: never fused into one FMA); scale 1: x += h */
 static void add_scaled_rows(float *x, const float *h, int64_t n, float scale) {
     for (int64_t e = 0; e < n; e++) x[e] += h[e] * scale;
@@ -794,7 +819,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 12 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 13 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -863,7 +888,9 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL; /* entries may be NULL */
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
-    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_RELU2 || !md->experts) return BAD_MODEL;
+    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_SWIGLU_LIMIT || !md->experts) return BAD_MODEL;
+    if (!md->o_bias || !md->sinks || !isfinite(md->rope_factor) || !isfinite(md->act_alpha) || !(md->act_limit > 0.0f))
+        return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     if (md->rotary_dim <= 0 || md->rotary_dim > D || md->rotary_dim % 2 || !md->norm_in_bias || !md->norm_post_bias)
@@ -1001,6 +1028,7 @@ typedef struct {
     int k, kind;   /* kind: the gate's activation */
     float divisor; /* the logits over this first (1: untouched) */
     float softcap; /* then c tanh(z / c) (0: none) */
+    float alpha, limit; /* ACT_SWIGLU_LIMIT's */
 } rows_job;
 
 static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
@@ -1013,6 +1041,8 @@ static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
             for (int64_t i = 0; i < J->I; i++) a[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
         else if (J->kind == ACT_SILU)
             silu_row(g, u, a, J->I);
+        else if (J->kind == ACT_SWIGLU_LIMIT)
+            swiglu_limit_row(g, u, a, J->I, J->alpha, J->limit);
         else
             gelu_row(g, u, a, J->I, J->kind == ACT_GELU_TANH);
     }
@@ -1035,24 +1065,39 @@ static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_i
     }
 }
 
+/* the k largest of p (E) into ids, best first; a tie keeps the lower expert (ONNX TopK). k is small. */
+static void pick(const float *p, int64_t E, int64_t k, int32_t *ids) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[j] = (int32_t)best;
+    }
+}
+
 /* Each row's routing (runtime/native_experts.py): softmax over the router's E logits (in place), the k largest (a tie:
  * the lower expert first) into ids, their probabilities into w, optionally over their sum (taken in rank order) */
 static void route(const experts_t *ex, float *logits, int64_t M, int32_t *ids, float *w) {
     const int64_t E = ex->experts, k = ex->top_k;
     for (int64_t m = 0; m < M; m++) {
         float *p = logits + m * E, top = p[0], total = 0.0f;
+        if (ex->router_bias)
+            for (int64_t e = 0; e < E; e++) p[e] += ex->router_bias[e];
+        if (ex->topk_first) { /* the k largest logits, then the softmax over them alone (in rank order) */
+            pick(p, E, k, ids + m * k);
+            const float best = p[ids[m * k]];
+            for (int64_t j = 0; j < k; j++) total += (w[m * k + j] = expf(p[ids[m * k + j]] - best));
+            for (int64_t j = 0; j < k; j++) w[m * k + j] /= total;
+            continue;
+        }
         for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
         for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
         for (int64_t e = 0; e < E; e++) p[e] /= total;
-        for (int64_t j = 0; j < k; j++) { /* selection: k is small; ties keep the lower expert */
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= ids[m * k + i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            ids[m * k + j] = (int32_t)best, w[m * k + j] = p[best];
-        }
+        pick(p, E, k, ids + m * k);
+        for (int64_t j = 0; j < k; j++) w[m * k + j] = p[ids[m * k + j]];
         if (ex->normalize) {
             float sum = 0.0f;
             for (int64_t j = 0; j < k; j++) sum += w[m * k + j];
@@ -1069,7 +1114,7 @@ static void experts(const model_t *md, const experts_t *ex, const work_t *wk, in
     matmul(ex->router, in, M, wk->moe_logits, wk);
     route(ex, wk->moe_logits, M, wk->moe_ids, wk->moe_w);
     memset(out, 0, (size_t)(M * H) * sizeof(float));
-    rows_job gate = {.gu = wk->gu, .act = wk->act, .I = ex->inter, .kind = md->act};
+    rows_job gate = {.gu = wk->gu, .act = wk->act, .I = ex->inter, .kind = md->act, .alpha = md->act_alpha, .limit = md->act_limit};
     for (int64_t e = 0; e < ex->experts; e++) {
         int64_t n = 0;
         for (int64_t m = 0; m < M; m++)
@@ -1082,8 +1127,10 @@ static void experts(const model_t *md, const experts_t *ex, const work_t *wk, in
                 }
         if (n == 0) continue;
         matmul(ex->gate_up[e], wk->moe_x, n, wk->gu, wk);
+        if (ex->gate_up_bias && ex->gate_up_bias[e]) add_bias_rows(wk->gu, n, 2 * ex->inter, ex->gate_up_bias[e]);
         pool_run(wk->pool, n, 1, gate_rows, &gate);
         matmul(ex->down[e], wk->act, n, wk->moe_y, wk);
+        if (ex->down_bias && ex->down_bias[e]) add_bias_rows(wk->moe_y, n, H, ex->down_bias[e]);
         for (int64_t i = 0; i < n; i++) {
             float *sum = out + (int64_t)wk->moe_rows[i] * H;
             const float *y = wk->moe_y + i * H, r = wk->moe_rw[i];
@@ -1123,12 +1170,13 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     for (int64_t m = 0; m < M; m++) /* a node lies past its row's committed slots (a window reads slot s as position s) */
         if (pos[m] < lengths[m / T]) return BAD_POSITION;
     float *x = wk->x;
-    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act, .divisor = md->logit_divisor,
+    rows_job rows = {.gu = wk->gu, .act = wk->act, .I = I, .V = V, .kind = md->act, .alpha = md->act_alpha, .limit = md->act_limit,
+                     .divisor = md->logit_divisor,
                      .softcap = md->final_softcap};
     for (int64_t m = 0; m < M; m++) {
         const float *e = md->embed + ids[m] * H;
         for (int64_t d = 0; d < H; d++) x[m * H + d] = e[d] * md->embed_scale; /* x 1: exact */
-        for (int r = 0; r < md->rope_tables; r++) rope_table(R, pos[m], md->inv_freq + r * (R / 2), wk->rot + (r * M + m) * D);
+        for (int r = 0; r < md->rope_tables; r++) rope_table(R, pos[m], md->inv_freq + r * (R / 2), md->rope_factor, wk->rot + (r * M + m) * D);
     }
     for (int64_t l = 0; l < L; l++) {
         if (md->norm_in[l]) norm_rows(md, x, M, md->norm_in[l], md->norm_in_bias[l], wk->h);
@@ -1158,9 +1206,11 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
             }
         if (medusa_tree_attention_pool(B, T, Hq, Hkv, D, md->scale, wk->q, wk->k, wk->v, past_k + l * layer_stride,
                                        past_v + l * layer_stride, slot_stride, row_stride, mask, lengths, pos,
-                                       md->window[l], md->attn_softcap, wk->attn, wk->att_scratch, wk->att_floats, wk->pool))
+                                       md->window[l], md->attn_softcap, md->sinks[l], wk->attn, wk->att_scratch, wk->att_floats,
+                                       wk->pool))
             return TOO_LARGE;
         matmul(md->o[l], wk->attn, M, wk->h, wk);
+        if (md->o_bias[l]) add_bias_rows(wk->h, M, H, md->o_bias[l]);
         if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
         add_scaled_rows(x, wk->h, M * H, md->residual_scale);
         if (md->norm_post[l]) norm_rows(md, x, M, md->norm_post[l], md->norm_post_bias[l], wk->h);

@@ -142,19 +142,22 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("rotary_dim", ctypes.c_int32),
         *((n, _TABLE) for n in ("norm_in_bias", "norm_post_bias")),
         ("norm_final_bias", ctypes.c_void_p),
+        *((n, _TABLE) for n in ("o_bias", "sinks")),
+        *((n, ctypes.c_float) for n in ("rope_factor", "act_alpha", "act_limit")),
     ]
 
 
 class _Experts(ctypes.Structure):  # native_step.c's experts_t
     _fields_ = [
-        *((n, ctypes.c_int32) for n in ("experts", "top_k", "normalize", "inter", "shared_inter", "pad")),
+        *((n, ctypes.c_int32) for n in ("experts", "top_k", "normalize", "inter", "shared_inter", "topk_first")),
         ("router", ctypes.c_void_p),
         *((n, _TABLE) for n in ("gate_up", "down")),
-        *((n, ctypes.c_void_p) for n in ("shared_gate_up", "shared_down", "shared_gate")),
+        *((n, ctypes.c_void_p) for n in ("shared_gate_up", "shared_down", "shared_gate", "router_bias")),
+        *((n, _TABLE) for n in ("gate_up_bias", "down_bias")),
     ]
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3}  # native_step.c's ACT_* (native_weights.Weights.act)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3, "swiglu_limit": 4}  # native_step.c's ACT_* (native_weights.Weights.act)
 
 
 class _Heads(ctypes.Structure):  # native_step.c's heads_t
@@ -329,6 +332,8 @@ class NativeStep:
             *weights.norm_in_bias,
             *weights.norm_post_bias,
             weights.norm_final_bias,
+            *weights.o_bias,
+            *weights.sinks,
         )
         self._keep += [a for a in optional if a is not None]
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
@@ -359,6 +364,8 @@ class NativeStep:
             weights.rotary_dim or d.head_dim, table(list(weights.norm_in_bias) or [None] * d.layers),
             table(list(weights.norm_post_bias) or [None] * d.layers),
             None if weights.norm_final_bias is None else weights.norm_final_bias.ctypes.data,
+            table(list(weights.o_bias) or [None] * d.layers), table(list(weights.sinks) or [None] * d.layers),
+            weights.rope_factor, weights.act_alpha, weights.act_limit if weights.act_limit > 0 else 1.0,
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):
@@ -384,8 +391,12 @@ class NativeStep:
         """The C view of one layer's routed experts (``native_experts.Experts``), kept alive with the step."""
         shared = [view(m) for m in (e.shared_gate_up, e.shared_down, e.shared_gate)]
         address = lambda v: None if v is None else ctypes.addressof(v)  # noqa: E731
-        c = _Experts(e.count, e.top_k, int(e.normalize), e.inter, e.shared_inter, 0, address(view(e.router)),
-                     table([view(m) for m in e.gate_up]), table([view(m) for m in e.down]), *map(address, shared))  # fmt: skip
+        biases = [b for b in (e.router_bias, *e.gate_up_bias, *e.down_bias) if b is not None]
+        self._keep += biases
+        c = _Experts(e.count, e.top_k, int(e.normalize), e.inter, e.shared_inter, int(e.topk_first), address(view(e.router)),
+                     table([view(m) for m in e.gate_up]), table([view(m) for m in e.down]), *map(address, shared),
+                     None if e.router_bias is None else e.router_bias.ctypes.data,
+                     table(list(e.gate_up_bias) or [None] * e.count), table(list(e.down_bias) or [None] * e.count))  # fmt: skip
         self._keep.append(c)
         return c
 

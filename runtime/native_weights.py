@@ -3,13 +3,14 @@ checked against it.
 
 ``read_weights`` walks the graph from the token embedding to ``hidden``, layer by layer, and refuses by name any
 graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
-q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding, attention
-over the layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers; an Attention
-node, or Gemma-2's decomposed attention with its soft-cap), output matmul, residual Add, RMSNorm, one fused gate/up
-matmul, SiLU gate, down matmul (or routed experts: ``native_experts``), residual Add; then the final RMSNorm (the
-graph's ``hidden``) and the lm_head (optionally a divisor or a final soft-cap after it). Each weight matmul is fp32,
-int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (sinks, other
-activations or norms, other quantizers) is refused at load, never approximated: an engine that generates other text
+q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding (a
+RotaryEmbedding node, or its ops with YaRN's factor: gpt-oss), attention over the layer's own cache slice (optionally
+inside a sliding window: Mistral, Qwen2's windowed layers; an Attention node, or the decomposed attention of Gemma-2
+with its soft-cap or of gpt-oss with its sinks), output matmul (optionally a bias), residual Add, RMSNorm, one fused
+gate/up matmul, SiLU gate, down matmul (or routed experts: ``native_experts``), residual Add; then the final RMSNorm
+(the graph's ``hidden``) and the lm_head (optionally a divisor or a final soft-cap after it). Each weight matmul is
+fp32, int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (other activations
+or norms, MLP biases, other quantizers) is refused at load, never approximated: an engine that generates other text
 than its model is the worst failure this project can have. The engine's model type must be one whose layers were
 checked against it.
 """
@@ -25,11 +26,11 @@ import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
 from medusa_trt.runtime.native_experts import MOE_OPS, Experts, read_experts, routed
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too); the MoE ones
 # route their MLPs through experts (native_experts.py)
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # ops a model type's graphs hold beyond OPS: routed experts' (native_experts.py), Gemma-2's decomposed soft-capped
 # attention and final soft-cap
 MODEL_OPS = {
@@ -38,6 +39,7 @@ MODEL_OPS = {
     "stablelm": frozenset({"LayerNormalization"}),
     "nemotron": frozenset({"LayerNormalization", "Relu", "Pow"}),
 }
+MODEL_OPS["gpt_oss"] = MOE_OPS  # its attention's Softmax (with sinks) and its router's TopK, Softmax and clamps
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
 MODEL_TYPES += MOE_TYPES
@@ -85,7 +87,7 @@ class Weights:
     attn_out_norm: list[np.ndarray | None]  # L x (H): the attention output's norm before its residual add (Gemma)
     mlp_out_norm: list[np.ndarray | None]  # L x (H): the MLP output's norm before its residual add
     qk_eps: float = 0.0  # the q/k norms' epsilon
-    act: str = "silu"  # the MLP gate: silu, gelu_tanh or gelu; relu2 an ungated MLP, relu(up)^2 (native_step.ACTIVATIONS)
+    act: str = "silu"  # the MLP gate: silu, gelu_tanh, gelu, swiglu_limit; relu2 an ungated MLP (native_step.ACTIVATIONS)
     embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
@@ -98,6 +100,11 @@ class Weights:
     norm_in_bias: tuple | list = ()  # L x (H) or None: a layer norm's bias (): none at all
     norm_post_bias: tuple | list = ()
     norm_final_bias: np.ndarray | None = None
+    o_bias: tuple | list = ()  # L x (H) or None: the attention output projection's bias (gpt-oss); (): none at all
+    sinks: tuple | list = ()  # L x (Hq) or None: each head's sink logit in its softmax's denominator (gpt-oss)
+    rope_factor: float = 1.0  # the rotary tables' cos and sin times this (YaRN's attention factor)
+    act_alpha: float = 0.0  # swiglu_limit's sigmoid slope and clamp (gpt-oss's experts)
+    act_limit: float = 0.0
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -210,16 +217,26 @@ def _head_part(g: Graph, step: Path, layer: int, part: str, what: str):
     return bias, weight, eps, out, whole
 
 
-def _rotary_table(g: Graph, step: Path, rotary) -> np.ndarray:
-    """A RotaryEmbedding's table: the inverse frequencies whose products with the positions its cos and sin read."""
-    cos, sin = g.producer.get(rotary.input[1]), g.producer.get(rotary.input[2])
+def _rotary_table(g: Graph, step: Path, rotary) -> tuple[np.ndarray, float]:
+    """A rotary embedding's table: the inverse frequencies whose products with the positions its cos and sin read, and
+    the factor both are multiplied by (YaRN's attention factor, gpt-oss; 1: none)."""
+    cos, sin = (g.producer.get(_past(rotary.input[i], g)) for i in (1, 2))
+    factor = 1.0
+    if cos is not None and sin is not None and cos.op_type == sin.op_type == "Mul":  # cos(f) x a and sin(f) x a
+        a = [x for x in cos.input if x in g.init]
+        if len(a) != 1 or [x for x in sin.input if x in g.init] != a or g.array(a[0]).size != 1:
+            raise unsupported(step, "rotary tables scaled other than both by one constant")
+        factor = g.scalar(a[0])
+        cos, sin = (g.producer.get(next(x for x in n.input if x not in g.init)) for n in (cos, sin))
     freq = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
     ok = freq is not None and freq.op_type == "Mul" and sin is not None and sin.op_type == "Sin" and sin.input[0] == cos.input[0]
     if not ok or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
         raise unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
     if attr(rotary, "interleaved", 0) or attr(rotary, "rotary_embedding_dim", 0):
         raise unsupported(step, "an interleaved or partial rotary embedding")
-    return g.array(freq.input[1]).reshape(-1)
+    if not (math.isfinite(factor) and factor > 0):
+        raise malformed(step, f"rotary tables scaled by {factor}")
+    return g.array(freq.input[1]).reshape(-1), float(factor)
 
 
 def _uncast(g: Graph, tensor: str) -> str:
@@ -260,6 +277,8 @@ def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
     readers = [n for n in g.consumers.get(x, []) if n.op_type != "Identity"]
     if [n.op_type for n in readers] == ["RotaryEmbedding"] and readers[0].input[0] == x:
         return readers[0], readers[0].output[0], 0
+    if [n.op_type for n in readers] == ["Split"]:
+        return _computed_rotary(g, step, layer, readers[0])
     if [n.op_type for n in readers] != ["Slice", "Slice"]:
         raise unsupported(step, f"layer {layer}'s heads are read by {sorted(n.op_type for n in readers)}, not a rotary embedding")
     bounds = []
@@ -277,6 +296,60 @@ def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
     if g.consumers.get(tail, []) != [concat]:
         raise unsupported(step, f"layer {layer}'s heads past the rotary dims are read by more than the Concat")
     return rotary, concat.output[0], int(r)
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """A rotary embedding exported as its ops (gpt-oss), standing for a RotaryEmbedding node: input [x, cos, sin]."""
+
+    input: tuple[str, str, str]
+    attribute: tuple = ()
+
+
+def _computed_rotary(g: Graph, step: Path, layer: int, split) -> tuple[_Computed, str, int]:
+    """rotate_half as ops: the heads Split into halves x1, x2; Concat(x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x = split.input[0]
+    halves = len(split.input) < 2 or not split.input[1] or len(set(g.array(split.input[1]).reshape(-1).tolist())) == 1
+    if attr(split, "axis", 0) not in (-1, 3) or len(split.output) != 2 or not halves:
+        raise unsupported(step, f"layer {layer}'s heads are split other than into two halves of the head")
+    x1, x2 = split.output
+    products = {}  # (half, table) -> the product's tensor
+    for half in (x1, x2):
+        for n in g.consumers.get(half, []):
+            other = [t for t in n.input if t != half]
+            if n.op_type != "Mul" or len(other) != 1:
+                raise unsupported(step, f"layer {layer}'s rotary reads its heads' halves with a {n.op_type}")
+            products[(half, other[0])] = n
+    tables = sorted({t for _, t in products})
+    if len(products) != 4 or len(tables) != 2:
+        raise unsupported(step, f"layer {layer}'s rotary is not each half times a cos and a sin table")
+    for cos, sin in (tables, tables[::-1]):
+        if all((h, t) in products for h in (x1, x2) for t in (cos, sin)):
+            first = g.only(products[(x1, cos)].output[0], "Sub")
+            second = g.only(products[(x2, cos)].output[0], "Add")
+            concat = g.only(first.output[0], "Concat")
+            if (
+                list(first.input) == [products[(x1, cos)].output[0], products[(x2, sin)].output[0]]
+                and sorted(second.input) == sorted([products[(x2, cos)].output[0], products[(x1, sin)].output[0]])
+                and list(concat.input) == [first.output[0], second.output[0]]
+                and attr(concat, "axis", 0) in (-1, 3)
+            ):
+                return _Computed((x, cos, sin)), concat.output[0], 0
+    raise unsupported(step, f"layer {layer}'s rotary ops are not rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)")
+
+
+def _head_width(g: Graph, step: Path, layer: int, heads: str) -> int:
+    """The head width of ``heads`` (B, heads, T, D): the last dim of the Reshape before its Transpose (a constant, or
+    the last of a Concat of shape parts)."""
+    transpose = g.producer.get(heads)
+    reshape = g.producer.get(transpose.input[0]) if transpose is not None and transpose.op_type == "Transpose" else None
+    shape = reshape.input[1] if reshape is not None and reshape.op_type == "Reshape" else None
+    concat = g.producer.get(shape) if shape is not None else None
+    last = shape if shape in g.init else concat.input[-1] if concat is not None and concat.op_type == "Concat" else None
+    width = int(g.array(last).reshape(-1)[-1]) if last in g.init else 0
+    if width <= 0:
+        raise unsupported(step, f"layer {layer}'s heads are reshaped to a width that is not a constant")
+    return width
 
 
 def _squared_relu(g: Graph, step: Path, layer: int, up: str) -> str:
@@ -306,6 +379,7 @@ class _Attention:
     out: str  # (B, Hq, T, D), or (B, Hkv, groups x T, D) where decomposed
     scale: float
     softcap: float
+    sinks: np.ndarray | None = None  # (Hq): each head's sink logit, the softmax's last term (gpt-oss)
 
 
 def _attention(g: Graph, step: Path, layer: int, q: str) -> _Attention:
@@ -336,14 +410,47 @@ def _attention(g: Graph, step: Path, layer: int, q: str) -> _Attention:
             raise unsupported(step, f"layer {layer}'s attention scores are capped other than as c tanh(s / c)")
         softcap, s = g.scalar(div.input[1]), times.output[0]
     add = g.only(s, "Add")
-    softmax = g.only(add.output[0], "Softmax")
-    values = g.only(softmax.output[0], "MatMul")
+    sinks, probs = None, add.output[0]
+    if [n.op_type for n in g.consumers.get(probs, []) if n.op_type != "Identity"] == ["Concat"]:  # sinks (gpt-oss)
+        sinks, probs = _sinks(g, step, layer, g.only(probs, "Concat"))
+    softmax = g.only(probs, "Softmax")
+    kept = g.only(softmax.output[0], "Slice").output[0] if sinks is not None else softmax.output[0]
+    if sinks is not None:
+        _last_dropped(g, step, layer, g.producer[kept])
+    values = g.only(kept, "MatMul")
     mask = [x for x in add.input if x != s]
-    if len(mask) != 1 or attr(softmax, "axis", -1) not in (-1, 3) or values.input[0] != softmax.output[0]:
+    if len(mask) != 1 or attr(softmax, "axis", -1) not in (-1, 3) or values.input[0] != kept:
         raise unsupported(step, f"layer {layer}'s attention is not a softmax over masked scores times its values")
     if not (scale > 0 and math.isfinite(scale) and softcap >= 0 and math.isfinite(softcap)):
         raise malformed(step, f"layer {layer}'s attention scale {scale} or soft-cap {softcap}")
-    return _Attention(keys.input[0], values.input[1], mask[0], values.output[0], scale, softcap)
+    return _Attention(keys.input[0], values.input[1], mask[0], values.output[0], scale, softcap, sinks)
+
+
+def _sinks(g: Graph, step: Path, layer: int, concat) -> tuple[np.ndarray, str]:
+    """gpt-oss's sinks: Concat(masked scores, each head's sink logit expanded over its rows), its max subtracted
+    (ReduceMax, Sub; the softmax's own shift, which changes nothing it computes): (the sinks, the Sub's output)."""
+    if len(concat.input) != 2 or attr(concat, "axis", 0) not in (-1, 3):
+        raise unsupported(step, f"layer {layer}'s attention scores are joined to more than one column of sinks")
+    tensor = concat.input[1]
+    while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze"):
+        tensor = node.input[0]
+    if tensor not in g.init:
+        raise unsupported(step, f"layer {layer}'s attention sinks are computed, not a constant a head")
+    readers = sorted((n for n in g.consumers.get(concat.output[0], []) if n.op_type != "Identity"), key=lambda n: n.op_type)
+    if [n.op_type for n in readers] != ["ReduceMax", "Sub"] or list(readers[1].input) != [concat.output[0], readers[0].output[0]]:
+        raise unsupported(step, f"layer {layer}'s scores with sinks are not shifted by their max before the softmax")
+    axes = g.array(readers[0].input[1]).reshape(-1).tolist() if len(readers[0].input) > 1 and readers[0].input[1] else None
+    if axes not in ([-1], [3]) or attr(readers[0], "keepdims", 1) != 1:
+        raise unsupported(step, f"layer {layer}'s scores with sinks are shifted by another max than their row's")
+    return np.ascontiguousarray(g.array(tensor).reshape(-1), dtype=np.float32), readers[1].output[0]
+
+
+def _last_dropped(g: Graph, step: Path, layer: int, slice_) -> None:
+    """The Slice that drops the sinks' column of the probabilities: [0, -1) of the last axis."""
+    args = [g.array(a).reshape(-1).tolist() if a else None for a in list(slice_.input[1:]) + [""] * (5 - len(slice_.input))]
+    starts, ends, axes, steps = args[:4]
+    if starts != [0] or ends != [-1] or axes not in ([-1], [3]) or steps not in (None, [1]):
+        raise unsupported(step, f"layer {layer}'s attention keeps other probabilities than all but the sinks' column")
 
 
 def read_weights(step: Path, architecture: str) -> Weights:
@@ -354,7 +461,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if extra := sorted(set(ops) - OPS - MODEL_OPS.get(architecture, frozenset())):
         raise unsupported(step, f"its step graph has {', '.join(extra)} nodes (a graph native runs has none)")
     layers = _layers(g, step)
-    if ops["RotaryEmbedding"] != 2 * layers:
+    if ops["RotaryEmbedding"] not in (0, 2 * layers):  # 0: the rotary exported as its ops (_computed_rotary)
         raise unsupported(step, f"{ops['RotaryEmbedding']} RotaryEmbedding nodes for {layers} layers (the pattern has {2 * layers})")
     stacked = {cache: _stacked(g, step, output, layers) for cache, output in ((PAST_KEY, NEW_KEY), (PAST_VALUE, NEW_VALUE))}
 
@@ -384,10 +491,12 @@ def read_weights(step: Path, architecture: str) -> Weights:
         "experts",
         "norm_in_bias",
         "norm_post_bias",
+        "o_bias",
+        "sinks",
     )
     w = {k: [] for k in per_layer}
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
-    scales, softcaps, norm_kinds, rotary_dims = set(), set(), set(), set()
+    scales, softcaps, norm_kinds, rotary_dims, factors = set(), set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
@@ -411,10 +520,18 @@ def read_weights(step: Path, architecture: str) -> Weights:
             raise unsupported(step, f"layer {layer}'s queries and keys are rotated by different tables")
         if table not in tables:
             tables[table] = len(inv_freqs)
-            inv_freqs.append(_rotary_table(g, step, q_rot))
+            freq, factor = _rotary_table(g, step, q_rot)
+            inv_freqs.append(freq), factors.add(factor)
         _rotary_table(g, step, k_rot)  # its form checked too
         rope_of.append(tables[table])
-        heads.add((int(attr(q_rot, "num_heads", 0)), int(attr(k_rot, "num_heads", 0))))
+        if isinstance(q_rot, _Computed):  # no num_heads attribute: the q and k widths over the heads' width
+            D = _head_width(g, step, layer, q)
+            if qkv_widths is None or qkv_widths[0] % D or qkv_widths[1] % D:
+                raise unsupported(step, f"layer {layer}'s q/k/v widths {qkv_widths} are not whole heads of {D}")
+            heads.add((qkv_widths[0] // D, qkv_widths[1] // D))
+        else:
+            heads.add((int(attr(q_rot, "num_heads", 0)), int(attr(k_rot, "num_heads", 0))))
+        w["sinks"].append(attention.sinks)
         _cache_write(g, step, layer, k_out, PAST_KEY, attention.k, stacked[PAST_KEY])
         _cache_write(g, step, layer, v, PAST_VALUE, attention.v, stacked[PAST_VALUE])
         biases = [qb, kb, vb]
@@ -429,7 +546,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
         for op in ("Reshape", "Transpose", "Reshape"):
             out = g.only(out, op).output[0]
         o, out = g.linear(out)
-        w["o"].append(o)
+        o_bias, out = biased(g, out)
+        w["o"].append(o), w["o_bias"].append(o_bias)
         x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps, residual_scales)
         w["attn_out"].append(out_norm)
         post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm", optional=True)
@@ -506,12 +624,19 @@ def read_weights(step: Path, architecture: str) -> Weights:
     residual_scale = residual_scales.pop()
     if len(spans) > 1:
         raise unsupported(step, "q/k norms of whole projections beside norms of single heads")
+    if len(factors) != 1:
+        raise unsupported(step, f"rotary tables scaled by different factors {sorted(factors)}")
+    clamps = {(e.alpha, e.limit) for e in w["experts"] if e is not None} or {(0.0, 0.0)}
+    if len(clamps) != 1:
+        raise unsupported(step, f"layers whose experts clamp their gates differently {sorted(clamps)}")
+    (alpha, limit), any_of = clamps.pop(), lambda rows: rows if any(r is not None for r in rows) else ()  # noqa: E731
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
                       embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
                       softcaps.pop(), final_softcap, norm_kinds.pop() == "LayerNormalization", rotary_dims.pop(),
-                      w["norm_in_bias"], w["norm_post_bias"], final_bias)  # fmt: skip
+                      w["norm_in_bias"], w["norm_post_bias"], final_bias, any_of(w["o_bias"]), any_of(w["sinks"]),
+                      factors.pop(), alpha, limit)  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -603,7 +728,12 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(d.scale), f"attention score scale {d.scale}"),
         (all(0 <= int(w) < 2**31 for w in weights.windows), f"sliding windows {weights.windows}"),
         (all(0 <= int(r) < max(tables, 1) for r in weights.rope_of), f"rotary tables {weights.rope_of} of {tables}"),
-        (weights.act in ("silu", "gelu_tanh", "gelu", "relu2"), f"MLP gate {weights.act}"),
+        (weights.act in ("silu", "gelu_tanh", "gelu", "relu2", "swiglu_limit"), f"MLP gate {weights.act}"),
+        (
+            weights.act != "swiglu_limit" or (positive(weights.act_limit) and math.isfinite(weights.act_alpha)),
+            f"clamped SwiGLU limit {weights.act_limit} and slope {weights.act_alpha}",
+        ),
+        (positive(weights.rope_factor), f"rotary factor {weights.rope_factor}"),
         (math.isfinite(weights.embed_scale), f"embedding scale {weights.embed_scale}"),
         (math.isfinite(weights.residual_scale), f"residual scale {weights.residual_scale}"),
         (math.isfinite(weights.logit_divisor) and weights.logit_divisor != 0, f"logit divisor {weights.logit_divisor}"),
@@ -630,7 +760,8 @@ def check_weights(weights: Weights, path: Path) -> None:
         "attn_out_norm",
         "mlp_out_norm",
     )
-    counts = {field: len(getattr(weights, field)) for field in fields + (("experts",) if weights.experts else ())}
+    fields += tuple(f for f in ("experts", "o_bias", "sinks") if getattr(weights, f))  # (): none at all
+    counts = {field: len(getattr(weights, field)) for field in fields}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
         raise malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
 
@@ -657,7 +788,9 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s attention output norm", weights.attn_out_norm, (H,)),
                     (f"layer {layer}'s MLP output norm", weights.mlp_out_norm, (H,)),
                     (f"layer {layer}'s input norm bias", weights.norm_in_bias or [None] * d.layers, (H,)),
-                    (f"layer {layer}'s post-attention norm bias", weights.norm_post_bias or [None] * d.layers, (H,)))  # fmt: skip
+                    (f"layer {layer}'s post-attention norm bias", weights.norm_post_bias or [None] * d.layers, (H,)),
+                    (f"layer {layer}'s o_proj bias", weights.o_bias or [None] * d.layers, (H,)),
+                    (f"layer {layer}'s attention sinks", weights.sinks or [None] * d.layers, (Hq,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H))]  # fmt: skip
@@ -672,6 +805,13 @@ def check_weights(weights: Weights, path: Path) -> None:
         if len({m is None for m in (experts.shared_gate_up, experts.shared_down, experts.shared_gate)}) != 1:
             raise malformed(path, f"layer {layer}: a shared expert without its gate/up, down or gate")
         linears += [(f"layer {layer}'s {what}", m, shape) for what, m, shape in experts.linears()]
+        if experts.router_bias is not None:
+            table.append((f"layer {layer}'s router bias", experts.router_bias, (E,), f32))
+        for j, (up, down) in enumerate(zip(experts.gate_up_bias, experts.down_bias)):
+            table += [(f"layer {layer}'s expert {j}'s gate/up bias", up, (2 * experts.inter,), f32),
+                      (f"layer {layer}'s expert {j}'s down bias", down, (H,), f32)]  # fmt: skip
+        if experts.gate_up_bias and len(experts.gate_up_bias) != E or len(experts.gate_up_bias) != len(experts.down_bias):
+            raise malformed(path, f"layer {layer}: biases for {len(experts.gate_up_bias)} of {E} experts")
     for what, m, shape in linears:
         if m.bits:
             table += _nbits_rows(path, what, m, shape)

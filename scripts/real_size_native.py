@@ -39,6 +39,12 @@ SHAPES = {  # transformers config overrides: the public checkpoints' shapes
     "qwen3-moe-mini": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, moe_intermediate_size=384, intermediate_size=3072,
                                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+    # gpt-oss-20b's router (32 experts, 4 a token), attention (64-wide heads, 8 q heads a kv head, sinks, 128-token windows
+    # every other layer, YaRN) and vocabulary over 4 of its 24 layers, at hidden 1024 (its 2880 does not fit in fp32)
+    "gpt-oss-mini": ("gpt_oss", dict(vocab_size=201088, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4,
+                                     num_attention_heads=32, num_key_value_heads=4, head_dim=64, num_local_experts=32,
+                                     num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False,
+                                     layer_types=["sliding_attention", "full_attention"] * 2)),
 }  # fmt: skip
 MODES = ("fp32", "int8-channel", "int4")
 MAX_CONTEXT = 512

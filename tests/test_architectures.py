@@ -188,7 +188,7 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
     dropped = dict(qkv_bias=none, q_norm=none, k_norm=none, windows=(0,) * layers, rope_of=(0,) * layers, attn_out_norm=none,
                    mlp_out_norm=none, act="silu" if gelu else weights.act, embed_scale=1.0, residual_scale=1.0, logit_divisor=1.0,
                    attn_softcap=0.0, final_softcap=0.0, layer_norm=False, norm_in_bias=none, norm_post_bias=none,
-                   norm_final_bias=None)  # fmt: skip
+                   norm_final_bias=None, o_bias=(), sinks=(), rope_factor=1.0)  # fmt: skip
     found = {"biases": weights.qkv_bias, "q/k norms": weights.q_norm, "windows": [w or None for w in weights.windows],
              "rotary tables": [r or None for r in weights.rope_of], "output norms": weights.attn_out_norm + weights.mlp_out_norm,
              "GELU": [weights.act if gelu else None],
@@ -197,11 +197,16 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
              "normalized routing": [e.normalize or None for e in weights.experts if e is not None],
              "shared experts": [e.shared_down for e in weights.experts if e is not None],
              "soft-caps": [weights.attn_softcap or None, weights.final_softcap or None],
-             "layer norms": [weights.layer_norm or None]}  # fmt: skip
+             "layer norms": [weights.layer_norm or None],
+             "attention sinks": list(weights.sinks), "o_proj biases": list(weights.o_bias),
+             "rotary factor": [None if weights.rope_factor == 1 else weights.rope_factor],
+             "expert biases": [e.router_bias for e in weights.experts if e is not None] + [
+                 b for e in weights.experts if e is not None for b in e.gate_up_bias + e.down_bias]}  # fmt: skip
     features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]
     if not features:
         pytest.skip(f"{family.model.attention.architecture}: the Llama pattern alone (no bias, q/k norm or window to drop)")
-    plain = dict(normalize=False, shared_gate_up=None, shared_down=None, shared_gate=None)  # routing as the softmax gives it
+    plain = dict(normalize=False, shared_gate_up=None, shared_down=None, shared_gate=None,  # routing as the softmax gives it
+                 router_bias=None, gate_up_bias=(), down_bias=())  # fmt: skip
     dropped["experts"] = tuple(e and dc.replace(e, **plain) for e in weights.experts)
     monkeypatch.setattr(native_weights, "read_weights", lambda *a: dc.replace(read(*a), **dropped))
     moved = float(np.abs(prefill_logits() - want).max())

@@ -467,7 +467,7 @@ def test_export_refuses_native_for_a_model_type_it_never_runs_before_any_work(ti
 
 
 def test_export_refuses_native_for_a_graph_it_cannot_run_naming_the_out_folder(tmp_path, capsys, stories_base):
-    """A Llama whose attention output has a bias (a model type native runs, a graph it does not): one line naming the
+    """A Llama whose MLP has biases (a model type native runs, a graph it does not): one line naming the
     user's --out and the graph's feature, never the staging folder; nothing written."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -476,7 +476,7 @@ def test_export_refuses_native_for_a_graph_it_cannot_run_naming_the_out_folder(t
 
     torch.manual_seed(5)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+                         num_key_value_heads=2, mlp_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
     model_dir = tmp_path / "llama-o-bias"
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     stories_base.tokenizer.save_pretrained(model_dir)
@@ -484,5 +484,39 @@ def test_export_refuses_native_for_a_graph_it_cannot_run_naming_the_out_folder(t
     out = tmp_path / "engine"
     assert main(["--model", str(model_dir), "--out", str(out), "--backend", "native", "--no-verify", "--max-context", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"backend native cannot run {out}: layer 0's attention output is not added to the residual" in err[0], err
+    assert len(err) == 1 and f"backend native cannot run {out}: layer 0's MLP gate is ['Add'], not SiLU or GELU" in err[0], err
     assert "use --backend onnxruntime" in err[0] and not out.exists()
+
+
+def test_native_runs_attention_biases(tmp_path, capsys, stories_base):
+    """A Llama with q/k/v and o_proj biases (``attention_bias``, nonzero): exported for native, its prefill logits are
+    transformers' to float rounding, and a verify step is a plain step bit for bit."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from medusa_trt.cli.export import main
+
+    torch.manual_seed(6)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+    model_dir = tmp_path / "llama-attention-bias"
+    model.save_pretrained(model_dir)
+    stories_base.tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "engine"
+    assert main(["--model", str(model_dir), "--out", str(out), "--backend", "native", "--max-context", "64"]) == 0
+    capsys.readouterr()
+    weights = native_weights.read_weights(out / "model.onnx", "llama")
+    assert all(b is not None for b in weights.o_bias) and all(b is not None for b in weights.qkv_bias)
+    ids = [5, 17, 301, 42, 9, 120, 77, 3, 250, 64]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    backend = open_native(out / "model.onnx", max_batch=1, max_context=64, threads=2)
+    t = len(ids)
+    got = backend.step(np.array([ids]), np.arange(t)[None], np.tri(t, dtype=bool)[None], np.array([0])).logits()[0]
+    assert np.abs(got - want).max() < 1e-3
+    assert exactness.probe(backend).exact

@@ -231,3 +231,72 @@ def test_experts_that_do_not_fit_are_refused(moe_engine):
         experts = (dataclasses.replace(weights.experts[0], **change), *weights.experts[1:])
         with pytest.raises(EngineError, match=named):
             native_weights.check_weights(dataclasses.replace(weights, experts=experts), moe_engine)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_engine(tmp_path_factory):
+    """A tiny gpt-oss (sinks, o_proj and expert biases, 4 experts, 2 a token) exported fp32 with two untrained heads."""
+    from architectures import ARCHITECTURES, save_fixture
+    from conftest import STORIES
+
+    from medusa_trt.cli.export import main as export_main
+    from medusa_trt.exporter import load_base_model
+
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} missing")
+    root = tmp_path_factory.mktemp("gpt-oss")
+    arch = next(a for a in ARCHITECTURES if a.model_type == "gpt_oss")
+    folder = save_fixture(arch, root / "model", load_base_model(STORIES).tokenizer)
+    step = root / "engine" / "model.onnx"
+    step.parent.mkdir()
+    argv = ["--model", str(folder), "--untrained-heads", "2", "--out", str(step), "--max-context", "64"]
+    assert export_main(argv) == 0
+    return step
+
+
+def _sinks_of_layer(model, layer: int) -> str:
+    """The initializer layer ``layer``'s sinks are expanded from (exported without their parameter's name)."""
+    constants = {t.name for t in model.graph.initializer}
+    shifted = {n.input[0] for n in model.graph.node if n.op_type == "ReduceMax"}  # the scores joined to their sinks
+    concats = [n for n in model.graph.node if n.op_type == "Concat" and n.output[0] in shifted]
+    producer = {o: n for n in model.graph.node for o in n.output}
+    tensor = concats[layer].input[1]
+    while tensor not in constants:  # back through the Reshape and Expand
+        tensor = producer[tensor].input[0]
+    return tensor
+
+
+# id: the initializer in layer 1 (a name's suffix, or a finder of any), its change, what the one line says (H 64, Hq 4,
+# 4 experts)
+GPT_OSS_MUTATIONS = {
+    "sinks-one-more": (lambda m: _sinks_of_layer(m, 1), lambda a: np.concatenate([a, a[:, :, :1]], axis=2),
+                       "layer 1's attention sinks has shape (6,), not (4,)"),
+    "o-proj-bias-longer": ("self_attn.o_proj.bias", lambda a: np.concatenate([a, a[:1]]),
+                           "layer 1's o_proj bias has shape (65,), not (64,)"),
+    "router-bias-shorter": ("mlp.router.bias", shorter, "layer 1's experts' router bias of shape (3,) for 4 experts"),
+    # the fixture's expert biases are equal, so the export keeps one initializer for them all: every expert reads it
+    "expert-down-bias-longer": (lambda m: next(t.name for t in m.graph.initializer if "_medusa_split.down_bias" in t.name),
+                                lambda a: np.concatenate([a, a[:1]]), "down bias of shape (65,) for 64 outputs"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name, change, named", list(GPT_OSS_MUTATIONS.values()), ids=list(GPT_OSS_MUTATIONS))
+def test_a_malformed_gpt_oss_engine_is_one_line_exit_2(gpt_oss_engine, tmp_path, capsys, name, change, named):
+    """gpt-oss's sinks, o_proj bias, router bias and expert biases are checked against the dims: one line naming the
+    layer and both shapes, exit 2, before anything reaches the C step."""
+    from medusa_trt.cli.run import main
+
+    shutil.copytree(gpt_oss_engine.parent, tmp_path / "engine")
+    step = tmp_path / "engine" / gpt_oss_engine.name
+    model = onnx.load(str(step))
+    wanted = name(model) if callable(name) else f"model.base.model.layers.1.{name}"
+    suffix = None if callable(name) else f"layers.1.mlp.{name}"
+    tensor = next(t for t in model.graph.initializer if t.name == wanted or (suffix and t.name.endswith(suffix)))
+    tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), tensor.name))
+    onnx.save(model, str(step))
+    write_manifest(EngineFiles.locate(step))
+    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
+    assert named in err[0], err[0]
