@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, reordered, unsupported
 
 # the ops of routed experts, beside the dense pattern's (native_weights.OPS)
 MOE_OPS = frozenset("Gemm Softmax TopK ReduceSum Equal NonZero ScatterND Clip".split())  # Clip: gpt-oss's clamps
@@ -199,7 +199,7 @@ def _expert(g: Graph, step: Path, layer: int, gather, ids: str, weights: str):
     clamp = (0.0, 0.0)
     if sorted(n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity") == ["Slice", "Slice"]:
         order, (alpha, limit, prod) = _interleaved(g, step, where, e, out, up.shape[1])
-        up, up_bias, act, clamp = _columns(up, order), None if up_bias is None else up_bias[order], "swiglu_limit", (alpha, limit)
+        up, up_bias, act, clamp = reordered(up, order), None if up_bias is None else up_bias[order], "swiglu_limit", (alpha, limit)
     else:
         halves = g.only(out, "Split")
         widths = g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None
@@ -281,12 +281,6 @@ def _interleaved(g: Graph, step: Path, where: str, e: int, out: str, width: int)
         raise malformed(step, f"{where}: expert {e}'s SwiGLU clamp {limit} or slope {alpha[0]}")
     order = np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
     return order, (float(alpha[0]), float(limit), prod.output[0])
-
-
-def _columns(m: Linear, order: np.ndarray) -> Linear:
-    """``m``'s outputs in ``order`` (a permutation): exact, each output's sums are its own."""
-    take = lambda x: None if x is None else np.ascontiguousarray(x[..., order])  # noqa: E731
-    return Linear(take(m.weight), take(m.scale), m.tiny, m.divisor, take(m.zero), m.block, m.bits)
 
 
 def _sum_in_order(g: Graph, step: Path, where: str, scatters: list) -> str:

@@ -195,6 +195,12 @@ def biased(g: Graph, out: str) -> tuple[np.ndarray | None, str]:
     return np.ascontiguousarray(g.array(constant[0]).reshape(-1), dtype=np.float32), readers[0].output[0]
 
 
+def reordered(m: Linear, order: np.ndarray) -> Linear:
+    """``m``'s outputs in ``order`` (a permutation): exact, each output's sums are its own."""
+    take = lambda x: None if x is None else np.ascontiguousarray(x[..., order])  # noqa: E731
+    return Linear(take(m.weight), take(m.scale), m.tiny, m.divisor, take(m.zero), m.block, m.bits)
+
+
 def read_nbits(g: Graph, node) -> Linear:
     """A MatMulNBits node's weight as values (K, N), block scales and zero points (blocks, N): B (N, blocks,
     block x bits / 8) uint8, two 4-bit values a byte low nibble first; scales (N x blocks); zero points packed the same

@@ -130,11 +130,14 @@ typedef struct {
     const float *const *sinks;  /* L x (Hq): each head's sink logit, one more term of every softmax's denominator (gpt-oss) */
     float rope_factor;          /* the rotary tables' cos and sin times this (YaRN's attention factor; else 1) */
     float act_alpha, act_limit; /* ACT_SWIGLU_LIMIT's sigmoid slope and clamp */
+    const float *const *gate_up_bias, *const *down_bias; /* L x (I) / (H): an ungated MLP's biases, NULL: none (GPT-NeoX) */
+    int32_t parallel_residual; /* x + (mlp(norm_post(x)) + attention(norm_in(x))): both read the layer's input (GPT-NeoX) */
 } model_t;
 
-/* RELU2: gate_up is up alone (I wide), relu(up)^2. SWIGLU_LIMIT (gpt-oss): g = min(gate, limit), u = clamp(up, -limit,
+/* RELU2: gate_up is up alone (I wide), relu(up)^2; GELU_UNGATED: gelu(up) (erf's). SWIGLU_LIMIT (gpt-oss): g = min(gate, limit), u = clamp(up, -limit,
  * limit), (u + 1) * g * sigmoid(alpha g) */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU2 = 3, ACT_SWIGLU_LIMIT = 4 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU2 = 3, ACT_SWIGLU_LIMIT = 4, ACT_GELU_UNGATED = 5 };
+#define UNGATED(act) ((act) == ACT_RELU2 || (act) == ACT_GELU_UNGATED) /* gate_up is up alone (I wide) */
 
 typedef struct { /* scratch carved out of two arenas by medusa_native_work_init, for what it was sized for */
     int64_t rows, slots, threads; /* the most rows (batch x tokens) and cache slots a step may have; its threads */
@@ -152,6 +155,7 @@ typedef struct { /* scratch carved out of two arenas by medusa_native_work_init,
     float *moe_logits, *moe_x, *moe_y, *moe_sum, *moe_w;
     int32_t *moe_ids, *moe_rows;
     float *moe_rw;
+    float *par; /* (M, H): a parallel residual's attention output while its MLP runs (NULL: the model has none) */
 } work_t;
 
 #define CHUNKS 4 /* chunks a parallel loop is cut into per thread: late or slow threads leave theirs to the others */
@@ -819,7 +823,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 13 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 14 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -888,9 +892,10 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->inv_freq || !md->embed || !md->norm_final || !md->norm_in || !md->norm_post) return BAD_MODEL; /* entries may be NULL */
     if (!md->qkv || !md->o || !md->gate_up || !md->down || !linear_ok(md->lm_head, H, V)) return BAD_MODEL;
     if (!md->qkv_bias || !md->q_norm || !md->k_norm || !md->window || !md->rope_of) return BAD_MODEL;
-    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_SWIGLU_LIMIT || !md->experts) return BAD_MODEL;
+    if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU_UNGATED || !md->experts) return BAD_MODEL;
     if (!md->o_bias || !md->sinks || !isfinite(md->rope_factor) || !isfinite(md->act_alpha) || !(md->act_limit > 0.0f))
         return BAD_MODEL;
+    if (!md->gate_up_bias || !md->down_bias) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     if (md->rotary_dim <= 0 || md->rotary_dim > D || md->rotary_dim % 2 || !md->norm_in_bias || !md->norm_post_bias)
@@ -899,8 +904,8 @@ int medusa_native_check_model(const model_t *md) {
         return BAD_MODEL;
     for (int64_t l = 0; l < L; l++) {
         if (!linear_ok(md->qkv[l], H, (Hq + 2 * Hkv) * D) || !linear_ok(md->o[l], Hq * D, H)) return BAD_MODEL;
-        if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l] || md->act == ACT_RELU2
-                           : !linear_ok(md->gate_up[l], H, (md->act == ACT_RELU2 ? 1 : 2) * I) || !linear_ok(md->down[l], I, H))
+        if (md->experts[l] ? !experts_ok(md->experts[l], H) || md->gate_up[l] || md->down[l] || UNGATED(md->act)
+                           : !linear_ok(md->gate_up[l], H, (UNGATED(md->act) ? 1 : 2) * I) || !linear_ok(md->down[l], I, H))
             return BAD_MODEL;
         if (md->window[l] < 0 || md->rope_of[l] < 0 || md->rope_of[l] >= md->rope_tables) return BAD_MODEL;
         if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
@@ -937,12 +942,14 @@ static widest_t widest(const model_t *md) {
     return w;
 }
 
-/* x, h, qkv, q, k, v, attn, gu, act, rot, xs; then the experts' logits, x, y, sum, weights, ids, rows, row weights */
+/* x, h, qkv, q, k, v, attn, gu, act, rot, xs; then the experts' logits, x, y, sum, weights, ids, rows, row weights;
+ * then a parallel residual's attention output */
 static int64_t row_floats(const model_t *md) {
     const int64_t H = md->hidden, D = md->head_dim, Hq = md->heads, Hkv = md->kv_heads;
     const widest_t w = widest(md);
     const int64_t moe = w.experts ? w.experts + 3 * H + 2 * w.k + 2 : 0;
-    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * w.inter + md->rope_tables * D + 1 + moe;
+    return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * w.inter + md->rope_tables * D + 1 + moe +
+           (md->parallel_residual ? H : 0);
 }
 
 static int64_t widest_kpad(const model_t *md) { return widest(md).kpad; } /* the int8 linears' padded K, at most */
@@ -983,6 +990,10 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
     if (w.experts) {
         CARVE(moe_logits, w.experts) CARVE(moe_x, H) CARVE(moe_y, H) CARVE(moe_sum, H) CARVE(moe_w, w.k)
         CARVE(moe_ids, w.k) CARVE(moe_rows, 1) CARVE(moe_rw, 1) /* int32 ids and rows in float-sized slots */
+    }
+    wk->par = NULL;
+    if (md->parallel_residual) {
+        CARVE(par, H)
     }
 #undef CARVE
     wk->att_scratch = at;
@@ -1035,10 +1046,12 @@ static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
     const rows_job *J = ctx;
     for (int64_t m = m0; m < m1; m++) {
-        const float *g = J->gu + m * (J->kind == ACT_RELU2 ? 1 : 2) * J->I, *u = g + J->I;
+        const float *g = J->gu + m * (UNGATED(J->kind) ? 1 : 2) * J->I, *u = g + J->I;
         float *a = J->act + m * J->I;
         if (J->kind == ACT_RELU2)
             for (int64_t i = 0; i < J->I; i++) a[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
+        else if (J->kind == ACT_GELU_UNGATED)
+            for (int64_t i = 0; i < J->I; i++) a[i] = 0.5f * g[i] * (1.0f + erff(g[i] * 0.70710678f));
         else if (J->kind == ACT_SILU)
             silu_row(g, u, a, J->I);
         else if (J->kind == ACT_SWIGLU_LIMIT)
@@ -1209,10 +1222,11 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                                        md->window[l], md->attn_softcap, md->sinks[l], wk->attn, wk->att_scratch, wk->att_floats,
                                        wk->pool))
             return TOO_LARGE;
-        matmul(md->o[l], wk->attn, M, wk->h, wk);
-        if (md->o_bias[l]) add_bias_rows(wk->h, M, H, md->o_bias[l]);
-        if (md->attn_out_norm[l]) rms_norm(wk->h, M, H, md->attn_out_norm[l], md->eps, wk->h);
-        add_scaled_rows(x, wk->h, M * H, md->residual_scale);
+        float *attn_out = md->parallel_residual ? wk->par : wk->h; /* parallel: kept until the MLP's is added */
+        matmul(md->o[l], wk->attn, M, attn_out, wk);
+        if (md->o_bias[l]) add_bias_rows(attn_out, M, H, md->o_bias[l]);
+        if (md->attn_out_norm[l]) rms_norm(attn_out, M, H, md->attn_out_norm[l], md->eps, attn_out);
+        if (!md->parallel_residual) add_scaled_rows(x, attn_out, M * H, md->residual_scale);
         if (md->norm_post[l]) norm_rows(md, x, M, md->norm_post[l], md->norm_post_bias[l], wk->h);
         const float *mlp_in = md->norm_post[l] ? wk->h : x;
         float *mlp_out = wk->h;
@@ -1221,10 +1235,14 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
             mlp_out = wk->moe_sum;
         } else {
             matmul(md->gate_up[l], mlp_in, M, wk->gu, wk);
+            if (md->gate_up_bias[l]) add_bias_rows(wk->gu, M, (UNGATED(md->act) ? 1 : 2) * I, md->gate_up_bias[l]);
             pool_run(wk->pool, M, 1, gate_rows, &rows);
             matmul(md->down[l], wk->act, M, wk->h, wk);
+            if (md->down_bias[l]) add_bias_rows(wk->h, M, H, md->down_bias[l]);
         }
         if (md->mlp_out_norm[l]) rms_norm(mlp_out, M, H, md->mlp_out_norm[l], md->eps, mlp_out);
+        if (md->parallel_residual) /* the graph's Add(mlp, attention), then its Add with the layer's input */
+            for (int64_t e = 0; e < M * H; e++) mlp_out[e] += wk->par[e];
         add_scaled_rows(x, mlp_out, M * H, md->residual_scale);
     }
     norm_rows(md, x, M, md->norm_final, md->norm_final_bias, hidden);

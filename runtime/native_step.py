@@ -144,6 +144,8 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         ("norm_final_bias", ctypes.c_void_p),
         *((n, _TABLE) for n in ("o_bias", "sinks")),
         *((n, ctypes.c_float) for n in ("rope_factor", "act_alpha", "act_limit")),
+        *((n, _TABLE) for n in ("gate_up_bias", "down_bias")),
+        ("parallel_residual", ctypes.c_int32),
     ]
 
 
@@ -157,7 +159,8 @@ class _Experts(ctypes.Structure):  # native_step.c's experts_t
     ]
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3, "swiglu_limit": 4}  # native_step.c's ACT_* (native_weights.Weights.act)
+# native_step.c's ACT_* (native_weights.Weights.act)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3, "swiglu_limit": 4, "gelu_ungated": 5}
 
 
 class _Heads(ctypes.Structure):  # native_step.c's heads_t
@@ -176,6 +179,7 @@ class _Work(ctypes.Structure):  # native_step.c's work_t (medusa_native_work_ini
         ("max_blocks", ctypes.c_int64),
         ("pool", ctypes.c_void_p),
         *((n, ctypes.c_void_p) for n in ("moe_logits", "moe_x", "moe_y", "moe_sum", "moe_w", "moe_ids", "moe_rows", "moe_rw")),
+        ("par", ctypes.c_void_p),
     ]
 
 
@@ -334,6 +338,8 @@ class NativeStep:
             weights.norm_final_bias,
             *weights.o_bias,
             *weights.sinks,
+            *weights.gate_up_bias,
+            *weights.down_bias,
         )
         self._keep += [a for a in optional if a is not None]
         window = np.ascontiguousarray(weights.windows, dtype=np.int32)
@@ -366,6 +372,8 @@ class NativeStep:
             None if weights.norm_final_bias is None else weights.norm_final_bias.ctypes.data,
             table(list(weights.o_bias) or [None] * d.layers), table(list(weights.sinks) or [None] * d.layers),
             weights.rope_factor, weights.act_alpha, weights.act_limit if weights.act_limit > 0 else 1.0,
+            table(list(weights.gate_up_bias) or [None] * d.layers), table(list(weights.down_bias) or [None] * d.layers),
+            int(weights.parallel_residual),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

@@ -7,7 +7,9 @@ q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rot
 RotaryEmbedding node, or its ops with YaRN's factor: gpt-oss), attention over the layer's own cache slice (optionally
 inside a sliding window: Mistral, Qwen2's windowed layers; an Attention node, or the decomposed attention of Gemma-2
 with its soft-cap or of gpt-oss with its sinks), output matmul (optionally a bias), residual Add, RMSNorm, one fused
-gate/up matmul, SiLU gate, down matmul (or routed experts: ``native_experts``), residual Add; then the final RMSNorm
+gate/up matmul, SiLU gate, down matmul (or routed experts: ``native_experts``; or an ungated GELU MLP with biases), residual
+Add (or GPT-NeoX's parallel residual: both norms read the layer's input, the two outputs added, then the input); then
+the final RMSNorm
 (the graph's ``hidden``) and the lm_head (optionally a divisor or a final soft-cap after it). Each weight matmul is
 fp32, int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (other activations
 or norms, MLP biases, other quantizers) is refused at load, never approximated: an engine that generates other text
@@ -26,7 +28,7 @@ import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
 from medusa_trt.runtime.native_experts import MOE_OPS, Experts, read_experts, routed
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, reordered, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too); the MoE ones
 # route their MLPs through experts (native_experts.py)
@@ -38,11 +40,12 @@ MODEL_OPS = {
     "gemma2": frozenset({"Softmax", "Tanh"}),
     "stablelm": frozenset({"LayerNormalization"}),
     "nemotron": frozenset({"LayerNormalization", "Relu", "Pow"}),
+    "gpt_neox": frozenset({"LayerNormalization"}),
 }
 MODEL_OPS["gpt_oss"] = MOE_OPS  # its attention's Softmax (with sinks) and its router's TopK, Softmax and clamps
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
-MODEL_TYPES += MOE_TYPES
+MODEL_TYPES += ("gpt_neox", *MOE_TYPES)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -105,6 +108,9 @@ class Weights:
     rope_factor: float = 1.0  # the rotary tables' cos and sin times this (YaRN's attention factor)
     act_alpha: float = 0.0  # swiglu_limit's sigmoid slope and clamp (gpt-oss's experts)
     act_limit: float = 0.0
+    gate_up_bias: tuple | list = ()  # L x (I) or None: an ungated MLP's up bias (GPT-NeoX); (): none at all
+    down_bias: tuple | list = ()  # L x (H) or None
+    parallel_residual: bool = False  # x + (mlp(norm_post(x)) + attention(norm_in(x))) (GPT-NeoX)
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -338,6 +344,57 @@ def _computed_rotary(g: Graph, step: Path, layer: int, split) -> tuple[_Computed
     raise unsupported(step, f"layer {layer}'s rotary ops are not rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)")
 
 
+def _parallel_norms(g: Graph, step: Path, layer: int, x: str, norms: list) -> tuple:
+    """The two norms of the layer's input ``x`` in a parallel residual: (the attention's, the MLP's). The attention's is
+    the one whose linear's (biased) output is cut into q, k and v (a Reshape, a Split or Slices)."""
+    attention = []
+    for n in norms:
+        if n.input[0] != x or attr(n, "axis", -1) != -1:
+            raise unsupported(step, f"layer {layer}'s input is normalized other than along its hidden axis")
+        _, out = g.linear(n.output[0])
+        _, out = biased(g, out)
+        kinds = sorted(r.op_type for r in g.consumers.get(out, []) if r.op_type != "Identity")
+        attention.append(kinds in (["Reshape"], ["Split"], ["Slice"] * 3))
+    if sorted(attention) != [False, True]:
+        raise unsupported(step, f"layer {layer}'s input is read by two norms, neither or both the attention's")
+    return (norms[0], norms[1]) if attention[0] else (norms[1], norms[0])
+
+
+def _parallel_sum(g: Graph, step: Path, layer: int, x: str, mlp: str, attention: str) -> str:
+    """The layer's output in a parallel residual: Add(mlp, attention), then Add of that and the layer's input ``x``."""
+    both = g.only(mlp, "Add")
+    total = g.only(both.output[0], "Add")
+    if sorted(both.input) != sorted([mlp, attention]) or sorted(total.input) != sorted([both.output[0], x]):
+        raise unsupported(step, f"layer {layer}'s MLP and attention outputs are not added to each other, then to its input")
+    return total.output[0]
+
+
+def _interleaved_heads(g: Graph, step: Path, layer: int, qkv: Linear, out: str):
+    """GPT-NeoX's fused q/k/v: its (biased) output reshaped to (B, T, heads, 3 D), transposed, and split into each
+    head's q, k and v. Read with its columns in q, k, v order (a column order: exact): (that linear, the three
+    (B, heads, T, D) tensors, their widths, their biases); None where the output is cut otherwise."""
+    bias, cut = biased(g, out)
+    readers = [n for n in g.consumers.get(cut, []) if n.op_type != "Identity"]
+    if [n.op_type for n in readers] != ["Reshape"]:
+        return None
+    transpose = g.only(readers[0].output[0], "Transpose")
+    split = g.only(transpose.output[0], "Split")
+    sizes = g.array(split.input[1]).reshape(-1).tolist() if len(split.input) > 1 and split.input[1] else None
+    if list(attr(transpose, "perm", [])) != [0, 2, 1, 3] or attr(split, "axis", 0) not in (-1, 3) or len(split.output) != 3:
+        raise unsupported(step, f"layer {layer}'s q/k/v heads are not transposed and split into each head's q, k, v")
+    width = _head_width(g, step, layer, transpose.output[0])  # 3 D
+    n = qkv.shape[1]
+    if width % 3 or n % width or (sizes is not None and len(set(sizes)) != 1):
+        raise unsupported(step, f"layer {layer}'s q/k/v heads of width {width} do not hold three equal parts")
+    d, heads = width // 3, n // width
+    order = np.array([h * width + p * d + e for p in range(3) for h in range(heads) for e in range(d)])
+    bias = None if bias is None else bias[order]
+    if bias is not None and bias.shape != (n,):
+        raise malformed(step, f"layer {layer}'s q/k/v bias of shape {bias.shape} for {n} outputs")
+    biases = (None, None, None) if bias is None else tuple(bias[i * heads * d : (i + 1) * heads * d] for i in range(3))
+    return reordered(qkv, order), tuple(split.output), [heads * d] * 3, biases
+
+
 def _head_width(g: Graph, step: Path, layer: int, heads: str) -> int:
     """The head width of ``heads`` (B, heads, T, D): the last dim of the Reshape before its Transpose (a constant, or
     the last of a Concat of shape parts)."""
@@ -493,27 +550,45 @@ def read_weights(step: Path, architecture: str) -> Weights:
         "norm_post_bias",
         "o_bias",
         "sinks",
+        "gate_up_bias",
+        "down_bias",
     )
     w = {k: [] for k in per_layer}
+    parallel = set()
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
     scales, softcaps, norm_kinds, rotary_dims, factors = set(), set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
     rope_of, inv_freqs = [], []
     splits = []  # per layer: the q/k/v parts' and the gate/up Split's widths, checked once the dims are
     for layer in range(layers):
-        norm = _norm_of(g, step, x, f"layer {layer}'s input norm", optional=True)  # OLMo-2 has none
+        w["gate_up_bias"].append(None), w["down_bias"].append(None)  # an ungated MLP's (GPT-NeoX) set below
+        in_norms = [n for n in g.consumers.get(x, []) if n.op_type in NORMS]
+        if len(in_norms) == 2:  # a parallel residual (GPT-NeoX): the MLP's norm reads the layer's input too
+            norm, parallel_post = _parallel_norms(g, step, layer, x, in_norms)
+        else:
+            norm, parallel_post = _norm_of(g, step, x, f"layer {layer}'s input norm", optional=True), None  # OLMo-2: none
+        parallel.add(parallel_post is not None)
         if norm is not None:
             eps.add(float(attr(norm, "epsilon", 1e-5)))
         w["norm_in"].append(None if norm is None else g.array(norm.input[1]))
         w["norm_in_bias"].append(_norm_bias(g, norm, norm_kinds))
         qkv, out = g.linear(x, beside=("Add",)) if norm is None else g.linear(norm.output[0])
+        if (heads_first := _interleaved_heads(g, step, layer, qkv, out)) is not None:  # GPT-NeoX's per-head q, k, v
+            qkv, (q, k, v), qkv_widths, (qb, kb, vb) = heads_first
+            qn = kn = None
+            qe = ke = 0.0
+            qw = kw = False
+        else:
+            parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
+            (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (
+                _head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv")
+            )
         w["qkv"].append(qkv)
-        parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
-        (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
         spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
         (q_rot, q_out, q_dim), (k_rot, k_out, k_dim) = _rotated(g, step, layer, q), _rotated(g, step, layer, k)
         rotary_dims.update((q_dim, k_dim))
-        attention = _attention(g, step, layer, g.only(q_out, "Reshape").output[0])
+        direct = [n.op_type for n in g.consumers.get(q_out, []) if n.op_type != "Identity"] == ["Attention"]  # GPT-NeoX
+        attention = _attention(g, step, layer, q_out if direct else g.only(q_out, "Reshape").output[0])
         scales.add(attention.scale), softcaps.add(attention.softcap)
         table = (q_rot.input[1], q_rot.input[2])
         if (k_rot.input[1], k_rot.input[2]) != table:
@@ -543,19 +618,29 @@ def read_weights(step: Path, architecture: str) -> Weights:
         masks.add(mask)
         windows.append(window)
         out = attention.out
-        for op in ("Reshape", "Transpose", "Reshape"):
-            out = g.only(out, op).output[0]
+        heads_out = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]  # (B, Hq, T, D) where q was 4-D
+        for op in ("Transpose", "Reshape") if [n.op_type for n in heads_out] == ["Transpose"] else ("Reshape", "Transpose", "Reshape"):
+            node = g.only(out, op)
+            if op == "Transpose" and list(attr(node, "perm", [])) != [0, 2, 1, 3]:
+                raise unsupported(step, f"layer {layer}'s attention output is transposed other than heads after tokens")
+            out = node.output[0]
         o, out = g.linear(out)
         o_bias, out = biased(g, out)
         w["o"].append(o), w["o_bias"].append(o_bias)
-        x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps, residual_scales)
+        attn_out = out
+        if parallel_post is None:
+            x, out_norm = _residual(g, step, x, out, f"layer {layer}'s attention output", eps, residual_scales)
+            post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm", optional=True)
+        else:  # added with the MLP's output below
+            out_norm, post = None, parallel_post
         w["attn_out"].append(out_norm)
-        post = _norm_of(g, step, x, f"layer {layer}'s post-attention norm", optional=True)
         if post is not None:
             eps.add(float(attr(post, "epsilon", 1e-5)))
         w["norm_post"].append(None if post is None else g.array(post.input[1]))
         w["norm_post_bias"].append(_norm_bias(g, post, norm_kinds))
         if routed(g, x if post is None else post.output[0]):
+            if parallel_post is not None:
+                raise unsupported(step, f"layer {layer} runs routed experts beside its attention (a parallel residual)")
             experts, layer_acts, out = read_experts(g, step, layer, x if post is None else post.output[0])
             w["gate_up"].append(None), w["down"].append(None), w["experts"].append(experts), acts.update(layer_acts)
             x, out_norm = _residual(g, step, x, out, f"layer {layer}'s experts' output", eps, residual_scales)
@@ -564,6 +649,25 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["experts"].append(None)
         gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
         w["gate_up"].append(gu)
+        up_bias, up_out = biased(g, out)
+        if [n.op_type for n in g.consumers.get(up_out, []) if n.op_type != "Identity"] == ["Gelu"]:  # ungated GELU, biases
+            gelu = g.only(up_out, "Gelu")
+            approximate = attr(gelu, "approximate", b"none")
+            if (approximate.decode() if isinstance(approximate, bytes) else approximate) != "none":
+                raise unsupported(step, f"layer {layer}'s ungated MLP is GELU's tanh approximation")
+            down, out = g.linear(gelu.output[0])
+            down_bias, out = biased(g, out)
+            acts.add("gelu_ungated"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
+            w["gate_up_bias"][-1], w["down_bias"][-1] = up_bias, down_bias
+            if parallel_post is not None:
+                x, out_norm = _parallel_sum(g, step, layer, x, out, attn_out), None
+                residual_scales.add(1.0)
+            else:
+                x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
+            w["mlp_out"].append(out_norm)
+            continue
+        if parallel_post is not None:
+            raise unsupported(step, f"layer {layer}'s parallel residual beside a gated MLP")
         if [n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity"] == ["Relu"]:  # ungated: down(relu(up)^2)
             down, out = g.linear(_squared_relu(g, step, layer, out))
             acts.add("relu2"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
@@ -630,13 +734,15 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if len(clamps) != 1:
         raise unsupported(step, f"layers whose experts clamp their gates differently {sorted(clamps)}")
     (alpha, limit), any_of = clamps.pop(), lambda rows: rows if any(r is not None for r in rows) else ()  # noqa: E731
+    if len(parallel) != 1:
+        raise unsupported(step, "parallel residuals in some layers and not in others")
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
                       embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
                       softcaps.pop(), final_softcap, norm_kinds.pop() == "LayerNormalization", rotary_dims.pop(),
                       w["norm_in_bias"], w["norm_post_bias"], final_bias, any_of(w["o_bias"]), any_of(w["sinks"]),
-                      factors.pop(), alpha, limit)  # fmt: skip
+                      factors.pop(), alpha, limit, any_of(w["gate_up_bias"]), any_of(w["down_bias"]), parallel.pop())  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -728,7 +834,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(d.scale), f"attention score scale {d.scale}"),
         (all(0 <= int(w) < 2**31 for w in weights.windows), f"sliding windows {weights.windows}"),
         (all(0 <= int(r) < max(tables, 1) for r in weights.rope_of), f"rotary tables {weights.rope_of} of {tables}"),
-        (weights.act in ("silu", "gelu_tanh", "gelu", "relu2", "swiglu_limit"), f"MLP gate {weights.act}"),
+        (weights.act in ("silu", "gelu_tanh", "gelu", "relu2", "swiglu_limit", "gelu_ungated"), f"MLP gate {weights.act}"),
         (
             weights.act != "swiglu_limit" or (positive(weights.act_limit) and math.isfinite(weights.act_alpha)),
             f"clamped SwiGLU limit {weights.act_limit} and slope {weights.act_alpha}",
@@ -760,7 +866,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         "attn_out_norm",
         "mlp_out_norm",
     )
-    fields += tuple(f for f in ("experts", "o_bias", "sinks") if getattr(weights, f))  # (): none at all
+    fields += tuple(f for f in ("experts", "o_bias", "sinks", "gate_up_bias", "down_bias") if getattr(weights, f))  # (): none at all
     counts = {field: len(getattr(weights, field)) for field in fields}
     if wrong := {field: n for field, n in counts.items() if n != d.layers}:
         raise malformed(path, f"arrays a layer {wrong} for {d.layers} layers")
@@ -790,13 +896,16 @@ def check_weights(weights: Weights, path: Path) -> None:
                     (f"layer {layer}'s input norm bias", weights.norm_in_bias or [None] * d.layers, (H,)),
                     (f"layer {layer}'s post-attention norm bias", weights.norm_post_bias or [None] * d.layers, (H,)),
                     (f"layer {layer}'s o_proj bias", weights.o_bias or [None] * d.layers, (H,)),
-                    (f"layer {layer}'s attention sinks", weights.sinks or [None] * d.layers, (Hq,)))  # fmt: skip
+                    (f"layer {layer}'s attention sinks", weights.sinks or [None] * d.layers, (Hq,)),
+                    (f"layer {layer}'s up_proj bias", weights.gate_up_bias or [None] * d.layers, (I,)),
+                    (f"layer {layer}'s down_proj bias", weights.down_bias or [None] * d.layers, (H,)))  # fmt: skip
         table += [(what, arrays[layer], shape, f32) for what, arrays, shape in optional if arrays[layer] is not None]
         linears += [(f"layer {layer}'s q/k/v_proj", weights.qkv[layer], (H, (Hq + 2 * Hkv) * D)),
                     (f"layer {layer}'s o_proj", weights.o[layer], (Hq * D, H))]  # fmt: skip
         experts = weights.experts[layer] if weights.experts else None
         if experts is None:  # a dense MLP
-            linears += [(f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, I if weights.act == "relu2" else 2 * I)),
+            ungated = weights.act in ("relu2", "gelu_ungated")
+            linears += [(f"layer {layer}'s gate/up_proj", weights.gate_up[layer], (H, I if ungated else 2 * I)),
                         (f"layer {layer}'s down_proj", weights.down[layer], (I, H))]  # fmt: skip
             continue
         E, k = experts.count, experts.top_k

@@ -39,6 +39,8 @@ SHAPES = {  # transformers config overrides: the public checkpoints' shapes
     "qwen3-moe-mini": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, moe_intermediate_size=384, intermediate_size=3072,
                                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+    "pythia-1b": ("gpt_neox", dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=8, rotary_pct=0.25, tie_word_embeddings=False)),  # Pythia-1B (GPT-NeoX)
     # gpt-oss-20b's router (32 experts, 4 a token), attention (64-wide heads, 8 q heads a kv head, sinks, 128-token windows
     # every other layer, YaRN) and vocabulary over 4 of its 24 layers, at hidden 1024 (its 2880 does not fit in fp32)
     "gpt-oss-mini": ("gpt_oss", dict(vocab_size=201088, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4,

@@ -140,7 +140,7 @@ def stories_fitted(stories_base):
 
 
 def _tiny_config(kind: str):
-    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GPTNeoXConfig, HeliumConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=512,
@@ -162,14 +162,16 @@ def _tiny_config(kind: str):
         return MistralConfig(**common, sliding_window=None)
     if kind == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
-    if kind == "gpt_neox":  # layer norms, a parallel residual, partial rotary: a graph native refuses
+    if kind == "gpt_neox":  # layer norms, a parallel residual, partial rotary
         return GPTNeoXConfig(**common, rotary_pct=0.5)
+    if kind == "helium":  # a model type native does not run (its interleaved rotary exports as computed ops)
+        return HeliumConfig(**common, head_dim=16)
     raise ValueError(kind)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, stories_base):
-    """Random tiny Llama / Mistral / Qwen2 / GPT-NeoX saved as Hugging Face folders (config.json +
+    """Random tiny Llama / Mistral / Qwen2 / GPT-NeoX / Helium saved as Hugging Face folders (config.json +
     safetensors) with the stories260K tokenizer, loaded back through the folder path."""
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +179,7 @@ def tiny_model_dir(tmp_path_factory, stories_base):
 
     def make(kind: str) -> Path:
         if kind not in made:
-            torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3, "gpt_neox": 4}[kind])
+            torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3, "gpt_neox": 4, "helium": 5}[kind])
             model = AutoModelForCausalLM.from_config(_tiny_config(kind))
             folder = tmp_path_factory.mktemp(f"tiny-{kind}")
             model.save_pretrained(folder)

@@ -253,8 +253,8 @@ def test_int8_channel_drafted_output_equals_its_plain_output(int8_engine, storie
 
 
 def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
-    """Layer norms (GPT-NeoX's graph, read as if it were a Llama), other quantizers, another model type: one line
-    each."""
+    """Layer norms (GPT-NeoX's graph, read as if it were a Llama), other quantizers, a model type native does not run
+    (Helium): one line each."""
     from medusa_trt.exporter import load_base_model
     from tests.conftest import random_heads
 
@@ -262,9 +262,11 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
     path = export_engine("tiny-gpt_neox-random", medusa_model(neox, random_heads(neox)))
     with pytest.raises(EngineError, match=r"backend native cannot run .*: its step graph has .*LayerNormalization"):
         native_weights.read_weights(path, "llama")
+    helium = load_base_model(tiny_model_dir("helium"))
+    other = export_engine("tiny-helium-random", medusa_model(helium, random_heads(helium)))
     types = ", ".join(native_weights.MODEL_TYPES)
-    with pytest.raises(EngineError, match=f"model type 'gpt_neox' is not one of {types}; use backend onnxruntime"):
-        open_native(path)
+    with pytest.raises(EngineError, match=f"model type 'helium' is not one of {types}; use backend onnxruntime"):
+        open_native(other)
     quantized = export_engine("stories-fitted-int8", medusa_model(stories_base, stories_fitted), quantize="int8")
     with pytest.raises(EngineError, match=r"its step graph has .*DynamicQuantizeLinear.* nodes") as info:
         open_native(quantized)
@@ -460,9 +462,9 @@ def test_export_refuses_native_for_a_model_type_it_never_runs_before_any_work(ti
 
     monkeypatch.setattr(onnx_export, "_export_step", lambda *a, **k: pytest.fail("traced before the refusal"))
     out = tmp_path / "engine"
-    assert main(["--model", str(tiny_model_dir("gpt_neox")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2
+    assert main(["--model", str(tiny_model_dir("helium")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"backend native cannot run {out}: model type 'gpt_neox'" in err[0], err
+    assert len(err) == 1 and f"backend native cannot run {out}: model type 'helium'" in err[0], err
     assert not out.exists()
 
 

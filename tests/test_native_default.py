@@ -90,7 +90,7 @@ def test_an_export_where_native_is_slower_records_onnxruntime(stories_base, stor
 
 
 def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """Tiny GPT-NeoX (layer norms, a parallel residual): onnxruntime, the reason naming the model type;
+    """Tiny Helium (a model type native does not run): onnxruntime, the reason naming the model type;
     rewritten to say native (a folder of an older or newer medusa-trt), it still opens, on onnxruntime, with one
     warning; asked for by name, native raises."""
     from medusa_trt.exporter import load_base_model
@@ -100,20 +100,20 @@ def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir,
         raise AssertionError("nothing is timed when native cannot run the engine")
 
     monkeypatch.setattr(backend_choice, "time_backends", never)
-    neox = load_base_model(tiny_model_dir("gpt_neox"))
-    result = _export(medusa_model(neox, random_heads(neox)), tmp_path / "gpt_neox", verify=False)
+    helium = load_base_model(tiny_model_dir("helium"))
+    result = _export(medusa_model(helium, random_heads(helium)), tmp_path / "helium", verify=False)
     folder = result.files.folder
     assert read_folder_config(folder).backend == "onnxruntime"
-    why = f"native cannot run this engine (model type 'gpt_neox' is not one of {', '.join(native_weights.MODEL_TYPES)})"
+    why = f"native cannot run this engine (model type 'helium' is not one of {', '.join(native_weights.MODEL_TYPES)})"
     assert result.backend_choice.summary() == f"backend onnxruntime: {why}"
     assert read_drafting(folder)["backend_choice"]["step_ms"] == {}
     _rewrite_backend(folder, "native")
     with caplog.at_level(logging.WARNING, logger="medusa_trt"):
         assert MedusaRuntime(folder, threads=2).backend.name == "onnxruntime"
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    warned = [w for w in warned if "native" in w]  # (GPT-NeoX's ONNX Runtime attention also warns it is not exact here)
-    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'gpt_neox'" in warned[0]
-    with pytest.raises(EngineError, match="backend native cannot run .*model type 'gpt_neox'"):
+    warned = [w for w in warned if "native" in w]  # (ONNX Runtime's attention may also warn it is not exact here)
+    assert len(warned) == 1 and "names backend native, which cannot run it here" in warned[0] and "model type 'helium'" in warned[0]
+    with pytest.raises(EngineError, match="backend native cannot run .*model type 'helium'"):
         MedusaRuntime(folder, backend="native", threads=2)
 
 

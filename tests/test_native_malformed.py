@@ -233,9 +233,8 @@ def test_experts_that_do_not_fit_are_refused(moe_engine):
             native_weights.check_weights(dataclasses.replace(weights, experts=experts), moe_engine)
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_engine(tmp_path_factory):
-    """A tiny gpt-oss (sinks, o_proj and expert biases, 4 experts, 2 a token) exported fp32 with two untrained heads."""
+def _exported(tmp_path_factory, model_type: str) -> Path:
+    """The architecture table's tiny ``model_type`` (noisy norms and biases) exported fp32 with two untrained heads."""
     from architectures import ARCHITECTURES, save_fixture
     from conftest import STORIES
 
@@ -244,14 +243,26 @@ def gpt_oss_engine(tmp_path_factory):
 
     if not STORIES.is_file():
         pytest.skip(f"{STORIES} missing")
-    root = tmp_path_factory.mktemp("gpt-oss")
-    arch = next(a for a in ARCHITECTURES if a.model_type == "gpt_oss")
+    root = tmp_path_factory.mktemp(model_type)
+    arch = next(a for a in ARCHITECTURES if a.model_type == model_type)
     folder = save_fixture(arch, root / "model", load_base_model(STORIES).tokenizer)
     step = root / "engine" / "model.onnx"
     step.parent.mkdir()
     argv = ["--model", str(folder), "--untrained-heads", "2", "--out", str(step), "--max-context", "64"]
     assert export_main(argv) == 0
     return step
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_engine(tmp_path_factory):
+    """A tiny gpt-oss (sinks, o_proj and expert biases, 4 experts, 2 a token)."""
+    return _exported(tmp_path_factory, "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_engine(tmp_path_factory):
+    """A tiny GPT-NeoX (a parallel residual, per-head q/k/v, MLP biases)."""
+    return _exported(tmp_path_factory, "gpt_neox")
 
 
 def _sinks_of_layer(model, layer: int) -> str:
@@ -293,6 +304,33 @@ def test_a_malformed_gpt_oss_engine_is_one_line_exit_2(gpt_oss_engine, tmp_path,
     suffix = None if callable(name) else f"layers.1.mlp.{name}"
     tensor = next(t for t in model.graph.initializer if t.name == wanted or (suffix and t.name.endswith(suffix)))
     tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), tensor.name))
+    onnx.save(model, str(step))
+    write_manifest(EngineFiles.locate(step))
+    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
+    assert named in err[0], err[0]
+
+
+@pytest.mark.parametrize(
+    "name, named",
+    [
+        ("mlp.dense_h_to_4h.bias", "layer 1's up_proj bias has shape (129,), not (128,)"),
+        ("attention.dense.bias", "layer 1's o_proj bias has shape (65,), not (64,)"),
+    ],
+    ids=["up-bias-longer", "o-bias-longer"],
+)
+def test_a_malformed_gpt_neox_engine_is_one_line_exit_2(gpt_neox_engine, tmp_path, capsys, name, named):
+    """A GPT-NeoX's MLP and attention output biases are checked against the dims: one line, exit 2."""
+    from medusa_trt.cli.run import main
+
+    engine = gpt_neox_engine
+    shutil.copytree(engine.parent, tmp_path / "engine")
+    step = tmp_path / "engine" / engine.name
+    model = onnx.load(str(step))
+    tensor = next(t for t in model.graph.initializer if t.name.endswith(f"layers.1.{name}"))
+    tensor.CopyFrom(numpy_helper.from_array(np.concatenate([numpy_helper.to_array(tensor)] * 2)[: tensor.dims[0] + 1], tensor.name))
     onnx.save(model, str(step))
     write_manifest(EngineFiles.locate(step))
     argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
