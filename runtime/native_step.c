@@ -132,6 +132,7 @@ typedef struct {
     float act_alpha, act_limit; /* ACT_SWIGLU_LIMIT's sigmoid slope and clamp */
     const float *const *gate_up_bias, *const *down_bias; /* L x (I) / (H): an ungated MLP's biases, NULL: none (GPT-NeoX) */
     int32_t parallel_residual; /* x + (mlp(norm_post(x)) + attention(norm_in(x))): both read the layer's input (GPT-NeoX) */
+    int32_t rope_interleaved;  /* the rotary turns pairs (2i, 2i + 1), not halves (i, i + R / 2) (Helium) */
 } model_t;
 
 /* RELU2: gate_up is up alone (I wide), relu(up)^2; GELU_UNGATED: gelu(up) (erf's). SWIGLU_LIMIT (gpt-oss): g = min(gate, limit), u = clamp(up, -limit,
@@ -728,14 +729,21 @@ static void rope_table(int D, int64_t pos, const float *inv_freq, float factor, 
 }
 
 /* rotate_half rotary embedding of one head vector (D) with its row's table, into out: its leading R dims turned, the
- * rest copied (partial rotary; R = D: all) */
-static void rope(const float *x, int D, int R, const float *rot, float *out) {
+ * rest copied (partial rotary; R = D: all). interleaved: pairs (2i, 2i + 1) turned by angle i (Helium's
+ * rotate_every_two, whose x * cos + (-x') * sin is this x * cos - x' * sin bit for bit) */
+static void rope(const float *x, int D, int R, const float *rot, int interleaved, float *out) {
     const int half = R / 2;
     const float *c = rot, *s = rot + half;
-    for (int i = 0; i < half; i++) {
-        out[i] = x[i] * c[i] - x[i + half] * s[i];
-        out[i + half] = x[i + half] * c[i] + x[i] * s[i];
-    }
+    if (interleaved)
+        for (int i = 0; i < half; i++) {
+            out[2 * i] = x[2 * i] * c[i] - x[2 * i + 1] * s[i];
+            out[2 * i + 1] = x[2 * i + 1] * c[i] + x[2 * i] * s[i];
+        }
+    else
+        for (int i = 0; i < half; i++) {
+            out[i] = x[i] * c[i] - x[i + half] * s[i];
+            out[i + half] = x[i + half] * c[i] + x[i] * s[i];
+        }
     for (int i = R; i < D; i++) out[i] = x[i];
 }
 
@@ -823,7 +831,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 14 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 15 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -1207,10 +1215,10 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                     for (int64_t h = 0; h < Hq; h++) rms_norm(r + h * D, 1, D, qn, md->qk_eps, r + h * D);
                 if (kn && !md->qk_norm_whole)
                     for (int64_t h = 0; h < Hkv; h++) rms_norm(r + (Hq + h) * D, 1, D, kn, md->qk_eps, r + (Hq + h) * D);
-                for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, R, rot, wk->q + ((b * Hq + h) * T + t) * D);
+                for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, R, rot, md->rope_interleaved, wk->q + ((b * Hq + h) * T + t) * D);
                 for (int64_t h = 0; h < Hkv; h++) {
                     float *kk = wk->k + ((b * Hkv + h) * T + t) * D, *vv = wk->v + ((b * Hkv + h) * T + t) * D;
-                    rope(r + (Hq + h) * D, D, R, rot, kk);
+                    rope(r + (Hq + h) * D, D, R, rot, md->rope_interleaved, kk);
                     memcpy(vv, r + (Hq + Hkv + h) * D, D * sizeof(float));
                     const int64_t at = t * L * layer_stride + l * layer_stride + b * row_stride + h * D;
                     memcpy(new_k + at, kk, D * sizeof(float));

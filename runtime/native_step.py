@@ -146,6 +146,7 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         *((n, ctypes.c_float) for n in ("rope_factor", "act_alpha", "act_limit")),
         *((n, _TABLE) for n in ("gate_up_bias", "down_bias")),
         ("parallel_residual", ctypes.c_int32),
+        ("rope_interleaved", ctypes.c_int32),
     ]
 
 
@@ -373,7 +374,7 @@ class NativeStep:
             table(list(weights.o_bias) or [None] * d.layers), table(list(weights.sinks) or [None] * d.layers),
             weights.rope_factor, weights.act_alpha, weights.act_limit if weights.act_limit > 0 else 1.0,
             table(list(weights.gate_up_bias) or [None] * d.layers), table(list(weights.down_bias) or [None] * d.layers),
-            int(weights.parallel_residual),
+            int(weights.parallel_residual), int(weights.rope_interleaved),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

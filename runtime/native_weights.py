@@ -4,15 +4,15 @@ checked against it.
 ``read_weights`` walks the graph from the token embedding to ``hidden``, layer by layer, and refuses by name any
 graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
 q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding (a
-RotaryEmbedding node, or its ops with YaRN's factor: gpt-oss), attention over the layer's own cache slice (optionally
-inside a sliding window: Mistral, Qwen2's windowed layers; an Attention node, or the decomposed attention of Gemma-2
-with its soft-cap or of gpt-oss with its sinks), output matmul (optionally a bias), residual Add, RMSNorm, one fused
-gate/up matmul, SiLU gate, down matmul (or routed experts: ``native_experts``; or an ungated GELU MLP with biases), residual
-Add (or GPT-NeoX's parallel residual: both norms read the layer's input, the two outputs added, then the input); then
-the final RMSNorm
-(the graph's ``hidden``) and the lm_head (optionally a divisor or a final soft-cap after it). Each weight matmul is
-fp32, int8-channel's row-quantized int8 or MatMulNBits' blocks (``Graph.linear``). Anything else (other activations
-or norms, MLP biases, other quantizers) is refused at load, never approximated: an engine that generates other text
+RotaryEmbedding node, or its ops: gpt-oss's with YaRN's factor, Helium's over interleaved pairs), attention over the
+layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers; an Attention node, or
+the decomposed attention of Gemma-2 with its soft-cap or of gpt-oss with its sinks), output matmul (optionally a
+bias), residual Add, RMSNorm, one fused gate/up matmul, SiLU gate, down matmul (or routed experts: ``native_experts``;
+or an ungated GELU MLP with biases), residual Add (or GPT-NeoX's parallel residual: both norms read the layer's input,
+the two outputs added, then the input); then the final RMSNorm (the graph's ``hidden``) and the lm_head (optionally a
+divisor or a final soft-cap after it). Each weight matmul is fp32, int8-channel's row-quantized int8 or MatMulNBits'
+blocks (``Graph.linear``). Anything else (other activations or norms, a gated MLP's biases, other quantizers) is
+refused at load, never approximated: an engine that generates other text
 than its model is the worst failure this project can have. The engine's model type must be one whose layers were
 checked against it.
 """
@@ -41,11 +41,12 @@ MODEL_OPS = {
     "stablelm": frozenset({"LayerNormalization"}),
     "nemotron": frozenset({"LayerNormalization", "Relu", "Pow"}),
     "gpt_neox": frozenset({"LayerNormalization"}),
+    "helium": frozenset({"Neg"}),  # its interleaved rotary's ops
 }
 MODEL_OPS["gpt_oss"] = MOE_OPS  # its attention's Softmax (with sinks) and its router's TopK, Softmax and clamps
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
-MODEL_TYPES += ("gpt_neox", *MOE_TYPES)
+MODEL_TYPES += ("gpt_neox", "helium", *MOE_TYPES)
 # every op a supported step graph holds: the layers' ops and the mask, cache and shape glue around them
 OPS = frozenset(
     "Shape Squeeze Range Unsqueeze Less Concat Expand Cast ScatterElements Greater Or Not Where Gather Mul RMSNormalization "
@@ -111,6 +112,7 @@ class Weights:
     gate_up_bias: tuple | list = ()  # L x (I) or None: an ungated MLP's up bias (GPT-NeoX); (): none at all
     down_bias: tuple | list = ()  # L x (H) or None
     parallel_residual: bool = False  # x + (mlp(norm_post(x)) + attention(norm_in(x))) (GPT-NeoX)
+    rope_interleaved: bool = False  # the rotary turns pairs (2i, 2i + 1), not halves (Helium)
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -228,6 +230,18 @@ def _rotary_table(g: Graph, step: Path, rotary) -> tuple[np.ndarray, float]:
     the factor both are multiplied by (YaRN's attention factor, gpt-oss; 1: none)."""
     cos, sin = (g.producer.get(_past(rotary.input[i], g)) for i in (1, 2))
     factor = 1.0
+    if isinstance(rotary, _Computed) and rotary.interleaved:  # each angle twice, of the first half of cos / sin of (f, f)
+        (cos, cos_end), (sin, sin_end) = (_repeated_table(g, step, rotary.input[i]) for i in (1, 2))
+        cat = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
+        if cat is None or cat.op_type != "Concat" or len(set(cat.input)) != 1 or sin is None or sin.input[0] != cos.input[0]:
+            raise unsupported(step, "an interleaved rotary table other than cos / sin of the angles twice over")
+        freq = g.producer.get(cat.input[0])
+        if freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
+            raise unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+        inv = g.array(freq.input[1]).reshape(-1)
+        if cos_end != inv.size or sin_end != inv.size or sin.op_type != "Sin":
+            raise unsupported(step, f"an interleaved rotary table of {cos_end} angles for {inv.size} frequencies")
+        return inv, 1.0
     if cos is not None and sin is not None and cos.op_type == sin.op_type == "Mul":  # cos(f) x a and sin(f) x a
         a = [x for x in cos.input if x in g.init]
         if len(a) != 1 or [x for x in sin.input if x in g.init] != a or g.array(a[0]).size != 1:
@@ -285,6 +299,8 @@ def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
         return readers[0], readers[0].output[0], 0
     if [n.op_type for n in readers] == ["Split"]:
         return _computed_rotary(g, step, layer, readers[0])
+    if sorted(n.op_type for n in readers) == ["Mul", "Slice", "Slice"]:
+        return _computed_pairs(g, step, layer, x, readers)
     if [n.op_type for n in readers] != ["Slice", "Slice"]:
         raise unsupported(step, f"layer {layer}'s heads are read by {sorted(n.op_type for n in readers)}, not a rotary embedding")
     bounds = []
@@ -310,6 +326,7 @@ class _Computed:
 
     input: tuple[str, str, str]
     attribute: tuple = ()
+    interleaved: bool = False  # pairs (2i, 2i + 1) turned (Helium's rotate_every_two), not halves
 
 
 def _computed_rotary(g: Graph, step: Path, layer: int, split) -> tuple[_Computed, str, int]:
@@ -407,6 +424,60 @@ def _head_width(g: Graph, step: Path, layer: int, heads: str) -> int:
     if width <= 0:
         raise unsupported(step, f"layer {layer}'s heads are reshaped to a width that is not a constant")
     return width
+
+
+def _computed_pairs(g: Graph, step: Path, layer: int, x: str, readers: list) -> tuple[_Computed, str, int]:
+    """rotate_every_two as ops (Helium): x * cos + rot(x) * sin, rot(x) the pairs (-x[2i + 1], x[2i]) (even and odd
+    Slices of step 2, Neg, each Unsqueezed, Concat, Reshape), cos and sin each angle repeated twice."""
+    mul = next(n for n in readers if n.op_type == "Mul")
+    parts = {}
+    for n in readers:
+        if n.op_type != "Slice":
+            continue
+        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
+        starts, ends, axes, steps = args[:4]
+        if axes not in ([-1], [3]) or steps != [2] or starts not in ([0], [1]) or ends[0] < 2**31:
+            raise unsupported(step, f"layer {layer}'s rotary slices its heads other than into even and odd dims")
+        parts[starts[0]] = n.output[0]
+    if sorted(parts) != [0, 1]:
+        raise unsupported(step, f"layer {layer}'s rotary does not take its heads' even and odd dims")
+    neg = g.only(parts[1], "Neg")
+    first, second = g.only(neg.output[0], "Unsqueeze"), g.only(parts[0], "Unsqueeze")
+    stack = g.only(first.output[0], "Concat")
+    rotated = g.only(stack.output[0], "Reshape").output[0]
+    turned = g.only(rotated, "Mul")
+    add = g.only(mul.output[0], "Add")
+    cos = next((t for t in mul.input if t != x), None)
+    sin = next((t for t in turned.input if t != rotated), None)
+    if (
+        list(stack.input) != [first.output[0], second.output[0]]
+        or attr(stack, "axis", 0) != -1
+        or sorted(add.input) != sorted([mul.output[0], turned.output[0]])
+        or cos is None
+        or sin is None
+        or mul.input[0] != x
+    ):
+        raise unsupported(step, f"layer {layer}'s rotary ops are not rotate_every_two (x cos + (-x_odd, x_even) sin)")
+    return _Computed((x, cos, sin), interleaved=True), add.output[0], 0
+
+
+def _repeated_table(g: Graph, step: Path, table: str):
+    """The Cos or Sin node an interleaved rotary's table repeats each angle of twice (Slice [0, n) of its last axis,
+    Unsqueeze, Expand to pairs, Reshape), and n."""
+    tensor, seen, end = table, [], -1
+    while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze", "Slice"):
+        if node.op_type == "Slice":
+            args = [g.array(a).reshape(-1).tolist() if a else None for a in list(node.input[1:]) + [""] * (5 - len(node.input))]
+            if args[0] != [0] or args[3] not in (None, [1]) or len(args[1]) != 1:
+                raise unsupported(step, f"an interleaved rotary table sliced as {args[:2]}, not its first angles")
+            end = int(args[1][0])
+        if node.op_type == "Expand" and (node.input[1] not in g.init or g.array(node.input[1]).reshape(-1)[-1] != 2):
+            raise unsupported(step, "an interleaved rotary table expanded other than to pairs")
+        seen.append(node.op_type)
+        tensor = node.input[0]
+    if sorted(set(seen)) != ["Expand", "Reshape", "Slice", "Unsqueeze"] or seen.count("Slice") != 1 or seen.count("Expand") != 1:
+        raise unsupported(step, "an interleaved rotary table that is not each angle repeated twice")
+    return g.producer.get(tensor), end
 
 
 def _squared_relu(g: Graph, step: Path, layer: int, up: str) -> str:
@@ -554,7 +625,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         "down_bias",
     )
     w = {k: [] for k in per_layer}
-    parallel = set()
+    parallel, pairs = set(), set()  # per layer: a parallel residual; an interleaved rotary
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
     scales, softcaps, norm_kinds, rotary_dims, factors = set(), set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
@@ -587,6 +658,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
         (q_rot, q_out, q_dim), (k_rot, k_out, k_dim) = _rotated(g, step, layer, q), _rotated(g, step, layer, k)
         rotary_dims.update((q_dim, k_dim))
+        pairs.update(getattr(r, "interleaved", False) for r in (q_rot, k_rot))
         direct = [n.op_type for n in g.consumers.get(q_out, []) if n.op_type != "Identity"] == ["Attention"]  # GPT-NeoX
         attention = _attention(g, step, layer, q_out if direct else g.only(q_out, "Reshape").output[0])
         scales.add(attention.scale), softcaps.add(attention.softcap)
@@ -734,15 +806,16 @@ def read_weights(step: Path, architecture: str) -> Weights:
     if len(clamps) != 1:
         raise unsupported(step, f"layers whose experts clamp their gates differently {sorted(clamps)}")
     (alpha, limit), any_of = clamps.pop(), lambda rows: rows if any(r is not None for r in rows) else ()  # noqa: E731
-    if len(parallel) != 1:
-        raise unsupported(step, "parallel residuals in some layers and not in others")
+    if len(parallel) != 1 or len(pairs) != 1:
+        raise unsupported(step, "parallel residuals or interleaved rotaries in some layers and not in others")
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
                       embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
                       softcaps.pop(), final_softcap, norm_kinds.pop() == "LayerNormalization", rotary_dims.pop(),
                       w["norm_in_bias"], w["norm_post_bias"], final_bias, any_of(w["o_bias"]), any_of(w["sinks"]),
-                      factors.pop(), alpha, limit, any_of(w["gate_up_bias"]), any_of(w["down_bias"]), parallel.pop())  # fmt: skip
+                      factors.pop(), alpha, limit, any_of(w["gate_up_bias"]), any_of(w["down_bias"]), parallel.pop(),
+                      pairs.pop())  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):

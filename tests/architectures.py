@@ -120,7 +120,7 @@ ARCHITECTURES = (
 
 # the families the native step runs (runtime/native_weights.py's MODEL_TYPES); it refuses the others' engines by name
 NATIVE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
-NATIVE += ("gpt_neox",)  # parallel residual, per-head q/k/v, ungated GELU with biases
+NATIVE += ("gpt_neox", "helium")  # parallel residual, per-head q/k/v, GELU MLP biases; interleaved rotary ops
 NATIVE += ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")  # routed experts (runtime/native_experts.py)
 
 # Hybrids and other models that a KV cache and a tree mask cannot verify: refused at load, one line

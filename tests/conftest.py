@@ -164,9 +164,17 @@ def _tiny_config(kind: str):
         return Qwen2Config(**common, use_sliding_window=False)
     if kind == "gpt_neox":  # layer norms, a parallel residual, partial rotary
         return GPTNeoXConfig(**common, rotary_pct=0.5)
-    if kind == "helium":  # a model type native does not run (its interleaved rotary exports as computed ops)
+    if kind == "helium":  # the tests of a model type off native's list take it off (every proven family is on it)
         return HeliumConfig(**common, head_dim=16)
     raise ValueError(kind)
+
+
+def off_native_list(monkeypatch, model_type: str = "helium") -> None:
+    """Take ``model_type`` off the model types native runs (``native_weights.MODEL_TYPES``), for the tests of its
+    refusal by model type: every family the exporter proves is on the list."""
+    from medusa_trt.runtime import native_weights
+
+    monkeypatch.setattr(native_weights, "MODEL_TYPES", tuple(t for t in native_weights.MODEL_TYPES if t != model_type))
 
 
 @pytest.fixture(scope="session")

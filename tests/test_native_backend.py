@@ -252,11 +252,11 @@ def test_int8_channel_drafted_output_equals_its_plain_output(int8_engine, storie
     assert max(r.stats.mean_accepted for r in drafted) > 1
 
 
-def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted):
-    """Layer norms (GPT-NeoX's graph, read as if it were a Llama), other quantizers, a model type native does not run
-    (Helium): one line each."""
+def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories_base, stories_fitted, monkeypatch):
+    """Layer norms (GPT-NeoX's graph, read as if it were a Llama), other quantizers, a model type off native's list
+    (Helium, taken off it here): one line each."""
     from medusa_trt.exporter import load_base_model
-    from tests.conftest import random_heads
+    from tests.conftest import off_native_list, random_heads
 
     neox = load_base_model(tiny_model_dir("gpt_neox"))
     path = export_engine("tiny-gpt_neox-random", medusa_model(neox, random_heads(neox)))
@@ -264,6 +264,7 @@ def test_other_graphs_are_refused_by_name(tiny_model_dir, export_engine, stories
         native_weights.read_weights(path, "llama")
     helium = load_base_model(tiny_model_dir("helium"))
     other = export_engine("tiny-helium-random", medusa_model(helium, random_heads(helium)))
+    off_native_list(monkeypatch)
     types = ", ".join(native_weights.MODEL_TYPES)
     with pytest.raises(EngineError, match=f"model type 'helium' is not one of {types}; use backend onnxruntime"):
         open_native(other)
@@ -455,11 +456,13 @@ def test_a_damaged_library_is_one_line_exit_2(engine, tmp_path, damage):
 
 
 def test_export_refuses_native_for_a_model_type_it_never_runs_before_any_work(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """--backend native on a model type native never runs: one line naming the user's --out, before anything is traced,
-    nothing written."""
+    """--backend native on a model type off native's list (Helium, taken off it here): one line naming the user's --out,
+    before anything is traced, nothing written."""
     from medusa_trt.cli.export import main
     from medusa_trt.exporter import onnx_export
+    from tests.conftest import off_native_list
 
+    off_native_list(monkeypatch)
     monkeypatch.setattr(onnx_export, "_export_step", lambda *a, **k: pytest.fail("traced before the refusal"))
     out = tmp_path / "engine"
     assert main(["--model", str(tiny_model_dir("helium")), "--out", str(out), "--backend", "native", "--no-verify"]) == 2

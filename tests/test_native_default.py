@@ -90,16 +90,17 @@ def test_an_export_where_native_is_slower_records_onnxruntime(stories_base, stor
 
 
 def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """Tiny Helium (a model type native does not run): onnxruntime, the reason naming the model type;
+    """Tiny Helium, its model type taken off native's list: onnxruntime, the reason naming the model type;
     rewritten to say native (a folder of an older or newer medusa-trt), it still opens, on onnxruntime, with one
     warning; asked for by name, native raises."""
     from medusa_trt.exporter import load_base_model
-    from tests.conftest import random_heads
+    from tests.conftest import off_native_list, random_heads
 
     def never(*args, **kwargs):
         raise AssertionError("nothing is timed when native cannot run the engine")
 
     monkeypatch.setattr(backend_choice, "time_backends", never)
+    off_native_list(monkeypatch)
     helium = load_base_model(tiny_model_dir("helium"))
     result = _export(medusa_model(helium, random_heads(helium)), tmp_path / "helium", verify=False)
     folder = result.files.folder
