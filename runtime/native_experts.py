@@ -126,6 +126,8 @@ def read_experts(g: Graph, step: Path, layer: int, src: str) -> tuple[Experts, s
         raise unsupported(step, f"{where}: experts {sorted(experts)} for a router of {count} outputs choosing {top_k}")
     total = _sum_in_order(g, step, where, [experts[e][2] for e in range(count)])
     shared = [(lin, out) for lin, out in linears if out != router_out]
+    if any(lin.bias is not None for lin, _ in shared):
+        raise unsupported(step, f"{where}: a shared expert's linear has a bias (a Gemm's), which native does not add")
     fields = {"router_bias": router_bias, "topk_first": topk_first}
     if len(clamps) != 1:
         raise unsupported(step, f"{where} clamp their gates differently {sorted(clamps)}")
