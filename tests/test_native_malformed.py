@@ -65,18 +65,35 @@ def _roles(model) -> dict[str, str]:
     return roles
 
 
-def _mutated(engine: Path, folder: Path, role: str, change) -> Path:
-    """A copy of ``engine``'s files in ``folder`` with the ``role`` initializer replaced by ``change(array)`` and the
-    manifest rewritten to the new files."""
+def _mutated(engine: Path, folder: Path, role, change) -> Path:
+    """A copy of ``engine``'s files in ``folder`` with one initializer replaced by ``change(array)`` and the manifest
+    rewritten to the new files. ``role``: a role of ``_roles``, or a function of the model giving the initializer's
+    name."""
     shutil.copytree(engine.parent, folder)
     step = folder / engine.name
     model = onnx.load(str(step))
-    name = _roles(model)[role]
+    name = role(model) if callable(role) else _roles(model)[role]
     tensor = next(t for t in model.graph.initializer if t.name == name)
     tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), name))
     onnx.save(model, str(step))
     write_manifest(EngineFiles.locate(step))
     return step
+
+
+def _layer_1(suffix: str):
+    """A ``_mutated`` role: the initializer of layer 1 whose name ends in ``suffix``."""
+    return lambda model: next(t.name for t in model.graph.initializer if t.name.endswith(f"layers.1.{suffix}"))
+
+
+def _refused_in_one_line(step: Path, capsys, named: str) -> None:
+    """``medusa-run --backend native`` on ``step``: exit 2, one stderr line naming ``named``, no traceback."""
+    from medusa_trt.cli.run import main
+
+    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
+    assert named in err[0], err[0]
 
 
 more_rows = lambda a: np.concatenate([a, a[:1]], axis=0)
@@ -108,14 +125,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("kind, role, change, named", list(MUTATIONS.values()), ids=list(MUTATIONS))
 def test_a_malformed_engine_is_one_line_exit_2(engines, tmp_path, capsys, kind, role, change, named):
     """``medusa-run --backend native`` on the mutated engine: exit 2, one stderr line naming the array, no traceback."""
-    from medusa_trt.cli.run import main
-
-    step = _mutated(engines[kind], tmp_path / "engine", role, change)
-    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
-    assert named in err[0], err[0]
+    _refused_in_one_line(_mutated(engines[kind], tmp_path / "engine", role, change), capsys, named)
 
 
 def test_the_backend_refuses_a_malformed_engine_in_one_line(engines, tmp_path):
@@ -155,46 +165,31 @@ def test_int8_quantizer_scalars_are_checked(engines):
 
 @pytest.fixture(scope="module")
 def moe_engine(tmp_path_factory):
-    """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert) exported fp32 with two untrained heads."""
-    from architectures import ARCHITECTURES, save_fixture
-    from conftest import STORIES
-
-    from medusa_trt.cli.export import main as export_main
-    from medusa_trt.exporter import load_base_model
-
-    if not STORIES.is_file():
-        pytest.skip(f"{STORIES} missing")
-    root = tmp_path_factory.mktemp("moe")
-    arch = next(a for a in ARCHITECTURES if a.model_type == "qwen2_moe")
-    folder = save_fixture(arch, root / "model", load_base_model(STORIES).tokenizer)
-    step = root / "engine" / "model.onnx"
-    step.parent.mkdir()
-    argv = ["--model", str(folder), "--untrained-heads", "2", "--out", str(step), "--max-context", "64"]
-    assert export_main(argv) == 0
-    return step
+    """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert)."""
+    return _exported(tmp_path_factory, "qwen2_moe")
 
 
-# id: the expert initializer (in layer 1), its change (weights (out, in), read transposed), what the one line says
+# id: the expert initializer (in layer 1, its name's end), its change (weights (out, in), read transposed), what the one line says
 MOE_MUTATIONS = {
     "expert-down-one-more-output": (
-        "experts._medusa_split.down2",
+        "mlp.experts._medusa_split.down2",
         more_rows,
         "layer 1's expert 2's down_proj has shape (32, 65), not (32, 64)",
     ),
     "expert-gate-up-narrower": (
-        "experts._medusa_split.up3",
+        "mlp.experts._medusa_split.up3",
         lambda a: a[:-2],
         "layer 1's expert 3's gate/up_proj has shape (64, 62), not (64, 64)",
     ),
     "expert-gate-up-odd": (
-        "experts._medusa_split.up1",
+        "mlp.experts._medusa_split.up1",
         shorter,
         "layer 1's experts: expert 1's gate/up matmul is not split into gate and up halves",
     ),
     "router-one-more-expert": ("mlp.gate.weight", more_rows, "experts [0, 1, 2, 3] for a router of 5 outputs"),
     # the shared expert's width is read from its down_proj: its gate/up is named
     "shared-down-wider": (
-        "shared_expert.down_proj.weight",
+        "mlp.shared_expert.down_proj.weight",
         more_columns,
         "shared expert's gate/up_proj has shape (64, 128), not (64, 130)",
     ),
@@ -205,22 +200,7 @@ MOE_MUTATIONS = {
 def test_a_malformed_experts_engine_is_one_line_exit_2(moe_engine, tmp_path, capsys, name, change, named):
     """Routed and shared experts' weights are checked like every other array: one line naming the layer, the expert and
     both shapes, exit 2, before anything reaches the C step."""
-    from medusa_trt.cli.run import main
-
-    shutil.copytree(moe_engine.parent, tmp_path / "engine")
-    step = tmp_path / "engine" / moe_engine.name
-    model = onnx.load(str(step))
-    tensor = next(
-        t for t in model.graph.initializer if t.name == f"model.base.model.layers.1.mlp.{name}" or t.name.endswith(f"layers.1.{name}")
-    )
-    tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), tensor.name))
-    onnx.save(model, str(step))
-    write_manifest(EngineFiles.locate(step))
-    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
-    assert named in err[0], err[0]
+    _refused_in_one_line(_mutated(moe_engine, tmp_path / "engine", _layer_1(name), change), capsys, named)
 
 
 def test_experts_that_do_not_fit_are_refused(moe_engine):
@@ -277,17 +257,16 @@ def _sinks_of_layer(model, layer: int) -> str:
     return tensor
 
 
-# id: the initializer in layer 1 (a name's suffix, or a finder of any), its change, what the one line says (H 64, Hq 4,
+# id: the initializer in layer 1 (its name's end, or a finder of any), its change, what the one line says (H 64, Hq 4,
 # 4 experts)
 GPT_OSS_MUTATIONS = {
     "sinks-one-more": (lambda m: _sinks_of_layer(m, 1), lambda a: np.concatenate([a, a[:, :, :1]], axis=2),
                        "layer 1's attention sinks has shape (6,), not (4,)"),
-    "o-proj-bias-longer": ("self_attn.o_proj.bias", lambda a: np.concatenate([a, a[:1]]),
-                           "layer 1's o_proj bias has shape (65,), not (64,)"),
+    "o-proj-bias-longer": ("self_attn.o_proj.bias", more_rows, "layer 1's o_proj bias has shape (65,), not (64,)"),
     "router-bias-shorter": ("mlp.router.bias", shorter, "layer 1's experts' router bias of shape (3,) for 4 experts"),
     # the fixture's expert biases are equal, so the export keeps one initializer for them all: every expert reads it
     "expert-down-bias-longer": (lambda m: next(t.name for t in m.graph.initializer if "_medusa_split.down_bias" in t.name),
-                                lambda a: np.concatenate([a, a[:1]]), "down bias of shape (65,) for 64 outputs"),
+                                more_rows, "down bias of shape (65,) for 64 outputs"),
 }  # fmt: skip
 
 
@@ -295,22 +274,8 @@ GPT_OSS_MUTATIONS = {
 def test_a_malformed_gpt_oss_engine_is_one_line_exit_2(gpt_oss_engine, tmp_path, capsys, name, change, named):
     """gpt-oss's sinks, o_proj bias, router bias and expert biases are checked against the dims: one line naming the
     layer and both shapes, exit 2, before anything reaches the C step."""
-    from medusa_trt.cli.run import main
-
-    shutil.copytree(gpt_oss_engine.parent, tmp_path / "engine")
-    step = tmp_path / "engine" / gpt_oss_engine.name
-    model = onnx.load(str(step))
-    wanted = name(model) if callable(name) else f"model.base.model.layers.1.{name}"
-    suffix = None if callable(name) else f"layers.1.mlp.{name}"
-    tensor = next(t for t in model.graph.initializer if t.name == wanted or (suffix and t.name.endswith(suffix)))
-    tensor.CopyFrom(numpy_helper.from_array(np.asarray(change(numpy_helper.to_array(tensor))), tensor.name))
-    onnx.save(model, str(step))
-    write_manifest(EngineFiles.locate(step))
-    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
-    assert named in err[0], err[0]
+    role = name if callable(name) else _layer_1(name)
+    _refused_in_one_line(_mutated(gpt_oss_engine, tmp_path / "engine", role, change), capsys, named)
 
 
 @pytest.mark.parametrize(
@@ -323,18 +288,4 @@ def test_a_malformed_gpt_oss_engine_is_one_line_exit_2(gpt_oss_engine, tmp_path,
 )
 def test_a_malformed_gpt_neox_engine_is_one_line_exit_2(gpt_neox_engine, tmp_path, capsys, name, named):
     """A GPT-NeoX's MLP and attention output biases are checked against the dims: one line, exit 2."""
-    from medusa_trt.cli.run import main
-
-    engine = gpt_neox_engine
-    shutil.copytree(engine.parent, tmp_path / "engine")
-    step = tmp_path / "engine" / engine.name
-    model = onnx.load(str(step))
-    tensor = next(t for t in model.graph.initializer if t.name.endswith(f"layers.1.{name}"))
-    tensor.CopyFrom(numpy_helper.from_array(np.concatenate([numpy_helper.to_array(tensor)] * 2)[: tensor.dims[0] + 1], tensor.name))
-    onnx.save(model, str(step))
-    write_manifest(EngineFiles.locate(step))
-    argv = ["--engine", str(step), "--prompt", "Once upon a time", "--max-new-tokens", "4", "--backend", "native"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend native cannot run" in err[0] and "Traceback" not in err[0], err
-    assert named in err[0], err[0]
+    _refused_in_one_line(_mutated(gpt_neox_engine, tmp_path / "engine", _layer_1(name), more_rows), capsys, named)
