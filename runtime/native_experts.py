@@ -248,8 +248,7 @@ def _interleaved(g: Graph, step: Path, where: str, e: int, out: str, width: int)
     for n in g.consumers[out]:
         if n.op_type == "Identity":
             continue
-        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
-        starts, ends, axes, steps = args[:4]
+        starts, ends, axes, steps = g.slice_args(n)
         if n.input[0] != out or axes not in ([-1], [1]) or steps != [2] or starts not in ([0], [1]) or ends[0] < width:
             raise unsupported(step, f"{where}: expert {e}'s gate/up is sliced other than into its even and odd columns")
         parts[starts[0]] = n.output[0]

@@ -119,6 +119,11 @@ class Graph:
     def nbits(self, node) -> Linear:
         return read_nbits(self, node)
 
+    def slice_args(self, node) -> tuple:
+        """A Slice's constant starts, ends, axes and steps, each a list (None where the input is absent)."""
+        given = list(node.input[1:5]) + [""] * (5 - len(node.input))
+        return tuple(self.array(a).reshape(-1).tolist() if a else None for a in given)
+
     def scalar(self, name: str) -> float:
         return float(self.array(name).reshape(-1)[0])
 

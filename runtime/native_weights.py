@@ -174,8 +174,7 @@ def _qkv_parts(g: Graph, step: Path, layer: int, out: str, width: int) -> tuple[
     if kinds == ["Slice"] * 3:
         bounds = []
         for n in readers:
-            args = [g.array(x).reshape(-1).tolist() if x else None for x in list(n.input[1:]) + [""] * (5 - len(n.input))]
-            starts, ends, axes, steps = args[:4]
+            starts, ends, axes, steps = g.slice_args(n)
             if axes not in ([-1], [2]) or steps not in (None, [1]) or len(starts) != 1 or len(ends) != 1:
                 raise unsupported(step, f"layer {layer}'s q/k/v matmul is sliced other than into parts of its last axis")
             bounds.append((max(0, starts[0]), min(width, ends[0]), n.output[0]))
@@ -229,34 +228,34 @@ def _rotary_table(g: Graph, step: Path, rotary) -> tuple[np.ndarray, float]:
     """A rotary embedding's table: the inverse frequencies whose products with the positions its cos and sin read, and
     the factor both are multiplied by (YaRN's attention factor, gpt-oss; 1: none)."""
     cos, sin = (g.producer.get(_past(rotary.input[i], g)) for i in (1, 2))
-    factor = 1.0
+    factor, ends = 1.0, None
     if isinstance(rotary, _Computed) and rotary.interleaved:  # each angle twice, of the first half of cos / sin of (f, f)
         (cos, cos_end), (sin, sin_end) = (_repeated_table(g, step, rotary.input[i]) for i in (1, 2))
         cat = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
         if cat is None or cat.op_type != "Concat" or len(set(cat.input)) != 1 or sin is None or sin.input[0] != cos.input[0]:
             raise unsupported(step, "an interleaved rotary table other than cos / sin of the angles twice over")
-        freq = g.producer.get(cat.input[0])
-        if freq is None or freq.op_type != "Mul" or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
-            raise unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
-        inv = g.array(freq.input[1]).reshape(-1)
-        if cos_end != inv.size or sin_end != inv.size or sin.op_type != "Sin":
-            raise unsupported(step, f"an interleaved rotary table of {cos_end} angles for {inv.size} frequencies")
-        return inv, 1.0
-    if cos is not None and sin is not None and cos.op_type == sin.op_type == "Mul":  # cos(f) x a and sin(f) x a
-        a = [x for x in cos.input if x in g.init]
-        if len(a) != 1 or [x for x in sin.input if x in g.init] != a or g.array(a[0]).size != 1:
-            raise unsupported(step, "rotary tables scaled other than both by one constant")
-        factor = g.scalar(a[0])
-        cos, sin = (g.producer.get(next(x for x in n.input if x not in g.init)) for n in (cos, sin))
-    freq = g.producer.get(cos.input[0]) if cos is not None and cos.op_type == "Cos" else None
-    ok = freq is not None and freq.op_type == "Mul" and sin is not None and sin.op_type == "Sin" and sin.input[0] == cos.input[0]
+        angles, ends = cat.input[0], (cos_end, sin_end)
+    else:
+        if cos is not None and sin is not None and cos.op_type == sin.op_type == "Mul":  # cos(f) x a and sin(f) x a
+            a = [x for x in cos.input if x in g.init]
+            if len(a) != 1 or [x for x in sin.input if x in g.init] != a or g.array(a[0]).size != 1:
+                raise unsupported(step, "rotary tables scaled other than both by one constant")
+            factor = g.scalar(a[0])
+            cos, sin = (g.producer.get(next(x for x in n.input if x not in g.init)) for n in (cos, sin))
+        same = cos is not None and cos.op_type == "Cos" and sin is not None and sin.input[0] == cos.input[0]
+        angles = cos.input[0] if same else None
+    freq = g.producer.get(angles) if angles is not None else None
+    ok = freq is not None and freq.op_type == "Mul" and sin.op_type == "Sin"
     if not ok or freq.input[1] not in g.init or _past(_uncast(g, freq.input[0]), g) != POSITION_IDS:
         raise unsupported(step, "rotary tables other than cos/sin of position x inverse frequencies")
+    inv = g.array(freq.input[1]).reshape(-1)
+    if ends is not None and ends != (inv.size, inv.size):
+        raise unsupported(step, f"an interleaved rotary table of {ends[0]} angles for {inv.size} frequencies")
     if attr(rotary, "interleaved", 0) or attr(rotary, "rotary_embedding_dim", 0):
         raise unsupported(step, "an interleaved or partial rotary embedding")
     if not (math.isfinite(factor) and factor > 0):
         raise malformed(step, f"rotary tables scaled by {factor}")
-    return g.array(freq.input[1]).reshape(-1), float(factor)
+    return inv, float(factor)
 
 
 def _uncast(g: Graph, tensor: str) -> str:
@@ -305,8 +304,7 @@ def _rotated(g: Graph, step: Path, layer: int, x: str) -> tuple:
         raise unsupported(step, f"layer {layer}'s heads are read by {sorted(n.op_type for n in readers)}, not a rotary embedding")
     bounds = []
     for n in readers:
-        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
-        starts, ends, axes, steps = args[:4]
+        starts, ends, axes, steps = g.slice_args(n)
         if n.input[0] != x or axes not in ([-1], [3]) or steps not in (None, [1]) or len(starts) != 1 or len(ends) != 1:
             raise unsupported(step, f"layer {layer}'s heads are sliced other than along their last axis")
         bounds.append((starts[0], ends[0], n.output[0]))
@@ -434,8 +432,7 @@ def _computed_pairs(g: Graph, step: Path, layer: int, x: str, readers: list) -> 
     for n in readers:
         if n.op_type != "Slice":
             continue
-        args = [g.array(a).reshape(-1).tolist() if a else None for a in list(n.input[1:]) + [""] * (5 - len(n.input))]
-        starts, ends, axes, steps = args[:4]
+        starts, ends, axes, steps = g.slice_args(n)
         if axes not in ([-1], [3]) or steps != [2] or starts not in ([0], [1]) or ends[0] < 2**31:
             raise unsupported(step, f"layer {layer}'s rotary slices its heads other than into even and odd dims")
         parts[starts[0]] = n.output[0]
@@ -467,7 +464,7 @@ def _repeated_table(g: Graph, step: Path, table: str):
     tensor, seen, end = table, [], -1
     while (node := g.producer.get(tensor)) is not None and node.op_type in ("Reshape", "Expand", "Unsqueeze", "Slice"):
         if node.op_type == "Slice":
-            args = [g.array(a).reshape(-1).tolist() if a else None for a in list(node.input[1:]) + [""] * (5 - len(node.input))]
+            args = g.slice_args(node)
             if args[0] != [0] or args[3] not in (None, [1]) or len(args[1]) != 1:
                 raise unsupported(step, f"an interleaved rotary table sliced as {args[:2]}, not its first angles")
             end = int(args[1][0])
@@ -575,8 +572,7 @@ def _sinks(g: Graph, step: Path, layer: int, concat) -> tuple[np.ndarray, str]:
 
 def _last_dropped(g: Graph, step: Path, layer: int, slice_) -> None:
     """The Slice that drops the sinks' column of the probabilities: [0, -1) of the last axis."""
-    args = [g.array(a).reshape(-1).tolist() if a else None for a in list(slice_.input[1:]) + [""] * (5 - len(slice_.input))]
-    starts, ends, axes, steps = args[:4]
+    starts, ends, axes, steps = g.slice_args(slice_)
     if starts != [0] or ends != [-1] or axes not in ([-1], [3]) or steps not in (None, [1]):
         raise unsupported(step, f"layer {layer}'s attention keeps other probabilities than all but the sinks' column")
 
