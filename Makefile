@@ -64,7 +64,8 @@ test-sanitize: $(STAMP)
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MEDUSA_TRT_NATIVE_DIR=$(SANITIZE) \
-	  $(PY) -m pytest -q -p no:logging tests/test_architectures.py -k "native and (qwen2_moe or gemma2 or gemma3 or gpt_oss)"
+	  $(PY) -m pytest -q -p no:logging tests/test_architectures.py tests/test_attention_wiring.py \
+	  -k "native and (qwen2_moe or gemma2 or gemma3 or gpt_oss or stablelm)"
 
 # The wheel runs native with no C compiler on PATH, at every instruction set this CPU runs (scripts/wheel_check.sh)
 wheel-check: $(STAMP)

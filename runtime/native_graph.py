@@ -201,7 +201,7 @@ def biased(g: Graph, out: str) -> tuple[np.ndarray | None, str]:
 
 
 def reordered(m: Linear, order: np.ndarray) -> Linear:
-    """``m``'s outputs in ``order`` (a permutation): exact, each output's sums are its own."""
+    """``m``'s outputs in ``order`` (a permutation, or some of them): exact, each output's sums are its own."""
     take = lambda x: None if x is None else np.ascontiguousarray(x[..., order])  # noqa: E731
     return Linear(take(m.weight), take(m.scale), m.tiny, m.divisor, take(m.zero), m.block, m.bits)
 

@@ -107,7 +107,8 @@ typedef struct {
     const linear_t *const *qkv, *const *o, *const *gate_up, *const *down;      /* L x linear */
     /* per layer, each entry NULL where the layer has none: */
     const float *const *qkv_bias;          /* L x ((Hq + 2 Hkv) D): q, k and v biases, added after the q/k/v matmul */
-    const float *const *q_norm, *const *k_norm; /* L x (D): RMS norms of each query / key head, before the rotary */
+    const float *const *q_norm, *const *k_norm; /* L x (D), (Hq D) / (Hkv D): norms of the query / key heads, before the
+                                                   rotary (qk_norm_span says which) */
     const int32_t *window;                 /* L: sliding window in positions (0: every key) */
     float qk_eps;                          /* the q/k norms' epsilon */
     int32_t act;                           /* the MLP gate: ACT_SILU, ACT_GELU_TANH, ACT_GELU; ACT_RELU2: ungated */
@@ -118,7 +119,8 @@ typedef struct {
                                                                 outputs before their residual adds (Gemma-2/3) */
     float residual_scale; /* each attention and MLP output times this before its residual add (Granite; else 1) */
     float logit_divisor;  /* the logits: the lm_head's output over this (Granite's logits scaling; else 1) */
-    int32_t qk_norm_whole; /* q_norm / k_norm span the whole (Hq D) / (Hkv D) projection, not one head (OLMo-2) */
+    int32_t qk_norm_span; /* QK_SHARED: one (D) weight every head; QK_WHOLE: one norm of the whole (Hq D) / (Hkv D)
+                             projection (OLMo-2); QK_EACH: each head's own (D) weight of the (Hq D) / (Hkv D) (StableLM-2 12B) */
     const experts_t *const *experts; /* L: the layer's routed experts, NULL where its MLP is dense (gate_up, down) */
     float attn_softcap;  /* each scaled score s becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none) */
     float final_softcap; /* each logit z becomes c tanh(z / c) (Gemma-2; 0: none) */
@@ -133,7 +135,12 @@ typedef struct {
     const float *const *gate_up_bias, *const *down_bias; /* L x (I) / (H): an ungated MLP's biases, NULL: none (GPT-NeoX) */
     int32_t parallel_residual; /* x + (mlp(norm_post(x)) + attention(norm_in(x))): both read the layer's input (GPT-NeoX) */
     int32_t rope_interleaved;  /* the rotary turns pairs (2i, 2i + 1), not halves (i, i + R / 2) (Helium) */
+    int32_t qk_layer_norm;     /* the q/k norms are layer norms without a bias (mean and variance), not RMS (StableLM) */
+    int32_t shared_norm; /* (x + attention(norm_in(x))) + mlp(norm_in(x)): the MLP reads the input norm's output, no
+                            norm_post (StableLM-2 12B's parallel residual) */
 } model_t;
+
+enum { QK_SHARED = 0, QK_WHOLE = 1, QK_EACH = 2 };
 
 /* RELU2: gate_up is up alone (I wide), relu(up)^2; GELU_UNGATED: gelu(up) (erf's). SWIGLU_LIMIT (gpt-oss): g = min(gate, limit), u = clamp(up, -limit,
  * limit), (u + 1) * g * sigmoid(alpha g) */
@@ -718,6 +725,18 @@ static void norm_rows(const model_t *md, const float *x, int64_t M, const float 
         rms_norm(x, M, md->hidden, weight, md->eps, y);
 }
 
+/* the q or k heads of one row, r (heads D), normed in place as qk_norm_span says */
+static void qk_norm(const model_t *md, float *r, int64_t heads, const float *weight) {
+    const int64_t D = md->head_dim, n = md->qk_norm_span == QK_WHOLE ? heads * D : D;
+    for (int64_t h = 0; h < (md->qk_norm_span == QK_WHOLE ? 1 : heads); h++) {
+        const float *w = weight + (md->qk_norm_span == QK_EACH ? h * D : 0);
+        if (md->qk_layer_norm)
+            layer_norm(r + h * n, 1, n, w, NULL, md->qk_eps, r + h * n);
+        else
+            rms_norm(r + h * n, 1, n, w, md->qk_eps, r + h * n);
+    }
+}
+
 /* the cos and sin of position pos times each frequency: rot = (cos[D / 2], sin[D / 2]) (D: the rotary dims) */
 static void rope_table(int D, int64_t pos, const float *inv_freq, float factor, float *rot) {
     const int half = D / 2;
@@ -831,7 +850,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 15 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 16 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -903,7 +922,7 @@ int medusa_native_check_model(const model_t *md) {
     if (!md->attn_out_norm || !md->mlp_out_norm || md->act < ACT_SILU || md->act > ACT_GELU_UNGATED || !md->experts) return BAD_MODEL;
     if (!md->o_bias || !md->sinks || !isfinite(md->rope_factor) || !isfinite(md->act_alpha) || !(md->act_limit > 0.0f))
         return BAD_MODEL;
-    if (!md->gate_up_bias || !md->down_bias) return BAD_MODEL;
+    if (!md->gate_up_bias || !md->down_bias || md->qk_norm_span < QK_SHARED || md->qk_norm_span > QK_EACH) return BAD_MODEL;
     if (md->rope_tables <= 0 || !isfinite(md->embed_scale) || !isfinite(md->residual_scale)) return BAD_MODEL;
     if (!isfinite(md->logit_divisor) || md->logit_divisor == 0.0f) return BAD_MODEL;
     if (md->rotary_dim <= 0 || md->rotary_dim > D || md->rotary_dim % 2 || !md->norm_in_bias || !md->norm_post_bias)
@@ -917,6 +936,7 @@ int medusa_native_check_model(const model_t *md) {
             return BAD_MODEL;
         if (md->window[l] < 0 || md->rope_of[l] < 0 || md->rope_of[l] >= md->rope_tables) return BAD_MODEL;
         if ((md->q_norm[l] || md->k_norm[l]) && !(md->qk_eps > 0.0f && isfinite(md->qk_eps))) return BAD_MODEL;
+        if (md->shared_norm && (!md->norm_in[l] || md->norm_post[l] || md->parallel_residual)) return BAD_MODEL;
     }
     return OK;
 }
@@ -957,7 +977,7 @@ static int64_t row_floats(const model_t *md) {
     const widest_t w = widest(md);
     const int64_t moe = w.experts ? w.experts + 3 * H + 2 * w.k + 2 : 0;
     return 2 * H + (Hq + 2 * Hkv) * D + Hq * D + 2 * Hkv * D + Hq * D + 3 * w.inter + md->rope_tables * D + 1 + moe +
-           (md->parallel_residual ? H : 0);
+           (md->parallel_residual || md->shared_norm ? H : 0);
 }
 
 static int64_t widest_kpad(const model_t *md) { return widest(md).kpad; } /* the int8 linears' padded K, at most */
@@ -1000,7 +1020,7 @@ int medusa_native_work_init(const model_t *md, work_t *wk, float *arena, int64_t
         CARVE(moe_ids, w.k) CARVE(moe_rows, 1) CARVE(moe_rw, 1) /* int32 ids and rows in float-sized slots */
     }
     wk->par = NULL;
-    if (md->parallel_residual) {
+    if (md->parallel_residual || md->shared_norm) {
         CARVE(par, H)
     }
 #undef CARVE
@@ -1209,12 +1229,8 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                 const float *rot = wk->rot + (md->rope_of[l] * M + b * T + t) * D;
                 if (bias)
                     for (int64_t e = 0; e < QKV; e++) r[e] += bias[e];
-                if (qn && md->qk_norm_whole) rms_norm(r, 1, Hq * D, qn, md->qk_eps, r);
-                if (kn && md->qk_norm_whole) rms_norm(r + Hq * D, 1, Hkv * D, kn, md->qk_eps, r + Hq * D);
-                if (qn && !md->qk_norm_whole)
-                    for (int64_t h = 0; h < Hq; h++) rms_norm(r + h * D, 1, D, qn, md->qk_eps, r + h * D);
-                if (kn && !md->qk_norm_whole)
-                    for (int64_t h = 0; h < Hkv; h++) rms_norm(r + (Hq + h) * D, 1, D, kn, md->qk_eps, r + (Hq + h) * D);
+                if (qn) qk_norm(md, r, Hq, qn);
+                if (kn) qk_norm(md, r + Hq * D, Hkv, kn);
                 for (int64_t h = 0; h < Hq; h++) rope(r + h * D, D, R, rot, md->rope_interleaved, wk->q + ((b * Hq + h) * T + t) * D);
                 for (int64_t h = 0; h < Hkv; h++) {
                     float *kk = wk->k + ((b * Hkv + h) * T + t) * D, *vv = wk->v + ((b * Hkv + h) * T + t) * D;
@@ -1230,13 +1246,14 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
                                        md->window[l], md->attn_softcap, md->sinks[l], wk->attn, wk->att_scratch, wk->att_floats,
                                        wk->pool))
             return TOO_LARGE;
-        float *attn_out = md->parallel_residual ? wk->par : wk->h; /* parallel: kept until the MLP's is added */
+        /* parallel: kept until the MLP's is added; shared norm: h keeps the input norm's output for the MLP */
+        float *attn_out = md->parallel_residual || md->shared_norm ? wk->par : wk->h;
         matmul(md->o[l], wk->attn, M, attn_out, wk);
         if (md->o_bias[l]) add_bias_rows(attn_out, M, H, md->o_bias[l]);
         if (md->attn_out_norm[l]) rms_norm(attn_out, M, H, md->attn_out_norm[l], md->eps, attn_out);
         if (!md->parallel_residual) add_scaled_rows(x, attn_out, M * H, md->residual_scale);
         if (md->norm_post[l]) norm_rows(md, x, M, md->norm_post[l], md->norm_post_bias[l], wk->h);
-        const float *mlp_in = md->norm_post[l] ? wk->h : x;
+        const float *mlp_in = md->norm_post[l] || md->shared_norm ? wk->h : x;
         float *mlp_out = wk->h;
         if (md->experts[l]) {
             experts(md, md->experts[l], wk, M, mlp_in, wk->moe_sum);

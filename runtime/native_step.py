@@ -48,7 +48,7 @@ from medusa_trt.runtime.contract import (
     TREE_MASK,
 )
 from medusa_trt.runtime.engine import EngineError
-from medusa_trt.runtime.native_weights import HeadsWeights, Linear, NativeCannotRun, Weights
+from medusa_trt.runtime.native_weights import QK_SPANS, HeadsWeights, Linear, NativeCannotRun, Weights
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         *((n, _TABLE) for n in ("attn_out_norm", "mlp_out_norm")),
         ("residual_scale", ctypes.c_float),
         ("logit_divisor", ctypes.c_float),
-        ("qk_norm_whole", ctypes.c_int32),
+        ("qk_norm_span", ctypes.c_int32),
         ("experts", _TABLE),
         ("attn_softcap", ctypes.c_float),
         ("final_softcap", ctypes.c_float),
@@ -147,6 +147,8 @@ class _Model(ctypes.Structure):  # native_step.c's model_t
         *((n, _TABLE) for n in ("gate_up_bias", "down_bias")),
         ("parallel_residual", ctypes.c_int32),
         ("rope_interleaved", ctypes.c_int32),
+        ("qk_layer_norm", ctypes.c_int32),
+        ("shared_norm", ctypes.c_int32),
     ]
 
 
@@ -367,14 +369,14 @@ class NativeStep:
             table(weights.qkv_bias), table(weights.q_norm), table(weights.k_norm), window.ctypes.data, weights.qk_eps,
             ACTIVATIONS[weights.act], weights.embed_scale, weights.inv_freq.shape[0], rope_of.ctypes.data,
             table(weights.attn_out_norm), table(weights.mlp_out_norm), weights.residual_scale, weights.logit_divisor,
-            int(weights.qk_norm_whole), table(experts), weights.attn_softcap, weights.final_softcap, int(weights.layer_norm),
+            QK_SPANS.index(weights.qk_norm_span), table(experts), weights.attn_softcap, weights.final_softcap, int(weights.layer_norm),
             weights.rotary_dim or d.head_dim, table(list(weights.norm_in_bias) or [None] * d.layers),
             table(list(weights.norm_post_bias) or [None] * d.layers),
             None if weights.norm_final_bias is None else weights.norm_final_bias.ctypes.data,
             table(list(weights.o_bias) or [None] * d.layers), table(list(weights.sinks) or [None] * d.layers),
             weights.rope_factor, weights.act_alpha, weights.act_limit if weights.act_limit > 0 else 1.0,
             table(list(weights.gate_up_bias) or [None] * d.layers), table(list(weights.down_bias) or [None] * d.layers),
-            int(weights.parallel_residual), int(weights.rope_interleaved),
+            int(weights.parallel_residual), int(weights.rope_interleaved), int(weights.qk_layer_norm), int(weights.shared_norm),
         )  # fmt: skip
         model = ctypes.byref(self._model)
         if lib.medusa_native_check_model(model):

@@ -2,8 +2,9 @@
 checked against it.
 
 ``read_weights`` walks the graph from the token embedding to ``hidden``, layer by layer, and refuses by name any
-graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices), optional
-q/k/v biases (Qwen2), optional RMS norms of each query and key head (Qwen3), rotate-half rotary embedding (a
+graph that is not that pattern: per layer RMSNorm, one fused q/k/v matmul (split, or Phi-3's three slices; split five
+ways where the MLP reads the same norm, StableLM-2 12B), optional q/k/v biases (Qwen2), optional RMS norms of each
+query and key head (Qwen3; or each head's own layer norm, StableLM-2 12B), rotate-half rotary embedding (a
 RotaryEmbedding node, or its ops: gpt-oss's with YaRN's factor, Helium's over interleaved pairs), attention over the
 layer's own cache slice (optionally inside a sliding window: Mistral, Qwen2's windowed layers; an Attention node, or
 the decomposed attention of Gemma-2 with its soft-cap or of gpt-oss with its sinks), output matmul (optionally a
@@ -44,6 +45,7 @@ MODEL_OPS = {
     "helium": frozenset({"Neg"}),  # its interleaved rotary's ops
 }
 MODEL_OPS["gpt_oss"] = MOE_OPS  # its attention's Softmax (with sinks) and its router's TopK, Softmax and clamps
+QK_SPANS = ("shared", "whole", "each")  # Weights.qk_norm_span's values, in native_step.c's order (QK_SHARED, ...)
 MAX_EXPERTS = 256  # experts a layer, at most (native_step.c's MAX_EXPERTS)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2", "stablelm", "nemotron")
 MODEL_TYPES += ("gpt_neox", "helium", *MOE_TYPES)
@@ -84,8 +86,8 @@ class Weights:
     norm_final: np.ndarray  # (H)
     lm_head: Linear  # (H, V)
     qkv_bias: list[np.ndarray | None]  # L x ((Hq + 2 Hkv) D): q, k, v biases (None: the layer has none)
-    q_norm: list[np.ndarray | None]  # L x (D): each query head's RMS norm weight (None: none)
-    k_norm: list[np.ndarray | None]  # L x (D)
+    q_norm: list[np.ndarray | None]  # L x (D), or (Hq D) as qk_norm_span says: the query heads' norm weights (None: none)
+    k_norm: list[np.ndarray | None]  # L x (D), or (Hkv D)
     windows: tuple[int, ...]  # L: each layer's sliding window in positions (0: every key)
     rope_of: tuple[int, ...]  # L: each layer's rotary table (a row of inv_freq)
     attn_out_norm: list[np.ndarray | None]  # L x (H): the attention output's norm before its residual add (Gemma)
@@ -95,7 +97,9 @@ class Weights:
     embed_scale: float = 1.0  # the token embedding times this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0  # each attention and MLP output times this before its residual add (Granite)
     logit_divisor: float = 1.0  # the logits are the lm_head's output over this (Granite's logits scaling)
-    qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, (Hq D) / (Hkv D), not one head (OLMo-2)
+    # q_norm / k_norm: "shared", one (D) weight for every head; "whole", one norm over the whole projection, (Hq D) /
+    # (Hkv D) (OLMo-2); "each", each head normed with its own (D) weight, (Hq D) / (Hkv D) in all (StableLM-2 12B)
+    qk_norm_span: str = "shared"
     experts: tuple[Experts | None, ...] = ()  # L: each layer's routed experts (None: its dense MLP); (): no layer has any
     attn_softcap: float = 0.0  # each score s (scaled) becomes c tanh(s / c) before the mask and softmax (Gemma-2; 0: none)
     final_softcap: float = 0.0  # each logit z (past the divisor) becomes c tanh(z / c) (Gemma-2; 0: none)
@@ -113,6 +117,10 @@ class Weights:
     down_bias: tuple | list = ()  # L x (H) or None
     parallel_residual: bool = False  # x + (mlp(norm_post(x)) + attention(norm_in(x))) (GPT-NeoX)
     rope_interleaved: bool = False  # the rotary turns pairs (2i, 2i + 1), not halves (Helium)
+    qk_layer_norm: bool = False  # the q/k norms are layer norms without bias (StableLM), not RMS norms
+    # (x + attention(norm_in(x))) + mlp(norm_in(x)): the MLP reads the input norm's output (StableLM-2 12B's parallel
+    # residual; its q/k/v and gate/up matmuls fused into one, split five ways)
+    shared_norm: bool = False
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -163,14 +171,15 @@ def _window(g: Graph, step: Path, layer: int, mask: str) -> tuple[str, int]:
 
 def _qkv_parts(g: Graph, step: Path, layer: int, out: str, width: int) -> tuple[list[str], list[int] | None]:
     """The q, k and v parts of the q/k/v matmul's output and their widths: one Split, or three Slices of the last axis
-    (Phi-3's fused qkv_proj)."""
+    (Phi-3's fused qkv_proj). Five parts where the MLP reads the input norm too (StableLM-2 12B): q, k, v, gate, up."""
     readers = [n for n in g.consumers.get(out, []) if n.op_type != "Identity"]
     kinds = sorted(n.op_type for n in readers)
     if kinds == ["Split"]:
         split = readers[0]
-        if attr(split, "axis", 0) not in (-1, 2) or len(split.output) != 3:
+        widths = g.array(split.input[1]).tolist() if len(split.input) > 1 and split.input[1] else None
+        if attr(split, "axis", 0) not in (-1, 2) or len(split.output) not in (3, 5) or len(split.output) == 5 and widths is None:
             raise unsupported(step, f"layer {layer}'s q/k/v matmul is split {len(split.output)} ways or not along its last axis")
-        return list(split.output), g.array(split.input[1]).tolist() if len(split.input) > 1 and split.input[1] else None
+        return list(split.output), widths
     if kinds == ["Slice"] * 3:
         bounds = []
         for n in readers:
@@ -185,10 +194,22 @@ def _qkv_parts(g: Graph, step: Path, layer: int, out: str, width: int) -> tuple[
     raise unsupported(step, f"layer {layer}'s q/k/v matmul is read by {', '.join(kinds) or 'nothing'}, not a Split into q, k, v")
 
 
-def _head_part(g: Graph, step: Path, layer: int, part: str, what: str):
+@dataclass(frozen=True)
+class _Part:
+    """One of q, k, v in its (B, heads, T, D) layout (``_head_part``), and what was added and normed on the way."""
+
+    bias: np.ndarray | None
+    norm: np.ndarray | None  # q and k: the norm's weight, as ``span`` says (None: none)
+    eps: float
+    out: str
+    span: str  # QK_SPANS
+    layer_norm: bool = False  # the norm is a layer norm without bias, not RMS
+
+
+def _head_part(g: Graph, step: Path, layer: int, part: str, what: str) -> _Part:
     """One of q, k, v from its slice of the q/k/v matmul to its (B, heads, T, D) layout: an optional bias Add, the
-    Reshape to heads and the Transpose, with an optional RMS norm of each head (q and k) before or after the Transpose.
-    (bias, norm weight, norm eps, out, whether that norm spans the whole projection)."""
+    Reshape to heads and the Transpose, with an optional norm of q and k: RMS over the whole projection before the
+    Reshape, RMS over each head before or after the Transpose, or each head's own norm after it (``_each_head``)."""
     bias = weight = None
     eps = 0.0
     readers = [n for n in g.consumers.get(part, []) if n.op_type != "Identity"]
@@ -221,7 +242,33 @@ def _head_part(g: Graph, step: Path, layer: int, part: str, what: str):
         if list(attr(transpose, "perm", [])) != [0, 2, 1, 3]:
             raise unsupported(step, f"layer {layer}'s {what} heads are not transposed to (batch, heads, tokens, dim)")
         out = transpose.output[0]
-    return bias, weight, eps, out, whole
+    if (each := _each_head(g, step, layer, out, what)) is None:
+        return _Part(bias, weight, eps, out, "whole" if whole else "shared")
+    if weight is not None:
+        raise unsupported(step, f"layer {layer}'s {what} is normalized twice")
+    return _Part(bias, *each, "each", layer_norm=True)
+
+
+def _each_head(g: Graph, step: Path, layer: int, heads: str, what: str) -> tuple[np.ndarray, float, str] | None:
+    """Each head normed with its own weight (StableLM-2 12B's per-head LayerNorm of q and k): a Split of ``heads``
+    (B, heads, T, D) into single heads, a LayerNormalization without bias on each, their Concat in the same order.
+    (the weights, head after head; the epsilon; the Concat's output), or None where ``heads`` is not split."""
+    readers = [n for n in g.consumers.get(heads, []) if n.op_type != "Identity"]
+    if [n.op_type for n in readers] != ["Split"] or attr(readers[0], "axis", 0) != 1:  # another Split: a rotary's halves
+        return None
+    split = readers[0]
+    ones = len(split.input) < 2 or not split.input[1] or set(g.array(split.input[1]).tolist()) == {1}
+    if what == "v" or not ones:
+        raise unsupported(step, f"layer {layer}'s {what} heads are split other than one head each for its own norm")
+    norms = [g.only(part, "LayerNormalization") for part in split.output]
+    if any(attr(n, "axis", -1) not in (-1, 3) or len(n.input) > 2 and n.input[2] for n in norms):
+        raise unsupported(step, f"layer {layer}'s {what} head norms are biased or not over each head's dims")
+    if len(eps := {float(attr(n, "epsilon", 1e-5)) for n in norms}) != 1:
+        raise unsupported(step, f"layer {layer}'s {what} head norms have different epsilons {sorted(eps)}")
+    concat = g.only(norms[0].output[0], "Concat")
+    if attr(concat, "axis", 0) != 1 or list(concat.input) != [n.output[0] for n in norms]:
+        raise unsupported(step, f"layer {layer}'s {what} head norms are not joined back in order along the heads axis")
+    return np.concatenate([g.array(n.input[1]).reshape(-1) for n in norms]), eps.pop(), concat.output[0]
 
 
 def _rotary_table(g: Graph, step: Path, rotary) -> tuple[np.ndarray, float]:
@@ -621,7 +668,7 @@ def read_weights(step: Path, architecture: str) -> Weights:
         "down_bias",
     )
     w = {k: [] for k in per_layer}
-    parallel, pairs = set(), set()  # per layer: a parallel residual; an interleaved rotary
+    parallel, pairs, shared = set(), set(), set()  # per layer: a parallel residual; an interleaved rotary; a shared norm
     eps, qk_eps, masks, windows, acts, heads, residual_scales, spans = set(), set(), set(), [], set(), set(), set(), set()
     scales, softcaps, norm_kinds, rotary_dims, factors = set(), set(), set(), set(), set()
     tables: dict[tuple[str, str], int] = {}  # (cos, sin) -> the table's index
@@ -640,18 +687,23 @@ def read_weights(step: Path, architecture: str) -> Weights:
         w["norm_in"].append(None if norm is None else g.array(norm.input[1]))
         w["norm_in_bias"].append(_norm_bias(g, norm, norm_kinds))
         qkv, out = g.linear(x, beside=("Add",)) if norm is None else g.linear(norm.output[0])
+        mlp_parts = None  # the gate and up parts of a q/k/v matmul the MLP shares (StableLM-2 12B)
         if (heads_first := _interleaved_heads(g, step, layer, qkv, out)) is not None:  # GPT-NeoX's per-head q, k, v
             qkv, (q, k, v), qkv_widths, (qb, kb, vb) = heads_first
-            qn = kn = None
-            qe = ke = 0.0
-            qw = kw = False
+            qp = kp = _Part(None, None, 0.0, "", "shared")
         else:
             parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
-            (qb, qn, qe, q, qw), (kb, kn, ke, k, kw), (vb, _, _, v, _) = (
-                _head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv")
-            )
+            if len(parts) == 5:  # its columns: q, k, v, then gate, up (exact: each output's sums are its own)
+                fused, qkv_width = qkv, sum(qkv_widths[:3])
+                qkv = reordered(fused, np.arange(qkv_width))
+                mlp_parts = reordered(fused, np.arange(qkv_width, fused.shape[1])), parts[3:], qkv_widths[3:]
+                parts, qkv_widths = parts[:3], qkv_widths[:3]
+            qp, kp, vp = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
+            q, k, v, qb, kb, vb = qp.out, kp.out, vp.out, qp.bias, kp.bias, vp.bias
+        qn, kn, qe, ke = qp.norm, kp.norm, qp.eps, kp.eps
         w["qkv"].append(qkv)
-        spans.update(whole for whole, n in ((qw, qn), (kw, kn)) if n is not None)
+        spans.update((p.span, p.layer_norm) for p in (qp, kp) if p.norm is not None)
+        shared.add(mlp_parts is not None)
         (q_rot, q_out, q_dim), (k_rot, k_out, k_dim) = _rotated(g, step, layer, q), _rotated(g, step, layer, k)
         rotary_dims.update((q_dim, k_dim))
         pairs.update(getattr(r, "interleaved", False) for r in (q_rot, k_rot))
@@ -715,38 +767,46 @@ def read_weights(step: Path, architecture: str) -> Weights:
             w["mlp_out"].append(out_norm)
             continue
         w["experts"].append(None)
-        gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
-        w["gate_up"].append(gu)
-        up_bias, up_out = biased(g, out)
-        if [n.op_type for n in g.consumers.get(up_out, []) if n.op_type != "Identity"] == ["Gelu"]:  # ungated GELU, biases
-            gelu = g.only(up_out, "Gelu")
-            approximate = attr(gelu, "approximate", b"none")
-            if (approximate.decode() if isinstance(approximate, bytes) else approximate) != "none":
-                raise unsupported(step, f"layer {layer}'s ungated MLP is GELU's tanh approximation")
-            down, out = g.linear(gelu.output[0])
-            down_bias, out = biased(g, out)
-            acts.add("gelu_ungated"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
-            w["gate_up_bias"][-1], w["down_bias"][-1] = up_bias, down_bias
+        if mlp_parts is not None:  # gate and up: the last two parts of the layer's q/k/v matmul (StableLM-2 12B)
+            if post is not None or parallel_post is not None:
+                raise unsupported(step, f"layer {layer}'s MLP reads its input norm and a norm of its own")
+            gu, gate_up, gate_up_widths = mlp_parts
+            w["gate_up"].append(gu)
+        else:
+            gu, out = g.linear(x, beside=("Add",)) if post is None else g.linear(post.output[0])
+            w["gate_up"].append(gu)
+            up_bias, up_out = biased(g, out)
+            if [n.op_type for n in g.consumers.get(up_out, []) if n.op_type != "Identity"] == ["Gelu"]:  # ungated GELU, biases
+                gelu = g.only(up_out, "Gelu")
+                approximate = attr(gelu, "approximate", b"none")
+                if (approximate.decode() if isinstance(approximate, bytes) else approximate) != "none":
+                    raise unsupported(step, f"layer {layer}'s ungated MLP is GELU's tanh approximation")
+                down, out = g.linear(gelu.output[0])
+                down_bias, out = biased(g, out)
+                acts.add("gelu_ungated"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
+                w["gate_up_bias"][-1], w["down_bias"][-1] = up_bias, down_bias
+                if parallel_post is not None:
+                    x, out_norm = _parallel_sum(g, step, layer, x, out, attn_out), None
+                    residual_scales.add(1.0)
+                else:
+                    x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
+                w["mlp_out"].append(out_norm)
+                continue
             if parallel_post is not None:
-                x, out_norm = _parallel_sum(g, step, layer, x, out, attn_out), None
-                residual_scales.add(1.0)
-            else:
+                raise unsupported(step, f"layer {layer}'s parallel residual beside a gated MLP")
+            if [n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity"] == ["Relu"]:  # ungated: down(relu(up)^2)
+                down, out = g.linear(_squared_relu(g, step, layer, out))
+                acts.add("relu2"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
                 x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
-            w["mlp_out"].append(out_norm)
-            continue
-        if parallel_post is not None:
-            raise unsupported(step, f"layer {layer}'s parallel residual beside a gated MLP")
-        if [n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity"] == ["Relu"]:  # ungated: down(relu(up)^2)
-            down, out = g.linear(_squared_relu(g, step, layer, out))
-            acts.add("relu2"), splits.append((layer, qkv_widths, None)), w["down"].append(down)
-            x, out_norm = _residual(g, step, x, out, f"layer {layer}'s MLP output", eps, residual_scales)
-            w["mlp_out"].append(out_norm)
-            continue
-        halves = g.only(out, "Split")
-        if len(halves.output) != 2:
-            raise unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
-        splits.append((layer, qkv_widths, g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None))
-        gate, up = halves.output
+                w["mlp_out"].append(out_norm)
+                continue
+            halves = g.only(out, "Split")
+            if len(halves.output) != 2:
+                raise unsupported(step, f"layer {layer}'s gate/up matmul is split {len(halves.output)} ways, not into gate and up")
+            gate_up = halves.output
+            gate_up_widths = g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None
+        splits.append((layer, qkv_widths, gate_up_widths))
+        gate, up = gate_up
         act, gated = gate_of(g, step, layer, gate)
         acts.add(act)
         prod = g.only(gated, "Mul")
@@ -795,23 +855,24 @@ def read_weights(step: Path, architecture: str) -> Weights:
         raise unsupported(step, f"residual adds scaled by different factors {sorted(residual_scales)}")
     residual_scale = residual_scales.pop()
     if len(spans) > 1:
-        raise unsupported(step, "q/k norms of whole projections beside norms of single heads")
+        raise unsupported(step, f"q/k norms of different spans or kinds across layers {sorted(spans)}")
+    span, qk_layer_norm = spans.pop() if spans else ("shared", False)
     if len(factors) != 1:
         raise unsupported(step, f"rotary tables scaled by different factors {sorted(factors)}")
     clamps = {(e.alpha, e.limit) for e in w["experts"] if e is not None} or {(0.0, 0.0)}
     if len(clamps) != 1:
         raise unsupported(step, f"layers whose experts clamp their gates differently {sorted(clamps)}")
     (alpha, limit), any_of = clamps.pop(), lambda rows: rows if any(r is not None for r in rows) else ()  # noqa: E731
-    if len(parallel) != 1 or len(pairs) != 1:
-        raise unsupported(step, "parallel residuals or interleaved rotaries in some layers and not in others")
+    if len(parallel) != 1 or len(pairs) != 1 or len(shared) != 1:
+        raise unsupported(step, "parallel residuals, interleaved rotaries or shared input norms in some layers and not in others")
     weights = Weights(dims, np.ascontiguousarray(np.stack(inv_freqs)), embed, w["norm_in"], w["qkv"], w["o"], w["norm_post"],
                       w["gate_up"], w["down"], g.array(final.input[1]), lm_head, qkv_bias, w["q_norm"], w["k_norm"],
                       tuple(windows), tuple(rope_of), w["attn_out"], w["mlp_out"], qk_eps.pop() if qk_eps else 0.0, acts.pop(),
-                      embed_scale, residual_scale, logit_divisor, bool(spans and spans.pop()), tuple(w["experts"]),
+                      embed_scale, residual_scale, logit_divisor, span, tuple(w["experts"]),
                       softcaps.pop(), final_softcap, norm_kinds.pop() == "LayerNormalization", rotary_dims.pop(),
                       w["norm_in_bias"], w["norm_post_bias"], final_bias, any_of(w["o_bias"]), any_of(w["sinks"]),
                       factors.pop(), alpha, limit, any_of(w["gate_up_bias"]), any_of(w["down_bias"]), parallel.pop(),
-                      pairs.pop())  # fmt: skip
+                      pairs.pop(), qk_layer_norm, shared.pop())  # fmt: skip
     check_weights(weights, step)
     for layer, qkv_widths, gate_up_widths in splits:
         if qkv_widths not in (None, [q, kv, kv]):
@@ -917,6 +978,12 @@ def check_weights(weights: Weights, path: Path) -> None:
             f"soft-caps {weights.attn_softcap}, {weights.final_softcap}",
         ),
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
+        (weights.qk_norm_span in QK_SPANS, f"q/k norms spanning {weights.qk_norm_span!r}"),
+        (
+            not weights.shared_norm or not weights.parallel_residual and all(n is not None for n in weights.norm_in)
+            and not any(n is not None for n in weights.norm_post) and not any(weights.experts),
+            "an MLP reading the input norm beside a norm of its own, experts or GPT-NeoX's parallel residual",
+        ),
     ):
         if not ok:
             raise malformed(path, f"dims that do not fit: {what}")
@@ -954,7 +1021,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         table.append(("the final norm's bias", weights.norm_final_bias, (H,), f32))
     linears = [("the lm_head", weights.lm_head, (H, V))]
     for layer in range(d.layers):
-        q_span, k_span = (Hq * D, Hkv * D) if weights.qk_norm_whole else (D, D)
+        q_span, k_span = (D, D) if weights.qk_norm_span == "shared" else (Hq * D, Hkv * D)
         optional = ((f"layer {layer}'s input norm", weights.norm_in, (H,)),
                     (f"layer {layer}'s post-attention norm", weights.norm_post, (H,)),
                     (f"layer {layer}'s q/k/v bias", weights.qkv_bias, ((Hq + 2 * Hkv) * D,)),

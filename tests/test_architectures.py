@@ -189,7 +189,7 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
                    mlp_out_norm=none, act="silu" if gelu else weights.act, embed_scale=1.0, residual_scale=1.0, logit_divisor=1.0,
                    attn_softcap=0.0, final_softcap=0.0, layer_norm=False, norm_in_bias=none, norm_post_bias=none,
                    norm_final_bias=None, o_bias=(), sinks=(), rope_factor=1.0, gate_up_bias=(), down_bias=(),
-                   parallel_residual=False, rope_interleaved=False)  # fmt: skip
+                   parallel_residual=False, rope_interleaved=False, shared_norm=False)  # fmt: skip
     found = {"biases": weights.qkv_bias, "q/k norms": weights.q_norm, "windows": [w or None for w in weights.windows],
              "rotary tables": [r or None for r in weights.rope_of], "output norms": weights.attn_out_norm + weights.mlp_out_norm,
              "GELU": [weights.act if gelu else None],
@@ -204,6 +204,7 @@ def test_native_honours_each_feature_it_reads(family, monkeypatch):
              "MLP biases": list(weights.gate_up_bias) + list(weights.down_bias),
              "parallel residual": [weights.parallel_residual or None],
              "interleaved rotary": [weights.rope_interleaved or None],
+             "MLP reading the input norm": [weights.shared_norm or None],
              "expert biases": [e.router_bias for e in weights.experts if e is not None] + [
                  b for e in weights.experts if e is not None for b in e.gate_up_bias + e.down_bias]}  # fmt: skip
     features = [name for name, per_layer in found.items() if any(x is not None for x in per_layer)]

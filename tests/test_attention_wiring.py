@@ -28,7 +28,7 @@ family, stories_tokenizer = rows.family, rows.stories_tokenizer  # its fixtures:
 STABLELM = {"use_qkv_bias": True, "qk_layernorm": True, "use_parallel_residual": True}  # as StableLM-2 12B: all its options count
 WIRING = (
     # decoder layers drop **kwargs (the class keeps _supports_attention_backend False); quarter rotary, LayerNorm
-    Arch("stablelm", STABLELM, ("partial-rotary", "qk-norm", "parallel-residual"), native=False),  # native: no per-head LayerNorm
+    Arch("stablelm", STABLELM, ("partial-rotary", "qk-norm", "parallel-residual")),  # per-head LayerNorms; one norm for both
     Arch("stablelm", {"use_qkv_bias": True}, ("partial-rotary", "layer-norm", "qkv-bias")),  # as StableLM-2 1.6B: native runs it
     Arch("nemotron", {}, ("partial-rotary", "relu2")),  # decoder layers drop **kwargs; LayerNorm1P, half rotary, squared ReLU
     Arch("helium", {"head_dim": 16}),  # its o_proj maps the hidden size: heads x head_dim must equal it (128 by default)

@@ -213,9 +213,10 @@ def test_experts_that_do_not_fit_are_refused(moe_engine):
             native_weights.check_weights(dataclasses.replace(weights, experts=experts), moe_engine)
 
 
-def _exported(tmp_path_factory, model_type: str) -> Path:
-    """The architecture table's tiny ``model_type`` (noisy norms and biases) exported fp32 with two untrained heads."""
-    from architectures import ARCHITECTURES, save_fixture
+def _exported(tmp_path_factory, model_type: str, **overrides) -> Path:
+    """The architecture table's tiny ``model_type`` (noisy norms and biases; its config with ``overrides``) exported
+    fp32 with two untrained heads."""
+    from architectures import ARCHITECTURES, Arch, save_fixture
     from conftest import STORIES
 
     from medusa_trt.cli.export import main as export_main
@@ -224,7 +225,8 @@ def _exported(tmp_path_factory, model_type: str) -> Path:
     if not STORIES.is_file():
         pytest.skip(f"{STORIES} missing")
     root = tmp_path_factory.mktemp(model_type)
-    arch = next(a for a in ARCHITECTURES if a.model_type == model_type)
+    arch = next((a for a in ARCHITECTURES if a.model_type == model_type), Arch(model_type))
+    arch = dataclasses.replace(arch, overrides=arch.overrides | overrides)
     folder = save_fixture(arch, root / "model", load_base_model(STORIES).tokenizer)
     step = root / "engine" / "model.onnx"
     step.parent.mkdir()
@@ -289,3 +291,25 @@ def test_a_malformed_gpt_oss_engine_is_one_line_exit_2(gpt_oss_engine, tmp_path,
 def test_a_malformed_gpt_neox_engine_is_one_line_exit_2(gpt_neox_engine, tmp_path, capsys, name, named):
     """A GPT-NeoX's MLP and attention output biases are checked against the dims: one line, exit 2."""
     _refused_in_one_line(_mutated(gpt_neox_engine, tmp_path / "engine", _layer_1(name), more_rows), capsys, named)
+
+
+@pytest.fixture(scope="module")
+def stablelm_12b_engine(tmp_path_factory):
+    """A tiny StableLM-2 in its 12B form: per-head q/k LayerNorms, one input norm for the attention and the MLP."""
+    return _exported(tmp_path_factory, "stablelm", qk_layernorm=True, use_parallel_residual=True)
+
+
+def test_a_malformed_stablelm_head_norm_is_one_line_exit_2(stablelm_12b_engine, tmp_path, capsys):
+    """A per-head q norm one longer: Split and Concat still fit in ONNX, so native's own check must say it."""
+    step = _mutated(stablelm_12b_engine, tmp_path / "engine", _layer_1("self_attn.q_layernorm.norms.2.weight"), more_rows)
+    _refused_in_one_line(step, capsys, "layer 1's query norm has shape (65,), not (64,)")
+
+
+def test_an_mlp_reading_the_input_norm_beside_its_own_norm_is_refused(stablelm_12b_engine):
+    weights = native_weights.read_weights(stablelm_12b_engine, "stablelm")
+    assert weights.shared_norm and weights.qk_norm_span == "each" and weights.qk_layer_norm
+    post = dataclasses.replace(weights, norm_post=list(weights.norm_in))
+    with pytest.raises(EngineError, match="an MLP reading the input norm beside a norm of its own"):
+        native_weights.check_weights(post, stablelm_12b_engine)
+    with pytest.raises(EngineError, match="q/k norms spanning 'rows'"):
+        native_weights.check_weights(dataclasses.replace(weights, qk_norm_span="rows"), stablelm_12b_engine)
