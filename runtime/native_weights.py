@@ -980,8 +980,7 @@ def check_weights(weights: Weights, path: Path) -> None:
         (positive(weights.qk_eps) or not any(n is not None for n in weights.q_norm + weights.k_norm), f"q/k norm epsilon {weights.qk_eps}"),
         (weights.qk_norm_span in QK_SPANS, f"q/k norms spanning {weights.qk_norm_span!r}"),
         (
-            not weights.shared_norm or not weights.parallel_residual and all(n is not None for n in weights.norm_in)
-            and not any(n is not None for n in weights.norm_post) and not any(weights.experts),
+            not weights.shared_norm or _shared_norm_alone(weights),
             "an MLP reading the input norm beside a norm of its own, experts or GPT-NeoX's parallel residual",
         ),
     ):
@@ -1069,6 +1068,12 @@ def check_weights(weights: Weights, path: Path) -> None:
                     raise malformed(path, f"{what} row quantizer {name} {value} is not a positive number")
     legend = f"hidden {H} and vocab {V} read from the embedding, head_dim {D} and MLP width {I} from layer 0, {Hq} heads, {Hkv} kv heads"
     _check_arrays(path, table, legend)
+
+
+def _shared_norm_alone(weights: Weights) -> bool:
+    """Every layer has an input norm for its attention and MLP to share, and nothing else normalizes the MLP's input."""
+    no_post = all(n is None for n in weights.norm_post)
+    return not weights.parallel_residual and all(n is not None for n in weights.norm_in) and no_post and not any(weights.experts)
 
 
 def _nbits_rows(path: Path, what: str, m: Linear, shape: tuple[int, int]) -> list:
