@@ -48,7 +48,7 @@ $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 native: $(NATIVE)
 
 
-# The native tests under AddressSanitizer and UndefinedBehaviorSanitizer (issue 47): the libraries built with them into
+# The native tests under AddressSanitizer and UndefinedBehaviorSanitizer: the libraries built with them into
 # build/native-sanitize (scripts/build_native.py) and loaded from there (MEDUSA_TRT_NATIVE_DIR) into a Python that
 # preloads ASan (and libstdc++, whose exceptions ASan must intercept from the start); a report fails the run.
 SANITIZE := $(abspath build/native-sanitize)
@@ -90,7 +90,7 @@ $(VENV)/.peers: $(STAMP)
 	-$(MAKE) openvino-peer || echo "openvino could not be installed here: the OpenVINO backend's and peer's tests will skip and say why"
 	touch $@
 
-# OpenVINO peers for medusa-bench --peer openvino:DIR (issue 38): the runtime goes into .venv (make openvino-peer);
+# OpenVINO peers for medusa-bench --peer openvino:DIR: the runtime goes into .venv (make openvino-peer);
 # the demo model's OpenVINO folders (fp32, int8, int4) are made by optimum-intel, which needs transformers<5.6, in a
 # venv of its own (build/openvino-venv), into build/openvino. Without them the OpenVINO peer's tests skip and say why.
 OV_ENV := build/openvino-venv

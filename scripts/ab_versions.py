@@ -8,7 +8,7 @@ alternating which version goes first. Greedy, the runtime's default new tokens (
 
     git worktree add ../before <rev>                 # the version to compare with
     .venv/bin/python scripts/ab_versions.py --before ../before --engine build/smollm2-135m-medusa \\
-        --prompts ../shared/data/spec_bench_dev.jsonl --every 3 --threads 2 --out docs/bench-refactor-ab.json
+        --prompts ../shared/data/spec_bench_dev.jsonl --every 3 --threads 2 --out docs/results/bench-refactor-ab.json
 
 ``--before`` is a checkout of the repository root (the package maps to it as ``medusa_trt``); the
 other version is the code this script is run from.

@@ -2,7 +2,7 @@
 ``Gather`` a layer) against a copy rewritten to take one cache input a layer, in one run (not a test).
 
     .venv/bin/python scripts/cache_layout_ab.py --engine build/smollm2-135m-medusa --engine build/smollm2-int4 \\
-        --out docs/cache-layout-ab.json
+        --out docs/results/cache-layout-ab.json
 
 The step contract binds the cache as one tensor, ``past_key`` (S, layers, B, Hkv, D): the first S slots of the
 runtime's buffer, no copy. The graph then copies each layer's slice out with a ``Gather`` (60 a step in

@@ -4,7 +4,7 @@ the same bit for bit at every size. For a graph change (a rewrite, a quantizer f
 compute the same numbers, not for a benchmark of generation (that is ``medusa-bench``).
 
     .venv/bin/python scripts/engine_step_ab.py --engine before=OLD_ENGINE --engine after=build/smollm2-int8-channel \\
-        --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 20 --out docs/row-quantizer-ab.json
+        --context 300 --tokens 1 --tokens 8 --tokens 16 --tokens 64 --rounds 20 --out docs/results/row-quantizer-ab.json
 
 ``--busy N`` times the steps beside N processes that each keep a core busy (a loaded machine, a CPU quota below the
 thread count), started after the engines load and stopped before the report.

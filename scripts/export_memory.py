@@ -7,7 +7,7 @@ memory (VmRSS and RssAnon from /proc) every ``--interval`` seconds. The child na
 enters (loading, tracing the step graph, saving it, the heads graph, verification, ...), so the
 peak is attributed to a stage. A child that passes ``--cap-gib`` is killed: the machine is shared.
 
-    nohup .venv/bin/python scripts/export_memory.py --dtype bf16 --out docs/export-memory.json > /tmp/export-memory.log 2>&1 &
+    nohup .venv/bin/python scripts/export_memory.py --dtype bf16 --out docs/results/export-memory.json > /tmp/export-memory.log 2>&1 &
 
 bf16 by default: 1.5B parameters are 3.0 GB there and 6.1 GB in fp32, whose 2x (12 GB) plus the
 interpreter would come too close to the 14 GiB this shared 24 GiB machine can give one job.

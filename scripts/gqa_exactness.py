@@ -1,7 +1,7 @@
 """Would ONNX Runtime's ``GroupQueryAttention`` keep a verify step a plain step bit for bit? One layer's attention
-on this machine's CPU kernels, the question issue 38 asks of it (not a test).
+on this machine's CPU kernels (not a test).
 
-    .venv/bin/python scripts/gqa_exactness.py --out docs/gqa-exactness.json
+    .venv/bin/python scripts/gqa_exactness.py --out docs/results/gqa-exactness.json
 
 ``com.microsoft.GroupQueryAttention`` is the attention ONNX Runtime's own LLM exports run on a CPU: the step's keys
 and values are appended to a cache buffer that its past and present outputs share (written in place: no

@@ -1,6 +1,6 @@
 """kill -9 medusa-export and medusa-train at random points; every earlier engine and heads folder must survive.
 
-Issue 35's check by hand, rerunnable: writes an engine folder, a loose ``.onnx`` engine and a heads folder
+That check by hand, rerunnable: writes an engine folder, a loose ``.onnx`` engine and a heads folder
 once, then starts ``--kills`` rewrites of them (round robin, each with another setting so the new
 content differs from the old), SIGKILLs each at a random point of its expected run time (some
 finish first), and checks the target right after, before any later writer recovers anything:

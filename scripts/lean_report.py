@@ -11,7 +11,7 @@ names one that exists), then, for the lean venv and the full one (``.venv``):
     imports, and of one that builds ``MedusaRuntime(engine)`` and generates ``--tokens`` tokens
     (greedy; lean and full must decode the same tokens).
 The full install also gets one row for importing the torch path (torch + transformers), for scale.
-Writes JSON (``docs/lean-report.json``) and prints a markdown table.
+Writes JSON (``docs/results/lean-report.json``) and prints a markdown table.
 
 The engine: ``make build/smollm2-135m-medusa`` (or any ``medusa-export --out X``).
 Needs the pip of the interpreter running this (>= 22.3, for ``pip --python``) and PyPI access.
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="Explain how a rainbow forms, in a short paragraph.")
     p.add_argument("--max-batch", type=int, default=1, help="runtime max_batch (sizes the KV cache)")
     p.add_argument("--repeats", type=int, default=5, help="fresh processes per import measurement")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "lean-report.json")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "lean-report.json")
     args = p.parse_args(argv)
     if not args.engine.exists():
         raise SystemExit(

@@ -2,7 +2,7 @@
 the same prompt ids, interleaved prompt by prompt, in one run (not a test).
 
     .venv/bin/python scripts/prefill_share.py --engine build/smollm2-135m-medusa --engine build/smollm2-int8-channel \\
-        --peer openvino:build/openvino/smollm2-fp32 --prompts $DEV --every 3 --out docs/prefill-share.json
+        --peer openvino:build/openvino/smollm2-fp32 --prompts $DEV --every 3 --out docs/results/prefill-share.json
 
 ``medusa-bench`` times generation end to end, the prompt included, as a user waits for it. This splits that time:
 per prompt, every row generates once with ``--max-new-tokens`` and once with one new token (the prompt and its

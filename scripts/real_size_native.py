@@ -5,7 +5,7 @@ in the same run).
 
     .venv/bin/python scripts/real_size_native.py --shape llama-1b --shape qwen-0.5b --root build/real-size export
     .venv/bin/python scripts/real_size_native.py --shape llama-1b --shape qwen-0.5b --root build/real-size time \\
-        --out docs/real-size-native.json
+        --out docs/results/real-size-native.json
 
 ``export`` saves each shape once as a safetensors folder with the stories260K tokenizer (its model vocabulary is the
 shape's; only a step's timing is measured, never text) and exports ``SHAPE/fp32/model.onnx`` (``--no-verify``: a 1B

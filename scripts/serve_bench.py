@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--clients", default="1,4,16", help="concurrency levels")
     p.add_argument("--repeats", type=int, default=1, help="runs per level and server, alternating servers (the median is reported)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads in each server (default: its own)")
-    p.add_argument("--out", default=str(REPO / "docs" / "serve-bench-openai.json"), help="the JSON report; the PNG goes beside it")
+    default_out = REPO / "docs" / "results" / "serve-bench-openai.json"
+    p.add_argument("--out", default=str(default_out), help="the JSON report; the PNG goes beside it")
     args = p.parse_args(argv)
     engine = Path(args.engine).resolve()
     levels = [int(c) for c in args.clients.split(",")]

@@ -1,6 +1,6 @@
 """The step graph before and after the lean passes (``exporter/lean.py``), in one run on one machine (not a test).
 
-    .venv/bin/python scripts/step_graph_report.py --out docs/step-graph-report.json
+    .venv/bin/python scripts/step_graph_report.py --out docs/results/step-graph-report.json
 
 Exports the model's step graph as traced (``ExportConfig(lean=False)``, the "before"), no heads,
 batch 1, into ``--work`` (reused when there: pass a fresh folder to export again), rewrites a copy

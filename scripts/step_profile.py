@@ -2,7 +2,7 @@
 weights' memory floor, in one run on one machine (not a test).
 
     .venv/bin/python scripts/step_profile.py --engine build/smollm2-135m-medusa --engine build/smollm2-int4 \\
-        --out docs/step-profile.json
+        --out docs/results/step-profile.json
 
 For each engine (its step graph on the ONNX Runtime backend the loop uses, batch 1) it commits
 ``--context`` tokens, then:
