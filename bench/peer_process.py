@@ -1,5 +1,5 @@
 """A ``--peer`` engine in a process of its own, so that a crash inside it (llama.cpp's decode
-segfaulting on some CPUs, issue 38) costs its row only, not the benchmark.
+segfaulting on some CPUs) costs its row only, not the benchmark.
 
     peer = PeerProcess(spec, threads=2, context=1024)    # starts the worker and loads the model there
     tokens, seconds = peer.generate(prompt, 128, eos)     # PeerDied where the worker died or failed

@@ -8,7 +8,7 @@ its own (bench/peer_process.py): a crash inside one (a segfault in llama.cpp) co
   built from source where no wheel fits: ``make peers``); ``+lookup`` adds its prompt-lookup decoding
   (``LlamaPromptLookupDecoding``), llama.cpp's own draft-free speculation. ``llama.cpp-norepack``
   loads the model with the binding's ``use_extra_bufts`` off: no extra buffer types (AMX, repacked
-  weights), whose decode segfaults on some CPUs (issue 38). The file must hold the engine's vocabulary
+  weights), whose decode segfaults on some CPUs. The file must hold the engine's vocabulary
   (a GGUF of the same model), so that the token ids mean the same and outputs compare token for token.
 * ``openvino:DIR`` runs OpenVINO GenAI's ``LLMPipeline`` on a folder ``optimum-cli export openvino``
   wrote (scripts/openvino_models.py makes the demo model's), in f32 inference precision (exact:
@@ -111,7 +111,7 @@ def _check_gguf(text: str, path: Path) -> None:
         raise PeerError(f"--peer {text}: {path} is not a .gguf file: llama.cpp reads GGUF models")
 
 
-class _NoExtraBuffers:
+class NoExtraBuffers:
     """While open, the binding's default model parameters have ``use_extra_bufts`` off: ``Llama``
     reads them when it loads the model and offers no argument of its own for it (0.3.x)."""
 
@@ -159,7 +159,7 @@ class LlamaCppPeer:
         # asked for when the context is made (0.3.x): without it, a sequence past 512 tokens overflows that buffer
         context += LOOKUP_TOKENS + 1 if draft is not None else 0
         try:
-            with contextlib.nullcontext() if extra_bufts else _NoExtraBuffers(spec.text):
+            with contextlib.nullcontext() if extra_bufts else NoExtraBuffers(spec.text):
                 self.llm = Llama(
                     model_path=str(spec.path),
                     n_ctx=context,

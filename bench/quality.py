@@ -7,7 +7,7 @@ where they have one: never used to train or tune the heads.
 
     .venv/bin/python -m medusa_trt.bench.quality --prompts spec_bench_dev.jsonl --engine build/smollm2-135m-medusa \\
         --engine build/smollm2-int8-channel --engine build/smollm2-int8-block --engine build/smollm2-int4 \\
-        --out docs/quality-quant.json
+        --out docs/results/quality-quant.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ bound). Use it to calibrate priors, budgets and drafter sets before running the 
 
     .venv/bin/python -m medusa_trt.bench.replay --model smollm2-135m --heads assets/smollm2-135m-medusa \\
         --tree mc_sim_7b_63 --prompts spec_bench_dev.jsonl --every 3 --max-new-tokens 128 \\
-        --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --out docs/replay.json
+        --draft heads --draft lookup --draft heads,lookup --draft heads,lookup,recycle --out docs/results/replay.json
 
 ``--engine DIR`` budgets and models the speed-up with that engine folder's own step cost and heads call
 (drafting.json) instead of the default table; ``--variant NAME:FIELD=VALUE,...`` (repeatable) replays
@@ -40,7 +40,7 @@ from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsProposer, Observed, build_tree
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.engine_folder import read_drafting, step_cost_table
-from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.runtime.errors import MedusaError, fail
 from medusa_trt.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -227,8 +227,6 @@ def main(argv=None) -> int:
     try:
         return _run(args)
     except MedusaError as exc:
-        from medusa_trt.cli.common import fail
-
         return fail(p.prog, exc)
 
 

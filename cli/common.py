@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from medusa_trt.runtime.errors import MedusaError
+from medusa_trt.runtime.errors import MedusaError, fail  # noqa: F401 (fail: every command imports it from here)
 
 # every typed error a user can cause derives from MedusaError; OS errors on their files too
 USER_ERRORS = (MedusaError, FileNotFoundError, PermissionError, IsADirectoryError)
@@ -21,13 +21,6 @@ def setup_logging(verbose: bool) -> None:
     if not verbose:
         for noisy in ("transformers", "torch.onnx", "onnxscript"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
-def fail(prog: str, exc: BaseException) -> int:
-    """One line on stderr, exit status 2: the message already says what to do."""
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return 2
 
 
 def load_model(model: str, heads: str | None, untrained_heads: int | None, head_layer: int | None, device: str):

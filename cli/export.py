@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute the lm_head on every step, as engines before the gate did (default for ONNX Runtime engines: a "
         "prompt's chunks before its last skip it; same output, docs/benchmarks.md; TensorRT: always computed)",
     )
-    p.add_argument("--opset", type=int, default=BuildConfig.opset)
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=BuildConfig.opset,
+        help="ONNX opset of the graphs, 18 to %(default)s (the default has native attention ops)",
+    )
     p.add_argument(
         "--successors",
         type=int,
@@ -153,7 +158,7 @@ def build_config(args) -> BuildConfig:
         dtype=args.dtype,
         attention=args.attention,
         key_slots=not args.no_key_slots,
-        logits_gate=not args.no_logits_gate,
+        gate_logits=not args.no_logits_gate,
         opset=args.opset,
         successors=args.successors,
         draft_vocab=args.draft_vocab,
@@ -189,7 +194,7 @@ def _export(args) -> int:
         built = build(config, report=_print_stage)
     except USER_ERRORS as exc:
         return fail("medusa-export", exc)
-    return _triton_repo(args.triton_repo, built.engine)
+    return triton_repo_option(args.triton_repo, built.engine)
 
 
 def _print_stage(built: Built) -> None:
@@ -244,7 +249,7 @@ def _print_step_cost(folder) -> None:
         )
 
 
-def _triton_repo(repo: str | None, engine: Path) -> int:
+def triton_repo_option(repo: str | None, engine: Path) -> int:
     """--triton-repo: the repository medusa-triton-repo writes, for the engine just built (replacing an older one)."""
     if repo is None:
         return 0

@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 
 from medusa_trt.cli.common import (
     USER_ERRORS,
@@ -95,27 +96,66 @@ def build_parser() -> Parser:
     return p
 
 
-def _summary(results) -> tuple[str, float]:
+@dataclass(frozen=True)
+class _Run:
+    """One timed generation of the command's prompts: its summary line, speed, tokens and how each prompt ended."""
+
+    line: str
+    rate: float  # tokens/s
+    token_ids: list  # per prompt
+    finish: list  # per prompt: stop, length or cancelled
+
+
+def _finished(reasons: list) -> str:
+    """``finished: length`` for one prompt, ``finished: 2 stop, 1 length`` for several."""
+    counts = {r: reasons.count(r) for r in dict.fromkeys(reasons)}
+    return "finished: " + (reasons[0] if len(reasons) == 1 else ", ".join(f"{n} {r}" for r, n in counts.items()))
+
+
+def _summary(results) -> _Run:
     tokens = sum(r.stats.new_tokens for r in results)
     steps = sum(r.stats.steps for r in results)
     per_step = [a for r in results for a in r.stats.accepted_per_step]
     mean = sum(per_step) / len(per_step) if per_step else 0.0
     seconds = results[0].stats.seconds
     rate = tokens / seconds if seconds else 0.0
-    return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
+    finish = [r.finish_reason for r in results]
+    line = f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s; {_finished(finish)}"
+    return _Run(line, rate, [r.token_ids for r in results], finish)
 
 
-def _stream(runtime, prompt: str, gen: dict) -> tuple[str, float]:
+def _stream(runtime, prompt: str, gen: dict) -> _Run:
     """Print text as it is committed; the summary comes from the events (one per step)."""
-    started, tokens, steps = time.perf_counter(), 0, -1  # the first event is the prefill's token
+    started, ids, steps, finish = time.perf_counter(), [], -1, None  # the first event is the prefill's token
     for event in runtime.stream(prompt, **gen):
         sys.stdout.write(event.text)
         sys.stdout.flush()
-        tokens, steps = tokens + len(event.token_ids), steps + 1
+        ids, steps, finish = ids + list(event.token_ids), steps + 1, event.finish_reason or finish
     sys.stdout.write("\n")
-    rate = tokens / (time.perf_counter() - started)
-    mean = (tokens - 1) / steps if steps > 0 else 0.0
-    return f"{tokens} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s", rate
+    rate = len(ids) / (time.perf_counter() - started)
+    mean = (len(ids) - 1) / steps if steps > 0 else 0.0
+    line = f"{len(ids)} tokens, {steps} steps, {mean:.2f} accepted/step, {rate:.1f} tokens/s; {_finished([finish])}"
+    return _Run(line, rate, [ids], [finish])
+
+
+def _what_ran(runtime) -> str:
+    """The backend with its threads and instruction set, the engine's precision, and the drafting."""
+    meta = getattr(runtime.backend, "meta", None)  # an exported engine's (the torch backend runs a model)
+    precision = "" if meta is None else f", {meta.dtype}" + ("" if meta.quantization == "none" else f" {meta.quantization}")
+    drafters = ",".join(runtime.drafting.names)
+    drafting = f"drafters {drafters}, heads template {runtime.tree.name}" if drafters else "plain decoding (no drafters)"
+    return f"{runtime.backend.describe()}{precision}; {drafting}"
+
+
+def _same_as_plain(drafted: _Run, plain: _Run) -> str:
+    """Whether drafting kept the model's own output: token for token against plain decoding on the same engine."""
+    differ = [i for i, (a, b) in enumerate(zip(drafted.token_ids, plain.token_ids)) if a != b]
+    if not differ:
+        return "drafted = plain: yes, token for token" + (f" on {len(plain.token_ids)} prompts" if len(plain.token_ids) > 1 else "")
+    a, b = drafted.token_ids[differ[0]], plain.token_ids[differ[0]]
+    first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    where = f"prompt {differ[0]} from token {first}" if len(plain.token_ids) > 1 else f"from token {first}"
+    return f"drafted = plain: NO, {where} (greedy drafting on an exact engine gives the plain tokens; sampled drafting need not)"
 
 
 def read_messages(path: str) -> list[dict]:
@@ -193,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             for warm in (runtime, runtime.plain()):
                 warm.generate(prompts[0], **(gen | {"max_new_tokens": WARM_UP_TOKENS}))
         if args.stream:
-            line, rate = _stream(runtime, prompts[0], gen)
+            drafted = _stream(runtime, prompts[0], gen)
         else:
             results = runtime.generate(prompts, **gen)
             if args.json:
@@ -215,15 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                 if len(results) > 1:
                     print(f"--- prompt {i} ({r.finish_reason})")
                 print(r.text)
-            line, rate = _summary(results)
-        drafters = ",".join(runtime.drafting.names) or "none"
-        print(f"medusa (drafters {drafters}, heads template {runtime.tree.name}): {line}")
+            drafted = _summary(results)
+        print(f"medusa on {_what_ran(runtime)}: {drafted.line}")
         if args.compare_plain:
-            plain = runtime.plain()
-            plain_results = plain.generate(prompts, **gen)
-            plain_line, plain_rate = _summary(plain_results)
-            print(f"plain decoding (same engine): {plain_line}")
-            print(f"speedup over plain decoding: {rate / plain_rate:.2f}x")
+            plain = _summary(runtime.plain().generate(prompts[:1] if args.stream else prompts, **gen))
+            print(f"plain decoding (same engine): {plain.line}")
+            print(_same_as_plain(drafted, plain))
+            print(
+                f"speedup over plain decoding: {drafted.rate / plain.rate:.2f}x in this one run "
+                "(it moves with the machine's load: medusa-bench times many prompts, interleaved)"
+            )
     except USER_ERRORS as exc:
         return fail("medusa-run", exc)
     return 0

@@ -16,41 +16,44 @@ from __future__ import annotations
 import sys
 
 from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
+from medusa_trt.training.config import TrainConfig
 
 
 def build_parser() -> Parser:
     p = Parser(prog="medusa-train", description="Train Medusa heads on a frozen base model (self-distillation).")
     p.add_argument("--model", required=True, help="smollm2-135m, a Hugging Face folder, or a .gguf file")
     p.add_argument("--out", required=True, help="heads folder to write")
-    p.add_argument("--heads", type=int, default=4, help="number of heads")
-    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument("--heads", type=int, default=TrainConfig.num_heads, help="number of heads")
+    p.add_argument("--layers", type=int, default=TrainConfig.num_layers, help="residual blocks per head")
     p.add_argument("--shared-lm-head", action="store_true", help="project with the frozen base lm_head (small heads)")
     p.add_argument(
         "--head-input",
-        default="hidden",
+        default=TrainConfig.head_input,
         choices=["hidden", "hidden+next", "hidden+path"],
         help="hidden+next: next-token-aware heads, which also read the embedding of the base model's next token; "
         "hidden+path: sequential heads, head k also reads the k-1 tokens drafted above it",
     )
     p.add_argument("--head-layer", type=int, help="decoder layer feeding the heads (default: final hidden state)")
-    p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay^k")
+    p.add_argument("--decay", type=float, default=TrainConfig.decay, help="loss weight of head k is decay^k")
     p.add_argument("--data", help="prompts (.jsonl turns[0]/prompt/text or .txt lines); default: the built-in prompts")
     p.add_argument("--teacher-forced", action="store_true", help="--data is corpus text whose own tokens are the labels")
-    p.add_argument("--num-prompts", type=int, default=400, help="first-turn prompts (the built-in pool holds 6954)")
+    p.add_argument("--num-prompts", type=int, default=TrainConfig.num_prompts, help="first-turn prompts (the built-in pool holds 6954)")
     p.add_argument(
         "--follow-ups",
         type=int,
-        default=0,
+        default=TrainConfig.follow_ups,
         help="second turns on the model's own answers to the first N prompts (a follow-up question, or a task over the answer)",
     )
     p.add_argument("--generate-engine", help="an exported .onnx engine of the same model to write the continuations (faster on CPU)")
-    p.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
-    p.add_argument("--generate-batch", type=int, default=16, help="rows generating at once (at most the engine's --max-batch)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step, over all processes")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--new-tokens", type=int, default=TrainConfig.new_tokens, help="continuation length per prompt")
+    p.add_argument(
+        "--generate-batch", type=int, default=TrainConfig.generate_batch, help="rows generating at once (at most the engine's --max-batch)"
+    )
+    p.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the data (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="positions per optimizer step, over all processes")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr, help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="heads' initialization, data order and holdout split")
+    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every, help="optimizer steps between checkpoints")
     p.add_argument(
         "--restart",
         action="store_true",
@@ -77,9 +80,11 @@ def build_parser() -> Parser:
         help="an OpenAI-compatible server of --model (vLLM, SGLang, TGI, trtllm-serve, medusa-serve; e.g. http://host:8000/v1) "
         "writes the continuations",
     )
-    p.add_argument("--teacher-concurrency", type=int, default=8, help="requests in flight to --teacher, per process")
+    p.add_argument(
+        "--teacher-concurrency", type=int, default=TrainConfig.teacher_concurrency, help="requests in flight to --teacher, per process"
+    )
     p.add_argument("--precompute", action="store_true", help="stop after the data and its hidden states (rerun without it to train)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each stage (INFO)")
     return p
 
 
@@ -92,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from medusa_trt.training.checks import check_inputs
-        from medusa_trt.training.config import TrainConfig
-        from medusa_trt.training.distributed import Cluster
+        from medusa_trt.training.distributed import Cluster, load_base
         from medusa_trt.training.train import run
 
         config = TrainConfig(
@@ -158,30 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))
         print("holdout top-5 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top5"]))
     return 0
-
-
-def load_base(model: str, config, cluster):
-    """The frozen base on this rank's device (bf16 / fp16 on a GPU, fp32 on the CPU), or sharded
-    over the ranks (``--fsdp``, or a GPU it does not fit)."""
-    from medusa_trt.exporter.models import load_base_model
-    from medusa_trt.training.distributed import base_dtype, base_fits, shard_base
-
-    dtype = base_dtype(cluster.device)
-    if config.fsdp and not cluster.distributed:
-        from medusa_trt.training.config import TrainError
-
-        raise TrainError(
-            "--fsdp shards the base over the processes of a torchrun launch: run under torchrun --nproc-per-node N, or drop it"
-        )
-    if not cluster.distributed or (cluster.device.type == "cpu" and not config.fsdp):
-        return load_base_model(model, dtype=dtype, device=str(cluster.device))
-    base = load_base_model(model, dtype=dtype, device="cpu")
-    size = sum(p.numel() * p.element_size() for p in base.model.parameters())
-    if config.fsdp or not base_fits(size, cluster.device):
-        shard_base(base, cluster)
-    else:
-        base.model.to(cluster.device)
-    return base
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.runtime.backends import BACKENDS  # an engine folder's runtime: tensorrt also builds the plans into it
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS, DEFAULT_OPSET
 from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,12 @@ class BuildConfig:
     tree: str | None = None  # None: the heads folder's export.json, else a chain over the heads
     max_batch: int = DEFAULT_MAX_BATCH
     max_context: int | None = None  # None: 1024, or the model's positions if fewer
-    max_tokens: int = 64  # most new tokens per step (tree nodes, prefill chunk)
+    max_tokens: int = DEFAULT_MAX_TOKENS  # most new tokens per step (tree nodes, prefill chunk)
     dtype: str = "fp32"  # fp32 | fp16 | bf16 (.plan only)
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     key_slots: bool = True  # ONNX Runtime engines with standard attention: a verify step equals a plain step bit for bit
-    logits_gate: bool = True  # ONNX Runtime engines with standard attention: the lm_head behind an If (exporter/logits_gate.py)
-    opset: int = 23
+    gate_logits: bool = True  # ONNX Runtime engines with standard attention: the lm_head behind an If (exporter/logits_gate.py)
+    opset: int = DEFAULT_OPSET
     successors: int = DEFAULT_SUCCESSORS  # k of the step graph's top-k output (0: none)
     draft_vocab: int | None = None  # None: the heads folder's export.json, else the whole vocabulary
     quantize: str | None = None  # a quantize.MODES mode or "none"; None: the heads folder's export.json, else none
@@ -56,7 +56,7 @@ class BuildConfig:
     verify: bool = True  # the checker, ONNX Runtime vs torch and (.plan) TensorRT vs ONNX
 
     def __post_init__(self):
-        from medusa_trt.exporter.onnx_export import ExportError
+        from medusa_trt.exporter.errors import ExportError
 
         if self.untrained_heads is not None and self.untrained_heads < 0:
             raise ExportError(f"--untrained-heads {self.untrained_heads} is negative: pass 1 or more (0 or none: a plain engine)")
@@ -127,8 +127,9 @@ def build(config: BuildConfig, report: Callable[[Built], None] | None = None) ->
 def plan(config: BuildConfig) -> BuildPlan:
     """Where the engine goes and which defaults the heads folder adds; checks the TensorRT and
     quantization rules and that the output can be written. Loads no model, writes nothing."""
+    from medusa_trt.exporter.errors import ExportError
     from medusa_trt.exporter.export_defaults import EXPORT_DEFAULTS, read_export_defaults
-    from medusa_trt.exporter.onnx_export import ExportError, check_output_path, is_folder_out
+    from medusa_trt.exporter.onnx_export import check_output_path, is_folder_out
     from medusa_trt.exporter.tensorrt_build import TensorRTConfig, check_plan_out, onnx_beside
 
     out = Path(config.out)
@@ -198,7 +199,7 @@ def export_config(config: BuildConfig, plan: BuildPlan):
         step_cost=read_step_cost(config.step_cost) if config.step_cost else None,
         draft_vocab=chosen.draft_vocab,
         key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,
-        gate_logits=onnx_runtime and config.attention == "onnx" and config.logits_gate,  # TensorRT: the plans from the ungated graph
+        gate_logits=onnx_runtime and config.attention == "onnx" and config.gate_logits,  # TensorRT: the plans from the ungated graph
         measure_cost=onnx_runtime,
         backend=config.backend if onnx_runtime else "onnxruntime",  # None: the export chooses
     )

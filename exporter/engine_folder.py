@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from medusa_trt.runtime import durable
 from medusa_trt.runtime.engine import EngineFiles, EngineMeta
 from medusa_trt.runtime.engine_folder import DRAFTING_FILE, GENERATION_CONFIG, FolderConfig, write_folder_config
-from medusa_trt.runtime.tree import CompiledTree
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,6 @@ def write_folder_files(
     model,
     staged: EngineFiles,
     meta: EngineMeta,
-    tree: CompiledTree,
     *,
     step_cost: dict | None = None,
     backend: str = "onnxruntime",
@@ -60,14 +57,9 @@ def write_folder_files(
     ``backend_choice.BackendChoice`` that chose ``backend``, recorded as its ``backend_choice``)."""
     folder = staged.folder
     _write_json(folder / GENERATION_CONFIG, generation_config(model, meta))
-    from medusa_trt.runtime.drafting import DRAFTERS
-
-    drafting = {
-        "heads_template": {"name": tree.name, "top_k": int(tree.top_k), "paths": [list(map(int, p)) for p in tree.paths]},
-        # what MedusaRuntime(DIR) runs by default: heads only with heads, recycle only with the step graph's top-k output
-        "drafters": [d for d in DRAFTERS if (d != "heads" or meta.num_heads and tree.depth_max) and (d != "recycle" or meta.successors)],
-        "step_cost": None if step_cost is None else {str(k): float(v) for k, v in sorted(step_cost.items())},
-    }
+    # the heads template is config.json's (EngineMeta.tree); the drafters MedusaRuntime(DIR) runs are the runtime's to
+    # decide (runtime/drafting: every one this engine supports, where drafting pays at this step cost)
+    drafting = {"step_cost": None if step_cost is None else {str(k): float(v) for k, v in sorted(step_cost.items())}}
     if heads_cost is not None:  # the heads call after a step, relative to a one-token step (runtime/step_cost.py)
         drafting["heads_cost"] = float(heads_cost)
     if exactness is not None:
@@ -130,7 +122,7 @@ def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads
     }
     durable.check_folder_ours(folder, kind="engine", flag="--engine")
     with durable.staged_folder(folder) as tmp:
-        link_files(engine_file_list(EngineFiles.locate(folder)), folder, tmp)
+        durable.link_files(engine_file_list(EngineFiles.locate(folder)), folder, tmp)
         _write_json(tmp / DRAFTING_FILE, drafting)  # a new file over the link: the live folder's is untouched
         write_manifest(EngineFiles.locate(tmp))
     return folder / DRAFTING_FILE
@@ -138,18 +130,6 @@ def record_step_cost(folder: str | os.PathLike, step_ms: dict[int, float], heads
 
 def _write_json(path: Path, data) -> None:
     durable.write_text(path, json.dumps(data, indent=1, sort_keys=True))
-
-
-def link_files(paths, root: Path, dest: Path) -> None:
-    """Each of ``paths`` (under ``root``) at the same relative name under ``dest``: a hard link where
-    the file system allows (engine weights are hundreds of MB), else a copy."""
-    for src in paths:
-        target = dest / src.relative_to(root)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, target)
-        except OSError:  # another file system, or links not allowed
-            shutil.copy2(src, target)
 
 
 def swap_folder(staged: Path, out: Path) -> None:
@@ -163,7 +143,7 @@ def swap_folder(staged: Path, out: Path) -> None:
 def read_step_cost(path: str | os.PathLike) -> dict[int, float]:
     """``--step-cost FILE``: a medusa-calibrate report (its measured ``step_ms`` per tokens per step),
     or a JSON object of tokens per step -> cost; returned relative to the smallest size's cost."""
-    from medusa_trt.exporter.onnx_export import ExportError
+    from medusa_trt.exporter.errors import ExportError
 
     path = Path(path)
     try:

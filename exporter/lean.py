@@ -13,7 +13,7 @@ check on tiny models and ``scripts/step_graph_report.py`` on the demo engine.
            (ONNX Runtime's own common-subexpression pass does the same at load: the file says
            what runs, for every reader of the graph.)
   fused    MatMuls by constant weights that read one input become one MatMul over their weights
-           side by side and a ``Split`` (``quantize.fuse_matmuls_by_input``): 4 weight matmuls a
+           side by side and a ``Split`` (``fuse_matmuls_by_input``; the quantizers fuse with it too): 4 weight matmuls a
            layer instead of 7. Each output element is the same dot product over the same K
            weights in the same order, whatever the columns beside it, so the outputs are bit for
            bit those of separate matmuls (MLAS's threads split rows and columns, not the sum;
@@ -95,10 +95,51 @@ def share_identical(graph) -> int:
     return dropped
 
 
+def fuse_matmuls_by_input(graph) -> int:
+    """MatMuls by 2-D constant weights that read the same input as one MatMul over their weights
+    side by side, then a Split back into their outputs; in place. Q / K / V of a layer read the same
+    normed hidden state, gate / up too (the heads' first layers too): a quantized graph then
+    quantizes that input once and runs one matmul instead of three. Each output column depends
+    on its own weight column only, so quantized with per-column (per-block) scales the outputs are
+    those of one matmul per weight. Returns how many MatMuls it merged away."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    weights = {t.name: t for t in graph.initializer}
+    groups: dict[str, list] = {}
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is not None and len(weight.dims) == 2:
+            groups.setdefault(node.input[0], []).append(node)
+    groups = {x: g for x, g in groups.items() if len(g) > 1 and len({m.input[1] for m in g}) == len(g)}
+    first = {g[0].output[0]: g for g in groups.values()}
+    merged = {m.output[0] for g in groups.values() for m in g}
+    nodes = []
+    for node in graph.node:
+        if node.output[0] not in merged:
+            nodes.append(node)
+            continue
+        group = first.get(node.output[0])
+        if group is None:  # merged into its group's first, which stands earlier
+            continue
+        name = f"{node.name or node.output[0]}_fused"
+        parts = [numpy_helper.to_array(weights[m.input[1]]) for m in group]  # (K, N_i) each
+        graph.initializer.append(numpy_helper.from_array(np.concatenate(parts, axis=1), name + "_weight"))  # (K, sum N_i)
+        widths = numpy_helper.from_array(np.array([p.shape[1] for p in parts], dtype=np.int64), name + "_widths")
+        graph.initializer.append(widths)
+        nodes.append(helper.make_node("MatMul", [node.input[0], name + "_weight"], [name], name=name))  # (..., sum N_i)
+        nodes.append(helper.make_node("Split", [name, widths.name], [m.output[0] for m in group], name=name + "_split", axis=-1))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    for weight in [weights[m.input[1]] for g in groups.values() for m in g]:
+        if weight.name not in used:  # now a copy inside the fused weight
+            graph.initializer.remove(weight)
+    return sum(len(g) - 1 for g in groups.values())
+
+
 def lean_graph(proto, *, fuse: bool = True) -> LeanReport:
     """Apply the passes to ``proto`` (a ``ModelProto`` with its weights loaded), in place."""
-    from medusa_trt.exporter.quantize import fuse_matmuls_by_input
-
     graph = proto.graph
     before = op_counts(graph)
     shared = share_identical(graph)

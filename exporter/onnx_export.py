@@ -38,18 +38,20 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_trt.exporter.cancel import checkpoint
+from medusa_trt.exporter.errors import ExportError
 from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES
 from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
 from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime import durable, key_slots
 from medusa_trt.runtime.backends import BACKENDS
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, default_tree
+from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_MAX_TOKENS, DEFAULT_OPSET, default_tree
 from medusa_trt.runtime.contract import (
     DEFAULT_SUCCESSORS,
     HEADS_INPUTS,
     HEADS_OUTPUTS,
     KEY_SLOTS_INPUT,
+    MAX_SUCCESSORS,
     NEXT_INPUT,
     STEP_INPUTS,
     STEP_OUTPUTS,
@@ -57,7 +59,6 @@ from medusa_trt.runtime.contract import (
 )
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
-from medusa_trt.runtime.errors import MedusaError
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
@@ -73,13 +74,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16} 
 # bits (a step of 0.03 at logits 4-8): tiny random models differ by 0.1 there, a few such steps, and 0.2 at most
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
 EXTERNAL_DATA_BYTES = 256 * 2**20  # weights above this go to a .data file beside the graph
-OPSETS = range(18, 24)  # torch's ONNX exporter starts at 18; 23 (the default) is the newest checked with ONNX Runtime
+OPSETS = range(18, DEFAULT_OPSET + 1)  # torch's ONNX exporter starts at 18; the default is the newest checked with ONNX Runtime
 MIN_CONTEXT = 2  # a prompt token and one generated one (the runtime's floor too)
 STAGING_OWNER = durable.LEGACY_OWNER  # staging folders of earlier versions: "pid host" of the exporting process
-
-
-class ExportError(MedusaError):
-    """The export cannot be done as asked; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,9 @@ class ExportConfig:
     tree: str | list | None = None  # the engine's default tree; None: a chain over the heads
     max_batch: int = DEFAULT_MAX_BATCH  # sequences per step the engine is built and checked for
     max_context: int | None = None  # committed + new tokens per sequence; None: 1024 or the model's positions if fewer
-    max_tokens: int = 64  # new tokens per step: tree nodes and prefill chunk
+    max_tokens: int = DEFAULT_MAX_TOKENS  # new tokens per step: tree nodes and prefill chunk
     dtype: str = "fp32"  # fp32 | fp16 | bf16 (for TensorRT; verified in ONNX's reference evaluator)
-    opset: int = 23  # 23: native Attention, RMSNormalization, RotaryEmbedding ops
+    opset: int = DEFAULT_OPSET
     quantize: QuantizeConfig | str | None = None  # weight quantization (exporter/quantize.py); a mode name: QuantizeConfig(mode)
     verify: bool = True  # checker + ONNX Runtime vs torch after export
     attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
@@ -113,8 +110,8 @@ class ExportConfig:
     gate_logits: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.successors, int) or not 0 <= self.successors <= 64:
-            raise ExportError(f"--successors {self.successors} is out of range: pass 0 (no output) to 64")
+        if not isinstance(self.successors, int) or not 0 <= self.successors <= MAX_SUCCESSORS:
+            raise ExportError(f"--successors {self.successors} is out of range: pass 0 (no output) to {MAX_SUCCESSORS}")
         _check_out_suffix(Path(self.out))
         if Path(self.out).suffix == ".plan":
             raise ExportError(f"--out {self.out}: a .plan is built from the ONNX engine (tensorrt_build); export to .onnx or a folder")
@@ -144,7 +141,7 @@ class ExportConfig:
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
             raise ExportError(f"--draft-vocab {self.draft_vocab} must be a whole number >= 1 (leave it out for the whole vocabulary)")
         if self.opset not in OPSETS:
-            raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default 23)")
+            raise ExportError(f"--opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1} (default {DEFAULT_OPSET})")
 
 
 # suffixes of files, never of an engine folder: --out model.txt is a mistake, not a folder to create
@@ -468,7 +465,7 @@ def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tre
             read_weights(staged.step, meta.architecture)
         except NativeCannotRun as exc:
             raise NativeCannotRun(f"backend native cannot run {out}: {exc.what}; use --backend onnxruntime for it", exc.what) from None
-    write_folder_files(model, staged, meta, tree, step_cost=config.step_cost, backend=config.backend or FALLBACK)  # what backends open
+    write_folder_files(model, staged, meta, step_cost=config.step_cost, backend=config.backend or FALLBACK)  # what backends open
     choice, backend = None, None
     if config.backend is None:
         log.info("choosing the engine folder's backend: native where it runs this engine exactly and faster, else onnxruntime")
@@ -485,7 +482,6 @@ def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tre
             model,
             staged,
             meta,
-            tree,
             step_cost=cost.table if cost else config.step_cost,
             heads_cost=cost.heads if cost else None,
             exactness=exactness,

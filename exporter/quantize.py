@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.exporter.external_data import data_path, has_external_data, save_graph
+from medusa_trt.exporter.lean import fuse_matmuls_by_input
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class QuantizeConfig:
     accuracy_level: int | None = None  # int4 only: MatMulNBits compute type (ACCURACY_LEVELS); None: DEFAULT_ACCURACY_LEVEL
 
     def __post_init__(self):
-        from medusa_trt.exporter.onnx_export import ExportError  # imported here: onnx_export imports this module
+        from medusa_trt.exporter.errors import ExportError
 
         if self.mode not in MODES:
             raise ExportError(f"--quantize {self.mode} is not supported: use one of {', '.join(MODES)}")
@@ -85,7 +86,7 @@ class QuantizeConfig:
     def from_options(cls, mode: str | None, block_size: int | None = None, accuracy_level: int | None = None) -> QuantizeConfig | None:
         """The command line's --quantize / --block-size / --accuracy-level; None when none is given."""
         if mode is None and (block_size is not None or accuracy_level is not None):
-            from medusa_trt.exporter.onnx_export import ExportError
+            from medusa_trt.exporter.errors import ExportError
 
             flag = "--block-size" if block_size is not None else "--accuracy-level"
             raise ExportError(f"{flag} applies to --quantize int4 / int8-block only: add --quantize int4, or drop {flag}")
@@ -248,68 +249,25 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
             nodes.append(node)
             continue
         if weight.name not in quantized:
-            values, scale = _int8_columns(numpy_helper.to_array(weight))
+            values, scale = int8_columns(numpy_helper.to_array(weight))
             quantized[weight.name] = (
                 numpy_helper.from_array(values, weight.name + "_int8"),
                 numpy_helper.from_array(scale, weight.name + "_int8_scale"),
             )
             graph.initializer.extend(quantized[weight.name])
         rows = leading.get(node.input[0])  # None: not known, so this quantizer makes its own zero point
-        made = _row_int8_matmul(node, *(t.name for t in quantized[weight.name]), k=weight.dims[0], zero_point=zero_points.get(rows))
+        made = row_int8_matmul(node, *(t.name for t in quantized[weight.name]), k=weight.dims[0], zero_point=zero_points.get(rows))
         if rows is not None and rows not in zero_points:
             zero_points[rows] = next(n.output[0] for n in made if n.op_type == "ConstantOfShape")
         nodes += made
-    graph.initializer.extend(_row_constants())
+    graph.initializer.extend(row_constants())
     del graph.node[:]
     graph.node.extend(nodes)
     model.remove_unused_constant()  # the float weights
     _replace_graph(path, model.model, meta)
 
 
-def fuse_matmuls_by_input(graph) -> int:
-    """MatMuls by 2-D constant weights that read the same input as one MatMul over their weights
-    side by side, then a Split back into their outputs; in place. Q / K / V of a layer read the same
-    normed hidden state, gate / up too (the heads' first layers too): a quantized graph then
-    quantizes that input once and runs one matmul instead of three. Each output column depends
-    on its own weight column only, so quantized with per-column (per-block) scales the outputs are
-    those of one matmul per weight. Returns how many MatMuls it merged away."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-
-    weights = {t.name: t for t in graph.initializer}
-    groups: dict[str, list] = {}
-    for node in graph.node:
-        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if weight is not None and len(weight.dims) == 2:
-            groups.setdefault(node.input[0], []).append(node)
-    groups = {x: g for x, g in groups.items() if len(g) > 1 and len({m.input[1] for m in g}) == len(g)}
-    first = {g[0].output[0]: g for g in groups.values()}
-    merged = {m.output[0] for g in groups.values() for m in g}
-    nodes = []
-    for node in graph.node:
-        if node.output[0] not in merged:
-            nodes.append(node)
-            continue
-        group = first.get(node.output[0])
-        if group is None:  # merged into its group's first, which stands earlier
-            continue
-        name = f"{node.name or node.output[0]}_fused"
-        parts = [numpy_helper.to_array(weights[m.input[1]]) for m in group]  # (K, N_i) each
-        graph.initializer.append(numpy_helper.from_array(np.concatenate(parts, axis=1), name + "_weight"))  # (K, sum N_i)
-        widths = numpy_helper.from_array(np.array([p.shape[1] for p in parts], dtype=np.int64), name + "_widths")
-        graph.initializer.append(widths)
-        nodes.append(helper.make_node("MatMul", [node.input[0], name + "_weight"], [name], name=name))  # (..., sum N_i)
-        nodes.append(helper.make_node("Split", [name, widths.name], [m.output[0] for m in group], name=name + "_split", axis=-1))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input}
-    for weight in [weights[m.input[1]] for g in groups.values() for m in g]:
-        if weight.name not in used:  # now a copy inside the fused weight
-            graph.initializer.remove(weight)
-    return sum(len(g) - 1 for g in groups.values())
-
-
-def _int8_columns(weight):
+def int8_columns(weight):
     """A float weight (K, N) as int8 values (K, N) and one fp32 scale per column (N,)."""
     import numpy as np
 
@@ -318,8 +276,8 @@ def _int8_columns(weight):
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
-def _row_constants() -> list:
-    """The scalars every ``_row_int8_matmul`` shares."""
+def row_constants() -> list:
+    """The scalars every ``row_int8_matmul`` shares."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -346,7 +304,7 @@ def _leading_dims(graph) -> dict[str, tuple]:
     return out
 
 
-def _row_int8_matmul(node, weight: str, weight_scale: str, k: int, zero_point: str | None = None) -> list:
+def row_int8_matmul(node, weight: str, weight_scale: str, k: int, zero_point: str | None = None) -> list:
     """y = x @ W for x (..., K): per-row scale s = max(max|x|, 127 * float32 tiny) / 127, xq = round(x / s) + 128 (uint8),
     y = (xq - 128) @ Wq * s * w_scale, the integer product exact in int32. The rounding is one
     ``QuantizeLinear`` with a block of K (a row): the same bytes as Div, Round, Add 128 and Cast,

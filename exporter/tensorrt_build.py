@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_trt.exporter.cancel import checkpoint
-from medusa_trt.exporter.onnx_export import ExportError, make_staging
+from medusa_trt.exporter.errors import ExportError, TensorRTBuildError
+from medusa_trt.exporter.onnx_export import make_staging
 from medusa_trt.exporter.tensorrt_ops import OP_MIN_TENSORRT, Requirement, required_tensorrt
 from medusa_trt.plugins.tree_attention.aot import TRT_PLUGIN_VERSION
 from medusa_trt.plugins.tree_attention.spec import TREE_ATTENTION
@@ -75,10 +76,6 @@ TIMING_CACHE = "timing.cache"
 
 class TensorRTUnavailableError(ExportError):
     """TensorRT, polygraphy or a CUDA GPU is missing; the message says what to install."""
-
-
-class TensorRTBuildError(ExportError):
-    """TensorRT could not build the engine as asked; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +387,8 @@ def _build_into_folder(trt, src: EngineFiles, meta: EngineMeta, proto, config: T
     swapped in for the ONNX-only folder; a failed build leaves that folder as it was."""
     import onnx
 
-    from medusa_trt.exporter.engine_folder import folder_config, link_files, swap_folder
+    from medusa_trt.exporter.engine_folder import folder_config, swap_folder
+    from medusa_trt.runtime.durable import link_files
     from medusa_trt.runtime.engine_folder import write_folder_config
 
     folder = src.folder

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.exporter.tensorrt_build import TensorRTBuildError
+from medusa_trt.exporter.errors import TensorRTBuildError
 from medusa_trt.runtime import key_slots
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,

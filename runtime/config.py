@@ -9,6 +9,8 @@ from medusa_trt.runtime.errors import MedusaError
 
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_CONTEXT = 1024  # capped by the model's positions wherever a context is chosen
+DEFAULT_MAX_TOKENS = 64  # the most new tokens one step of an exported engine takes: tree nodes and prefill chunk
+DEFAULT_OPSET = 23  # the exporter's ONNX opset: 23 has native Attention, RMSNormalization, RotaryEmbedding ops
 DEFAULT_PREFILL_CHUNK = 64  # capped by the engine's tokens per step
 DEFAULT_MAX_NEW_TOKENS = 128  # a request's budget when it names none (generate, stream, the batcher, medusa-bench)
 

@@ -11,6 +11,10 @@ from typing import Protocol
 
 import numpy as np
 
+ONNX_BACKENDS = ("onnxruntime", "openvino", "native")  # backends that run an engine's ONNX graphs; onnxruntime: where none is named
+BACKENDS = (*ONNX_BACKENDS, "tensorrt")  # what RuntimeConfig.backend names
+MAX_SUCCESSORS = 64  # the most successors a step graph's next_topk holds (native_step.c's MAX_TOPK is the same cap)
+
 STEP_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "past_key", "past_value")
 STEP_OUTPUTS = ("logits", "hidden", "next_ids", "new_key", "new_value")
 KEY_SLOTS_INPUT = "key_slots"  # optional int64 (B, T): where each new key sits on the attention's key axis (runtime/key_slots.py)

@@ -434,3 +434,15 @@ def check_set_ours(folder: str | os.PathLike, names: Sequence[str], manifest: st
         raise _not_ours(shown, f"{folder / manifest} lists medusa-trt {listing.kind} files, not an engine's", flag)
     for path in existing:
         _check_listed(path, path.relative_to(folder).as_posix(), listing, folder / manifest, flag, shown)
+
+
+def link_files(paths, root: Path, dest: Path) -> None:
+    """Each of ``paths`` (under ``root``) at the same relative name under ``dest``: a hard link where
+    the file system allows (engine weights are hundreds of MB), else a copy."""
+    for src in paths:
+        target = dest / src.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, target)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(src, target)

@@ -8,7 +8,7 @@ which ``hf upload``, container mounts and Triton repositories expect)::
   DIR/heads.onnx              the heads graph (absent without heads)
   DIR/tokenizer.json ...      the tokenizer files, chat template included
   DIR/generation_config.json  the base model's generation defaults (EOS ids)
-  DIR/drafting.json           the heads template (tree) and the drafting defaults
+  DIR/drafting.json           the drafting budget: step cost, heads cost, exactness and backend choice measured at export
   DIR/model.plan, heads.plan  TensorRT engines built from the ONNX graphs (backend "tensorrt")
   DIR/files.json              size and sha256 of every file above (``runtime/manifest.py``)
 
@@ -33,10 +33,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.runtime.backends import BACKENDS
+from medusa_trt.runtime.contract import BACKENDS
 from medusa_trt.runtime.durable import write_text
-from medusa_trt.runtime.engine import FOLDER_CONFIG, EngineError, EngineMeta
+from medusa_trt.runtime.engine_meta import EngineMeta
+from medusa_trt.runtime.errors import EngineError
 
+FOLDER_CONFIG = "config.json"
 FOLDER_FORMAT = "medusa-trt-engine"
 FOLDER_VERSION = 1
 DRAFTING_FILE = "drafting.json"
@@ -105,7 +107,7 @@ def write_folder_config(folder: Path, config: FolderConfig) -> Path:
 
 
 def read_drafting(folder: str | os.PathLike) -> dict:
-    """The folder's ``drafting.json`` ({} when absent): ``drafters`` and the ``step_cost`` table."""
+    """The folder's ``drafting.json`` ({} when absent): the ``step_cost`` table, ``heads_cost``, ``exactness``, ``backend_choice``."""
     path = Path(folder) / DRAFTING_FILE
     if not path.is_file():
         return {}

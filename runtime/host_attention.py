@@ -5,8 +5,8 @@ slot-major input, the ``Transpose`` to head-major, the key scatter) before its `
 the copies grow with the context. This kernel reads the cache in place and the step's own keys from
 where the graph left them, and is exact by construction: a query sums its visible keys in position
 order with the same instructions wherever a key comes from, so a verify step equals plain steps bit
-for bit without key slots (``host_attention.c`` says why). ``runtime/step_segments.py`` cuts a step
-graph at its attentions so that this kernel can run between the pieces.
+for bit without key slots (``host_attention.c`` says why). The native step (``native_step.c``) calls it for
+every layer; this module runs it alone, for its tests and measurements.
 
 The kernel is compiled into the native step's library (``native_library``: built with the package, for the best
 instruction set the CPU runs); here it runs on one thread.

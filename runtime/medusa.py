@@ -46,7 +46,7 @@ from medusa_trt.runtime.tree import CompiledTree, compile_tree, load_tree, resol
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _EngineInfo:
     """What the runtime needs to know of an engine, whichever backend runs it."""
 
@@ -62,7 +62,16 @@ class _EngineInfo:
     @classmethod
     def from_meta(cls, meta) -> _EngineInfo:
         """From an exported engine's ``EngineMeta`` (ONNX or TensorRT)."""
-        return cls(meta.num_heads, meta.tree, meta.tree_name, meta.top_k, meta.vocab_size, meta.eos_token_ids, meta.is_chat, meta.expansion)
+        return cls(
+            num_heads=meta.num_heads,
+            tree=meta.tree,
+            tree_name=meta.tree_name,
+            max_top_k=meta.top_k,
+            vocab_size=meta.vocab_size,
+            eos_token_ids=meta.eos_token_ids,
+            is_chat=meta.is_chat,
+            expansion=meta.expansion,
+        )
 
 
 def _folder_step_cost(files: EngineFiles | None, backend: str) -> tuple[dict | None, float]:
@@ -221,13 +230,13 @@ class MedusaRuntime:
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
         name = default_tree(model.num_heads)
         info = _EngineInfo(
-            model.num_heads,
-            resolve_tree(name)[1],
-            name,
-            model.vocab_size,
-            model.vocab_size,
-            model.eos_token_ids,
-            getattr(model, "is_chat", False),
+            num_heads=model.num_heads,
+            tree=resolve_tree(name)[1],
+            tree_name=name,
+            max_top_k=model.vocab_size,  # the torch heads rank the whole vocabulary: any top-k up to it
+            vocab_size=model.vocab_size,
+            eos_token_ids=model.eos_token_ids,
+            is_chat=getattr(model, "is_chat", False),
         )
         return backend, TextCodec(model.tokenizer), info
 

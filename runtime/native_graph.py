@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.errors import EngineError
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from medusa_trt.runtime.contract import (
     HIDDEN,
     INPUT_IDS,
     LOGITS,
+    MAX_SUCCESSORS,
     NEW_KEY,
     NEW_VALUE,
     NEXT_IDS,
@@ -53,7 +54,7 @@ from medusa_trt.runtime.native_weights import QK_SPANS, HeadsWeights, Linear, Na
 log = logging.getLogger(__name__)
 
 BLOCK, VECTOR = 32, 16  # outputs per packed block (native_step.c's BLOCK), and per vector
-MAX_TOPK = 64  # most successors native_step.c ranks
+MAX_TOPK = MAX_SUCCESSORS  # most successors native_step.c ranks (its MAX_TOPK)
 
 
 def pack(w: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ import io
 import os
 from pathlib import Path
 
-from medusa_trt.runtime.engine import EngineError
+from medusa_trt.runtime.errors import EngineError
 
 _MODEL_METADATA_PROPS = 14  # ModelProto.metadata_props: repeated StringStringEntryProto {key = 1, value = 2}
 

@@ -70,7 +70,7 @@ class TextOutput:
         longer turn out to be part of a stop string or of a multi-byte character."""
         if finished and not self._cut:
             self.text += self._tail(codec, final=True)
-        end = len(self.text) if finished else _safe_end(self.text, self.stops)
+        end = len(self.text) if finished else safe_end(self.text, self.stops)
         delta = self.text[self._streamed : end]
         self._streamed = len(self.text[:end])
         return delta
@@ -99,7 +99,7 @@ def _longest(stops: tuple[str, ...]) -> int:
     return max((len(s) for s in stops), default=1)
 
 
-def _safe_end(text: str, stops: tuple[str, ...]) -> int:
+def safe_end(text: str, stops: tuple[str, ...]) -> int:
     """How much of an unfinished sequence's text may be streamed: not an incomplete multi-byte
     character (U+FFFD at the end), and not a tail that could still grow into a stop string
     (a suffix that is a proper prefix of one), as vLLM and TGI hold back."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from medusa_trt.runtime.drafting.builder import StepTree
+    from medusa_trt.runtime.drafting.base import StepTree
 
 
 @dataclass(frozen=True)

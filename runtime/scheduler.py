@@ -47,8 +47,8 @@ import numpy as np
 from medusa_trt.runtime.acceptance import AcceptanceRule, Draws, Verdict, rule_for
 from medusa_trt.runtime.contract import Backend, StepOutput
 from medusa_trt.runtime.drafting import Drafting
-from medusa_trt.runtime.drafting.base import Observed
-from medusa_trt.runtime.drafting.builder import Candidates, StepTree, build_tree, merge, shared_width, take_width
+from medusa_trt.runtime.drafting.base import Observed, StepTree
+from medusa_trt.runtime.drafting.builder import Candidates, build_tree, merge, shared_width, take_width
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 from medusa_trt.runtime.output import TextOutput
 from medusa_trt.runtime.results import GenerationResult, GenerationStats, StepDrafts, StreamEvent

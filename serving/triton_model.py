@@ -200,7 +200,7 @@ class TritonPythonModel:
         self.runtime = runtime
         self.metrics = _TritonMetrics(args.get("model_name") or config.get("name", "medusa"))
         self.batcher = ContinuousBatcher(runtime, observer=MetricsObserver(self.metrics)).start()
-        self._live: dict[int, _Live] = {}  # request id -> the request in flight
+        self._live: dict[int, LiveRequest] = {}  # request id -> the request in flight
         self._lock = threading.Lock()  # guards _live
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="medusa-cancel-watch", daemon=True)
@@ -225,14 +225,14 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"medusa: request failed: {exc!r}")
                 _send_error(sender, f"internal error: {exc}", "INTERNAL")
                 continue
-            live = _Live(request, handle, sender, arrived, parsed.timeout)
+            live = LiveRequest(request, handle, sender, arrived, parsed.timeout)
             live.thread = threading.Thread(target=self._forward, args=(live, parsed.stream), name=f"medusa-req-{handle.id}", daemon=True)
             with self._lock:
                 self._live[handle.id] = live
             live.thread.start()
         # decoupled: nothing to return, responses go through each request's sender
 
-    def _forward(self, live: _Live, stream: bool) -> None:
+    def _forward(self, live: LiveRequest, stream: bool) -> None:
         """Send one request's events as responses; the last one carries the final flag."""
         text, tokens = [], []
         try:
@@ -366,7 +366,7 @@ class _TritonMetrics:
         self._families.clear()
 
 
-class _Live:
+class LiveRequest:
     """One request in flight: its Triton request and response sender, its batching handle and the
     thread forwarding its events. Triton frees a request's response factory once the final
     response is sent, and ``is_cancelled()`` after that reads freed memory (the server crashes),

@@ -236,6 +236,6 @@ def _copy_engine(engine: Path, dest: Path) -> None:
 
     files = EngineFiles.locate(engine)
     folder = files.step.parent
-    from medusa_trt.exporter.engine_folder import link_files
+    from medusa_trt.runtime.durable import link_files
 
     link_files(engine_file_list(files) + [p for p in (manifest_path(files),) if p.is_file()], folder, dest)

@@ -101,12 +101,12 @@ def row_int8_model(k: int, n: int, seed: int):
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from medusa_trt.exporter.quantize import _int8_columns, _row_constants, _row_int8_matmul
+    from medusa_trt.exporter.quantize import int8_columns, row_constants, row_int8_matmul
 
     rng = np.random.default_rng(seed)
-    values, scale = _int8_columns(rng.standard_normal((k, n)).astype(np.float32))  # (k, n) int8, (n,)
-    nodes = _row_int8_matmul(helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), "w_int8", "w_int8_scale", k=k)
-    inits = [numpy_helper.from_array(values, "w_int8"), numpy_helper.from_array(scale, "w_int8_scale"), *_row_constants()]
+    values, scale = int8_columns(rng.standard_normal((k, n)).astype(np.float32))  # (k, n) int8, (n,)
+    nodes = row_int8_matmul(helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), "w_int8", "w_int8_scale", k=k)
+    inits = [numpy_helper.from_array(values, "w_int8"), numpy_helper.from_array(scale, "w_int8_scale"), *row_constants()]
     graph = helper.make_graph(
         nodes,
         "row_int8",

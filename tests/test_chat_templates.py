@@ -1,4 +1,4 @@
-"""The chat templates of the model families (issue 34, item 5): Qwen3's (with its thinking switch),
+"""The chat templates of the model families: Qwen3's (with its thinking switch),
 Gemma-2's and Gemma-3's, Phi-3's, rendered by the engine's lean codec as transformers renders them.
 
 The templates are the published ones (``tests/fixtures/chat_templates/``, origin in its README). Each

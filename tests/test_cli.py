@@ -44,13 +44,11 @@ def test_generates_and_summarises(capsys, stories_base, monkeypatch):
     assert code == 0, err
     lines = out.strip().splitlines()
     assert "there was" in lines[0]
-    assert (
-        lines[1].startswith("medusa (drafters heads,lookup,recycle, heads template chain-3): 20 tokens,")
-        and "accepted/step" in lines[1]
-        and "tokens/s" in lines[1]
-    )
+    assert lines[1].startswith("medusa on torch (") and "; drafters heads,lookup,recycle, heads template chain-3: 20 tokens," in lines[1]
+    assert "accepted/step" in lines[1] and "tokens/s" in lines[1] and lines[1].endswith("; finished: length")
     assert lines[2].startswith("plain decoding (same engine): 20 tokens, 19 steps, 1.00 accepted/step")
-    assert lines[3].startswith("speedup over plain decoding: ")
+    assert lines[3].startswith("drafted = plain: ")  # token for token, whichever way it went
+    assert lines[4].startswith("speedup over plain decoding: ") and "medusa-bench" in lines[4]
     drafters = ("heads", "lookup", "recycle")
     assert calls == [(drafters, 4), ((), 4), (drafters, 20), ((), 20)]  # both warmed up untimed, as medusa-bench does
 
@@ -73,7 +71,7 @@ def test_saved_heads_batch_and_stream(capsys, stories_base, tmp_path):
         "10",
     )
     assert code == 0, err
-    assert out.count("--- prompt") == 2 and "medusa (drafters heads,lookup,recycle, heads template chain-2): 20 tokens" in out
+    assert out.count("--- prompt") == 2 and "; drafters heads,lookup,recycle, heads template chain-2: 20 tokens" in out
     code, out, err = _run(
         capsys,
         "--model",
@@ -89,7 +87,7 @@ def test_saved_heads_batch_and_stream(capsys, stories_base, tmp_path):
         "xyzzy",
     )
     assert code == 0, err
-    assert "heads template chain-2): 10 tokens" in out
+    assert "heads template chain-2: 10 tokens" in out and out.rstrip().endswith("finished: length")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Pinned dependencies (issue 24): pyproject.toml caps the libraries whose releases change what the
+"""Pinned dependencies: pyproject.toml caps the libraries whose releases change what the
 exporter writes below their next minor release, and ``make`` installs exactly ``constraints.txt``.
 
 The second check reads this environment: after ``make install`` every package the constraints name

@@ -1,4 +1,4 @@
-"""A heads folder's export.json (issue 25, defaults that are the best settings): ``medusa-export --model M
+"""A heads folder's export.json (defaults that are the best settings): ``medusa-export --model M
 --heads H --out DIR`` with nothing else builds the engine the heads were tuned for; the command line wins."""
 
 from __future__ import annotations

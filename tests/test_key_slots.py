@@ -1,4 +1,4 @@
-"""Key slots: a verify step is a plain step, bit for bit (issue 25, batch-invariant int8).
+"""Key slots: a verify step is a plain step, bit for bit (batch-invariant int8).
 
 The pure assignment first (runtime/key_slots.py), then engines: every path token's logits from one
 verify step over a tree of 1, 9 or 29 nodes, at batch 1 and 4 (ragged caches), must equal the logits

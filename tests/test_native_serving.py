@@ -1,4 +1,4 @@
-"""The native backend stepped off the thread that built it (issue 47): ``medusa-serve`` builds the runtime on the main
+"""The native backend stepped off the thread that built it: ``medusa-serve`` builds the runtime on the main
 thread and steps it on the batcher's thread, where OpenMP's thread count is its default (``OMP_NUM_THREADS``), not
 the ``threads`` the step was built for. Every answer must be the one the building thread gets, and the process must
 live on and exit cleanly.

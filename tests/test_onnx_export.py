@@ -135,7 +135,7 @@ def test_cli_export_and_run(tmp_path, capsys):
 
     assert run_main(["--engine", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert summary.startswith("medusa (") and "chain-3" in summary and "): 12 tokens" in summary, summary
+    assert summary.startswith("medusa on onnxruntime (") and "heads template chain-3: 12 tokens" in summary, summary
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -59,7 +59,7 @@ def test_bf16_decodes_and_claims_no_exactness(engine, stories_prompts, caplog):
         runtime = MedusaRuntime(engine, backend="openvino", precision="bf16", max_batch=2, max_context=256, threads=2)
     assert "output is not the fp32 engine's" in caplog.text and "(not exact)" in caplog.text  # said at load
     # no claim: on 29 dev prompts a bf16 engine that passed the lane probe drafted other text than its own plain
-    # output on one (docs/bench-backends.json), so bf16 never claims verify steps are plain steps
+    # output on one (docs/results/bench-backends.json), so bf16 never claims verify steps are plain steps
     assert runtime.backend.exact is False
     assert runtime.backend.precision == "bf16"
     drafted = runtime.generate(stories_prompts[:3], max_new_tokens=NEW_TOKENS)

@@ -1,4 +1,4 @@
-"""medusa-bench --peer in processes of their own (issue 38): a peer that dies (a segfault in llama.cpp's
+"""medusa-bench --peer in processes of their own: a peer that dies (a segfault in llama.cpp's
 decode on some CPUs) costs its row only, and the row says how it died; the new --peer kinds
 (llama.cpp-norepack, openvino, openvino-default, +lookup) parse, and bad ones are one line.
 
@@ -207,19 +207,19 @@ def _fake_binding(monkeypatch, fields: list[tuple[str, type]]) -> types.ModuleTy
 
 
 def test_norepack_turns_the_extra_buffer_types_off_while_loading(monkeypatch):
-    from medusa_trt.bench.peers import _NoExtraBuffers
+    from medusa_trt.bench.peers import NoExtraBuffers
 
     native = _fake_binding(monkeypatch, [("use_mmap", ctypes.c_bool), ("use_extra_bufts", ctypes.c_bool)])
     original = native.llama_model_default_params
-    with _NoExtraBuffers("llama.cpp-norepack:m.gguf"):
+    with NoExtraBuffers("llama.cpp-norepack:m.gguf"):
         params = native.llama_model_default_params()  # what Llama() reads when it loads the model
         assert params.use_extra_bufts is False and params.use_mmap is True
     assert native.llama_model_default_params is original and original().use_extra_bufts is True
 
 
 def test_norepack_on_a_binding_without_the_parameter_is_one_line(monkeypatch):
-    from medusa_trt.bench.peers import _NoExtraBuffers
+    from medusa_trt.bench.peers import NoExtraBuffers
 
     _fake_binding(monkeypatch, [("use_mmap", ctypes.c_bool)])
     with pytest.raises(PeerError, match="this llama-cpp-python has no use_extra_bufts model parameter"):
-        _NoExtraBuffers("llama.cpp-norepack:m.gguf")
+        NoExtraBuffers("llama.cpp-norepack:m.gguf")

@@ -1,4 +1,4 @@
-"""medusa-bench --peer (issue 25): llama.cpp on a GGUF of the engine's model, beside the engine's rows.
+"""medusa-bench --peer: llama.cpp on a GGUF of the engine's model, beside the engine's rows.
 
 The runner tests use stories260K (the engine is exported from the same GGUF, so the vocabularies
 match). They skip, printing why, where llama.cpp's Python binding is not importable (``make peers``

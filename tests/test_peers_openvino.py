@@ -1,4 +1,4 @@
-"""medusa-bench --peer openvino:DIR (issue 38): OpenVINO GenAI's LLMPipeline on an OpenVINO folder of
+"""medusa-bench --peer openvino:DIR: OpenVINO GenAI's LLMPipeline on an OpenVINO folder of
 stories260K (a real Llama of 292,800 parameters, exported here by optimum-cli from the model the engine
 is exported from), greedy, on the engine's prompt ids, beside the engine's rows.
 

@@ -61,7 +61,7 @@ def test_int4_graphs_hold_matmulnbits(engines):
         attrs = {a.name: a.i for a in nbits[0].attribute}
         assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, DEFAULT_BLOCK_SIZE, DEFAULT_ACCURACY_LEVEL)
     step = _graph(files.step)
-    # 7 weight matmuls per layer, Q / K / V and gate / up fused (fuse_matmuls_by_input): 4 per layer; lm_head
+    # 7 weight matmuls per layer, Q / K / V and gate / up fused (lean.fuse_matmuls_by_input): 4 per layer; lm_head
     assert len([n for n in graph_nodes(step) if n.op_type == "MatMulNBits"]) == 5 * 4 + 1
     level1 = [n for n in _graph(EngineFiles.beside(engines["int4-fp32-compute"]).step).node if n.op_type == "MatMulNBits"]
     assert {a.i for n in level1 for a in n.attribute if a.name == "accuracy_level"} == {1}
@@ -272,7 +272,7 @@ def test_matmuls_reading_one_input_fuse_into_one():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from medusa_trt.exporter.quantize import fuse_matmuls_by_input
+    from medusa_trt.exporter.lean import fuse_matmuls_by_input
 
     rng = np.random.default_rng(0)
     w = {name: rng.normal(size=(8, n)).astype(np.float32) for name, n in (("wq", 8), ("wk", 4), ("wv", 4), ("wo", 8))}

@@ -1,4 +1,4 @@
-"""Issue 13, runtime side: stop strings never leak into streams, token ids are checked at the door,
+"""Robustness, runtime side: stop strings never leak into streams, token ids are checked at the door,
 one bad request never hurts another, and every bad input to medusa-run is one line."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conftest import CUSTOM_TREE, STORY_PROMPTS, medusa_model, random_heads
 from medusa_trt.runtime import EngineError, MedusaRuntime, PromptError, RuntimeConfig
 from medusa_trt.runtime.batching import ContinuousBatcher, Request
 from medusa_trt.runtime.errors import MedusaError
-from medusa_trt.runtime.output import _safe_end
+from medusa_trt.runtime.output import safe_end
 from medusa_trt.runtime.sampling import SamplingError
 
 
@@ -37,11 +37,11 @@ def runtime(request, engine, stories_base, stories_fitted):
 
 
 def test_safe_end_holds_back_what_could_become_a_stop():
-    assert _safe_end("1. 1\n2. 2\n3. 3", ("3. 3\n4",)) == len("1. 1\n2. 2\n")
-    assert _safe_end("the end", ("xyz",)) == len("the end")
-    assert _safe_end("abc", ("cd", "bcx")) == 1  # the longest candidate wins
-    assert _safe_end("ab\ufffd", ()) == 2  # an incomplete character is held too
-    assert _safe_end("", ("a",)) == 0
+    assert safe_end("1. 1\n2. 2\n3. 3", ("3. 3\n4",)) == len("1. 1\n2. 2\n")
+    assert safe_end("the end", ("xyz",)) == len("the end")
+    assert safe_end("abc", ("cd", "bcx")) == 1  # the longest candidate wins
+    assert safe_end("ab\ufffd", ()) == 2  # an incomplete character is held too
+    assert safe_end("", ("a",)) == 0
 
 
 def _spanning_stops(runtime, prompt: str, n: int) -> tuple[str, list[str]]:
@@ -334,4 +334,4 @@ def test_run_stream_and_plain_agree_on_a_spanning_stop(engine, runtime):
     assert streamed.returncode == 0 and plain.returncode == 0, (streamed.stderr, plain.stderr)
     text = json.loads(plain.stdout.decode().splitlines()[0])["text"]
     assert text == full[: full.index(stops[0])]
-    assert streamed.stdout.decode().split("\nmedusa (")[0] == text
+    assert streamed.stdout.decode().split("\nmedusa on ")[0] == text

@@ -10,7 +10,7 @@ import pytest
 
 from medusa_trt.runtime.contract import StepOutput
 from medusa_trt.runtime.drafting import Drafting, DraftingConfig
-from medusa_trt.runtime.output import TextOutput, _safe_end
+from medusa_trt.runtime.output import TextOutput, safe_end
 from medusa_trt.runtime.scheduler import Scheduler, SchedulerConfig, Seq, SeqRequest, admit
 
 VOCAB, EOS = 100, 99
@@ -152,4 +152,4 @@ def test_streaming_holds_back_a_possible_stop():
     assert output.delta(codec, finished=False) == "a"
     output.add(codec, [3], frozenset())  # "abcd": it did not
     assert output.delta(codec, finished=False) == "bcd"
-    assert _safe_end("abc", ("cd", "bcx")) == 1
+    assert safe_end("abc", ("cd", "bcx")) == 1

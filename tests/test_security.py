@@ -1,4 +1,4 @@
-"""Serving security and robustness (issue 13), against real tritonserver processes.
+"""Serving security and robustness, against real tritonserver processes.
 
 The model-repository API is closed (load / unload refused over HTTP and gRPC, ``medusa`` stays
 loaded); only loopback is bound unless --allow-remote; a killed medusa-serve leaves no process,
@@ -348,10 +348,10 @@ def test_deadline_clocks(tmp_path, monkeypatch):
     from triton_step_clock_model import StepClockLive
 
     from medusa_trt.serving import triton_model
-    from medusa_trt.serving.triton_model import _Live
+    from medusa_trt.serving.triton_model import LiveRequest
 
     events = [SimpleNamespace(finish_reason=None)] * 3 + [SimpleNamespace(finish_reason="cancelled")]
-    wall, stepped = _Live(None, None, None, 100.0, 0.01), StepClockLive(None, iter(events), None, 100.0, 0.01)
+    wall, stepped = LiveRequest(None, None, None, 100.0, 0.01), StepClockLive(None, iter(events), None, 100.0, 0.01)
     assert len(list(stepped.handle)) == 4 and stepped.steps == 3  # a cancellation is no step
     for now, steps, past in ((100.009, 3, (False, False)), (100.01, 4, (True, True)), (1e9, 0, (True, False))):
         monkeypatch.setattr(triton_model, "time", SimpleNamespace(monotonic=lambda now=now: now))  # the model's clock only

@@ -297,10 +297,10 @@ def test_serve_bad_repository(tmp_path, capsys):
 
 
 def test_export_writes_the_repository_too(engine, tmp_path, capsys):
-    from medusa_trt.cli.export import _triton_repo
+    from medusa_trt.cli.export import triton_repo_option
 
-    assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0
-    assert _triton_repo(str(tmp_path / "repo"), Path(engine)) == 0  # exporting again replaces it
+    assert triton_repo_option(str(tmp_path / "repo"), Path(engine)) == 0
+    assert triton_repo_option(str(tmp_path / "repo"), Path(engine)) == 0  # exporting again replaces it
     assert capsys.readouterr().out.count("serve it with medusa-serve") == 2
     reference = os.path.relpath(Path(engine).resolve(), (tmp_path / "repo" / "medusa").resolve())
     assert f'string_value: "{reference}"' in (tmp_path / "repo" / "medusa" / "config.pbtxt").read_text()

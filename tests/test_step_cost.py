@@ -1,4 +1,4 @@
-"""Cost-aware drafting on every engine (issue 25): the engine's own measured step cost.
+"""Cost-aware drafting on every engine: the engine's own measured step cost.
 
 The exporter times an engine folder it writes and records the curve (drafting.json ``step_cost``
 and ``heads_cost``); the runtime's budget reads it, and where no tree could beat plain decoding

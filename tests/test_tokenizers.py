@@ -1,4 +1,4 @@
-"""Faithful engine tokenizers (issue 24): the engine encodes exactly as the source model does.
+"""Faithful engine tokenizers: the engine encodes exactly as the source model does.
 
 Three source tokenizers, each made here with the ``tokenizers`` / ``sentencepiece`` trainers and saved
 beside a tiny random model: a word-level vocabulary on a Qwen2 model whose tokenizer_config says

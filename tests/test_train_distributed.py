@@ -298,12 +298,12 @@ def test_one_line_errors_unreachable_teacher_other_model_and_no_cuda(capsys, tmp
 
 def test_teacher_text_is_tokenized_again_and_what_does_not_round_trip_is_dropped(stories_base):
     """A server without token ids: its text is tokenized again, kept only when it round-trips."""
-    from medusa_trt.training.teacher import _retokenized
+    from medusa_trt.training.teacher import retokenized
 
     ids = stories_base.tokenizer("Once upon a time there was a cat", add_special_tokens=False)["input_ids"]
     text = stories_base.tokenizer.decode(ids)
-    assert _retokenized(stories_base, {"text": text, "usage": {"completion_tokens": len(ids)}}) == ids
+    assert retokenized(stories_base, {"text": text, "usage": {"completion_tokens": len(ids)}}) == ids
     eos = stories_base.eos_token_ids[0]
     stopped = {"text": text, "finish_reason": "stop", "usage": {"completion_tokens": len(ids) + 1}}
-    assert _retokenized(stories_base, stopped) == ids + [eos]
-    assert _retokenized(stories_base, {"text": text, "usage": {"completion_tokens": len(ids) + 3}}) is None  # the counts disagree
+    assert retokenized(stories_base, stopped) == ids + [eos]
+    assert retokenized(stories_base, {"text": text, "usage": {"completion_tokens": len(ids) + 3}}) is None  # the counts disagree

@@ -17,7 +17,7 @@ from medusa_trt.serving import triton_model
 STEP_S = 0.003  # seconds a request's deadline counts per engine step
 
 
-class StepClockLive(triton_model._Live):
+class StepClockLive(triton_model.LiveRequest):
     """A request in flight whose ``elapsed`` counts its engine steps."""
 
     def __init__(self, request, handle, *args):
@@ -48,7 +48,7 @@ class TritonPythonModel(triton_model.TritonPythonModel):
     """Triton's entry point (the name Triton looks up in model.py)."""
 
     def initialize(self, args):
-        triton_model._Live = StepClockLive  # in Triton's stub process, which serves this one model
+        triton_model.LiveRequest = StepClockLive  # in Triton's stub process, which serves this one model
         super().initialize(args)
 
 

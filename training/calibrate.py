@@ -444,8 +444,8 @@ def _plot(acc, choice, chain, path: Path) -> bool:
 
 def write_calibration(out: Path, report: dict, acc, choice, chain) -> list[Path]:
     """The tree at ``out``, its medusa_choices list, report and plot beside it, each whole or not at all; returns what was written."""
-    from medusa_trt.bench.files import staged
     from medusa_trt.exporter.interop import medusa_choices_json
+    from medusa_trt.runtime.durable import staged_files as staged
 
     report_path, plot_path = out.with_suffix(".report.json"), out.with_suffix(".png")
     choices_path = out.with_suffix(".medusa_choices.json")  # the same tree as a plain list (TensorRT-LLM's --medusa_choices)

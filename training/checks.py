@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from medusa_trt.exporter.heads import check_heads_out
-from medusa_trt.training.config import TrainConfig, TrainError
-from medusa_trt.training.data import GENERATE_CONTEXT, read_prompts
+from medusa_trt.training.config import GENERATE_CONTEXT, TrainConfig, TrainError
+from medusa_trt.training.data import read_prompts
 
 
 def check_inputs(config: TrainConfig) -> None:

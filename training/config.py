@@ -9,6 +9,8 @@ from pathlib import Path
 
 from medusa_trt.runtime.errors import MedusaError
 
+GENERATE_CONTEXT = 1024  # prompt + continuation tokens of the self-distillation runtime (at most the model's positions)
+
 
 class TrainError(MedusaError):
     """Training cannot run as configured."""

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_trt.runtime import durable
-from medusa_trt.training.config import TrainConfig, TrainError
+from medusa_trt.training.config import GENERATE_CONTEXT, TrainConfig, TrainError
 from medusa_trt.training.distributed import SINGLE, Cluster
 from medusa_trt.training.workdir import (
     CACHE,
@@ -44,7 +44,6 @@ from medusa_trt.training.workdir import (
 log = logging.getLogger(__name__)
 
 IGNORE = -100  # target of a position whose future token lies past the sequence
-GENERATE_CONTEXT = 1024  # prompt + continuation tokens of the self-distillation runtime (at most the model's positions)
 SHARD_SEQUENCES = 64  # sequences per hidden-state shard
 
 

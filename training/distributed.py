@@ -189,3 +189,24 @@ def base_fits(model_bytes: int, device: torch.device) -> bool:
         return True
     free, _ = torch.cuda.mem_get_info(device)
     return model_bytes < 0.8 * free
+
+
+def load_base(model: str, config, cluster):
+    """The frozen base on this rank's device (bf16 / fp16 on a GPU, fp32 on the CPU), or sharded
+    over the ranks (``--fsdp``, or a GPU it does not fit)."""
+    from medusa_trt.exporter.models import load_base_model
+
+    dtype = base_dtype(cluster.device)
+    if config.fsdp and not cluster.distributed:
+        raise TrainError(
+            "--fsdp shards the base over the processes of a torchrun launch: run under torchrun --nproc-per-node N, or drop it"
+        )
+    if not cluster.distributed or (cluster.device.type == "cpu" and not config.fsdp):
+        return load_base_model(model, dtype=dtype, device=str(cluster.device))
+    base = load_base_model(model, dtype=dtype, device="cpu")
+    size = sum(p.numel() * p.element_size() for p in base.model.parameters())
+    if config.fsdp or not base_fits(size, cluster.device):
+        shard_base(base, cluster)
+    else:
+        base.model.to(cluster.device)
+    return base

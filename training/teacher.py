@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from medusa_trt.training.config import TrainConfig, TrainError
+from medusa_trt.training.config import GENERATE_CONTEXT, TrainConfig, TrainError
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,10 @@ class Teacher:
         tokens = (choice.get("logprobs") or {}).get("tokens") if isinstance(choice.get("logprobs"), dict) else None
         if isinstance(tokens, list) and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
             return [int(t.removeprefix("token_id:")) for t in tokens]
-        return _retokenized(base, choice)
+        return retokenized(base, choice)
 
 
-def _retokenized(base, choice: dict) -> list[int] | None:
+def retokenized(base, choice: dict) -> list[int] | None:
     text, count = choice.get("text"), (choice.get("usage") or {}).get("completion_tokens")
     if not isinstance(text, str):
         return None
@@ -172,7 +172,6 @@ def generate_with_teacher(base, config: TrainConfig, todo: list, open_sink, done
     the model has one and ``config.chat_template``); a prompt that leaves no room for
     ``new_tokens`` in the generating context is skipped, as there."""
     from medusa_trt.runtime.text import TextCodec
-    from medusa_trt.training.data import GENERATE_CONTEXT
 
     teacher = Teacher.connect(config.teacher, config.teacher_concurrency)
     codec = TextCodec(base.tokenizer)

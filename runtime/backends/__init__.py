@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger(__name__)
+from medusa_trt.runtime.contract import BACKENDS, ONNX_BACKENDS  # noqa: F401 (BACKENDS: imported from here too)
+from medusa_trt.runtime.errors import EngineError
 
-ONNX_BACKENDS = ("onnxruntime", "openvino", "native")  # backends that run an engine's ONNX graphs; onnxruntime: where none is named
-BACKENDS = (*ONNX_BACKENDS, "tensorrt")  # what RuntimeConfig.backend names
+log = logging.getLogger(__name__)
 
 
 def onnx_backend_name(path, asked: str | None) -> str:
@@ -20,8 +20,6 @@ def onnx_backend_name(path, asked: str | None) -> str:
     ``config.json`` choice where it names an ONNX backend, else onnxruntime (``open_onnx_backend`` runs a
     folder's choice of native on onnxruntime where native cannot run)."""
     if asked is not None and asked not in ONNX_BACKENDS:
-        from medusa_trt.runtime.engine import EngineError
-
         raise EngineError(f"backend {asked!r} cannot run {path}: use one of {', '.join(ONNX_BACKENDS)} (tensorrt runs .plan engines)")
     if asked is not None:
         return asked
@@ -54,8 +52,6 @@ def open_onnx_backend(path, cfg):
 
         return open_openvino(path, precision=cfg.precision, **limits)
     if cfg.precision is not None:
-        from medusa_trt.runtime.engine import EngineError
-
         raise EngineError(f"precision {cfg.precision!r} is an openvino option: pass backend='openvino' with it, or drop it")
     backend = _native(path, cfg, limits) if name == "native" else None
     if backend is None:

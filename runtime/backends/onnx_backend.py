@@ -53,7 +53,7 @@ SMALL_INPUTS = tuple(n for n in STEP_INPUTS if n not in (PAST_KEY, PAST_VALUE)) 
 # ONNX Runtime fuses the step graph's per-layer Gathers of the cache (one layer's slots each) into one Split of
 # the whole cache before layer 0; unfused, each layer copies its slots just before it reads them, while they are
 # still in cache. Outputs are the same bit for bit (the same copies). int8-channel SmolLM2, 2 threads, 29 dev prompts,
-# interleaved in one run: plain 69.9 -> 74.0 tok/s, drafted 89.8 -> 94.0, tokens identical (docs/bench-nosplit-ab.json).
+# interleaved in one run: plain 69.9 -> 74.0 tok/s, drafted 89.8 -> 94.0, tokens identical (docs/results/bench-nosplit-ab.json).
 STEP_DISABLED_OPTIMIZERS = ["GatherSliceToSplitFusion"]
 
 
@@ -64,7 +64,7 @@ def session_options(threads: int | None, *, spin: bool):
     and between calls instead of sleeping, which a decoding loop's thousands of small kernels per
     step pay for in wake-ups otherwise (int8-channel SmolLM2 engine, 2 threads, 29 dev prompts, against
     both sessions sleeping, interleaved in one run: plain 52.9 -> 63.2 tokens/s, drafted 79.7 -> 88.3,
-    tokens identical; docs/bench-spin-ab.json). The heads session runs between two steps: its threads
+    tokens identical; docs/results/bench-spin-ab.json). The heads session runs between two steps: its threads
     sleep after a call so they never spin on the cores the step session's threads need next."""
     import onnxruntime as ort
 
@@ -167,6 +167,7 @@ class OnnxBackend:
         profile: str | None = None,
     ):
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
+        self.threads = threads  # None: ONNX Runtime's own count (one per physical core)
         options, heads_options = session_options(threads, spin=True), session_options(threads, spin=False)
         if profile:  # ONNX Runtime's per-node trace of the step session (scripts/step_profile.py): self.session.end_profiling()
             options.enable_profiling, options.profile_file_prefix = True, profile
@@ -248,8 +249,9 @@ class OnnxBackend:
         return self.buffers.key
 
     def describe(self) -> str:
-        """The backend as a summary line names it: ``onnxruntime (CPUExecutionProvider)``."""
-        return f"{self.name} ({self.session.get_providers()[0]})"
+        """The backend as a summary line names it: ``onnxruntime (CPUExecutionProvider, 2 threads)``."""
+        threads = f"{self.threads} threads" if self.threads else "its default threads"
+        return f"{self.name} ({self.session.get_providers()[0]}, {threads})"
 
     def step(
         self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray, *, logits: bool = True

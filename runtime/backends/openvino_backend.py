@@ -27,7 +27,7 @@ lanes. bf16 claims nothing: its probe passed at 8 lanes, yet on 29 dev prompts o
 differed from its own plain output, so the probe does not cover it (a warning says so at load).
 
 Speed, on a quiet machine (``medusa-bench --backend onnxruntime --backend openvino --backend openvino:bf16``,
-docs/bench-backends.json: SmolLM2-135M fp32, AMD EPYC with AVX512-BF16 and no AMX, 2 threads, 29 dev
+docs/results/bench-backends.json: SmolLM2-135M fp32, AMD EPYC with AVX512-BF16 and no AMX, 2 threads, 29 dev
 prompts, 128 greedy tokens): plain 33.4 tok/s on OpenVINO f32 and 43.0 on bf16 against ONNX Runtime's
 45.1, drafted 41.5 / 45.5 against 61.8. It does not pay on this CPU; it stays an option (f32 output equals
 ONNX Runtime's on 29/29 prompts) for CPUs and devices where OpenVINO is the faster runtime. (A run of

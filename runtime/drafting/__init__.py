@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from medusa_trt.runtime.drafting.base import DETERMINISTIC, Drafter, Fragment, Observed, PerSequence, Proposal, Proposer
-from medusa_trt.runtime.drafting.builder import CostModel, OnlineCost, StepTree, build_tree
+from medusa_trt.runtime.drafting.base import DETERMINISTIC, Drafter, Fragment, Observed, PerSequence, Proposal, Proposer, StepTree
+from medusa_trt.runtime.drafting.builder import CostModel, OnlineCost, build_tree
 from medusa_trt.runtime.drafting.heads import HeadsProposer, HeadsTemplate
 from medusa_trt.runtime.drafting.lookup import LookupConfig, LookupDrafter, NgramIndex
 from medusa_trt.runtime.drafting.recycle import RecycleConfig, RecycleDrafter

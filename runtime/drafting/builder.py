@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment
+from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment, StepTree
 from medusa_trt.runtime.drafting.stats import AcceptanceStats
 
 # Verify-step cost by tokens per step, relative to one token: SmolLM2-135M on ONNX Runtime fp32,
@@ -79,54 +79,6 @@ class OnlineCost:
 
     def cost(self, tokens: np.ndarray, rows: int = 1) -> np.ndarray:
         return self.prior.cost(tokens, rows) + self._overhead.get(rows, 0.0)
-
-
-@dataclass(frozen=True, eq=False)
-class StepTree:
-    """One row's verify tree for one step: root first, parents before children, siblings in the
-    order acceptance tries them (sampled head draws first, by rank)."""
-
-    tokens: np.ndarray  # int64 [N]: root token first
-    parent: np.ndarray  # int64 [N]: root -1
-    depth: np.ndarray  # int64 [N]: root 0
-    draw: np.ndarray  # int64 [N]: head d's j-th draw as d * K + j, DETERMINISTIC for retrieved / recycled / greedy drafts
-    keys: tuple  # [N]: per node, the statistics keys of the drafters that proposed it (root: ())
-    sources: tuple  # [N]: per node, the names of the drafters that proposed it
-    children: tuple  # [N]: per node, its children in test order
-    score: np.ndarray  # float64 [N]: estimated probability that the node is accepted (root 1)
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def mask(self) -> np.ndarray:
-        """bool [N, N]: [i, j] iff j is i or an ancestor of i (the verify step's tree mask)."""
-        n = self.num_nodes
-        mask = np.eye(n, dtype=bool)
-        for i in range(1, n):
-            mask[i] |= mask[self.parent[i]]
-        return mask
-
-    def path(self, node: int) -> list[int]:
-        """Nodes from the root to ``node``."""
-        out = [node]
-        while self.parent[out[-1]] >= 0:
-            out.append(int(self.parent[out[-1]]))
-        return out[::-1]
-
-    @classmethod
-    def chain(cls, root: int) -> StepTree:
-        """The root alone: plain decoding."""
-        return cls(
-            np.array([root], dtype=np.int64),
-            np.array([-1], dtype=np.int64),
-            np.zeros(1, dtype=np.int64),
-            np.full(1, DETERMINISTIC, dtype=np.int64),
-            ((),),
-            ((),),
-            ((),),
-            np.ones(1),
-        )
 
 
 @dataclass(frozen=True, eq=False)
