@@ -25,9 +25,14 @@ def heads_cost(runtime) -> dict | None:
     hidden = np.zeros((t, meta.hidden_size), dtype=backend.dtype)  # (T, H): one hidden state per tree node
     roots = np.zeros(t, dtype=np.int64) if meta.reads_roots else None  # (T,): next-token-aware heads also read each row's root
     lengths = np.array([CONTEXT])
-    step = timed(lambda: backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + CONTEXT, tree.mask[None], lengths))
+    last = []  # the latest step's output, which the heads call reads
+
+    def verify():
+        last[:] = [backend.step(np.zeros((1, t), dtype=np.int64), tree.depth[None] + CONTEXT, tree.mask[None], lengths)]
+
+    step = timed(verify)
     root = np.zeros(1, dtype=np.int64)  # what the loop does after that step: the heads at one node, given the next token
-    one = timed(lambda: backend.propose(root, max(tree.top_k, 1), root))
+    one = timed(lambda: backend.propose(last[0], root, max(tree.top_k, 1), root))
     every = timed(lambda: run_heads(hidden, roots))
     three = np.tril(np.ones((1, 3, 3), dtype=bool))
     step3 = timed(lambda: backend.step(np.zeros((1, 3), dtype=np.int64), np.arange(3)[None] + CONTEXT, three, lengths))

@@ -44,7 +44,7 @@ def score(engine: str, docs: list[str], max_len: int, threads: int) -> tuple[flo
             n = len(chunk)
             out = backend.step(np.array([chunk]), start + np.arange(n)[None], np.tri(n, dtype=bool)[None], np.array([start]))
             logits = out.logits()[0].astype(np.float64)  # (n, V)
-            backend.commit(np.arange(n)[None], np.array([n]), np.array([start]))
+            backend.commit(out, np.arange(n)[None], np.array([n]), np.array([start]))
             chosen.append(logits.argmax(axis=-1))
             targets = ids[start + 1 : start + n + 1]  # the next token after each position (none after the last)
             shifted = logits - logits.max(axis=-1, keepdims=True)

@@ -5,11 +5,14 @@ with these names; the backends bind them; the loop only sees ``Backend``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from medusa_trt.runtime.errors import EngineError
 
 ONNX_BACKENDS = ("onnxruntime", "openvino", "native")  # backends that run an engine's ONNX graphs; onnxruntime: where none is named
 BACKENDS = (*ONNX_BACKENDS, "tensorrt")  # what RuntimeConfig.backend names
@@ -49,7 +52,9 @@ def step_shapes(batch: int, tokens: int, slots: int, kv: tuple[int, int, int]) -
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:
-    """What one verify / prefill step gives the host. Valid until the backend's next ``step``."""
+    """What one verify / prefill step gives the host. Valid until the backend's next ``step``: ``commit`` and
+    ``propose`` take it and refuse any but the backend's latest (``StepCounter``), whose K/V and hidden states its
+    buffers hold."""
 
     argmax: np.ndarray  # int64 (B, W): the base model's choice after every node, on the host
     topk: np.ndarray | None  # int64 (B, W, k): its top-k there, best first (None: the engine has no successors output)
@@ -59,6 +64,7 @@ class StepOutput:
     # bool (B, W): the node's logits are the ones a plain one-token step gives it, bit for bit (an engine with key
     # slots, runtime/key_slots.py); None: no such claim. The loop accepts no draft past a node without it.
     exact: np.ndarray | None = None
+    step: int = 0  # the backend's count of steps when this one ran (StepCounter.stamp; 0: not from a counted backend)
 
     def logits(self) -> np.ndarray:
         """Base logits (B, W, V) on the host, fetched on first use (sampling rules only)."""
@@ -74,6 +80,34 @@ class StepOutput:
         if self._hidden_rows is None:
             raise NotImplementedError("this backend does not return hidden states")
         return self._hidden_rows(np.asarray(rows), np.asarray(nodes))
+
+
+class StaleStepError(EngineError):
+    """A step output passed to ``commit`` or ``propose`` after the backend ran another step: its buffers now hold the
+    later step's K/V and hidden states."""
+
+
+class StepCounter:
+    """A backend's steps, counted: each step's output carries its number (``stamp``), and ``commit`` and ``propose``
+    take only the latest one (``check``). A backend allocates its buffers once, so an older output's K/V and hidden
+    states are gone; called out of order, they raise rather than hand over another step's data."""
+
+    def __init__(self):
+        self.latest = 0
+
+    def stamp(self, out: StepOutput, **changes) -> StepOutput:
+        """``out`` (with ``changes``: its ``exact``, say) as the newest step's."""
+        self.latest += 1
+        return dataclasses.replace(out, step=self.latest, **changes)
+
+    def check(self, out: StepOutput, call: str) -> None:
+        if not isinstance(out, StepOutput):
+            raise TypeError(f"{call} takes the StepOutput of the step it follows, not {type(out).__name__}")
+        if out.step != self.latest:
+            raise StaleStepError(
+                f"{call} was given the output of step {out.step}, but the backend has run step {self.latest} since, whose "
+                f"K/V and hidden states replaced it: {call} right after the step whose output it takes"
+            )
 
 
 def without_logits(batch: int, hidden_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> StepOutput:
@@ -120,17 +154,18 @@ class Backend(Protocol):
         compute everything as usual."""
         ...
 
-    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
-        """Copy the new K/V of ``nodes[b, :counts[b]]`` of the last step into slots cache_lengths[b] + 0.."""
+    def commit(self, output: StepOutput, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` of the step that gave ``output`` (the latest: ``StepCounter``)
+        into slots cache_lengths[b] + 0.."""
         ...
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` to row i when the step's row count changes."""
         ...
 
-    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """The heads at node ``nodes[b]`` of the last step, for every row; ``roots`` (B,) int64, the
-        token chosen after that node (the next tree's root), is what next-token-aware heads read."""
+    def propose(self, output: StepOutput, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """The heads at node ``nodes[b]`` of the step that gave ``output`` (the latest), for every row; ``roots`` (B,)
+        int64, the token chosen after that node (the next tree's root), is what next-token-aware heads read."""
         ...
 
     def expand(self, paths: list, top_k: int):

@@ -35,7 +35,7 @@ def prefill(backend, ids: np.ndarray) -> int:
     """Score ``ids`` (int64 [C]) as a chain from an empty cache, commit them; the engine's next token."""
     n = len(ids)
     out = backend.step(ids[None], np.arange(n)[None], np.tri(n, dtype=bool)[None], np.array([0]))
-    backend.commit(np.arange(n)[None], np.array([n]), np.array([0]))
+    backend.commit(out, np.arange(n)[None], np.array([n]), np.array([0]))
     return int(out.argmax[0, -1])
 
 
@@ -48,7 +48,7 @@ def plain_steps(backend, ids: np.ndarray, count: int) -> tuple[list[int], list[n
         out = backend.step(np.array([[path[-1]]]), np.array([[n + j]]), np.ones((1, 1, 1), bool), np.array([n + j]))
         logits.append(out.logits()[0, 0].copy())  # (V,)
         path.append(int(out.argmax[0, 0]))
-        backend.commit(np.array([[0]]), np.array([1]), np.array([n + j]))
+        backend.commit(out, np.array([[0]]), np.array([1]), np.array([n + j]))
     return path[:count], logits
 
 

@@ -353,7 +353,7 @@ class Scheduler:
                 new[b], last[b] = [root], n - 1
                 if s.hidden is not None:
                     s.hidden.append(out.hidden_rows([b], [n - 1]))
-        self.backend.commit(commit_nodes, counts, plan.lengths)
+        self.backend.commit(out, commit_nodes, counts, plan.lengths)
         for b, n in plan.prefill.items():
             self._prefilled[b] += n
         self._lengths[:batch] += counts

@@ -57,16 +57,20 @@ def measure(backend, *, sizes=SIZES, context: int = CONTEXT, repeats: int = REPE
     sizes = sorted({s for s in sizes if s <= limit} | {1})
     context = max(0, min(context, backend.max_context - sizes[-1]))
     lengths = np.array([context], dtype=np.int64)  # (1,)
-    calls = {}
+    calls, last = {}, []  # last: the latest step's output, which the heads call reads
+
+    def step(ids, positions, mask):
+        last[:] = [backend.step(ids, positions, mask, lengths)]
+
     for t in sizes:
         ids = np.zeros((1, t), dtype=np.int64)  # (1, T)
         positions = context + np.arange(t, dtype=np.int64)[None, :]  # (1, T)
         mask = np.tri(t, dtype=bool)[None]  # (1, T, T)
-        calls[t] = lambda ids=ids, positions=positions, mask=mask: backend.step(ids, positions, mask, lengths)
+        calls[t] = lambda ids=ids, positions=positions, mask=mask: step(ids, positions, mask)
     meta = getattr(backend, "meta", None)
     if meta is not None and meta.num_heads:
         roots = np.zeros(1, dtype=np.int64)
-        calls["heads"] = lambda: backend.propose(np.zeros(1, dtype=np.int64), min(top_k, meta.top_k), roots)
+        calls["heads"] = lambda: backend.propose(last[0], np.zeros(1, dtype=np.int64), min(top_k, meta.top_k), roots)
     times: dict = {k: [] for k in calls}
     for round_ in range(repeats + 1):  # round 0 warms up: a new shape pays allocation and planning once
         for key, call in calls.items():

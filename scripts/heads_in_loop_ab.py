@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                 while time.perf_counter() - start < 0.5:
                     out = backend.step(*step)
                     if ways[way] is not None:
-                        backend.propose(np.array([t - 1]), backend.meta.top_k, out.argmax[:, t - 1])
+                        backend.propose(out, np.array([t - 1]), backend.meta.top_k, out.argmax[:, t - 1])
                     n += 1
                 times[way].append((time.perf_counter() - start) / n * 1e3)
     except MedusaError as exc:

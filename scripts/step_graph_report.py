@@ -114,8 +114,8 @@ def prefill(backend, ids: np.ndarray) -> None:
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         t = len(part)
-        backend.step(part[None], (start + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([start]))
-        backend.commit(np.arange(t)[None], np.array([t]), np.array([start]))
+        out = backend.step(part[None], (start + np.arange(t))[None], np.tri(t, dtype=bool)[None], np.array([start]))
+        backend.commit(out, np.arange(t)[None], np.array([t]), np.array([start]))
 
 
 def main(argv=None) -> int:

@@ -172,13 +172,13 @@ def test_an_ungated_kernel_gets_its_logits_bound_when_none_are_asked():
 
 def test_propose_calls_the_heads_on_the_hidden_states_at_the_nodes():
     b = backend(key_slots=False)
-    b.step(
+    out = b.step(
         np.array([[1, 2, 3], [4, 5, 6]]),
         np.array([[10, 11, 12], [20, 21, 22]]),
         np.tri(3, dtype=bool)[None].repeat(2, 0),
         np.array([10, 20]),
     )
-    proposals = b.propose(np.array([2, 0]), 2, roots=np.array([5, 9]))
+    proposals = b.propose(out, np.array([2, 0]), 2, roots=np.array([5, 9]))
     got = b.heads.calls[-1]
     assert got[HIDDEN][:, 0].tolist() == [12.0, 20.0] and got[NEXT_INPUT].tolist() == [5, 9]  # (B, H) at nodes 2 and 0
     assert proposals.ids.tolist() == [[[15, 16], [25, 26]], [[19, 20], [29, 30]]]  # (B, n, 2)
@@ -187,9 +187,9 @@ def test_propose_calls_the_heads_on_the_hidden_states_at_the_nodes():
     assert outside[HEAD_TOPK].shape == (3, 2, 3) and outside[HEAD_TOPK][:, 0, 0].tolist() == [11, 12, 13]
     assert proposals.ids.tolist() == [[[15, 16], [25, 26]], [[19, 20], [29, 30]]]  # the loop's buffers untouched
     with pytest.raises(EngineError, match="pass roots to propose"):
-        b.propose(np.array([0, 0]), 2)
+        b.propose(out, np.array([0, 0]), 2)
     with pytest.raises(EngineError, match="heads return top-3"):
-        b.propose(np.array([0, 0]), 4, roots=np.array([5, 9]))
+        b.propose(out, np.array([0, 0]), 4, roots=np.array([5, 9]))
 
 
 def test_no_module_imports_a_backends_private_names():

@@ -128,7 +128,7 @@ def _prefill(backend, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]
         out = backend.step(ids[:, start : start + n], start + np.arange(n)[None].repeat(batch, 0), chain, cache)
         done = counts > 0
         nxt[done] = out.argmax[np.flatnonzero(done), counts[done] - 1]
-        backend.commit(np.arange(n)[None].repeat(batch, 0), counts, cache)
+        backend.commit(out, np.arange(n)[None].repeat(batch, 0), counts, cache)
     return lengths, nxt
 
 
@@ -143,7 +143,7 @@ def _plain(engine, prompt: list[int], steps: int) -> tuple[list[int], list[np.nd
         out = backend.step(np.array([[tokens[-1]]]), np.array([[length + j]]), np.ones((1, 1, 1), bool), np.array([length + j]))
         logits.append(out.logits()[0, 0].copy())
         tokens.append(int(out.argmax[0, 0]))
-        backend.commit(np.zeros((1, 1), dtype=np.int64), np.array([1]), np.array([length + j]))
+        backend.commit(out, np.zeros((1, 1), dtype=np.int64), np.array([1]), np.array([length + j]))
     return tokens, logits
 
 

@@ -105,8 +105,8 @@ def test_backend_step_without_logits_keeps_the_cache_bit_for_bit(engines, buffer
     with pytest.raises(RuntimeError, match="logits=False"):
         bare.logits_rows([0], [9])
     assert np.array_equal(full.hidden_rows([0, 1], [9, 3]), bare.hidden_rows([0, 1], [9, 3]))
-    for b in backends:
-        b.commit(np.broadcast_to(np.arange(10), (2, 10)).copy(), np.array([10, 7]), np.zeros(2, np.int64))
+    for b, out in zip(backends, (full, bare)):
+        b.commit(out, np.broadcast_to(np.arange(10), (2, 10)).copy(), np.array([10, 7]), np.zeros(2, np.int64))
     for cache in ("key", "value"):
         a, b = (getattr(backend.buffers, cache) for backend in backends)
         assert np.array_equal(*(x.numpy() if hasattr(x, "numpy") else x for x in (a, b))), cache

@@ -59,8 +59,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(native):
 
     # batch 1: prefill then a tree step
     p0 = prompts[0]
-    native.step(p0[None], np.arange(len(p0))[None], _chain(len(p0))[None], np.array([0]))
-    native.commit(np.arange(len(p0))[None], np.array([len(p0)]), np.array([0]))
+    out = native.step(p0[None], np.arange(len(p0))[None], _chain(len(p0))[None], np.array([0]))
+    native.commit(out, np.arange(len(p0))[None], np.array([len(p0)]), np.array([0]))
     nodes = rng.integers(0, vocab, width, dtype=np.int64)
     depth = tree.sum(-1) - 1
     alone = native.step(nodes[None], (len(p0) + depth)[None], tree[None], np.array([len(p0)]))
@@ -74,8 +74,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(native):
         ids[b, : len(p)] = p
         mask[b, : len(p), : len(p)] = _chain(len(p))
         mask[b, len(p) :, len(p) :] = np.eye(longest - len(p), dtype=bool)  # padding sees itself only, never committed
-    native.step(ids, np.tile(np.arange(longest), (4, 1)), mask, np.zeros(4, dtype=np.int64))
-    native.commit(np.tile(np.arange(longest), (4, 1)), lengths, np.zeros(4, dtype=np.int64))
+    out = native.step(ids, np.tile(np.arange(longest), (4, 1)), mask, np.zeros(4, dtype=np.int64))
+    native.commit(out, np.tile(np.arange(longest), (4, 1)), lengths, np.zeros(4, dtype=np.int64))
     batch_nodes = rng.integers(0, vocab, (4, width), dtype=np.int64)
     batch_nodes[0] = nodes
     positions = lengths[:, None] + depth[None]
@@ -213,13 +213,13 @@ def test_heads_on_named_arrays_propose_what_they_give_on_given_hidden_states(nat
     out = native.step(ids, np.arange(6)[None], _chain(6)[None], np.array([0]))
     roots = np.array([int(out.argmax[0, 4])])  # (1,) the token after node 4
     hidden = out.hidden_rows(np.array([0]), np.array([4]))  # (1, H), read before propose (it reads the same buffers)
-    proposals = native.propose(np.array([4]), 2, roots)
+    proposals = native.propose(out, np.array([4]), 2, roots)
     ids_at_4, logits_at_4 = proposals.ids.copy(), proposals.logits().copy()  # (1, n, 2), (1, n, Vd)
     got = native.run_heads(hidden, roots if native.meta.reads_roots else None)
     assert ids_at_4.shape == (1, native.meta.proposal_rows, 2) and logits_at_4.shape[-1] == native.meta.heads_vocab
     assert np.array_equal(got[HEAD_TOPK][..., :2], ids_at_4) and np.array_equal(got[HEAD_LOGITS], logits_at_4)
     with pytest.raises(EngineError, match="heads return top-"):
-        native.propose(np.array([4]), native.meta.top_k + 1, roots)
+        native.propose(out, np.array([4]), native.meta.top_k + 1, roots)
 
 
 def test_the_lm_head_is_skipped_when_no_logits_are_read(native):

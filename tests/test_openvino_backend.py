@@ -87,7 +87,7 @@ def test_verify_steps_claim_what_the_probe_found(engine):
     slots, past = recorder.seen[0]  # the key slots the graph read, the cache slots bound: whole KEY_BLOCKs holding them
     assert slots.min() == 40 and past % ovb.KEY_BLOCK == 0 and slots.max() < past <= slots.max() + ovb.KEY_BLOCK
     assert all(np.array_equal(out.logits()[0, i], plain[j]) for j, i in enumerate(where))
-    proposals = backend.propose(np.array([where[-1]]), 2, roots=np.array([3]))  # (1, heads, 2) at the path's last node
+    proposals = backend.propose(out, np.array([where[-1]]), 2, roots=np.array([3]))  # (1, heads, 2) at the path's last node
     assert proposals.ids.shape[::2] == (1, 2) and proposals.logits().shape[0] == 1
     hidden = np.zeros((3, backend.meta.hidden_size), np.float32)  # a wider call on the heads graph after it (medusa-bench times one)
     backend.run_heads(hidden, np.zeros(3, np.int64) if backend.meta.reads_roots else None)

@@ -303,7 +303,7 @@ class _PermutationEngine:
 
         return StepOutput(self.successor[input_ids], None, None, None)
 
-    def commit(self, nodes, counts, cache_lengths):
+    def commit(self, output, nodes, counts, cache_lengths):
         pass
 
     def relayout(self, rows, old_batch, new_batch, slots):

@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from medusa_trt.runtime.contract import StepOutput
+from medusa_trt.runtime.contract import StepCounter, StepOutput
 from medusa_trt.runtime.drafting import Drafting, DraftingConfig
 from medusa_trt.runtime.output import TextOutput, safe_end
 from medusa_trt.runtime.scheduler import Scheduler, SchedulerConfig, Seq, SeqRequest, admit
@@ -34,15 +34,17 @@ class _NextEngine:
         self.max_batch, self.max_context = max_batch, max_context
         self.cached = np.zeros(max_batch, dtype=np.int64)  # (max_batch,) committed slots per row
         self.relayouts: list[tuple[list[int], int, int, int]] = []
+        self.steps = StepCounter()
 
     def step(self, input_ids, position_ids, tree_mask, cache_lengths, *, logits=True):
         batch = input_ids.shape[0]
         self.cached[:batch][cache_lengths == 0] = 0  # a free row, or a sequence new to it: its old slots are unseen
         assert cache_lengths.tolist() == self.cached[:batch].tolist()
         assert (position_ids[:, 0] == cache_lengths).all()
-        return StepOutput((input_ids + 1) % VOCAB, None, None, None)
+        return self.steps.stamp(StepOutput((input_ids + 1) % VOCAB, None, None, None))
 
-    def commit(self, nodes, counts, cache_lengths):
+    def commit(self, output, nodes, counts, cache_lengths):
+        self.steps.check(output, "commit")  # the loop commits the step it just ran, by its output
         assert cache_lengths.tolist() == self.cached[: len(counts)].tolist()
         self.cached[: len(counts)] += counts
 

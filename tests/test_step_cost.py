@@ -34,9 +34,9 @@ class SteepBackend:
         time.sleep(self.unit * (input_ids.shape[0] * input_ids.shape[1]) ** 2)
         return self.inner.step(input_ids, position_ids, tree_mask, cache_lengths)
 
-    def propose(self, nodes, top_k, roots=None):
+    def propose(self, output, nodes, top_k, roots=None):
         time.sleep(self.heads)
-        return self.inner.propose(nodes, top_k, roots)
+        return self.inner.propose(output, nodes, top_k, roots)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +127,8 @@ class WidthDependentBackend:
         logits = out.logits() + 1e-3 * (input_ids.shape[1] - 1)
         return dataclasses.replace(out, _logits=lambda: logits)
 
-    def commit(self, nodes, counts, cache_lengths):
-        self.inner.commit(nodes, counts, cache_lengths)
+    def commit(self, output, nodes, counts, cache_lengths):
+        self.inner.commit(output, nodes, counts, cache_lengths)
 
 
 def test_export_probes_that_verify_steps_are_plain_steps(folder):

@@ -489,7 +489,9 @@ def test_tensorrt_backend_binds_by_name_and_never_reallocates(built_plans, stori
     before = {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()}
     runtime.generate(stories_prompts, max_new_tokens=16)
     assert {n: b.data_ptr() for n, b in backend.step_engine.buffers.items()} == before
-    proposals = backend.propose(np.zeros(1, dtype=np.int64), 1)
+    one = np.zeros((1, 1), dtype=np.int64)
+    out = backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
+    proposals = backend.propose(out, np.zeros(1, dtype=np.int64), 1)
     assert tuple(proposals.logits().shape)[1:] == (backend.meta.num_heads, backend.meta.vocab_size)
 
 

@@ -245,9 +245,9 @@ def measure_heads_ms(runtime, top_k: int, repeats: int = 5) -> float:
         return cost.heads * cost.step_ms
     # the torch backend carries no EngineMeta, whose heads runtime.step_cost.measure does not time: time them here
     one = np.zeros((1, 1), dtype=np.int64)
-    backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
+    out = backend.step(one, one, np.ones((1, 1, 1), dtype=bool), np.zeros(1, dtype=np.int64))
     root = np.zeros(1, dtype=np.int64)  # (1,) the next token, read by next-token-aware heads (its value does not change the cost)
-    return median_ms(lambda: backend.propose(np.zeros(1, dtype=np.int64), top_k, root), repeats)
+    return median_ms(lambda: backend.propose(out, np.zeros(1, dtype=np.int64), top_k, root), repeats)
 
 
 def engine_top_k(runtime) -> int:
@@ -275,22 +275,24 @@ def greedy_proposals(runtime, prompt: list[int], max_new_tokens: int, top_k: int
         width = piece.shape[1]
         positions = length + np.arange(width, dtype=np.int64)[None, :]  # (1, W)
         mask = np.tril(np.ones((width, width), dtype=bool))[None]  # (1, W, W)
-        target = backend.step(piece, positions, mask, np.array([length], dtype=np.int64)).argmax  # (1, W)
-        backend.commit(np.arange(width, dtype=np.int64)[None, :], np.array([width]), np.array([length], dtype=np.int64))
+        out = backend.step(piece, positions, mask, np.array([length], dtype=np.int64))
+        target = out.argmax  # (1, W)
+        backend.commit(out, np.arange(width, dtype=np.int64)[None, :], np.array([width]), np.array([length], dtype=np.int64))
         length += width
     tokens = [int(target[0, width - 1])]
     # the root of each proposal is the token just emitted (next-token-aware heads read it)
     # copy: the backend reuses its buffer
-    proposals = [np.array(backend.propose(np.array([width - 1]), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0])]
+    proposals = [np.array(backend.propose(out, np.array([width - 1]), top_k, np.array(tokens[-1:], dtype=np.int64)).ids[0])]
     one = np.ones((1, 1, 1), dtype=bool)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and length + 1 < max_context:
         lengths = np.array([length], dtype=np.int64)
-        target = backend.step(np.array([[tokens[-1]]], dtype=np.int64), lengths[:, None], one, lengths).argmax  # (1, 1)
-        backend.commit(np.zeros((1, 1), dtype=np.int64), np.array([1]), lengths)
+        out = backend.step(np.array([[tokens[-1]]], dtype=np.int64), lengths[:, None], one, lengths)
+        target = out.argmax  # (1, 1)
+        backend.commit(out, np.zeros((1, 1), dtype=np.int64), np.array([1]), lengths)
         length += 1
         tokens.append(int(target[0, 0]))
         root = np.array(tokens[-1:], dtype=np.int64)  # (1,)
-        proposals.append(np.array(backend.propose(np.zeros(1, dtype=np.int64), top_k, root).ids[0]))  # (n_heads, K)
+        proposals.append(np.array(backend.propose(out, np.zeros(1, dtype=np.int64), top_k, root).ids[0]))  # (n_heads, K)
     return tokens, np.stack(proposals).astype(np.int64)  # (n, n_heads, K)
 
 

@@ -22,7 +22,6 @@ to hold them (past the context by ``key_slots.slack``); its key axis can be boun
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Protocol
 
@@ -41,6 +40,7 @@ from medusa_trt.runtime.contract import (
     POSITION_IDS,
     TREE_MASK,
     Proposals,
+    StepCounter,
     StepOutput,
 )
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta
@@ -103,6 +103,7 @@ class HostBackend:
     ):
         self.name, self.files, self.meta, self.kernel, self.buffers = name, files, meta, kernel, buffers
         self.heads = heads
+        self._steps = StepCounter()
         self.max_batch, self.max_context = max_batch, max_context
         self.max_tokens = meta.max_tokens  # most new tokens one step takes
         self.dtype = buffers.sizes.dtype
@@ -155,16 +156,16 @@ class HostBackend:
         past = -(-past // self.key_block) * self.key_block  # whole blocks of the key axis; the buffers hold them
         arrays |= self.buffers.step_arrays(batch, tokens, past, logits=logits)
         self.kernel(arrays)
-        out = self.buffers.step_output()
-        return out if exact is None else dataclasses.replace(out, exact=exact)
+        return self._steps.stamp(self.buffers.step_output(), **({} if exact is None else {"exact": exact}))
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Cache rows ``rows[i]`` of the ``old_batch`` layout to row i of the ``new_batch`` one (first ``slots`` slots)."""
         if slots and len(rows):
             self.buffers.relayout(np.asarray(rows, dtype=np.int64), old_batch, new_batch, slots)
 
-    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
-        """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
+    def commit(self, output: StepOutput, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` of the step that gave ``output`` into slots cache_lengths[b] + 0.."""
+        self._steps.check(output, "commit")
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
         self.buffers.commit(rows, src, dst, nodes.shape[0])
 
@@ -181,9 +182,10 @@ class HostBackend:
         """An exported engine's heads expand what the exporter fixed: nothing to do."""
         return None
 
-    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids (B, n, K) and logits, views of the buffers;
-        ``roots`` (B,) the next tokens, read by next-token-aware heads."""
+    def propose(self, output: StepOutput, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the step that gave ``output``: top-k ids (B, n, K) and logits, views of
+        the buffers; ``roots`` (B,) the next tokens, read by next-token-aware heads."""
+        self._steps.check(output, "propose")
         check_proposal(self.meta, top_k, roots)
         arrays = self.buffers.heads_arrays(np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; the outputs' views
         if self.meta.reads_roots:

@@ -14,7 +14,6 @@ on the GPU, the commit runs there and only the ids and the rows the loop reads c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -36,6 +35,7 @@ from medusa_trt.runtime.contract import (
     SUCCESSORS_OUTPUT,
     TREE_MASK,
     Proposals,
+    StepCounter,
     StepOutput,
 )
 from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, engine_meta, open_session, read_meta
@@ -168,6 +168,7 @@ class OnnxBackend:
     ):
         files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
         self.threads = threads  # None: ONNX Runtime's own count (one per physical core)
+        self._steps = StepCounter()
         options, heads_options = session_options(threads, spin=True), session_options(threads, spin=False)
         if profile:  # ONNX Runtime's per-node trace of the step session (scripts/step_profile.py): self.session.end_profiling()
             options.enable_profiling, options.profile_file_prefix = True, profile
@@ -250,7 +251,7 @@ class OnnxBackend:
 
     def describe(self) -> str:
         """The backend as a summary line names it: ``onnxruntime (CPUExecutionProvider, 2 threads)``."""
-        threads = f"{self.threads} threads" if self.threads else "its default threads"
+        threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}" if self.threads else "its default threads"
         return f"{self.name} ({self.session.get_providers()[0]}, {threads})"
 
     def step(
@@ -284,8 +285,7 @@ class OnnxBackend:
             io.bind_cpu_input(LOGITS_WANTED_INPUT, _WANTED[logits])
         self.buffers.bind_step(io, batch, tokens, past, logits=logits)  # the first `past` cache slots and every output, in place
         self.session.run_with_iobinding(io)
-        out = self.buffers.step_output()
-        return out if exact is None else dataclasses.replace(out, exact=exact)
+        return self._steps.stamp(self.buffers.step_output(), **({} if exact is None else {"exact": exact}))
 
     def relayout(self, rows: np.ndarray, old_batch: int, new_batch: int, slots: int) -> None:
         """Move cache rows ``rows[i]`` of the [slots, layers, old_batch, ...] layout to row i of the
@@ -295,8 +295,9 @@ class OnnxBackend:
             return
         self.buffers.relayout(np.asarray(rows, dtype=np.int64), old_batch, new_batch, slots)
 
-    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
-        """Copy the new K/V of ``nodes[b, :counts[b]]`` into slots cache_lengths[b] + 0.. in place."""
+    def commit(self, output: StepOutput, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` of the step that gave ``output`` into slots cache_lengths[b] + 0.."""
+        self._steps.check(output, "commit")
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)
         self.buffers.commit(rows, src, dst, nodes.shape[0])
 
@@ -310,8 +311,9 @@ class OnnxBackend:
         """An exported engine's heads expand what the exporter fixed: nothing to do."""
         return None
 
-    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step (``heads_proposals``)."""
+    def propose(self, output: StepOutput, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the step that gave ``output`` (``heads_proposals``)."""
+        self._steps.check(output, "propose")
         return heads_proposals(self.meta, self.heads_session, self.buffers, nodes, top_k, roots)
 
 

@@ -56,6 +56,7 @@ from medusa_trt.runtime.contract import (
     SUCCESSORS_OUTPUT,
     TREE_MASK,
     Proposals,
+    StepCounter,
     StepOutput,
     step_shapes,
 )
@@ -214,6 +215,7 @@ class TensorRTBackend:
         import torch
 
         self.files = files = EngineFiles.locate(path)
+        self._steps = StepCounter()
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.meta = meta = read_plan_meta(path)  # a folder: its config.json (files.step would look for model.plan.json)
         check_tensorrt_release(str(getattr(trt, "__version__", "0")), meta, files.step)
@@ -332,7 +334,7 @@ class TensorRTBackend:
                 topk = (
                     self.step_engine.view(SUCCESSORS_OUTPUT, self.step_engine.shapes[SUCCESSORS_OUTPUT]).cpu().numpy()
                 )  # host sync: recycle's table
-        return StepOutput(argmax, topk, self._host_logits, self._logits_rows, self._hidden_rows)
+        return self._steps.stamp(StepOutput(argmax, topk, self._host_logits, self._logits_rows, self._hidden_rows))
 
     def logits(self):
         """Base logits of the last step [B, T, V], on the device (a view of the engine's buffer)."""
@@ -370,10 +372,12 @@ class TensorRTBackend:
                 moved = old[:slots, :, list(map(int, rows))].clone()  # (slots, layers, n, Hkv, D)
                 new[:slots, :, : len(rows)] = moved
 
-    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
-        """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) into slots cache_lengths[b] + 0.. in place."""
+    def commit(self, output: StepOutput, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) of the step that gave ``output`` into slots
+        cache_lengths[b] + 0.. in place."""
         import torch
 
+        self._steps.check(output, "commit")
         rows, src, dst = commit_indices(nodes, counts, cache_lengths)  # each (N,) on the host
         n = rows.size
         if n == 0:
@@ -394,11 +398,12 @@ class TensorRTBackend:
         """An exported engine's heads expand what the exporter fixed: nothing to do."""
         return None
 
-    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
+    def propose(self, output: StepOutput, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the step that gave ``output``: top-k ids int64 [B, n, K] on the host;
         ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         import torch
 
+        self._steps.check(output, "propose")
         meta = self.meta
         if self.heads_engine is None:
             raise EngineError("this engine has no Medusa heads: use the tree chain-0")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from medusa_trt.runtime.backends.common import commit_indices
-from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, Proposals, StepOutput
+from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS, Proposals, StepCounter, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ class TorchBackend:
 
     def __init__(self, model, *, max_batch: int, max_context: int, device: str | None = None):
         self.model = model.eval()
+        self._steps = StepCounter()
         self.device = torch.device(device) if device else model.device
         if self.device != model.device:
             self.model = self.model.to(self.device)
@@ -69,13 +70,14 @@ class TorchBackend:
         self._hidden, self._new_key, self._new_value = hidden, new_key, new_value
         argmax = next_ids.cpu().numpy()  # host sync: acceptance walks the tree on the host
         topk = logits.topk(DEFAULT_SUCCESSORS, dim=-1).indices.cpu().numpy()  # host sync: the recycle drafter's table
-        return StepOutput(
+        out = StepOutput(
             argmax,
             topk,
             lambda: self._host(logits),
             lambda rows, nodes: self._host(logits, rows, nodes),
             lambda rows, nodes: self._host(hidden, rows, nodes),
         )
+        return self._steps.stamp(out)
 
     @torch.inference_mode()
     def _host(self, t: torch.Tensor, rows=None, nodes=None) -> np.ndarray:
@@ -94,8 +96,10 @@ class TorchBackend:
             cache[:slots, :, : len(rows)] = cache[:slots, :, index]  # advanced indexing reads a copy first
 
     @torch.inference_mode()
-    def commit(self, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
-        """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) into slots cache_lengths[b] + 0.. in place."""
+    def commit(self, output: StepOutput, nodes: np.ndarray, counts: np.ndarray, cache_lengths: np.ndarray) -> None:
+        """Copy the new K/V of ``nodes[b, :counts[b]]`` (int64 [B, A]) of the step that gave ``output`` into slots
+        cache_lengths[b] + 0.. in place."""
+        self._steps.check(output, "commit")
         rows, src, dst = (self._tensor(a) for a in commit_indices(nodes, counts, cache_lengths))  # each (N,)
         self.cache_key[dst, :, rows] = self._new_key[src, :, rows]  # (N, layers, Hkv, D)
         self.cache_value[dst, :, rows] = self._new_value[src, :, rows]
@@ -110,9 +114,10 @@ class TorchBackend:
         self.expansion, self.expansion_top_k = expansion(paths), top_k
         return self.expansion
 
-    def propose(self, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
-        """Medusa heads at node ``nodes[b]`` of the last step: top-k ids int64 [B, n, K] on the host;
+    def propose(self, output: StepOutput, nodes: np.ndarray, top_k: int, roots: np.ndarray | None = None) -> Proposals:
+        """Medusa heads at node ``nodes[b]`` of the step that gave ``output``: top-k ids int64 [B, n, K] on the host;
         ``roots`` (B,) the next tokens, read by next-token-aware heads."""
+        self._steps.check(output, "propose")
         rows = torch.arange(nodes.shape[0], device=self.device)
         hidden = self._hidden[rows, self._tensor(nodes)]  # (B, H)
         roots = None if roots is None else self._tensor(np.asarray(roots, dtype=np.int64))

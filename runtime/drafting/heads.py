@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from medusa_trt.runtime.acceptance import Draws, TreeWalk
+from medusa_trt.runtime.contract import StepOutput
 from medusa_trt.runtime.drafting.base import DETERMINISTIC, Fragment, Observed, Proposal
 from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.sampling import draw_without_replacement, warp
@@ -138,7 +139,7 @@ class HeadsProposer:
         draws = Draws(state.q, state.proposals) if state.sampled and state.q is not None else None
         return Proposal(heads_fragment(self.template, state, history, max_depth), draws)
 
-    def observe(self, rows: list[Observed], roots: np.ndarray, out) -> dict[int, float]:
+    def observe(self, rows: list[Observed], roots: np.ndarray, out: StepOutput) -> dict[int, float]:
         """One heads call for the rows that want it (B,): at each observed row's last node."""
         called = [r for r in rows if self._wants(r)]
         if not called:
@@ -148,7 +149,7 @@ class HeadsProposer:
         nodes = np.zeros(len(roots), dtype=np.int64)  # (B,)
         for r in rows:
             nodes[r.row] = r.node
-        proposals = self.backend.propose(nodes, tree.top_k, roots)
+        proposals = self.backend.propose(out, nodes, tree.top_k, roots)
         head_logits = proposals.logits()  # (B, n | P, V) on the host
         for r in called:
             ids = proposals.ids[r.row, :rows_per_seq]  # (rows, K)
