@@ -82,8 +82,9 @@ def add_backend_arg(p) -> None:
     p.add_argument(
         "--backend",
         choices=ONNX_BACKENDS,
-        help="what runs an ONNX engine (default: the engine folder's choice, else onnxruntime); native: this project's "
-        "own C step (fp32 and int8-channel Llama-pattern engines)",
+        help="what runs an ONNX engine for this run (default: the engine folder's choice, which medusa-export made: native where "
+        "it measured exact and faster there, else onnxruntime); native: this project's C step (the families of docs/models.md, "
+        "fp32, int8-channel, int4, int8-block)",
     )
 
 

@@ -140,11 +140,9 @@ def _stream(runtime, prompt: str, gen: dict) -> _Run:
 
 def _what_ran(runtime) -> str:
     """The backend with its threads and instruction set, the engine's precision, and the drafting."""
-    meta = getattr(runtime.backend, "meta", None)  # an exported engine's (the torch backend runs a model)
-    precision = "" if meta is None else f", {meta.dtype}" + ("" if meta.quantization == "none" else f" {meta.quantization}")
     drafters = ",".join(runtime.drafting.names)
     drafting = f"drafters {drafters}, heads template {runtime.tree.name}" if drafters else "plain decoding (no drafters)"
-    return f"{runtime.backend.describe()}{precision}; {drafting}"
+    return f"{runtime.describe()}; {drafting}"
 
 
 def _same_as_plain(drafted: _Run, plain: _Run) -> str:

@@ -349,6 +349,11 @@ class ExportResult:
     loose: tuple[str, ...] = ()  # outputs in diffs reported but not held to the tolerance (int8 head logits)
     model: str = ""  # what was exported: the architecture and its attention (AttentionPlan.describe)
     backend_choice: object | None = None  # backend_choice.BackendChoice of a folder whose backend the export chose (None: told, a file)
+    # the diffs were held to the tolerance (False: a lossy quantization, whose error is reported, never called verified)
+    strict: bool = True
+    top1: float | None = None  # how often the step graph's top-1 token is torch's (fp32) at the checked positions
+    backend: str | None = None  # what MedusaRuntime(out) runs: a folder's recorded backend (None: a file, the runtime decides)
+    precision: str = "fp32"  # the engine's quantization, else its dtype: "int8-channel", "int4", "fp32", "bf16"
 
 
 def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
@@ -377,6 +382,8 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     staged = EngineFiles.in_folder(tmp) if folder else EngineFiles.beside(tmp / out.name)
     stages = ["step graph", "heads graph", "tokenizer", "int8", "verify"]
     diffs: dict[str, float] = {}
+    top1 = None
+    strict = not config.quantize or config.quantize.lossless
     choice = None  # the backend the export chose for a folder (backend_choice.BackendChoice)
     loose = config.quantize.loose if config.quantize else ()  # heads-int8 drafts: reported, not held to the tolerance
     try:
@@ -421,16 +428,17 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
-                diffs = verify_engine(
+                checked = verify_engine(
                     model,
                     staged,
                     tree,
-                    strict=not config.quantize or config.quantize.lossless,
+                    strict=strict,
                     loose=loose,
                     tolerance=TOLERANCE[config.dtype],
                     max_tokens=config.max_tokens,
                     draft_vocab=config.draft_vocab,
                 )
+                diffs, top1 = checked.diffs, checked.top1
             bar.update()
         if folder:
             choice = _write_folder(model, staged, meta, tree, config, out)
@@ -445,7 +453,9 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)
-    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice)
+    precision = config.quantize.mode if config.quantize else config.dtype
+    backend = None if not folder else (choice.backend if choice is not None else config.backend)
+    return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice, strict, top1, backend, precision)
 
 
 def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, config: ExportConfig, out: Path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,21 @@ def _stashed_rms_normalization():
     return RMSNormalization
 
 
+@dataclass(frozen=True)
+class Verification:
+    """The exported graphs against torch: the largest absolute difference per checked output, and how often the step
+    graph's top-1 token is torch's over the checked positions (the prefill's and the tree's, random tokens)."""
+
+    diffs: dict[str, float]
+    top1: float  # fraction of positions whose argmax agrees
+    positions: int  # how many were checked
+
+
+def _top1(theirs: torch.Tensor, ours: np.ndarray) -> np.ndarray:
+    """bool (...): where the graph's argmax over the last axis is torch's."""
+    return theirs.detach().float().cpu().numpy().argmax(-1) == ours.astype(np.float32).argmax(-1)
+
+
 @torch.no_grad()
 def verify_engine(
     model,
@@ -172,9 +188,9 @@ def verify_engine(
     loose: tuple[str, ...] = (),
     max_tokens: int = PREFILL_TOKENS,
     draft_vocab: int | None = None,
-) -> dict[str, float]:
-    """Max abs difference of the graph (``open_graph``) vs torch per checked output. ``strict`` fails when one
-    above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
+) -> Verification:
+    """Max abs difference of the graph (``open_graph``) vs torch per checked output, and the top-1 agreement of its
+    logits. ``strict`` fails when one above ``tolerance`` is not named in ``loose`` (outputs reported, not held to it).
     ``max_tokens``: the engine's new tokens per step, which bounds the checked prefill;
     ``draft_vocab``: the heads graph's logits cover the first N token ids only."""
     import onnx
@@ -214,6 +230,7 @@ def verify_engine(
     mask = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (2, width, width)).copy()
     empty = np.zeros((0, spec.num_layers, 2, spec.num_kv_heads, spec.head_dim), dtype=np_dtype)
     ours, theirs = run(ids, positions, mask, np.zeros(2, dtype=np.int64), empty, empty)
+    agree = [_top1(theirs[LOGITS][b, : counts[b]], ours[LOGITS][b, : counts[b]]) for b in range(2)]
     diffs = {
         "prefill logits": max(_diff(theirs[LOGITS][b, : counts[b]], ours[LOGITS][b, : counts[b]]) for b in range(2)),
         "prefill new K/V": max(_diff(theirs[NEW_KEY][: counts[b], :, b], ours[NEW_KEY][: counts[b], :, b]) for b in range(2)),
@@ -227,6 +244,7 @@ def verify_engine(
     tree_mask = np.broadcast_to(tree.mask, (2, t, t)).copy()
     ours, theirs = run(tree_ids, tree_pos, tree_mask, counts.astype(np.int64), past_key, past_value)
     diffs["tree logits"] = _diff(theirs[LOGITS], ours[LOGITS])
+    agree.append(_top1(theirs[LOGITS], ours[LOGITS]).reshape(-1))
     if SUCCESSORS_OUTPUT in ours:  # the top-k ids must index the k largest logits (ties may order differently)
         k = ours[SUCCESSORS_OUTPUT].shape[-1]
         logits = ours[LOGITS].astype(np.float32)  # (2, T, V); bf16 compares exactly in fp32
@@ -248,7 +266,8 @@ def verify_engine(
             f"exported graph disagrees with torch: max abs difference {worst:.3g} > tolerance {tolerance:g} "
             f"({', '.join(f'{k} {v:.2e}' for k, v in diffs.items())}); export with --no-verify to keep it anyway"
         )
-    return diffs
+    agreed = np.concatenate(agree)
+    return Verification(diffs, float(agreed.mean()), int(agreed.size))
 
 
 def _check_gate(files: EngineFiles, session, names: list[str], feeds: dict, ours: dict[str, np.ndarray]) -> None:

@@ -196,6 +196,13 @@ class MedusaRuntime:
         other.drafting = other._drafting(other.tree, other.config.drafters, explicit_tree=other.config.tree is not None)
         return other
 
+    def describe(self) -> str:
+        """What runs: the backend with its threads and instruction set, and the engine's precision
+        (``native (avx512_vnni, 2 threads), int8-channel``: the quantization, else the dtype; a torch model has none)."""
+        meta = getattr(self.backend, "meta", None)
+        precision = "" if meta is None else f", {meta.dtype if meta.quantization == 'none' else meta.quantization}"
+        return self.backend.describe() + precision
+
     def plain(self) -> MedusaRuntime:
         """Plain decoding on the same engine: no drafts, one token per step."""
         return self.with_drafters(())

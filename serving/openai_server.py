@@ -9,7 +9,7 @@ loads the engine (every file's sha256 checked once against the export's manifest
 binds the socket (127.0.0.1 unless ``host`` says otherwise; another host needs ``allow_remote``),
 and runs the FastAPI app (``serving.openai_app``) under uvicorn on the asyncio loop of the main
 thread. ``on_ready(url, summary)`` is called once the socket listens and the engine is loaded;
-``summary`` says how the engine runs (``schema.engine_summary``: "backend native, 1 thread").
+``summary`` says how the engine runs (``schema.engine_summary``: "backend native (avx512_vnni, 1 thread), fp32").
 
 Stopping: SIGTERM or Ctrl-C stop accepting connections (a generation request that still comes
 on an open connection is a 503), give requests in flight up to ``shutdown_timeout`` seconds, then

@@ -3,7 +3,7 @@ the Triton model and the Triton repository writer.
 
     ServeDefaults    what a request that leaves a field out gets, and the per-request limits
     EngineOptions    the engine a server runs and how (``MedusaRuntime``'s arguments)
-    engine_summary   how a loaded engine runs ("backend native, 1 thread"): the servers' banner and log
+    engine_summary   how a loaded engine runs ("backend native (avx512_vnni, 1 thread), fp32"): the servers' banner and log
     max_tokens_limit the most new tokens one request may ask for, for an engine's context
     make_request     one validation from request fields to a ``batching.Request``: a bad field
                      raises ``RequestError`` naming it (the front end answers 400 / INVALID_ARG);
@@ -120,10 +120,9 @@ class EngineOptions:
 
 
 def engine_summary(runtime) -> str:
-    """How a loaded ``MedusaRuntime`` runs: its backend and the threads it was given ("backend native, 1 thread")."""
-    threads = runtime.config.threads
-    count = "its default threads" if threads is None else f"{threads} thread{'' if threads == 1 else 's'}"
-    return f"backend {runtime.backend.name}, {count}"
+    """How a loaded ``MedusaRuntime`` runs: its backend with its threads and instruction set, and the engine's precision
+    ("backend native (avx512_vnni, 1 thread), int8-channel")."""
+    return f"backend {runtime.describe()}"
 
 
 def max_tokens_limit(context: int, asked: int | None = None) -> int:

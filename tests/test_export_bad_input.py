@@ -127,6 +127,33 @@ def test_small_max_tokens_engine_is_verified_and_runs(tmp_path, capsys):
     assert len(result.token_ids) == 10
 
 
+def test_a_lossy_quantization_reports_its_error_and_is_never_called_verified(tmp_path, capsys):
+    """int4 changes the numbers past the fp32 tolerance: the export says so with the measured figures (its logit
+    difference, how often the top-1 token stays), never "verified"; its last line names the precision and backend."""
+    out = tmp_path / "int4"
+    code, stdout, err = _run(
+        capsys,
+        "--model",
+        STORIES,
+        "--untrained-heads",
+        "2",
+        "--max-context",
+        "64",
+        "--quantize",
+        "int4",
+        "--backend",
+        "onnxruntime",
+        "--out",
+        out,
+    )
+    assert code == 0, err
+    lines = stdout.strip().splitlines()
+    assert "verified" not in stdout
+    measured = next(line for line in lines if line.startswith("int4 changes the model's numbers: max logit difference "))
+    assert "the same top-1 token at " in measured and "% of the checked positions" in measured
+    assert lines[-1].startswith(f"engine: int4, backend onnxruntime (medusa-run --engine {out} runs it;"), lines[-1]
+
+
 # ----------------------------------------------------------------------------- file manifest
 
 
