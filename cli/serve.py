@@ -39,6 +39,7 @@ from medusa_trt.serving.triton import (
     HTTP_PORT,
     METRICS_PORT,
     STUB_ENV_VAR,
+    STUB_FOLDER,
     ServeConfig,
     ServeError,
     TritonServer,
@@ -203,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--port-metrics", type=port, help=f"metrics port (default {METRICS_PORT}; 0: a free one)")
     t.add_argument(
         "--python-env",
-        help=f"environment (venv) the Python backend stub runs model.py in; needs numpy<2 (default: ${STUB_ENV_VAR} or this one)",
+        help=f"environment (venv) the Python backend stub runs model.py in; needs numpy<2 (default: ${STUB_ENV_VAR}, else "
+        f"{STUB_FOLDER} beside this environment, which make install makes, else this one)",
     )
     t.add_argument(
         "--make-stub-env", metavar="DIR", help="make a venv with numpy<2 over this environment's packages for --python-env, then exit"

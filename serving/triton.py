@@ -31,7 +31,8 @@ its packages from the ``python3`` first on ``PATH``. ``medusa-serve`` puts the c
 environment's ``bin`` first there and its libpython folder on ``LD_LIBRARY_PATH``. The stub is
 built against numpy 1.x: under numpy 2 it garbles every tensor it hands to Python, so the
 environment must have numpy<2 (nvidia-pytriton pins it). Choose it with ``--python-env DIR``
-or ``MEDUSA_TRT_STUB_ENV``; by default it is the environment running medusa-serve. To keep
+or ``MEDUSA_TRT_STUB_ENV``; by default it is ``.venv-stub`` beside the environment running medusa-serve where
+``make install`` made one (``STUB_FOLDER``), else that environment itself. To keep
 numpy 2 in the main environment, ``medusa-serve --make-stub-env DIR`` makes a small venv that
 holds only numpy<2 and sees the main environment's packages behind it.
 
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install --no-deps nvidia-pytriton==0.7.0 (and 'tritonclient[grpc]' for clients)"
 STUB_ENV_VAR = "MEDUSA_TRT_STUB_ENV"
+STUB_FOLDER = ".venv-stub"  # the stub's environment make install makes, beside .venv
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # tritonserver's own defaults: medusa-serve's for a repository
 
 
@@ -153,9 +155,11 @@ class StubEnv:
 
 
 def stub_env(python_env: str | os.PathLike | None) -> StubEnv:
-    """Check an environment (a venv or Python prefix; None: $MEDUSA_TRT_STUB_ENV or this one) can
-    run the stub and medusa-trt's runtime; fail with what to install otherwise."""
-    python_env = python_env or os.environ.get(STUB_ENV_VAR)
+    """Check an environment (a venv or Python prefix; None: $MEDUSA_TRT_STUB_ENV, else ``STUB_FOLDER`` beside this
+    environment where there is one, else this one) can run the stub and medusa-trt's runtime; fail with what to install
+    otherwise."""
+    beside = Path(sys.prefix).parent / STUB_FOLDER  # make install's, for a shell that never set the variable
+    python_env = python_env or os.environ.get(STUB_ENV_VAR) or (beside if (beside / "bin" / "python3").exists() else None)
     python = Path(python_env) / "bin" / "python3" if python_env else Path(sys.executable)
     if not python.exists():
         raise ServeError(f"{python} not found: --python-env / {STUB_ENV_VAR} must be a virtual environment or Python prefix")
