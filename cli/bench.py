@@ -32,7 +32,17 @@ import sys
 
 from medusa_trt import bench
 from medusa_trt.bench.runner import LOOKUP_TOKENS, SEED
-from medusa_trt.cli.common import USER_ERRORS, Parser, drafter_list, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.cli.common import (
+    USER_ERRORS,
+    VERBOSE_HELP,
+    Parser,
+    drafter_list,
+    entry,
+    fail,
+    non_negative_int,
+    positive_int,
+    setup_logging,
+)
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.sampling import SamplingParams
 
@@ -43,7 +53,7 @@ def build_parser() -> Parser:
         "--engine", action="append", required=True, help="an exported engine (folder, .onnx or .plan); repeat to compare engines"
     )
     p.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (UTF-8): turns[0] is the prompt")
-    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="new tokens per prompt and row")
     p.add_argument("--limit", type=positive_int, help="use the first N prompts (after --every)")
     p.add_argument("--every", type=positive_int, default=1, help="use every N-th prompt (a subset spread over all categories)")
     p.add_argument("--tree", action="append", help="heads template for the medusa rows (default: each engine's own); repeat to compare")
@@ -81,7 +91,7 @@ def build_parser() -> Parser:
         help="write the JSON report here (FILE.json) and the plot beside it (FILE.png); default: print the table only, write nothing",
     )
     g = p.add_argument_group("sampling (default: greedy; these need --temperature above 0)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampled rows (lossless acceptance)")
     g.add_argument("--top-p", type=float, help=f"default {SamplingParams.top_p}")
     g.add_argument("--top-k", type=non_negative_int, help=f"default {SamplingParams.top_k} (all tokens)")
     g.add_argument("--seed", type=non_negative_int, help=f"prompt i is sampled with seed + i, the same for every method (default {SEED})")
@@ -91,7 +101,7 @@ def build_parser() -> Parser:
         choices=["typical", "lossless"],
         help="acceptance rule of the medusa rows (default lossless); repeat to compare",
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

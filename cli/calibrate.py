@@ -19,7 +19,7 @@ from pathlib import Path
 
 from medusa_trt.bench.files import check_out
 from medusa_trt.bench.prompts import read_prompts
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, non_negative_int, positive_int, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, VERBOSE_HELP, Parser, entry, fail, non_negative_int, positive_int, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger("medusa_trt.cli.calibrate")
@@ -44,7 +44,7 @@ def build_parser() -> Parser:
     p.add_argument("--repeats", type=positive_int, default=d.repeats, help="timed calls per tree size (median kept)")
     p.add_argument("--threads", type=positive_int, help="intra-op threads of ONNX Runtime (--engine) or torch (--model)")
     p.add_argument("--device", help="with --model: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

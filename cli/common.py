@@ -8,6 +8,8 @@ import sys
 
 from medusa_trt.runtime.errors import MedusaError, fail  # noqa: F401 (fail: every command imports it from here)
 
+VERBOSE_HELP = "log what each stage does and chooses (INFO), and the libraries' warnings"
+
 # every typed error a user can cause derives from MedusaError; OS errors on their files too
 USER_ERRORS = (MedusaError, FileNotFoundError, PermissionError, IsADirectoryError)
 
@@ -36,8 +38,23 @@ def load_model(model: str, heads: str | None, untrained_heads: int | None, head_
     return load_medusa(model, heads, untrained_heads=untrained_heads, head_layer=head_layer, device=device)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default where it has one the help does not already name."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with usage errors as one line (``prog: error: ...``, exit 2): the full usage is in --help."""
+    """argparse with usage errors as one line (``prog: error: ...``, exit 2): the full usage is in --help; each
+    option's default shown in it (``HelpFormatter``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")

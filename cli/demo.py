@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, positive_int, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, VERBOSE_HELP, Parser, entry, fail, positive_int, setup_logging
 from medusa_trt.runtime.config import DEFAULT_MAX_NEW_TOKENS
 from medusa_trt.runtime.text import PromptError, check_messages
 
@@ -154,10 +154,10 @@ def build_parser() -> Parser:
     p = Parser(prog="medusa-demo", description="Generate for a few prompts with drafting and plainly, and compare.")
     p.add_argument("--engine", required=True, help="an exported engine: a folder, .onnx or .plan")
     p.add_argument("--prompts", required=True, help="the prompts: a JSON file such as assets/demo_prompts.json")
-    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="new tokens per answer")
     p.add_argument("--lines", type=positive_int, default=4, help="lines of each answer to print (default: 4)")
     p.add_argument("--threads", type=positive_int, help="the step's threads, ONNX Runtime's or native's (default: the backend's own)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, VERBOSE_HELP, Parser, entry, fail, setup_logging
 from medusa_trt.exporter.builder import BACKENDS, BuildConfig, Built, build
 from medusa_trt.exporter.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from medusa_trt.exporter.quantize import MODES as QUANTIZE_MODES
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default tree of the engine: preset, chain-N or JSON file (default: the heads folder's export.json, "
         "else a chain over the heads)",
     )
-    p.add_argument("--max-batch", type=int, default=BuildConfig.max_batch)
+    p.add_argument("--max-batch", type=int, default=BuildConfig.max_batch, help="sequences per step the engine is built and checked for")
     p.add_argument("--max-context", type=int, help="committed + new tokens per sequence (default: 1024, or the model's positions if fewer)")
     p.add_argument("--max-tokens", type=int, default=BuildConfig.max_tokens, help="most new tokens per step (tree nodes, prefill chunk)")
     p.add_argument(
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)",
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, VERBOSE_HELP, Parser, entry, fail, setup_logging
 from medusa_trt.runtime.errors import MedusaError
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -44,7 +44,7 @@ def build_parser() -> Parser:
         help="base_model_name_or_path written to config.json (default: a Hub id given as --model, else what the heads recorded)",
     )
     c.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep them as they are)")
-    c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

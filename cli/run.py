@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from medusa_trt.cli.common import (
     USER_ERRORS,
+    VERBOSE_HELP,
     Parser,
     add_backend_arg,
     add_sampling_args,
@@ -75,7 +76,7 @@ def build_parser() -> Parser:
         metavar="LIST",
         help="drafters, comma-separated: heads, lookup, recycle; 'none' for plain decoding (default: every one the engine supports)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="new tokens per prompt, at most")
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="send plain prompts as they are to an instruct model")
     p.add_argument("--max-context", type=positive_int, help="default: the engine's, or 1024 for --model")
@@ -92,7 +93,7 @@ def build_parser() -> Parser:
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (single prompt)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token ids, finish reason, stats)")
     add_sampling_args(p)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from medusa_trt.cli.common import (
     USER_ERRORS,
+    VERBOSE_HELP,
     Parser,
     add_backend_arg,
     drafter_list,
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow a --host other than loopback: the server then takes requests from the network (OpenAI API: protect it with "
         "--api-key); the OpenAI API then also answers Host names other than 127.0.0.1, localhost and [::1] (a proxy's)",
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     e = p.add_argument_group("an engine (OpenAI API, or --api triton)")
     e.add_argument("--model-name", help=f"the name clients send (default: the engine's folder or file name; Triton: {TRITON_MODEL_NAME})")
     add_engine_arguments(e, triton="Triton: ")
@@ -377,10 +378,10 @@ def build_repo_parser() -> argparse.ArgumentParser:
         help="copy the engine into the model folder (hard links where possible): a self-contained repository",
     )
     p.add_argument("--out", required=True, help="the model repository folder (created; other models in it are kept)")
-    p.add_argument("--model-name", default=TRITON_MODEL_NAME)
+    p.add_argument("--model-name", default=TRITON_MODEL_NAME, help="the model's name in the repository, which clients send")
     add_engine_arguments(p)
     p.add_argument("--force", action="store_true", help="replace an existing model folder of the same name")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from medusa_trt.cli.common import USER_ERRORS, Parser, entry, fail, setup_logging
+from medusa_trt.cli.common import USER_ERRORS, VERBOSE_HELP, Parser, entry, fail, setup_logging
 from medusa_trt.training.config import TrainConfig
 
 
@@ -84,7 +84,7 @@ def build_parser() -> Parser:
         "--teacher-concurrency", type=int, default=TrainConfig.teacher_concurrency, help="requests in flight to --teacher, per process"
     )
     p.add_argument("--precompute", action="store_true", help="stop after the data and its hidden states (rerun without it to train)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log each stage (INFO)")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -8,6 +8,7 @@ Never reaches a model hub: a Hub id resolves to its cached snapshot folder with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -206,6 +207,23 @@ def check_architecture(config) -> None:
         raise ModelLoadError(str(exc)) from exc
 
 
+@contextlib.contextmanager
+def _gguf_bar(label: str | None):
+    """transformers' GGUF loader draws its own tqdm bar, whatever its progress-bar switch says: while loading, it says
+    which file it reads (``label``) and stays off where stderr is not a terminal, as this project's bars do."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    drawn = getattr(gguf_utils, "tqdm", None)
+    if label is None or drawn is None:
+        yield
+        return
+    gguf_utils.tqdm = lambda items, desc=None, **options: drawn(items, desc=label, **(options | {"disable": None}))
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = drawn
+
+
 def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
     """``smollm2-135m``, a folder with config.json + safetensors, a ``.gguf`` file, or a Hub id
     (``org/name``, not an existing path) loaded offline from the local Hugging Face cache."""
@@ -226,9 +244,11 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
                 f"model {name!r} not found: pass a local folder (config.json + safetensors), a .gguf file, "
                 f"a Hugging Face id in the local cache (org/name), or one of: {builtins}"
             )
+    label = None  # a GGUF's bar while loading
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
+        label = f"loading {path.name}: de-quantizing its GGUF tensors"  # the user's file, not the readable copy's name
         path = _readable_gguf(path)
         folder, extra = path.parent, {"gguf_file": path.name}
     else:
@@ -250,7 +270,8 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         vocab = config.vocab_size
         if config.pad_token_id is not None and not 0 <= config.pad_token_id < vocab:
             extra["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < vocab else 0
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
+        with _gguf_bar(label):
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
     except ModelLoadError:
         raise
     except _weights_errors() as exc:
