@@ -206,6 +206,7 @@ class MedusaModel(nn.Module):
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.attention_form = "onnx"  # ATTENTION_FORMS; the exporter sets "plugin" while it traces
         self.draft_vocab: int | None = None  # propose() covers token ids 0 .. N-1 only, as an engine exported with --draft-vocab N
+        self.tree: str | None = None  # the heads' own template (their folder's export.json), what runs by default; None: a chain
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -364,7 +365,11 @@ def load_medusa(
 
     base = load_base_model(model, dtype=dtype, device=device)
     cfg = base.model.config
+    tree = None
     if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):
+        from medusa_trt.exporter.export_defaults import read_export_defaults
+
+        tree = read_export_defaults(heads).tree  # the template the heads were tuned for, as their export uses
         heads = load_heads(
             heads,
             hidden_size=cfg.hidden_size,
@@ -379,4 +384,6 @@ def load_medusa(
         heads = init_heads(config, base.model.get_output_embeddings())
     if heads is not None:
         heads = heads.eval().requires_grad_(False)  # MedusaModel puts them on the base's device and dtype
-    return MedusaModel(base, heads)
+    medusa = MedusaModel(base, heads)
+    medusa.tree = tree
+    return medusa

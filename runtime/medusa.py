@@ -235,10 +235,10 @@ class MedusaRuntime:
         if positions is not None and max_context > positions:
             raise EngineError(f"max_context {max_context} exceeds the model's {positions} positions: lower max_context")
         backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
-        name = default_tree(model.num_heads)
+        name, paths = resolve_tree(getattr(model, "tree", None) or default_tree(model.num_heads))  # the heads' own, else a chain
         info = _EngineInfo(
             num_heads=model.num_heads,
-            tree=resolve_tree(name)[1],
+            tree=paths,
             tree_name=name,
             max_top_k=model.vocab_size,  # the torch heads rank the whole vocabulary: any top-k up to it
             vocab_size=model.vocab_size,

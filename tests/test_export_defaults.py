@@ -136,3 +136,16 @@ def test_the_heads_quantization_applies_to_standard_fp32_graphs_only():
     )
     assert found.under("chain-1", 32, "none", quantizable=True) == (ExportDefaults("chain-1", 32, None), {})
     assert found.under(None, None, None, quantizable=True)[0] == found
+
+
+def test_the_torch_backend_runs_the_heads_own_template(heads_dir, tiny_model_dir):
+    """``medusa-run --model M --heads H`` (the torch backend) drafts with the template H's export.json names, as the
+    engine exported from them does, not a chain over the heads."""
+    from medusa_trt.exporter import load_medusa
+    from medusa_trt.runtime import MedusaRuntime
+    from medusa_trt.runtime.tree import load_tree
+
+    model = load_medusa(str(tiny_model_dir("llama")), heads=heads_dir)
+    runtime = MedusaRuntime(model, max_batch=1, max_context=64)
+    want = load_tree(str(heads_dir / "template.json"))
+    assert runtime.tree.paths == want.paths and runtime.tree.name == want.name
