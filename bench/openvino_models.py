@@ -21,6 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,19 @@ def save_hf_folder(base, out: Path) -> Path:
         raise MedusaError(f"cannot re-save {base.name}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
     if tied:
         model.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    base.tokenizer.save_pretrained(out)
-    if base.model.generation_config is not None:
-        base.model.generation_config.save_pretrained(out)
+    _check_replaceable(out, "config.json")
+    with durable.staged_folder(out) as staging:  # whole or not at all; an earlier folder goes once the new one is in
+        model.save_pretrained(staging)
+        base.tokenizer.save_pretrained(staging)
+        if base.model.generation_config is not None:
+            base.model.generation_config.save_pretrained(staging)
     return out
+
+
+def _check_replaceable(out: Path, marker: str) -> None:
+    """``out`` may be written: absent, empty, or a folder this module wrote before (it holds ``marker``)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / marker).is_file()):
+        raise MedusaError(f"{out} exists and is not a folder this script wrote (no {marker}): choose another --out, or remove it")
 
 
 def export_openvino(hf: Path, out: Path, weight_format: str, *, optimum_cli: Path, group_size: int = INT4_GROUP) -> Path:
@@ -70,14 +78,11 @@ def export_openvino(hf: Path, out: Path, weight_format: str, *, optimum_cli: Pat
     args += ["--weight-format", weight_format]
     if weight_format == "int4":  # every layer int4 (ratio 1.0), in groups that divide the hidden size
         args += ["--group-size", str(group_size), "--ratio", "1.0"]
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    log.info("%s", " ".join(args + [str(tmp)]))
-    proc = subprocess.run(args + [str(tmp)], capture_output=True, text=True)
-    if proc.returncode != 0 or not (tmp / "openvino_model.xml").is_file():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise MedusaError(f"optimum-cli export openvino ({weight_format}) failed (exit {proc.returncode}):\n{tail}")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _check_replaceable(out, "openvino_model.xml")
+    with durable.staged_folder(out) as staging:  # a failed export leaves the earlier folder as it was
+        log.info("%s", " ".join(args + [str(staging)]))
+        proc = subprocess.run(args + [str(staging)], capture_output=True, text=True)
+        if proc.returncode != 0 or not (staging / "openvino_model.xml").is_file():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            raise MedusaError(f"optimum-cli export openvino ({weight_format}) failed (exit {proc.returncode}):\n{tail}")
     return out

@@ -76,3 +76,27 @@ def test_openvino_rows_beside_the_engine(openvino_folder, tmp_path, capsys, expo
     assert lookup["matching_prefix_fraction"] == plain["matching_prefix_fraction"]
     assert plain["mode"] == "f32 precision" and default["mode"].endswith("(the CPU's default) precision")
     assert "openvino+lookup[stories-fp32]" in capsys.readouterr().out
+
+
+def test_a_failed_openvino_export_leaves_the_earlier_folder_and_a_foreign_one_is_refused(tmp_path):
+    """The peers' folders are written whole or not at all (runtime/durable.py): optimum-cli failing (a stand-in that
+    exits 1) leaves the earlier folder as it was and nothing staged beside it; a folder this script did not write is
+    refused, not replaced."""
+    from medusa_trt.runtime.errors import MedusaError
+
+    failing = tmp_path / "optimum-cli"
+    failing.write_text("#!/bin/sh\necho 'no such model' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    earlier = tmp_path / "smollm2-fp32"
+    earlier.mkdir()
+    (earlier / "openvino_model.xml").write_text("<net/>")
+    with pytest.raises(MedusaError, match="failed \\(exit 1\\):\nno such model"):
+        export_openvino(tmp_path / "hf", earlier, "fp32", optimum_cli=failing)
+    assert (earlier / "openvino_model.xml").read_text() == "<net/>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimum-cli", "smollm2-fp32"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(MedusaError, match="is not a folder this script wrote"):
+        export_openvino(tmp_path / "hf", mine, "fp32", optimum_cli=failing)
+    assert (mine / "notes.txt").read_text() == "keep"
