@@ -17,12 +17,13 @@ for TensorRT ``model.plan`` / ``heads.plan`` beside the ONNX graphs they were bu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 # EngineError and the metadata's names: imported from here by most of the package
-from medusa_trt.runtime.engine_folder import FOLDER_CONFIG, read_folder_config
+from medusa_trt.runtime.engine_folder import FOLDER_CONFIG, FolderConfig, read_drafting, read_folder_config
 from medusa_trt.runtime.engine_meta import FORMAT_VERSION, META_KEY, TENSORRT_BASELINE, EngineMeta, tensorrt_release  # noqa: F401
 from medusa_trt.runtime.errors import EngineError
 
@@ -52,17 +53,10 @@ class EngineFiles:
         return cls(step=folder / step, heads=folder / heads, tokenizer=folder, folder=folder)
 
     @classmethod
-    def locate(cls, path: str | os.PathLike) -> EngineFiles:
+    def locate(cls, path) -> EngineFiles:
         """The files of the engine at ``path``: an ``.onnx`` / ``.plan`` file with its siblings, or an
-        engine folder (TensorRT's plans when its config.json says it was built for TensorRT)."""
-        path = Path(path)
-        if path.suffix in ENGINE_SUFFIXES:
-            return cls.beside(path)
-        if not path.is_dir():
-            raise EngineError(
-                f"engine {path} does not exist: export one with medusa-export --out {path} (a folder, or a file ending in .onnx / .plan)"
-            )
-        return cls.in_folder(path, ".plan" if read_folder_config(path).backend == "tensorrt" else ".onnx")
+        engine folder (TensorRT's plans when its config.json says it was built for TensorRT); an ``EngineSource``'s."""
+        return EngineSource.read(path).files
 
     def check_heads(self, num_heads: int, *, fix: str = "export again") -> None:
         """Refuse an engine with Medusa heads whose heads graph is not beside its step graph."""
@@ -85,6 +79,31 @@ class EngineFiles:
     def onnx(self) -> EngineFiles:
         """The ONNX graphs of this engine (a folder's TensorRT plans were built from them)."""
         return EngineFiles.in_folder(self.folder) if self.folder is not None else self
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    """An engine as found at a path, read once: its files, and for an engine folder its config.json and drafting.json.
+    ``MedusaRuntime`` reads one and hands it to the backend it opens, so a folder is read once per runtime; every
+    function that takes an engine path takes an ``EngineSource`` too."""
+
+    files: EngineFiles
+    folder: FolderConfig | None = None  # an engine folder's config.json (None: loose files)
+    drafting: dict = dataclasses.field(default_factory=dict)  # an engine folder's drafting.json ({} where absent)
+
+    @classmethod
+    def read(cls, path) -> EngineSource:
+        if isinstance(path, EngineSource):
+            return path
+        path = Path(path)
+        if path.suffix in ENGINE_SUFFIXES:
+            return cls(EngineFiles.beside(path))
+        if not path.is_dir():
+            raise EngineError(
+                f"engine {path} does not exist: export one with medusa-export --out {path} (a folder, or a file ending in .onnx / .plan)"
+            )
+        config = read_folder_config(path)
+        return cls(EngineFiles.in_folder(path, ".plan" if config.backend == "tensorrt" else ".onnx"), config, read_drafting(path))
 
 
 def check_tree_fits(tree, *, top_k: int, max_tokens: int | None) -> None:
@@ -115,24 +134,25 @@ def read_meta(path: str | os.PathLike, session=None) -> EngineMeta:
     return EngineMeta.from_json(props[META_KEY], source=str(path))
 
 
-def check_folder_meta(files: EngineFiles, meta: EngineMeta) -> None:
-    """An engine folder's config.json must describe the graphs in it (a graph copied in from another
-    export would otherwise run with the wrong tree, EOS ids or limits)."""
+def check_folder_meta(files: EngineFiles, meta: EngineMeta, folder: FolderConfig | None = None) -> None:
+    """An engine folder's config.json (``folder``, where already read) must describe the graphs in it (a graph
+    copied in from another export would otherwise run with the wrong tree, EOS ids or limits)."""
     if files.folder is None:
         return
-    if read_folder_config(files.folder).meta != meta:
+    if (folder or read_folder_config(files.folder)).meta != meta:
         raise EngineError(
             f"{files.sidecar} does not describe {files.step.name} (their metadata differ): "
             "keep the files of one export together or export the folder again"
         )
 
 
-def engine_meta(path: str | os.PathLike) -> EngineMeta:
+def engine_meta(path) -> EngineMeta:
     """Any engine's metadata without loading its graphs: a folder's config.json, a plan's sidecar,
-    an ONNX graph's ``metadata_props``."""
-    files = EngineFiles.locate(path)
-    if files.folder is not None:
-        return read_folder_config(files.folder).meta
+    an ONNX graph's ``metadata_props`` (``path``: or an ``EngineSource``)."""
+    source = EngineSource.read(path)
+    files = source.files
+    if source.folder is not None:
+        return source.folder.meta
     if not files.step.is_file():
         raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
     if files.is_plan:

@@ -34,7 +34,7 @@ from medusa_trt.runtime.config import (
 )
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.drafting.sequential import Expansion
-from medusa_trt.runtime.engine import EngineError, EngineFiles, check_tree_fits
+from medusa_trt.runtime.engine import EngineError, EngineSource, check_tree_fits
 from medusa_trt.runtime.output import request_limits
 from medusa_trt.runtime.results import GenerationResult, StreamEvent
 from medusa_trt.runtime.sampling import broadcast_params
@@ -74,21 +74,21 @@ class _EngineInfo:
         )
 
 
-def _folder_step_cost(files: EngineFiles | None, backend: str) -> tuple[dict | None, float]:
+def _folder_step_cost(source: EngineSource | None, backend: str) -> tuple[dict | None, float]:
     """The step-cost table an engine folder's drafting.json records and its heads call's cost,
     both relative to a one-token step ((None, 0): none, or not a folder, or measured on another backend than
     ``backend``, which then learns its own online); warns when the folder records that its verify steps are not
     its plain steps (``runtime/exactness.py``)."""
-    if files is None or files.folder is None:
+    if source is None or source.folder is None:
         return None, 0.0
-    from medusa_trt.runtime.engine_folder import read_drafting, read_folder_config, step_cost_table
+    from medusa_trt.runtime.engine_folder import step_cost_table
 
-    measured_on = read_folder_config(files.folder).backend
+    files, measured_on = source.files, source.folder.backend
     if measured_on != backend:
         log.info("%s's step cost was measured on %s: the drafting budget learns %s's online", files.folder, measured_on, backend)
         return None, 0.0
 
-    raw = read_drafting(files.folder)
+    raw = source.drafting
     try:
         heads = float(raw.get("heads_cost") or 0.0)
     except (TypeError, ValueError) as exc:
@@ -117,10 +117,13 @@ class MedusaRuntime:
 
     def __init__(self, engine, config: RuntimeConfig | None = None, *, tokenizer=None, **overrides):
         self.config = cfg = dataclasses.replace(config or RuntimeConfig(), **overrides)
-        if isinstance(engine, (str, os.PathLike)) and EngineFiles.locate(engine).is_plan and cfg.backend in (None, "tensorrt"):
-            self.backend, codec, info = self._tensorrt(engine, cfg)
-        elif isinstance(engine, (str, os.PathLike)):
-            self.backend, codec, info = self._onnx(engine, cfg)
+        source = None  # an exported engine, read once: its files, a folder's config.json and drafting.json
+        if isinstance(engine, (str, os.PathLike, EngineSource)):
+            from medusa_trt.runtime.backends import backend_name
+
+            source = EngineSource.read(engine)
+            open_backend = self._tensorrt if backend_name(source, cfg.backend) == "tensorrt" else self._onnx
+            self.backend, codec, info = open_backend(source, cfg)
         elif hasattr(engine, "kv_spec") and hasattr(engine, "propose"):
             self.backend, codec, info = self._torch(engine, cfg)
         else:
@@ -129,7 +132,7 @@ class MedusaRuntime:
                 "pass an .onnx engine path or a MedusaModel from medusa_trt.exporter.load_medusa"
             )
         self.max_batch, self.max_context = self.backend.max_batch, self.backend.max_context
-        self._folder_step_cost, self._heads_cost = _folder_step_cost(getattr(self.backend, "files", None), self.backend.name)
+        self._folder_step_cost, self._heads_cost = _folder_step_cost(source, self.backend.name)
         self.num_heads = info.num_heads
         if cfg.tree is not None:
             self.tree: CompiledTree = load_tree(cfg.tree, max_depth=self.num_heads)

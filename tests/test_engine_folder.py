@@ -341,3 +341,18 @@ def test_export_cli_writes_a_folder(tmp_path):
     assert f"wrote {out}/ (config.json, model.onnx, heads.onnx" in proc.stdout and "verified against torch" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli-engine"]
     assert MedusaRuntime(out).generate("Once upon a time", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("backend", [None, "onnxruntime", "native"])
+def test_a_runtime_reads_its_folder_once(engines, monkeypatch, backend):
+    """MedusaRuntime(DIR) reads config.json and drafting.json once (runtime/engine.EngineSource) and chooses the
+    backend in one place (runtime/backends.backend_name), whichever backend then opens the folder's graphs."""
+    from medusa_trt.runtime import engine
+
+    reads = []
+    for name in ("read_folder_config", "read_drafting"):
+        monkeypatch.setattr(engine, name, lambda folder, read=getattr(engine, name), name=name: reads.append(name) or read(folder))
+    folder = engines[0].folder
+    runtime = MedusaRuntime(folder, backend=backend)
+    assert reads == ["read_folder_config", "read_drafting"], reads
+    assert runtime.backend.name == (backend or json.loads((folder / "config.json").read_text())["backend"])

@@ -38,7 +38,16 @@ from medusa_trt.runtime.contract import (
     StepCounter,
     StepOutput,
 )
-from medusa_trt.runtime.engine import EngineError, EngineFiles, EngineMeta, check_folder_meta, engine_meta, open_session, read_meta
+from medusa_trt.runtime.engine import (
+    EngineError,
+    EngineFiles,
+    EngineMeta,
+    EngineSource,
+    check_folder_meta,
+    engine_meta,
+    open_session,
+    read_meta,
+)
 from medusa_trt.runtime.manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -96,12 +105,13 @@ def checked_files(path, *, checksums: bool) -> tuple[EngineFiles, EngineMeta]:
     """An ONNX engine's files and metadata for a backend that opens its graphs itself (OpenVINO, native): the step
     graph there, the files' sizes (sha256 too with ``checksums``) against the manifest, the metadata read from the
     step graph and checked against a folder's config.json."""
-    files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
+    source = EngineSource.read(path)  # a file and its siblings, or a folder: read once
+    files = source.files.onnx  # its ONNX graphs
     if not files.step.is_file():
         raise EngineError(f"engine file {files.step} does not exist: export one with medusa-export --out {files.step}")
     check_manifest(files, checksums=checksums)
     meta = engine_meta(files.step)
-    check_folder_meta(files, meta)
+    check_folder_meta(files, meta, source.folder)
     return files, meta
 
 
@@ -166,7 +176,8 @@ class OnnxBackend:
         buffers: str = "auto",
         profile: str | None = None,
     ):
-        files = EngineFiles.locate(path).onnx  # a file and its siblings, or a folder (its ONNX graphs)
+        source = EngineSource.read(path)  # a file and its siblings, or a folder (its config.json read once)
+        files = source.files.onnx  # its ONNX graphs
         self.threads = threads  # None: ONNX Runtime's own count (one per physical core)
         self._steps = StepCounter()
         options, heads_options = session_options(threads, spin=True), session_options(threads, spin=False)
@@ -178,7 +189,7 @@ class OnnxBackend:
         check_manifest(files, checksums=checksums)  # sizes always; sha256 when asked (servers, once at load)
         self.session = open_session(files.step, options, providers, disabled_optimizers=STEP_DISABLED_OPTIMIZERS)
         self.meta: EngineMeta = read_meta(files.step, self.session)
-        check_folder_meta(files, self.meta)
+        check_folder_meta(files, self.meta, source.folder)
         meta = self.meta
         self.files = files
         self.heads_session = open_heads(files, meta, heads_options, providers)

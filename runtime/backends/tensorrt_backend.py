@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -68,11 +67,12 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "install TensorRT 10+ (pip install tensorrt) and a CUDA build of torch on a machine with an NVIDIA GPU"
 
 
-def read_plan_meta(path: str | os.PathLike) -> EngineMeta:
-    """Metadata of a TensorRT engine from its sidecar ``engine.plan.json`` (an engine folder's config.json)."""
+def read_plan_meta(path) -> EngineMeta:
+    """Metadata of a TensorRT engine (``path``, or an ``EngineSource``) from its sidecar ``engine.plan.json`` (an
+    engine folder's config.json)."""
     files = EngineFiles.locate(path)
     if not files.step.is_file():
-        raise EngineError(f"engine file {files.step} does not exist: build one with medusa-export --out {path}")
+        raise EngineError(f"engine file {files.step} does not exist: build one with medusa-export --out {files.folder or files.step}")
     return engine_meta(path)
 
 
