@@ -252,24 +252,21 @@ def _export_step(model: MedusaModel, config: ExportConfig):
         from medusa_trt.plugins.tree_attention.torch_op import onnx_translation_table
 
         table = onnx_translation_table()
-    previous, model.attention_form = model.attention_form, config.attention
+    traced = model.in_form(config.attention)  # the caller's model keeps its own form
     k = min(config.successors, model.vocab_size)
-    graph, names = (_WithSuccessors(model, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (model, list(STEP_OUTPUTS))
-    try:
-        program = torch.onnx.export(
-            graph,
-            _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots),
-            dynamo=True,
-            dynamic_shapes=dynamic,
-            opset_version=config.opset,
-            input_names=names_in,
-            output_names=names,
-            verbose=False,
-            custom_translation_table=table,
-            optimize=False,  # _optimized: exact no-op rules
-        )
-    finally:
-        model.attention_form = previous
+    graph, names = (_WithSuccessors(traced, k), [*STEP_OUTPUTS, SUCCESSORS_OUTPUT]) if k else (traced, list(STEP_OUTPUTS))
+    program = torch.onnx.export(
+        graph,
+        _example_inputs(model, 2, 3, min(5, config.max_context), config.key_slots),
+        dynamo=True,
+        dynamic_shapes=dynamic,
+        opset_version=config.opset,
+        input_names=names_in,
+        output_names=names,
+        verbose=False,
+        custom_translation_table=table,
+        optimize=False,  # _optimized: exact no-op rules
+    )
     return _optimized(program)
 
 

@@ -10,7 +10,8 @@ variable set around the forward: StableLM's and Nemotron's decoder layers drop t
 a step the function runs the attention the model was loaded with, so the same model object still
 serves ``transformers`` ``generate()``.
 
-Two forms of the attention: ``attention_form = "onnx"`` (the default) is the reference math in
+Two forms of the attention, fixed when a model is made (``MedusaModel(..., attention_form=)``, or ``in_form`` for a
+view of the same modules in the other): ``"onnx"`` (the default) is the reference math in
 standard ops, which every exporter and runtime understands; ``"plugin"`` calls the custom op
 ``torch.ops.medusa_trt.tree_attention`` once per layer, which ``torch.onnx.export`` turns into one
 ``medusa_trt::TreeAttention`` node (``plugins/tree_attention/spec.py``) for TensorRT's plugin. In
@@ -24,6 +25,7 @@ all T nodes cost about as much as the base model itself.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import logging
@@ -178,8 +180,10 @@ class MedusaModel(nn.Module):
     Carries the tokenizer and EOS ids as plain attributes for the runtime; ``forward`` never uses them.
     """
 
-    def __init__(self, base: BaseModel, heads: MedusaHeads | None):
+    def __init__(self, base: BaseModel, heads: MedusaHeads | None, *, attention_form: str = "onnx"):
         super().__init__()
+        if attention_form not in ATTENTION_FORMS:
+            raise ValueError(f"attention_form {attention_form!r} is not one of {', '.join(ATTENTION_FORMS)}")
         _register_attention()
         self.base = base.model
         config = self.base.config
@@ -204,9 +208,20 @@ class MedusaModel(nn.Module):
         self.num_heads = heads.config.num_heads if heads is not None else 0
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.attention_form = "onnx"  # ATTENTION_FORMS; the exporter sets "plugin" while it traces
+        self.attention_form = attention_form  # ATTENTION_FORMS: how forward computes attention (in_form: the other)
         self.draft_vocab: int | None = None  # propose() covers token ids 0 .. N-1 only, as an engine exported with --draft-vocab N
         self.tree: str | None = None  # the heads' own template (their folder's export.json), what runs by default; None: a chain
+
+    def in_form(self, attention_form: str) -> MedusaModel:
+        """This model whose attention runs as ``attention_form`` (ATTENTION_FORMS): a view sharing every module and
+        weight (nothing copied), so the exporter traces the plugin form while the caller's model keeps its own."""
+        if attention_form not in ATTENTION_FORMS:
+            raise ValueError(f"attention_form {attention_form!r} is not one of {', '.join(ATTENTION_FORMS)}")
+        if attention_form == self.attention_form:
+            return self
+        view = copy.copy(self)  # a new object over the same _modules / _parameters dicts
+        view.attention_form = attention_form
+        return view
 
     @property
     def kv_spec(self) -> KVSpec:

@@ -126,8 +126,8 @@ def test_plugin_form_in_torch_matches_standard(stories_base, stories_fitted):
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).expand(2, 4, 4)
     with torch.no_grad():
         standard = model(ids, positions, mask, lengths, past, past * 0.5)
-        model.attention_form = "plugin"
-        plugin = model(ids, positions, mask, lengths, past, past * 0.5)
+        plugin = model.in_form("plugin")(ids, positions, mask, lengths, past, past * 0.5)
+    assert model.attention_form == "onnx" and model.in_form("plugin").base is model.base  # a view: nothing copied
     for a, b in zip(standard, plugin):  # fp32 rounding only: the op's softmax (sinks of -inf included) is not SDPA's
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
