@@ -51,11 +51,13 @@ def run_bench(folder: Path, engines: list, texts: list[str], *args: str, new_tok
 
 def script(name: str):
     """scripts/NAME.py as a module (the scripts are checkout tooling, not package modules), with scripts/ on the
-    import path while it loads, as when it is run: a script may import the one beside it."""
+    import path while it loads, as when it is run: a script may import the one beside it. Registered in sys.modules
+    while it loads, as an imported module is (its dataclasses look their module up there)."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(SCRIPTS))

@@ -154,39 +154,6 @@ def test_step_profile_splits_a_traced_step_into_kinds(engines, tmp_path, capsys)
     assert "one-token step" in printed and "weight matmuls" in printed
 
 
-def test_cache_layout_ab_per_layer_graph_gives_the_same_outputs(engines, tmp_path):
-    ab = script("cache_layout_ab")
-    out = tmp_path / "ab.json"
-    argv = ["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--tokens", "3"]
-    assert ab.main([*argv, "--rounds", "1", "--out", str(out)]) == 0  # 1: the rewritten graph's outputs differ
-    report = json.loads(out.read_text())["engines"][str(engines[True])]
-    assert report["same_outputs"] is True
-    assert set(report["median_ms"]["per_layer"]) == {"20 cached, 1 tokens", "20 cached, 3 tokens"}
-    import onnx
-
-    graph = onnx.load(str(tmp_path / "work" / engines[True].parent.name / "model.onnx"), load_external_data=False).graph
-    layers = read_meta(engines[True]).num_layers
-    assert sorted(i.name for i in graph.input if i.name.startswith("past_")) == sorted(
-        f"{n}.{layer}" for n in ("past_key", "past_value") for layer in range(layers)
-    )
-    assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("past_")]
-
-
-def test_cache_layout_ab_never_writes_into_a_folder_it_did_not_make(engines, tmp_path):
-    ab = script("cache_layout_ab")
-    engine = engines[True].parent
-    before = {f.name: f.stat().st_mtime_ns for f in engine.iterdir()}
-    with pytest.raises(SystemExit, match="engine's own folder"):  # --work whose folder of that name is the engine's
-        ab.main(["--engine", str(engines[True]), "--work", str(engine.parent), "--context", "20", "--tokens", "1", "--rounds", "1"])
-    assert {f.name: f.stat().st_mtime_ns for f in engine.iterdir()} == before
-    theirs = tmp_path / "work" / engine.name
-    theirs.mkdir(parents=True)
-    (theirs / "model.onnx.data").write_text("a user's file")
-    with pytest.raises(SystemExit, match="did not make it"):
-        ab.main(["--engine", str(engines[True]), "--work", str(tmp_path / "work"), "--context", "20", "--tokens", "1", "--rounds", "1"])
-    assert (theirs / "model.onnx.data").read_text() == "a user's file" and sorted(p.name for p in theirs.iterdir()) == ["model.onnx.data"]
-
-
 def test_engine_step_ab_times_engines_side_by_side(engines, tmp_path, capsys):
     """scripts/engine_step_ab.py: the lean and the unrewritten engine give the same outputs at every size (the lean
     rewrite is exact), each size timed on both, the figures written as JSON."""
