@@ -13,7 +13,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install native peers openvino-peer openvino-models demo test lint test-fast test-sanitize wheel-check arm-build gpu-check gpu-check-dry constraints clean
+.PHONY: install native peers openvino-peer openvino-models demo compare test lint test-fast test-sanitize wheel-check arm-build gpu-check gpu-check-dry constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -126,6 +126,25 @@ $(ENGINE): $(STAMP) $(NATIVE) $(HEADS)/heads.safetensors $(HEADS)/template.json 
 # step, the speedup over plain decoding, and whether every drafted output equals its plain output (exit 1 if not)
 demo: $(ENGINE) $(NATIVE)
 	$(VENV)/bin/medusa-demo --engine $(ENGINE) --prompts assets/demo_prompts.json --max-new-tokens 128
+
+# The README's headline, rerun: the demo engine and the default int8-channel export (each on the backend medusa-export
+# chose: native where exact and faster) beside OpenVINO GenAI (f32 with prompt lookup; its fastest, int4 weights in
+# bf16 with lookup) and llama.cpp Q8_0 on the same weights, every third Spec-Bench dev prompt, 128 greedy tokens,
+# rows interleaved per prompt; a table on the terminal, build/compare.json and .png beside it. Half an hour on 2 cores.
+DEV ?= ../shared/data/spec_bench_dev.jsonl
+INT8_ENGINE := build/smollm2-135m-medusa-int8-channel
+$(INT8_ENGINE): $(STAMP) $(NATIVE) $(HEADS)/heads.safetensors $(HEADS)/template.json $(HEADS)/export.json
+	mkdir -p build
+	$(VENV)/bin/medusa-export --model smollm2-135m --heads $(HEADS) --quantize int8-channel --out $@ --max-batch 4 --max-context 1024
+
+build/peers/smollm2-q8_0.gguf: $(STAMP)
+	$(MAKE) peers
+	$(PY) scripts/llama_cpp_ggufs.py --out build/peers
+
+compare: $(ENGINE) $(INT8_ENGINE) openvino-models build/peers/smollm2-q8_0.gguf
+	$(VENV)/bin/medusa-bench --engine $(ENGINE) --engine $(INT8_ENGINE) --prompts $(DEV) --every 3 --no-hf --threads 2 \
+	  --peer openvino+lookup:build/openvino/smollm2-fp32 --peer openvino-default+lookup:build/openvino/smollm2-int4 \
+	  --peer llama.cpp:build/peers/smollm2-q8_0.gguf --out build/compare.json
 
 test: $(STAMP) $(NATIVE) $(VENV)/.peers lint
 	$(PY) -m pytest -q --durations=15
