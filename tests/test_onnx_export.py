@@ -92,7 +92,7 @@ def test_int8_engine_runs_and_reports_agreement(tmp_path, capsys, stories_base):
         "128",
     )
     assert code == 0, err
-    assert "max abs difference" in stdout
+    assert "int8 changes the model's numbers: max logit difference" in stdout and "verified" not in stdout  # its error, measured
     meta = read_meta(out)
     assert meta.quantization == "int8"
     import onnx
