@@ -145,10 +145,13 @@ def plan(config: BuildConfig) -> BuildPlan:
         tensorrt = None
     onnx_out = out if folder else onnx_beside(out) if tensorrt else out
     native_quantizers = (None, "none", "int8-channel", "int4", "int8-block")
-    if config.backend == "native" and (config.dtype != "fp32" or config.quantize not in native_quantizers):
+    wrong = [f"--dtype {config.dtype}"] * (config.dtype != "fp32") + [f"--quantize {config.quantize}"] * (
+        config.quantize not in native_quantizers
+    )
+    if config.backend == "native" and wrong:  # only what is wrong is named
         raise ExportError(
-            f"--backend native runs fp32, int8-channel, int4 and int8-block step graphs, not --quantize {config.quantize} / "
-            f"--dtype {config.dtype}: drop them, pass --quantize int8-channel or int4, or choose --backend onnxruntime"
+            f"--backend native runs fp32 step graphs, plain or quantized int8-channel, int4 or int8-block, not {' with '.join(wrong)}: "
+            "drop it (--quantize int8-channel or int4 for a smaller engine), or choose --backend onnxruntime"
         )
     if config.backend == "native" and config.accuracy_level not in (None, 4):
         raise ExportError(

@@ -330,7 +330,14 @@ def test_export_refuses_native_with_another_quantizer(tmp_path, capsys):
     out = tmp_path / "engine"
     assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--backend native runs fp32, int8-channel, int4 and int8-block step graphs, not --quantize int8" in err[0]
+    assert (
+        len(err) == 1
+        and "--backend native runs fp32 step graphs, plain or quantized int8-channel, int4 or int8-block, not --quantize int8:" in err[0]
+    )
+    assert "--dtype" not in err[0]  # only what is wrong is named
+    assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--dtype", "fp16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not --dtype fp16: drop it" in err[0] and "--quantize none" not in err[0], err
     assert main(["--model", str(STORIES), "--out", str(out), "--backend", "native", "--quantize", "int4", "--accuracy-level", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "computes MatMulNBits at accuracy level 4 (int8 activations), not --accuracy-level 1" in err[0]
