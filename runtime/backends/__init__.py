@@ -24,7 +24,8 @@ def backend_name(path, asked: str | None) -> str:
     if source.files.is_plan and asked in (None, "tensorrt"):
         return "tensorrt"
     if asked is not None and asked not in ONNX_BACKENDS:
-        raise EngineError(f"backend {asked!r} cannot run {path}: use one of {', '.join(ONNX_BACKENDS)} (tensorrt runs .plan engines)")
+        where = source.files.folder or source.files.step
+        raise EngineError(f"backend {asked!r} cannot run {where}: use one of {', '.join(ONNX_BACKENDS)} (tensorrt runs .plan engines)")
     if asked is not None:
         return asked
     chosen = source.folder.backend if source.folder is not None else None
