@@ -74,6 +74,9 @@ def test_device_buffers_match_host_buffers_step_by_step(engine):
     def both(method, *args):
         return getattr(host, method)(*args), getattr(device, method)(*args)
 
+    def after(outs, method, *args):  # commit / propose: each backend with the output of its own step
+        return tuple(getattr(b, method)(out, *args) for b, out in zip((host, device), outs))
+
     def same_step(a, b):
         assert (a.argmax == b.argmax).all() and (a.topk == b.topk).all()
         assert np.array_equal(a.logits(), b.logits())
@@ -81,20 +84,22 @@ def test_device_buffers_match_host_buffers_step_by_step(engine):
         assert np.array_equal(a.logits_rows(rows, nodes), b.logits_rows(rows, nodes))
         assert np.array_equal(a.hidden_rows(rows, nodes), b.hidden_rows(rows, nodes)) and b.hidden_rows(rows, nodes).dtype == np.float32
 
-    same_step(*both("step", ids, positions, chain, lengths))
-    both("commit", np.broadcast_to(np.arange(width), (2, width)), counts, lengths)
+    outs = both("step", ids, positions, chain, lengths)
+    same_step(*outs)
+    after(outs, "commit", np.broadcast_to(np.arange(width), (2, width)), counts, lengths)
     lengths = counts.copy()
     t = tree.num_nodes
     tree_ids = gen.integers(0, host.meta.vocab_size, size=(2, t))
     tree_pos = lengths[:, None] + tree.depth[None, :]
     tree_mask = np.broadcast_to(tree.mask, (2, t, t))
-    same_step(*both("step", tree_ids, tree_pos, tree_mask, lengths))
+    outs = both("step", tree_ids, tree_pos, tree_mask, lengths)
+    same_step(*outs)
     accepted, taken = np.array([[0, 1, 3], [0, 2, 0]]), np.array([3, 2])  # row 1 takes 2 of its 3 listed nodes
-    both("commit", accepted, taken, lengths)
+    after(outs, "commit", accepted, taken, lengths)
     lengths = lengths + taken
     slots = int(lengths.max())
     assert np.array_equal(_host(host._key)[: slots * 2 * host.kv_row], _host(device._key)[: slots * 2 * host.kv_row])
-    a, b = both("propose", np.array([3, 2]), tree.top_k, np.array([5, 7]))
+    a, b = after(outs, "propose", np.array([3, 2]), tree.top_k, np.array([5, 7]))
     assert (a.ids == b.ids).all() and a.ids.shape == (2, host.meta.num_heads, tree.top_k)
     assert np.array_equal(a.logits(), b.logits())
     both("relayout", np.array([1, 0]), 2, 3, slots)  # swap the rows and grow to 3
