@@ -59,6 +59,7 @@ from medusa_trt.runtime.contract import (
 )
 from medusa_trt.runtime.drafting.sequential import expansion
 from medusa_trt.runtime.engine import ENGINE_SUFFIXES, FORMAT_VERSION, META_KEY, EngineFiles, EngineMeta
+from medusa_trt.runtime.engine_meta import precision_name
 from medusa_trt.runtime.manifest import manifest_path, write_manifest
 from medusa_trt.runtime.tree import CompiledTree, load_tree
 
@@ -450,7 +451,7 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote %s", final.step)
-    precision = config.quantize.mode if config.quantize else config.dtype
+    precision = precision_name(config.dtype, config.quantize.mode if config.quantize else "none")
     backend = None if not folder else (choice.backend if choice is not None else config.backend)
     return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice, strict, top1, backend, precision)
 

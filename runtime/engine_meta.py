@@ -118,3 +118,11 @@ class EngineMeta:
         if missing:
             raise EngineError(f"{source}: engine metadata lacks {sorted(missing)}: export it again")
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def precision_name(dtype: str, quantization: str) -> str:
+    """An engine's precision as the outputs name it: its quantization ("int8-channel", "int4"), else its dtype ("fp32");
+    the heads-only quantization keeps the step's dtype ("fp32, int8 heads")."""
+    if quantization == "heads-int8":
+        return f"{dtype}, int8 heads"
+    return dtype if quantization in ("none", None) else quantization

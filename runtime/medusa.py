@@ -35,6 +35,7 @@ from medusa_trt.runtime.config import (
 from medusa_trt.runtime.drafting import CostModel, Drafting, DraftingConfig, HeadsTemplate
 from medusa_trt.runtime.drafting.sequential import Expansion
 from medusa_trt.runtime.engine import EngineError, EngineSource, check_tree_fits
+from medusa_trt.runtime.engine_meta import precision_name
 from medusa_trt.runtime.output import request_limits
 from medusa_trt.runtime.results import GenerationResult, StreamEvent
 from medusa_trt.runtime.sampling import broadcast_params
@@ -203,8 +204,7 @@ class MedusaRuntime:
         """What runs: the backend with its threads and instruction set, and the engine's precision
         (``native (avx512_vnni, 2 threads), int8-channel``: the quantization, else the dtype; a torch model has none)."""
         meta = getattr(self.backend, "meta", None)
-        precision = "" if meta is None else f", {meta.dtype if meta.quantization == 'none' else meta.quantization}"
-        return self.backend.describe() + precision
+        return self.backend.describe() + ("" if meta is None else f", {precision_name(meta.dtype, meta.quantization)}")
 
     def plain(self) -> MedusaRuntime:
         """Plain decoding on the same engine: no drafts, one token per step."""

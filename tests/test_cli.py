@@ -235,3 +235,20 @@ def test_model_without_the_export_extra_is_one_line(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "medusa_trt.exporter", None)  # import fails as it does without torch
     code, out, err = _run(capsys, "--model", str(STORIES), "--prompt", "Hi")
     assert code == 2 and err.startswith("medusa-run: error: --model needs torch and transformers") and "medusa-trt[export]" in err
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "named"),
+    [
+        ("fp32", "none", "fp32"),
+        ("fp32", "int8-channel", "int8-channel"),
+        ("fp32", "int4", "int4"),
+        ("fp32", "heads-int8", "fp32, int8 heads"),
+    ],
+)
+def test_the_precision_an_output_names(dtype, quantization, named):
+    """What medusa-run's summary, the servers' banner and the export's last line call an engine's precision: the
+    heads-only quantization keeps the step's dtype in the name (its text is the fp32 model's)."""
+    from medusa_trt.runtime.engine_meta import precision_name
+
+    assert precision_name(dtype, quantization) == named
