@@ -131,7 +131,8 @@ def _stream(runtime, prompt: str, gen: dict) -> _Run:
     for event in runtime.stream(prompt, **gen):
         sys.stdout.write(event.text)
         sys.stdout.flush()
-        ids, steps, finish = ids + list(event.token_ids), steps + 1, event.finish_reason or finish
+        ids.extend(event.token_ids)
+        steps, finish = steps + 1, event.finish_reason or finish
     sys.stdout.write("\n")
     rate = len(ids) / (time.perf_counter() - started)
     mean = (len(ids) - 1) / steps if steps > 0 else 0.0

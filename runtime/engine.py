@@ -17,7 +17,7 @@ for TensorRT ``model.plan`` / ``heads.plan`` beside the ONNX graphs they were bu
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,13 +83,17 @@ class EngineFiles:
 
 @dataclass(frozen=True)
 class EngineSource:
-    """An engine as found at a path, read once: its files, and for an engine folder its config.json and drafting.json.
-    ``MedusaRuntime`` reads one and hands it to the backend it opens, so a folder is read once per runtime; every
-    function that takes an engine path takes an ``EngineSource`` too."""
+    """An engine as found at a path, read once: its files, and for an engine folder its config.json (and drafting.json,
+    on first use). ``MedusaRuntime`` reads one and hands it to the backend it opens, so a folder is read once per
+    runtime; every function that takes an engine path takes an ``EngineSource`` too."""
 
     files: EngineFiles
     folder: FolderConfig | None = None  # an engine folder's config.json (None: loose files)
-    drafting: dict = dataclasses.field(default_factory=dict)  # an engine folder's drafting.json ({} where absent)
+
+    @functools.cached_property
+    def drafting(self) -> dict:
+        """An engine folder's drafting.json ({} where absent, or loose files), read when first asked for."""
+        return read_drafting(self.files.folder) if self.files.folder is not None else {}
 
     @classmethod
     def read(cls, path) -> EngineSource:
@@ -103,7 +107,7 @@ class EngineSource:
                 f"engine {path} does not exist: export one with medusa-export --out {path} (a folder, or a file ending in .onnx / .plan)"
             )
         config = read_folder_config(path)
-        return cls(EngineFiles.in_folder(path, ".plan" if config.backend == "tensorrt" else ".onnx"), config, read_drafting(path))
+        return cls(EngineFiles.in_folder(path, ".plan" if config.backend == "tensorrt" else ".onnx"), config)
 
 
 def check_tree_fits(tree, *, top_k: int, max_tokens: int | None) -> None:

@@ -345,8 +345,9 @@ def test_export_cli_writes_a_folder(tmp_path):
 
 @pytest.mark.parametrize("backend", [None, "onnxruntime", "native"])
 def test_a_runtime_reads_its_folder_once(engines, monkeypatch, backend):
-    """MedusaRuntime(DIR) reads config.json and drafting.json once (runtime/engine.EngineSource) and chooses the
-    backend in one place (runtime/backends.backend_name), whichever backend then opens the folder's graphs."""
+    """MedusaRuntime(DIR) reads config.json once and drafting.json at most once (runtime/engine.EngineSource: where
+    the runtime asks for it) and chooses the backend in one place (runtime/backends.backend_name), whichever backend
+    then opens the folder's graphs."""
     from medusa_trt.runtime import engine
 
     reads = []
@@ -354,5 +355,5 @@ def test_a_runtime_reads_its_folder_once(engines, monkeypatch, backend):
         monkeypatch.setattr(engine, name, lambda folder, read=getattr(engine, name), name=name: reads.append(name) or read(folder))
     folder = engines[0].folder
     runtime = MedusaRuntime(folder, backend=backend)
-    assert reads == ["read_folder_config", "read_drafting"], reads
+    assert reads.count("read_folder_config") == 1 and reads.count("read_drafting") <= 1 and reads[0] == "read_folder_config", reads
     assert runtime.backend.name == (backend or json.loads((folder / "config.json").read_text())["backend"])
