@@ -18,16 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter.options import GraphOptions, graph_options
 from medusa_trt.runtime.backends import BACKENDS  # an engine folder's runtime: tensorrt also builds the plans into it
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS, DEFAULT_OPSET
-from medusa_trt.runtime.contract import DEFAULT_SUCCESSORS
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class BuildConfig:
-    """The choices of one ``medusa-export`` (each flag's help says more)."""
+class BuildConfig(GraphOptions):
+    """The choices of one ``medusa-export`` (each flag's help says more); the graph's shape and checks are
+    ``GraphOptions``'s, passed to the export as they are."""
 
     model: str  # smollm2-135m, a Hugging Face folder, or a .gguf file
     out: str | Path  # an engine folder (no suffix), model.onnx (ONNX Runtime) or engine.plan (TensorRT; engine.onnx beside it)
@@ -39,21 +39,13 @@ class BuildConfig:
     backend: str | None = None
     step_cost: str | None = None  # engine folder only: a medusa-calibrate report whose step_ms the drafting budget reads
     tree: str | None = None  # None: the heads folder's export.json, else a chain over the heads
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_context: int | None = None  # None: 1024, or the model's positions if fewer
-    max_tokens: int = DEFAULT_MAX_TOKENS  # most new tokens per step (tree nodes, prefill chunk)
-    dtype: str = "fp32"  # fp32 | fp16 | bf16 (.plan only)
-    attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer
     key_slots: bool = True  # ONNX Runtime engines with standard attention: a verify step equals a plain step bit for bit
     gate_logits: bool = True  # ONNX Runtime engines with standard attention: the lm_head behind an If (exporter/logits_gate.py)
-    opset: int = DEFAULT_OPSET
-    successors: int = DEFAULT_SUCCESSORS  # k of the step graph's top-k output (0: none)
     draft_vocab: int | None = None  # None: the heads folder's export.json, else the whole vocabulary
     quantize: str | None = None  # a quantize.MODES mode or "none"; None: the heads folder's export.json, else none
     block_size: int | None = None  # quantize int4 / int8-block: weights per block (None: quantize.DEFAULT_BLOCK_SIZE)
     accuracy_level: int | None = None  # quantize int4 / int8-block: MatMulNBits compute type (None: quantize.DEFAULT_ACCURACY_LEVEL)
     timing_cache: str | None = None  # TensorRT timing cache (None: timing.cache beside the .plan)
-    verify: bool = True  # the checker, ONNX Runtime vs torch and (.plan) TensorRT vs ONNX
 
     def __post_init__(self):
         from medusa_trt.exporter.errors import ExportError
@@ -188,17 +180,10 @@ def export_config(config: BuildConfig, plan: BuildPlan):
 
     chosen, onnx_runtime = plan.defaults, plan.tensorrt is None
     return ExportConfig(
+        **graph_options(config),
         out=plan.onnx_out,
         tree=chosen.tree,
-        max_batch=config.max_batch,
-        max_context=config.max_context,
-        max_tokens=config.max_tokens,
-        dtype=config.dtype,
-        opset=config.opset,
-        verify=config.verify,
         quantize=QuantizeConfig.from_options(chosen.quantize, config.block_size, config.accuracy_level),
-        attention=config.attention,
-        successors=config.successors,
         step_cost=read_step_cost(config.step_cost) if config.step_cost else None,
         draft_vocab=chosen.draft_vocab,
         key_slots=onnx_runtime and config.attention == "onnx" and config.key_slots,

@@ -16,13 +16,13 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from medusa_trt.exporter.architecture import UnsupportedModelError, check_config
+from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
@@ -124,23 +124,18 @@ def _gguf_with_valid_pad(path: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("patching padding token id of %s into %s", path, target)
-    fd, tmp = tempfile.mkstemp(prefix=".patch.", suffix=".gguf", dir=target.parent)
-    os.close(fd)
-    try:
+    with durable.staged_file(target) as tmp:  # a crash leaves the cache without the copy, never a half-patched one
         shutil.copyfile(path, tmp)
-        writer = gguf.GGUFReader(tmp, "r+")
+        writer = gguf.GGUFReader(str(tmp), "r+")
         pad = writer.fields["tokenizer.ggml.padding_token_id"]
         pad.parts[pad.data[0]][0] = 0
         del writer
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 
-def _readable_gguf(path: Path) -> Path:
-    """``_gguf_with_valid_pad``, with a file that is not GGUF or is cut short named as such."""
+def readable_gguf(path: Path) -> Path:
+    """``path``, or its cached copy with the padding id fixed (``_gguf_with_valid_pad``); a file that is not GGUF or
+    is cut short is a ModelLoadError naming it."""
     try:
         return _gguf_with_valid_pad(path)
     except _BAD_GGUF as exc:
@@ -249,7 +244,7 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file: pass a GGUF file or a Hugging Face folder")
         label = f"loading {path.name}: de-quantizing its GGUF tensors"  # the user's file, not the readable copy's name
-        path = _readable_gguf(path)
+        path = readable_gguf(path)
         folder, extra = path.parent, {"gguf_file": path.name}
     else:
         folder = path

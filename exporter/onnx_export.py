@@ -39,15 +39,15 @@ from tqdm.auto import tqdm
 
 from medusa_trt.exporter.cancel import checkpoint
 from medusa_trt.exporter.errors import ExportError
+from medusa_trt.exporter.options import GraphOptions
 from medusa_trt.exporter.quantize import MODES as _QUANTIZE_MODES
 from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
 from medusa_trt.exporter.tokenizer_files import check_engine_tokenizer, write_engine_tokenizer
 from medusa_trt.exporter.wrapper import ATTENTION_FORMS, HeadsGraph, MedusaModel
 from medusa_trt.runtime import durable, key_slots
 from medusa_trt.runtime.backends import BACKENDS
-from medusa_trt.runtime.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT, DEFAULT_MAX_TOKENS, DEFAULT_OPSET, default_tree
+from medusa_trt.runtime.config import DEFAULT_MAX_CONTEXT, DEFAULT_OPSET, default_tree
 from medusa_trt.runtime.contract import (
-    DEFAULT_SUCCESSORS,
     HEADS_INPUTS,
     HEADS_OUTPUTS,
     KEY_SLOTS_INPUT,
@@ -81,18 +81,12 @@ STAGING_OWNER = durable.LEGACY_OWNER  # staging folders of earlier versions: "pi
 
 
 @dataclass(frozen=True)
-class ExportConfig:
+class ExportConfig(GraphOptions):
+    """What ``export_onnx`` writes; the graph's shape and checks are ``GraphOptions``'s."""
+
     out: Path  # the step graph's path, ending in .onnx; any other path: an engine folder (runtime/engine_folder.py)
     tree: str | list | None = None  # the engine's default tree; None: a chain over the heads
-    max_batch: int = DEFAULT_MAX_BATCH  # sequences per step the engine is built and checked for
-    max_context: int | None = None  # committed + new tokens per sequence; None: 1024 or the model's positions if fewer
-    max_tokens: int = DEFAULT_MAX_TOKENS  # new tokens per step: tree nodes and prefill chunk
-    dtype: str = "fp32"  # fp32 | fp16 | bf16 (for TensorRT; verified in ONNX's reference evaluator)
-    opset: int = DEFAULT_OPSET
     quantize: QuantizeConfig | str | None = None  # weight quantization (exporter/quantize.py); a mode name: QuantizeConfig(mode)
-    verify: bool = True  # checker + ONNX Runtime vs torch after export
-    attention: str = "onnx"  # onnx: standard ops | plugin: one medusa_trt::TreeAttention node per layer (TensorRT)
-    successors: int = DEFAULT_SUCCESSORS  # k of the step graph's next_topk output (recycled drafts); 0: none
     step_cost: dict | None = None  # an engine folder's drafting budget (tokens per step -> relative cost); None: the runtime's default
     draft_vocab: int | None = None  # the heads project onto the first N token ids only (HeadsGraph); None: the whole vocabulary
     # the step graph takes key_slots (runtime/key_slots.py): a verify step equals a plain step bit for bit on ONNX

@@ -62,3 +62,24 @@ def test_a_gguf_bar_says_which_file_it_reads_and_stays_off_the_logs(monkeypatch)
     monkeypatch.setattr(gguf_utils, "tqdm", lambda items, **options: seen.append(options) or drawn(items, **options))
     load_base_model(STORIES)
     assert seen == [{"desc": f"loading {STORIES.name}: de-quantizing its GGUF tensors", "disable": None}], seen
+
+
+def test_medusa_export_defaults_are_the_exports_and_reach_it_as_given(tmp_path):
+    """``BuildConfig`` and ``ExportConfig`` inherit the graph's options (``GraphOptions``): one default each, and what
+    ``medusa-export`` is given is what ``export_onnx`` gets."""
+    from medusa_trt.cli.export import build_config, build_parser
+    from medusa_trt.exporter.builder import BuildConfig, BuildPlan, export_config
+    from medusa_trt.exporter.export_defaults import ExportDefaults
+    from medusa_trt.exporter.onnx_export import ExportConfig
+    from medusa_trt.exporter.options import GraphOptions, graph_options
+
+    defaults = graph_options(GraphOptions())
+    assert graph_options(BuildConfig(model="m", out="e")) == defaults == graph_options(ExportConfig(out=Path("e")))
+    out = tmp_path / "e.onnx"
+    plain = build_config(build_parser().parse_args(["--model", "m", "--out", str(out)]))
+    assert graph_options(plain) == defaults  # the command line's defaults are the library's
+    given = ["--max-batch", "3", "--max-context", "96", "--max-tokens", "12", "--opset", "21", "--successors", "5", "--no-verify"]
+    config = build_config(build_parser().parse_args(["--model", "m", "--out", str(out), *given]))
+    passed = export_config(config, BuildPlan(out, None, ExportDefaults(), {}, None))
+    expected = dict(defaults, max_batch=3, max_context=96, max_tokens=12, opset=21, successors=5, verify=False)
+    assert graph_options(config) == graph_options(passed) == expected

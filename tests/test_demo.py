@@ -90,7 +90,7 @@ def test_the_shipped_prompts_read():
     """make demo's own file: one prompt of each kind, names unique, one of them streamed."""
     from pathlib import Path
 
-    from medusa_trt.cli.demo import read_demo_prompts
+    from medusa_trt.bench.demo import read_demo_prompts
 
     prompts = read_demo_prompts(str(Path(__file__).resolve().parents[1] / "assets" / "demo_prompts.json"))
     names = [p.name for p in prompts]

@@ -160,3 +160,34 @@ def test_cli_export_of_an_uncached_hub_id_is_one_line(tmp_path, monkeypatch, cap
         f"'org/missing' is not a local folder, and not in the local Hugging Face cache at {tmp_path / 'hub'}",
     )
     assert list(out.iterdir()) == [] and not (tmp_path / "hub").exists()
+
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.gguf"
+
+
+@pytest.mark.skipif(not STORIES.is_file(), reason="needs ../shared/models/stories260K.gguf")
+def test_a_gguf_padding_fix_is_cached_whole_or_not_at_all(tmp_path, monkeypatch):
+    """stories260K's padding id is past its vocabulary; the loader reads a patched copy in the cache. A failure while
+    patching leaves no copy (and no temporary file) for the next load to trust."""
+    import gguf
+
+    from medusa_trt.exporter import models
+
+    monkeypatch.setenv("MEDUSA_TRT_CACHE", str(tmp_path))
+    real = gguf.GGUFReader
+
+    def broken(path, mode="r"):
+        if mode == "r+":
+            raise OSError("disk full")
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", broken)
+    with pytest.raises(OSError, match="disk full"):
+        models.readable_gguf(STORIES)
+    assert not list((tmp_path / "gguf").iterdir())
+    monkeypatch.setattr(gguf, "GGUFReader", real)
+    patched = models.readable_gguf(STORIES)
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [patched.name]
+    field = real(str(patched)).fields["tokenizer.ggml.padding_token_id"]
+    assert int(field.parts[field.data[0]][0]) == 0
+    assert models.readable_gguf(STORIES) == patched  # the second load reuses it
