@@ -150,11 +150,17 @@ def replay(
     config: DraftingConfig | None = None,
     confidence: np.ndarray | None = None,
     tally: dict | None = None,
+    extra=None,
+    prior=None,
+    extra_depth: int = 0,
 ) -> tuple[list[int], list[int]]:
     """Tokens emitted per step and nodes per step when drafting with ``names`` (and ``config``)
     along the true continuation; ``confidence`` [L, D, K] keys the heads' drafts by their
     probabilities as the runtime does (None: by rank). ``tally`` gathers [accepted, tested] per
-    statistics key over every call (what a prior table is fitted to)."""
+    statistics key over every call (what a prior table is fitted to). ``extra(anchor, max_depth)``, if
+    given, adds a drafter outside the runtime's set: its ``Fragment`` below the root that follows position
+    ``anchor`` of prompt + continuation, merged with the others; ``prior`` then estimates its keys (a
+    ``(key) -> float`` tried before the drafters' own) and ``extra_depth`` its deepest draft."""
     drafting = runtime.with_drafters(names).drafting
     if config is not None:
         drafting = Drafting(drafting.names, drafting.template, config, engine_max_nodes=drafting.max_nodes)
@@ -163,15 +169,19 @@ def replay(
     heads = next((p for p in proposers if isinstance(p, HeadsProposer)), None)
     for p in proposers:
         p.start(0, list(prompt), sampled=False)
-    stats = AcceptanceStats(drafting.prior) if tally is None else _Tallied(tally, drafting.prior)
+    own = drafting.prior if prior is None else (lambda key: prior(key) if prior(key) is not None else drafting.prior(key))
+    stats = AcceptanceStats(own) if tally is None else _Tallied(tally, own)
     steps, nodes, pos = [], [], 0  # continuation[pos] is the root
-    depth_cap = drafting.max_depth
+    depth_cap = max(drafting.max_depth, extra_depth if extra is not None else 0)
     while pos + 1 < len(continuation):
         room = len(continuation) - pos - 1
         if heads is not None:  # heads at the last committed node (the root's parent)
             heads.set_proposals(0, topk[len(prompt) + pos - 1], None if confidence is None else confidence[len(prompt) + pos - 1])
         proposals = [p.propose(0, history, min(room, depth_cap)) for p in proposers]
-        tree = build_tree(history[-1], [p.fragment for p in proposals if p is not None], stats, max_nodes=drafting.max_nodes, cost=cost)
+        fragments = [p.fragment for p in proposals if p is not None]
+        if extra is not None:
+            fragments.append(extra(len(prompt) + pos - 1, min(room, depth_cap)))
+        tree = build_tree(history[-1], fragments, stats, max_nodes=drafting.max_nodes, cost=cost)
         truth = np.array(continuation + [-1])  # the base model's choice after each node is the continuation's next token
         path = greedy(tree, truth[np.minimum(pos + tree.depth + 1, len(continuation))]).path
         stats.learn(tree, path)  # the runtime's own update
