@@ -90,7 +90,7 @@ def cache_features(base, sequences: list, work: Path, layers: tuple[int, ...]) -
     out = []
     for g, group in enumerate(tqdm(groups, desc="base features", unit=f"{SHARD} seq", disable=None)):
         file = _shard_file(work, g)
-        key = json.dumps([list(layers), [len(s.ids) for s in group], [s.ids[:4] for s in group]])
+        key = json.dumps(["choices", list(layers), [len(s.ids) for s in group], [s.start for s in group], [s.ids[:4] for s in group]])
         if file.is_file():
             stored = load_file(str(file))
             if bytes(stored["key"].tolist()).decode() == key:
