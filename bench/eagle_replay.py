@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +74,27 @@ def _chain(node: int, parent: list[int]) -> list[int]:
     return out[::-1]
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class Grown:
+    """Every node a draft tree grew, in the order made: token, parent (-1: the root), log-probability given the
+    parent, path log-probability and depth below the root."""
+
+    tokens: list[int]
+    parent: list[int]
+    own: list[float]
+    path: list[float]
+    level: list[int]
+
+
 def draft_tree(state: EaglePass, anchor: int, *, top_k: int, depth: int, nodes: int, max_depth: int) -> Fragment:
     """EAGLE-2's tree below the root at ``anchor + 1`` (the committed positions end at ``anchor``): the ``nodes``
     drafts of highest path probability out of ``depth`` levels, keyed by their own probability."""
+    return select(grow_tree(state, anchor, top_k=top_k, depth=min(depth, max_depth)), nodes)
+
+
+@torch.no_grad()
+def grow_tree(state: EaglePass, anchor: int, *, top_k: int, depth: int) -> Grown:
+    """The ``depth`` levels of EAGLE-2's expansion below the root at ``anchor + 1``: one drafter call a level."""
     drafter, d2t = state.drafter, state.drafter.d2t
     tokens: list[int] = []
     parent: list[int] = []
@@ -100,7 +118,7 @@ def draft_tree(state: EaglePass, anchor: int, *, top_k: int, depth: int, nodes: 
 
     newest = children([-1], drafter.logits(state.g[anchor][None]).float().log_softmax(-1), 1)
     committed = anchor + 1
-    for d in range(1, min(depth, max_depth)):
+    for d in range(1, depth):
         frontier = sorted(newest, key=lambda i: -path[i])[:top_k]
         chains = [_chain(i, parent) for i in frontier]
         above = sorted({a for c in chains for a in c[:-1]})  # expanded ancestors, each once
@@ -123,6 +141,12 @@ def draft_tree(state: EaglePass, anchor: int, *, top_k: int, depth: int, nodes: 
             state.out[i] = g[q]
         newest = children(frontier, drafter.logits(g).float().log_softmax(-1), d + 1)
     state.out.clear()
+    return Grown(tokens, parent, own, path, level)
+
+
+def select(grown: Grown, nodes: int) -> Fragment:
+    """The ``nodes`` drafts of highest path probability (ancestors first on ties), keyed by their own probability."""
+    tokens, parent, own, path, level = grown.tokens, grown.parent, grown.own, grown.path, grown.level
     order = sorted(range(len(tokens)), key=lambda i: (-path[i], level[i]))
     kept: dict[int, int] = {}
     for i in order:
@@ -143,17 +167,20 @@ def draft_tree(state: EaglePass, anchor: int, *, top_k: int, depth: int, nodes: 
 
 
 class DraftTrees:
-    """One sequence's draft trees by (anchor, depth room, nodes), each grown once."""
+    """One sequence's draft trees: each (anchor, depth room) grown once, each width selected from it once."""
 
     def __init__(self, state: EaglePass, *, top_k: int, depth: int):
         self.state, self.top_k, self.depth = state, top_k, depth
+        self.grown: dict[tuple[int, int], Grown] = {}
         self.memo: dict[tuple[int, int, int], Fragment] = {}
 
     def __call__(self, anchor: int, room: int, nodes: int) -> Fragment:
-        key = (anchor, max(min(room, self.depth), 1), nodes)
-        if key not in self.memo:
-            self.memo[key] = draft_tree(self.state, anchor, top_k=self.top_k, depth=self.depth, nodes=nodes, max_depth=key[1])
-        return self.memo[key]
+        depth = max(min(room, self.depth), 1)
+        if (anchor, depth) not in self.grown:
+            self.grown[anchor, depth] = grow_tree(self.state, anchor, top_k=self.top_k, depth=depth)
+        if (anchor, depth, nodes) not in self.memo:
+            self.memo[anchor, depth, nodes] = select(self.grown[anchor, depth], nodes)
+        return self.memo[anchor, depth, nodes]
 
 
 def eagle_prior(key: tuple) -> float | None:
@@ -245,11 +272,11 @@ def _run(args) -> int:
         heads_cost,
     )
     cached = dict(np.load(args.cache, allow_pickle=True))
-    count = len([k for k in cached if k.startswith("ids")])
+    prompts = sorted(int(k[3:]) for k in cached if k.startswith("ids"))  # replay.py skips prompts too long for its context
     results: dict[str, list] = {}
     base_cfg = runtime.drafting.config
     rows = runtime.drafting.template.rows
-    for i in tqdm(range(count)[: args.limit], desc="eagle replay", unit="prompt"):
+    for i in tqdm(prompts[: args.limit], desc="eagle replay", unit="prompt"):
         ids, continuation = cached[f"ids{i}"].tolist(), cached[f"cont{i}"].tolist()
         topk, conf = head_topk(model, ids + continuation, runtime.tree.top_k, None, len(ids))  # this --heads' own
         topk, conf = topk[:, :rows], conf[:, :rows]

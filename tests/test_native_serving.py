@@ -12,11 +12,11 @@ tokens each, built from varied story sentences. With ``OMP_NUM_THREADS=8`` and `
   prompt sent alone gets the main thread's answer, then 3 rounds of the 8 sent at once: every answer 200 and its solo
   answer, the server still answers /health and /v1/models, and SIGTERM stops it with exit status 0.
 
-Before the fix (attention scratch sized for the building thread's count, indexed by the stepping thread's) both
+When the attention scratch was sized for the building thread's count and indexed by the stepping thread's, both
 died of SIGSEGV: the child on the other thread, the server while answering (solo or in the rounds). With
 OMP_NUM_THREADS=4 this small model's answers stayed right, and both aborted on exit (``free(): invalid next size``).
-The step now runs on threads of its own (runtime/native_pool.h), which no OpenMP setting reaches; the issue's settings
-stay here, so a step that ever read them again would be caught.
+The step runs on threads of its own (runtime/native_pool.h), which no OpenMP setting reaches; those settings stay
+here, so a step that ever read them again would be caught.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ PROMPTS = 8
 PROMPT_TOKENS = (850, 1000)  # each prompt's tokens: past 850, with room for NEW_TOKENS in the 1,024 positions
 NEW_TOKENS = 24
 ROUNDS = 3
-# OpenMP's default on every thread but the one that asked for threads=1. 8, not the issue's 4: on stories260K's small
+# OpenMP's default on every thread but the one that asked for threads=1. 8 rather than 4: on stories260K's small
 # scratch 4 threads overran only malloc's bookkeeping (an abort at exit), 8 reach live objects (a crash while serving)
 OMP_ENV = {"OMP_NUM_THREADS": "8"}
 
@@ -132,7 +132,7 @@ def test_a_step_on_another_thread_gives_the_building_threads_answer(child):
 
 @pytest.mark.parametrize("omp", ["4", OMP_ENV["OMP_NUM_THREADS"]])
 def test_serving_long_prompts_concurrently_on_one_thread(engine, prompts, child, tmp_path, omp):
-    """medusa-serve --threads 1 under OMP_NUM_THREADS=4 (the issue's setting) and 8: solo answers are the main thread's,
+    """medusa-serve --threads 1 under OMP_NUM_THREADS=4 and 8 (more than the step's one): solo answers are the main thread's,
     concurrent ones the solo ones."""
     for extra in ("fastapi", "uvicorn", "prometheus_client"):
         pytest.importorskip(extra, reason="the OpenAI server needs the serve extra (pip install 'medusa-trt[serve]')")

@@ -220,8 +220,8 @@ def test_engine_encodes_like_the_source_and_generates_its_tokens(kind, source, e
     assert_greedy_identical(base, ids, result.token_ids, 12, base.eos_token_ids)
 
 
-def test_wordlevel_source_is_the_issue_case(source, exported):
-    """The case of the issue: "w1 w2 w3" is [4, 5, 6] in the source, and so in the engine."""
+def test_a_wordlevel_source_keeps_its_ids(source, exported):
+    """A word-level tokenizer: "w1 w2 w3" is [4, 5, 6] in the source, and so in the engine."""
     base, engine = exported("wordlevel-qwen2")
     assert json.loads((source("wordlevel-qwen2") / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert base.model.config.model_type == "qwen2"
