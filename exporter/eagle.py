@@ -168,15 +168,29 @@ def ttt_mask(length: int, step: int, dtype=torch.float32) -> torch.Tensor:
     return torch.cat([causal, *[diagonal] * step], dim=1)[None, None]
 
 
-def save_drafter(drafter: EagleDrafter, folder: str | Path) -> Path:
-    """Write the drafter folder whole or not at all."""
+def check_drafter_out(folder: str | Path, flag: str = "--out") -> None:
+    """Raise ``NotOursError`` unless ``folder`` may receive a drafter: absent, empty, or a drafter folder whose
+    files.json lists every file in it (a user's folder is never replaced)."""
+    durable.check_folder_ours(folder, kind="eagle", flag=flag)
+
+
+def save_drafter(drafter: EagleDrafter, folder: str | Path, *, extra: dict[str, str] | None = None, flag: str = "--out") -> Path:
+    """Write the drafter folder (and ``extra``: file name -> text) whole or not at all, with its files.json."""
     from safetensors.torch import save_file
 
+    from medusa_trt.runtime.manifest import write_folder_manifest
+
     folder = Path(folder)
+    if not folder.parent.is_dir():
+        raise EagleFormatError(f"cannot write the drafter to {folder}: folder {folder.parent} does not exist")
+    check_drafter_out(folder, flag)
     with durable.staged_folder(folder) as staged:
         save_file(drafter.state(), str(staged / EAGLE_WEIGHTS))
-        text = json.dumps(dataclasses.asdict(drafter.config), indent=1)
-        (staged / EAGLE_CONFIG).write_text(text + "\n", encoding="utf-8")
+        (staged / EAGLE_CONFIG).write_text(json.dumps(dataclasses.asdict(drafter.config), indent=1) + "\n", encoding="utf-8")
+        for name, text in (extra or {}).items():
+            (staged / name).write_text(text, encoding="utf-8")
+        write_folder_manifest(staged, "eagle")
+        check_drafter_out(folder, flag)  # once more: a file may have appeared while the drafter was written
     return folder
 
 

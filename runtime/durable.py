@@ -45,7 +45,7 @@ from medusa_trt.runtime.errors import MedusaError
 log = logging.getLogger(__name__)
 
 FOLDER_MANIFEST = "files.json"  # in every folder this project writes (engine, heads, FasterDecoding heads)
-KINDS = ("engine", "heads", "fasterdecoding")  # what a manifest says its folder is; none said: "engine" (the first)
+KINDS = ("engine", "heads", "fasterdecoding", "eagle")  # what a manifest says its folder is; none said: "engine" (the first)
 STEPS = ("new", "old", "set", "done")  # leftovers: a staged file or folder, a folder's backup, a set aside, one to remove
 JOURNAL = "journal.json"  # in a set-aside folder: the set's member names and which of them existed
 LEGACY_OWNER = ".owner"  # staging folders of earlier versions held "pid host" in this file

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from medusa_trt.exporter.eagle import (
     save_drafter,
     ttt_mask,
 )
+from medusa_trt.runtime.durable import NotOursError
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,20 @@ def test_the_folder_round_trips_and_bad_folders_are_named(tiny_base, tmp_path):
     (folder / EAGLE_WEIGHTS).write_bytes(b"not safetensors")
     with pytest.raises(EagleFormatError, match="unreadable"):
         load_drafter(folder, tiny_base)
+    folder = save_drafter(drafter, tmp_path / "drafter2")
+    again = save_drafter(drafter, folder, extra={"metrics.json": "{}"})  # its own folder (files.json): replaced
+    assert sorted(f.name for f in again.iterdir()) == ["eagle.json", "eagle.safetensors", "files.json", "metrics.json"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(NotOursError, match="notes.txt is not a file medusa-trt wrote"):
+        save_drafter(drafter, mine)
+    assert [f.name for f in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    from medusa_trt.training.eagle import EagleTrainConfig, run
+
+    with pytest.raises(NotOursError):  # refused before any work: no model, no data needed to get there
+        run(SimpleNamespace(), EagleTrainConfig(out=str(mine), work=str(tmp_path / "work")), None)
+    assert not (tmp_path / "work").exists()
     with pytest.raises(EagleFormatError, match="reach past"):
         EagleDrafter(EagleConfig(32, 64, 48, (0, 4)), tiny_base)
     with pytest.raises(EagleFormatError, match="hidden size 16"):
@@ -210,10 +226,15 @@ def test_a_drafter_trained_on_a_models_outputs_drafts_them_in_the_replay(stories
         == 0
     )
     out = tmp_path / "eagle.json"
-    args = [*common, "--draft-vocab", "512", "--drafter", config.out, "--cache", str(cache), "--engine", str(engine), "--depth", "4"]
-    assert eagle_replay.main([*args, "--top-k", "4", "--nodes", "8", "--out", str(out)]) == 0
+    args = [*common, "--draft-vocab", "512", "--drafter", config.out, "--engine", str(engine), "--depth", "4", "--top-k", "4"]
+    assert eagle_replay.main([*args, "--cache", str(cache), "--nodes", "8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert set(rows) == {"eagle@8", "heads", "heads,lookup,recycle", "eagle", "eagle,lookup,recycle", "eagle,heads,lookup,recycle"}
     assert rows["eagle@8"]["tokens_per_step"] > 2.0  # it learnt these continuations: most of each tree's path is right
     assert rows["eagle"]["tokens_per_step"] > 1.5 and rows["eagle"]["modelled_vs_plain"] > 0
     assert "eagle,lookup,recycle" in capsys.readouterr().out
+    kept = {k: v for k, v in np.load(cache).items() if k not in ("ids1", "cont1", "topk1", "conf1")}  # as if prompt 1 did not fit
+    np.savez(tmp_path / "gap.npz", **kept)
+    gap = tmp_path / "gap.json"
+    assert eagle_replay.main([*args, "--cache", str(tmp_path / "gap.npz"), "--nodes", "8", "--draft", "eagle", "--out", str(gap)]) == 0
+    assert json.loads(gap.read_text())["results"]["eagle@8"]["tokens"] < rows["eagle@8"]["tokens"]

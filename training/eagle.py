@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from medusa_trt.exporter.eagle import EagleConfig, EagleDrafter, base_hidden, default_layers, save_drafter, ttt_mask
 from medusa_trt.runtime import durable
+from medusa_trt.runtime.errors import MedusaError, fail
 from medusa_trt.training.config import TrainConfig, TrainError
 
 log = logging.getLogger(__name__)
@@ -326,8 +327,10 @@ def train(base, rows: list[dict], config: EagleTrainConfig, work: Path) -> tuple
 
 def run(base, config: EagleTrainConfig, data: TrainConfig) -> dict:
     """Every stage; writes the drafter folder (eagle.json, eagle.safetensors, metrics.json) and returns the metrics."""
+    from medusa_trt.exporter.eagle import check_drafter_out
     from medusa_trt.training.data import Sample, build_sequences, read_sequences
 
+    check_drafter_out(config.out)  # before the work, not after it
     if config.generate:
         sequences = build_sequences(base, data)
     else:  # first turns in prompt order, then follow-ups, as build_sequences orders them
@@ -338,8 +341,7 @@ def run(base, config: EagleTrainConfig, data: TrainConfig) -> dict:
     layers = config.layers or default_layers(base.model.config.num_hidden_layers)
     rows = cache_features(base, sequences, Path(config.work), layers)
     drafter, metrics = train(base, rows, config, Path(config.work))
-    save_drafter(drafter, config.out)
-    durable.write_text(Path(config.out) / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    save_drafter(drafter, config.out, extra={"metrics.json": json.dumps(metrics, indent=1) + "\n"})
     log.info("wrote %s: %s", config.out, metrics)
     return metrics
 
@@ -362,27 +364,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=EagleTrainConfig.lr)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    base = load_base_model(args.model)
-    data = TrainConfig(
-        out=args.out,
-        work=args.work,
-        num_heads=4,
-        head_input="hidden+next",
-        shared_lm_head=True,
-        num_prompts=args.num_prompts,
-        follow_ups=args.follow_ups,
-        new_tokens=args.new_tokens,
-        generate_engine=args.generate_engine,
-    )
-    config = EagleTrainConfig(
-        out=args.out,
-        work=args.work,
-        max_sequences=args.max_sequences,
-        generate=not args.no_generate,
-        lr=args.lr,
-        **{f: getattr(args, f) for f in ("draft_vocab", "steps", "epochs", "batch_tokens", "checkpoint_every")},
-    )
-    run(base, config, data)
+    try:
+        base = load_base_model(args.model)
+        data = TrainConfig(
+            out=args.out,
+            work=args.work,
+            num_heads=4,
+            head_input="hidden+next",
+            shared_lm_head=True,
+            num_prompts=args.num_prompts,
+            follow_ups=args.follow_ups,
+            new_tokens=args.new_tokens,
+            generate_engine=args.generate_engine,
+        )
+        config = EagleTrainConfig(
+            out=args.out,
+            work=args.work,
+            max_sequences=args.max_sequences,
+            generate=not args.no_generate,
+            lr=args.lr,
+            **{f: getattr(args, f) for f in ("draft_vocab", "steps", "epochs", "batch_tokens", "checkpoint_every")},
+        )
+        run(base, config, data)
+    except MedusaError as exc:
+        return fail(p.prog, exc)
     return 0
 
 
