@@ -50,13 +50,13 @@ CHECKPOINT = "checkpoint.pt"
 class EagleTrainConfig:
     out: str  # the drafter folder to write
     work: str  # the work folder: sequences (shared with medusa-train) and features
-    draft_vocab: int = 16384  # tokens the drafter proposes: the base's most frequent choices
+    draft_vocab: int = 8192  # tokens the drafter proposes: the base's most frequent choices
     layers: tuple[int, ...] | None = None  # the base's feeding layers; None: exporter.eagle.default_layers
     steps: int = 4  # unrolled draft steps per position (the training-time test's length)
     decay: float = 0.8  # weight of step k: decay ** k
-    epochs: int = 2
+    epochs: int = 3
     batch_tokens: int = 2048  # padded positions per optimizer step (whole sequences)
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 20
     holdout: float = 0.05  # fraction of sequences kept for the accuracy report
     seed: int = 0
@@ -244,6 +244,8 @@ def train(base, rows: list[dict], config: EagleTrainConfig, work: Path) -> tuple
     """Train (or continue) the drafter on ``rows`` (``cache_features``); the checkpoint lives in the work folder."""
     hf = base.model.config
     layers = config.layers or default_layers(hf.num_hidden_layers)
+    if config.draft_vocab > hf.vocab_size:
+        raise TrainError(f"--draft-vocab {config.draft_vocab} exceeds the model's vocabulary of {hf.vocab_size}: pass at most that")
     d2t = draft_vocabulary(rows, hf.vocab_size, config.draft_vocab)
     t2d = torch.full((hf.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
