@@ -299,13 +299,14 @@ def train(base, rows: list[dict], config: EagleTrainConfig, work: Path) -> tuple
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
                     results = ttt_forward(drafter, ids, hidden, argmax, valid, t2d, config.steps)
                 loss, accuracy = ttt_loss(drafter, results, config.decay)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
+                if torch.is_tensor(loss):  # else no anchor of the batch counts (all prompt): nothing to learn from
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    optimizer.step()
                 step += 1
                 positions += int(valid.sum())
-                history.append(round(float(loss.detach()), 4))
+                history.append(round(float(loss.detach() if torch.is_tensor(loss) else loss), 4))
                 bar.update()
                 bar.set_postfix(loss=f"{history[-1]:.3f}", acc0=f"{accuracy[0]:.3f}")
                 if step % config.checkpoint_every == 0:
