@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from medusa_trt.bench.replay import ReplayError, engine_cost, head_topk, modelled_speedup, replay
 from medusa_trt.exporter import load_medusa
-from medusa_trt.exporter.eagle import DraftKeys, EagleDrafter, base_hidden, load_drafter
+from medusa_trt.exporter.eagle import DraftKeys, EagleDrafter, base_hidden, load_drafter, ttt_mask
 from medusa_trt.runtime import MedusaRuntime
 from medusa_trt.runtime.drafting import Fragment
 from medusa_trt.runtime.drafting.heads import CONFIDENCE_EDGES
@@ -53,8 +53,6 @@ class EaglePass:
 
     @torch.no_grad()
     def __init__(self, drafter: EagleDrafter, ids: list[int]):
-        from medusa_trt.exporter.eagle import ttt_mask
-
         self.drafter = drafter
         sequence = torch.tensor([ids])
         hidden = base_hidden(drafter.base, sequence, drafter.config.layers)
