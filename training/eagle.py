@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from medusa_trt.exporter.eagle import EagleConfig, EagleDrafter, base_hidden, de
 from medusa_trt.runtime import durable
 from medusa_trt.runtime.errors import MedusaError, fail
 from medusa_trt.training.config import TrainConfig, TrainError
+from medusa_trt.training.train import learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,6 @@ def ttt_loss(drafter: EagleDrafter, results, decay: float) -> tuple[torch.Tensor
     return loss, accuracy
 
 
-def _lr(config: EagleTrainConfig, step: int, total: int) -> float:
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    return config.lr * 0.5 * (1 + math.cos(math.pi * (step - config.warmup_steps) / max(1, total - config.warmup_steps)))
-
-
 @torch.no_grad()
 def evaluate(drafter: EagleDrafter, rows: list[dict], t2d: torch.Tensor, config: EagleTrainConfig) -> list[float]:
     """Top-1 accuracy per unrolled step over ``rows`` (teacher tokens, own features)."""
@@ -294,7 +288,7 @@ def train(base, rows: list[dict], config: EagleTrainConfig, work: Path) -> tuple
             batches = _batches(train_rows, config.batch_tokens, torch.Generator().manual_seed(config.seed * 1000 + epoch))
             for batch in batches[offset:]:
                 for group in optimizer.param_groups:
-                    group["lr"] = _lr(config, step, total)
+                    group["lr"] = learning_rate(config, step, total)
                 ids, hidden, argmax, valid = _pad([train_rows[i] for i in batch])
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
                     results = ttt_forward(drafter, ids, hidden, argmax, valid, t2d, config.steps)

@@ -65,7 +65,8 @@ def medusa_loss(
     return (weights * per_head).sum(), per_head.detach()
 
 
-def _lr(config: TrainConfig, step: int, total: int) -> float:
+def learning_rate(config, step: int, total: int) -> float:
+    """Linear warm-up over ``config.warmup_steps``, then a cosine down to 0 at ``total`` (the heads' and the drafter's)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(total - config.warmup_steps, 1)
@@ -231,7 +232,7 @@ def train_steps(
         counts = (targets[batch] != IGNORE).sum(0).to(device)  # (n,) over the whole batch
         mine = batch[cluster.rank :: cluster.world]
         for group in optimizer.param_groups:
-            group["lr"] = _lr(config, step, total)
+            group["lr"] = learning_rate(config, step, total)
         tgt = targets[mine].to(device)
         with _autocast(config, device):
             logits = model(
