@@ -246,6 +246,8 @@ def main(argv=None) -> int:
 
 @torch.no_grad()
 def _run(args) -> int:
+    if not args.cache.is_file():
+        raise ReplayError(f"--cache {args.cache} does not exist: make it with python -m medusa_trt.bench.replay --cache {args.cache}")
     from medusa_trt.runtime import durable
 
     sets = [
