@@ -173,6 +173,16 @@ static int64_t grain(int64_t tasks, const work_t *wk) {
     return g > 1 ? g : 1;
 }
 
+/* A step reads each weight once, from memory. Each kernel asks for the cache lines it will read AHEAD_BYTES further
+ * on in its stream, so the loads of a wide tile (whose sums keep the core busy) overlap the memory's latency rather
+ * than wait on it (docs/benchmarks.md, "Weights read ahead"). A hint: no number changes. */
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES 4096
+#endif
+static inline __attribute__((always_inline)) void ahead(const void *p, const int bytes) {
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + AHEAD_BYTES + b);
+}
+
 static inline vec16 vload(const float *p) {
     vec16 x;
     memcpy(&x, p, sizeof x);
@@ -190,6 +200,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         for (int j = 0; j < nv; j++) acc[i][j] = vf_zero();
     for (int64_t k = 0; k < K; k++) {
         const float *wk = w + k * ws;
+        ahead(wk, nv * VF * (int)sizeof(float));
         vf wv[PANEL];
         for (int j = 0; j < nv; j++) wv[j] = vf_load(wk + j * VF);
         for (int i = 0; i < mb; i++) {
@@ -297,6 +308,7 @@ static inline void sums_madd(const uint8_t *xq, int64_t kpad, const int8_t *w, i
             for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
         for (int64_t k = 0; k < kpad; k += 4) {
             const int8_t *wk = w + k * BLOCK + half * 64; /* 16 outputs x 4 k's */
+            ahead(wk, 64);
             __m256i wv[4];
             for (int j = 0; j < 4; j++) wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * j)));
             for (int i = 0; i < mb; i++) {
@@ -324,6 +336,7 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *restric
         for (int j = 0; j < I8NV; j++) acc[i][j] = (ivec16){0};
     for (int64_t k = 0; k < kpad; k += 4) {
         const int8_t *wk = w + k * BLOCK;
+        ahead(wk, I8NV * W * 4);
         for (int i = 0; i < mb; i++) {
             int32_t quad;
             memcpy(&quad, xq + i * kpad + k, 4);
@@ -340,6 +353,76 @@ typedef struct {
     const work_t *wk;
 } i8_job;
 
+/* The row quantizers' pieces, a vector at a time where the set has one: the same numbers as the scalar loops after
+ * them, bit for bit. The largest |x| is exact in any order, and a NaN is skipped as the scalar compare skips it (max
+ * returns its second operand, the running top, when either is NaN). x / s and x * inv are IEEE operations; rounding
+ * to nearest even is nearbyintf's default mode; the clamps and conversions of whole numbers are exact. */
+#if defined(__AVX512F__)
+#define QV 16
+typedef __m512 qf;
+static inline qf qf_abs(qf x) { return _mm512_abs_ps(x); }
+static inline float qf_max_lanes(qf x) { return _mm512_reduce_max_ps(x); }
+static inline qf qf_round(qf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void qf_store_u8(uint8_t *q, qf v) { _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
+static inline qf qf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline qf qf_set1(float x) { return _mm512_set1_ps(x); }
+static inline qf qf_max(qf a, qf b) { return _mm512_max_ps(a, b); }
+static inline qf qf_min(qf a, qf b) { return _mm512_min_ps(a, b); }
+static inline qf qf_div(qf a, qf b) { return _mm512_div_ps(a, b); }
+static inline qf qf_mul(qf a, qf b) { return _mm512_mul_ps(a, b); }
+static inline qf qf_add(qf a, qf b) { return _mm512_add_ps(a, b); }
+static inline int32_t qf_sum_ints(qf v) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(v)); }
+static inline int qf_any_above(qf v, qf t) { return _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ) != 0; } /* NaN: not above */
+#elif defined(__AVX2__)
+#define QV 8
+typedef __m256 qf;
+static inline qf qf_abs(qf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline float qf_max_lanes(qf x) {
+    float lanes[8], top = 0.0f;
+    _mm256_storeu_ps(lanes, x);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    return top;
+}
+static inline qf qf_round(qf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void qf_store_u8(uint8_t *q, qf v) {
+    const __m256i i = _mm256_cvtps_epi32(v); /* whole numbers in 0..255 (or -127..127 as two's complement bytes) */
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(0xFF)); /* each value's low byte, as a cast keeps it */
+    _mm_storel_epi64((__m128i *)q, _mm_packus_epi16(lo, lo));
+}
+static inline qf qf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline qf qf_set1(float x) { return _mm256_set1_ps(x); }
+static inline qf qf_max(qf a, qf b) { return _mm256_max_ps(a, b); }
+static inline qf qf_min(qf a, qf b) { return _mm256_min_ps(a, b); }
+static inline qf qf_div(qf a, qf b) { return _mm256_div_ps(a, b); }
+static inline qf qf_mul(qf a, qf b) { return _mm256_mul_ps(a, b); }
+static inline qf qf_add(qf a, qf b) { return _mm256_add_ps(a, b); }
+static inline int32_t qf_sum_ints(qf v) {
+    int32_t lanes[8], sum = 0;
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_cvtps_epi32(v));
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+static inline int qf_any_above(qf v, qf t) { return _mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)) != 0; }
+#else
+#define QV 0
+#endif
+
+/* max |x| over r[0..n), from 0 (NaN skipped) */
+static inline float abs_top(const float *r, int64_t n) {
+    float top = 0.0f;
+    int64_t e = 0;
+#if QV
+    if (n >= QV) {
+        qf t = qf_set1(0.0f);
+        for (; e + QV <= n; e += QV) t = qf_max(qf_abs(qf_load(r + e)), t);
+        top = qf_max_lanes(t);
+    }
+#endif
+    for (; e < n; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
+    return top;
+}
+
 /* QuantizeLinear of rows m0..m1: saturate(round_half_even(x / scale) + 128) */
 static void i8_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
@@ -348,11 +431,16 @@ static void i8_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
     const int64_t K = L->k, kpad = L->kpad;
     for (int64_t m = m0; m < m1; m++) {
         const float *r = J->x + m * K;
-        float top = 0.0f;
-        for (int64_t e = 0; e < K; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
+        const float top = abs_top(r, K);
         const float s = (top > L->tiny ? top : L->tiny) / L->divisor;
         uint8_t *q = J->wk->xq + m * kpad;
-        for (int64_t e = 0; e < K; e++) {
+        int64_t e = 0;
+#if QV
+        const qf vs = qf_set1(s), zero = qf_set1(0.0f), full = qf_set1(255.0f), offset = qf_set1(128.0f);
+        for (; e + QV <= K; e += QV) /* max(v, 0) also takes a NaN to 0 */
+            qf_store_u8(q + e, qf_min(qf_max(qf_add(qf_round(qf_div(qf_load(r + e), vs)), offset), zero), full));
+#endif
+        for (; e < K; e++) {
             const float v = nearbyintf(r[e] / s) + 128.0f;
             q[e] = (uint8_t)(v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v);
         }
@@ -449,11 +537,19 @@ static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
         int8_t *q = (int8_t *)wk->xq + m * kpad;
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t k0 = b * block, k1 = k0 + block < K ? k0 + block : K;
-            float top = 0.0f;
-            for (int64_t e = k0; e < k1; e++) top = fabsf(r[e]) > top ? fabsf(r[e]) : top;
+            const float top = abs_top(r + k0, k1 - k0);
             const float inv = top != 0.0f ? 127.0f / top : 0.0f;
             int32_t sum = 0;
-            for (int64_t e = k0; e < k1; e++) {
+            int64_t e = k0;
+#if QV
+            const qf vinv = qf_set1(inv), lo = qf_set1(-127.0f), hi = qf_set1(127.0f);
+            for (; e + QV <= k1; e += QV) {
+                const qf v = qf_min(qf_max(qf_round(qf_mul(qf_load(r + e), vinv)), lo), hi);
+                qf_store_u8((uint8_t *)q + e, v);
+                sum += qf_sum_ints(v);
+            }
+#endif
+            for (; e < k1; e++) {
                 float v = nearbyintf(r[e] * inv);
                 v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
                 q[e] = (int8_t)v;
@@ -483,6 +579,7 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
         __m512i s[NBROWS][2];
         for (int i = 0; i < mb; i++) s[i][0] = s[i][1] = _mm512_setzero_si512();
         for (int64_t q = 0; q < quads; q++, w += qbytes) {
+            ahead(w, qbytes);
             __m512i w0, w1;
             if (four) {
                 const __m512i v = _mm512_loadu_si512(w);
@@ -544,6 +641,7 @@ static inline __attribute__((always_inline)) void nb_rows_avx2(const nb_group *G
                 for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
             for (int64_t q = 0; q < quads; q++) {
                 const uint8_t *w = G->w + (b * quads + q) * qbytes + (four ? 0 : half * 64);
+                ahead(w, 64);
                 __m256i x[3];
                 for (int i = 0; i < R; i++) { /* row m + i's 4 values, 4 times */
                     int32_t quad;
@@ -578,6 +676,7 @@ static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
             for (int64_t q = 0; q < quads; q++) {
                 const uint8_t *w = G->w + (b * quads + q) * 64; /* 16 outputs x 4 k's, two a byte */
+                ahead(w, 64);
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
                 if (half) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
                 v0 = _mm256_and_si256(v0, low), v1 = _mm256_and_si256(v1, low);
@@ -833,6 +932,10 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
     int64_t idx[MAX_TOPK];
     int n = 0;
     for (int64_t j = 0; j < V; j++) {
+#if QV /* a whole vector none of whose values passes the test below: skipped at once (the same ids, in order) */
+        while (n == k && j % QV == 0 && j + QV <= V && !qf_any_above(qf_load(row + j), qf_set1(best[k - 1]))) j += QV;
+        if (j >= V) break;
+#endif
         const float s = row[j];
         if (n == k && !(s > best[k - 1])) continue;
         int p = n < k ? n++ : k - 1;

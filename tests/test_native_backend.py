@@ -7,6 +7,7 @@ and tiny architecture is in test_greedy_identity.py."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -305,6 +306,34 @@ def test_engine_step_ab_times_both_backends_against_the_floor(engine, tmp_path, 
     assert "one-token step / floor (median): ort " in capsys.readouterr().out
 
 
+def test_native_build_ab_times_two_builds_in_processes_of_their_own(engine, tmp_path, capsys):
+    """scripts/native_build_ab.py: two folders of the package's own libraries, each stepped in its own processes
+    (MEDUSA_TRT_NATIVE_DIR), turns alternating: the same bits, a median per build and size; a missing build is one
+    line, exit 2."""
+    from medusa_trt.runtime import native_library
+    from tests.helpers import script
+
+    libraries = sorted(native_library.load().path.parent.glob("_native_*"))  # one a set: the lowest says what the CPU runs
+    builds = []
+    for name in ("before", "after"):
+        folder = tmp_path / name
+        folder.mkdir()
+        for library in libraries:
+            shutil.copy2(library, folder / library.name)
+        builds += ["--build", f"{name}={folder}"]
+    out = tmp_path / "ab.json"
+    argv = ["--engine", str(engine), *builds, "--context", "12", "--tokens", "1", "--tokens", "3", "--rounds", "2", "--seconds", "0.05"]
+    assert script("native_build_ab").main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_outputs"] == {"1": True, "3": True}
+    assert set(report["median_ms"]) == {"before", "after"} and all(set(v) == {"1", "3"} for v in report["median_ms"].values())
+    assert report["isa"] == {"before": [native_library.load().isa], "after": [native_library.load().isa]}
+    assert "same logits, hidden, next ids and top-k bit for bit in every turn: yes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        script("native_build_ab").main(["--engine", str(engine), "--build", f"a={tmp_path / 'none'}", *builds[:2]])
+    assert exc.value.code == 2 and "build one with scripts/build_native.py" in capsys.readouterr().err
+
+
 def test_an_engine_folder_exported_for_native(stories_base, stories_fitted, tmp_path):
     """``--backend native``: config.json says native, drafting.json's step cost and exactness were measured on it, and
     MedusaRuntime(DIR) runs it; on another backend the folder's table is not that backend's, which learns its own."""
@@ -403,11 +432,16 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
             assert np.array_equal(native_step.run_linear(native_weights.Linear(w), x[i : i + 1], isa=isa)[0], ours[i]), (isa, k, n, i)
     from onnx import numpy_helper
 
-    model, reference = row_int8_model(64, 172, seed=3)
-    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    linear = native_weights.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
-    x = (rng.standard_normal((1, 9, 64)) * 3).astype(np.float32)
-    assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), isa
+    for k in (64, 73):  # whole vectors of the row quantizer, and a tail
+        model, reference = row_int8_model(k, 172, seed=3)
+        init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        linear = native_weights.Linear(init["w_int8"], init["w_int8_scale"], float(init["rowq_tiny"]), float(init["rowq_127"]))
+        x = (rng.standard_normal((1, 9, k)) * 3).astype(np.float32)
+        x[0, 0] = np.resize(np.arange(-127.0, 127.5, 0.5), k)[::-1]  # a scale of 1 and a tie in every other value
+        x[0, 0, 0] = 127.0
+        x[0, 1, : k // 2] = 0.0  # zeros, then a row of tiny values
+        x[0, 2] *= 1e-30
+        assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), (isa, k)
     # nbits: integer block sums and one FMA a block, the same bits at every instruction set
     rng = np.random.default_rng(5)
     for bits, block in ((4, 32), (8, 16)):
@@ -419,6 +453,8 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
         nb = native_weights.Linear(weight, scale, zero=zero, block=block, bits=bits)
         for rows in (1, 2, 3, 5, 7):  # every tile height and remainder
             x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0] = np.resize(np.arange(-127.0, 127.5, 0.5), k)  # ties in the row quantizer (block scale 1 where 127 is in)
+            x[0, :block:2] = 127.0
             assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits, rows)
         # the largest products: every weight at its top value, every activation at +-127 (AVX2's 4-bit pairs stay in int16)
         top = native_weights.Linear(np.full((k, n), (1 << bits) - 1, np.uint8), scale, zero=np.zeros_like(zero), block=block, bits=bits)

@@ -96,6 +96,7 @@ def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path,
     report = json.loads(out.read_text())
     assert set(report["median_ms"]) == {"step alone", "step + native heads", "step + onnxruntime heads"}
     assert set(report["heads_ms"]) == {"step + native heads", "step + onnxruntime heads"}
+    assert set(report["heads_call_ms"]) == set(report["heads_ms"]) and min(report["heads_call_ms"].values()) > 0
     assert "| step + native heads |" in capsys.readouterr().out
     busy = ["--engine", f"native={shared_engine}@native", "--engine", f"ort={shared_engine}", "--context", "20", "--tokens", "1"]
     assert script("engine_step_ab").main([*busy, "--rounds", "1", "--busy", "1", "--out", str(tmp_path / "busy.json")]) == 0
