@@ -439,7 +439,7 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
         x = (rng.standard_normal((1, 9, k)) * 3).astype(np.float32)
         x[0, 0] = np.resize(np.arange(-127.0, 127.5, 0.5), k)[::-1]  # a scale of 1 and a tie in every other value
         x[0, 0, 0] = 127.0
-        x[0, 1, : k // 2] = 0.0  # zeros, then a row of tiny values
+        x[0, 1, : k // 2] = 0.0  # half a row of zeros, and a row of tiny values
         x[0, 2] *= 1e-30
         assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), (isa, k)
     # nbits: integer block sums and one FMA a block, the same bits at every instruction set
