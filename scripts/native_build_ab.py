@@ -5,7 +5,7 @@ round by round, their order flipping every round. Each turn prefills the same co
 size; the report gives the median of the turns' medians and whether every build's logits and hidden states are the
 same bit for bit, and their next ids and top-k (a change that only moves memory must keep every bit).
 
-    git stash && python scripts/build_native.py --out build/native-before && git stash pop
+    git stash && python scripts/build_native.py --out build/native-before && git stash pop   # an uncommitted change
     python scripts/build_native.py --out build/native-after
     .venv/bin/python scripts/native_build_ab.py --engine build/smollm2-int8-default --build before=build/native-before \\
         --build after=build/native-after --tokens 1 --tokens 8 --rounds 6 --out docs/results/native-prefetch-ab.json
