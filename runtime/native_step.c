@@ -357,53 +357,47 @@ typedef struct {
  * them, bit for bit. The largest |x| is exact in any order, and a NaN is skipped as the scalar compare skips it (max
  * returns its second operand, the running top, when either is NaN). x / s and x * inv are IEEE operations; rounding
  * to nearest even is nearbyintf's default mode; the clamps and conversions of whole numbers are exact. */
-#if defined(__AVX512F__)
-#define QV 16
-typedef __m512 qf;
-static inline qf qf_abs(qf x) { return _mm512_abs_ps(x); }
-static inline float qf_max_lanes(qf x) { return _mm512_reduce_max_ps(x); }
-static inline qf qf_round(qf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline void qf_store_u8(uint8_t *q, qf v) { _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
-static inline qf qf_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline qf qf_set1(float x) { return _mm512_set1_ps(x); }
-static inline qf qf_max(qf a, qf b) { return _mm512_max_ps(a, b); }
-static inline qf qf_min(qf a, qf b) { return _mm512_min_ps(a, b); }
-static inline qf qf_div(qf a, qf b) { return _mm512_div_ps(a, b); }
-static inline qf qf_mul(qf a, qf b) { return _mm512_mul_ps(a, b); }
-static inline qf qf_add(qf a, qf b) { return _mm512_add_ps(a, b); }
-static inline int32_t qf_sum_ints(qf v) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(v)); }
-static inline int qf_any_above(qf v, qf t) { return _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ) != 0; } /* NaN: not above */
-#elif defined(__AVX2__)
-#define QV 8
-typedef __m256 qf;
-static inline qf qf_abs(qf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
-static inline float qf_max_lanes(qf x) {
+#if defined(__AVX512F__) /* vf (native_simd.h) is __m512 */
+#define QV VF
+static inline vf qf_abs(vf x) { return _mm512_abs_ps(x); }
+static inline float qf_max_lanes(vf x) { return _mm512_reduce_max_ps(x); }
+static inline vf qf_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void qf_store_u8(uint8_t *q, vf v) { _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
+static inline vf qf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf qf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf qf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf qf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf qf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline int32_t qf_sum_ints(vf v) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(v)); }
+static inline int qf_any_above(vf v, vf t) { return _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ) != 0; } /* NaN: not above */
+#elif defined(__AVX2__) && defined(__FMA__) /* vf is __m256 */
+#define QV VF
+static inline vf qf_abs(vf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline float qf_max_lanes(vf x) {
     float lanes[8], top = 0.0f;
     _mm256_storeu_ps(lanes, x);
     for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
     return top;
 }
-static inline qf qf_round(qf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline void qf_store_u8(uint8_t *q, qf v) {
+static inline vf qf_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void qf_store_u8(uint8_t *q, vf v) {
     const __m256i i = _mm256_cvtps_epi32(v); /* whole numbers in 0..255 (or -127..127 as two's complement bytes) */
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
     const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(0xFF)); /* each value's low byte, as a cast keeps it */
     _mm_storel_epi64((__m128i *)q, _mm_packus_epi16(lo, lo));
 }
-static inline qf qf_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline qf qf_set1(float x) { return _mm256_set1_ps(x); }
-static inline qf qf_max(qf a, qf b) { return _mm256_max_ps(a, b); }
-static inline qf qf_min(qf a, qf b) { return _mm256_min_ps(a, b); }
-static inline qf qf_div(qf a, qf b) { return _mm256_div_ps(a, b); }
-static inline qf qf_mul(qf a, qf b) { return _mm256_mul_ps(a, b); }
-static inline qf qf_add(qf a, qf b) { return _mm256_add_ps(a, b); }
-static inline int32_t qf_sum_ints(qf v) {
+static inline vf qf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf qf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf qf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf qf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf qf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline int32_t qf_sum_ints(vf v) {
     int32_t lanes[8], sum = 0;
     _mm256_storeu_si256((__m256i *)lanes, _mm256_cvtps_epi32(v));
     for (int l = 0; l < 8; l++) sum += lanes[l];
     return sum;
 }
-static inline int qf_any_above(qf v, qf t) { return _mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)) != 0; }
+static inline int qf_any_above(vf v, vf t) { return _mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)) != 0; }
 #else
 #define QV 0
 #endif
@@ -414,8 +408,8 @@ static inline float abs_top(const float *r, int64_t n) {
     int64_t e = 0;
 #if QV
     if (n >= QV) {
-        qf t = qf_set1(0.0f);
-        for (; e + QV <= n; e += QV) t = qf_max(qf_abs(qf_load(r + e)), t);
+        vf t = vf_set1(0.0f);
+        for (; e + QV <= n; e += QV) t = qf_max(qf_abs(vf_load(r + e)), t);
         top = qf_max_lanes(t);
     }
 #endif
@@ -436,9 +430,9 @@ static void i8_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
         uint8_t *q = J->wk->xq + m * kpad;
         int64_t e = 0;
 #if QV
-        const qf vs = qf_set1(s), zero = qf_set1(0.0f), full = qf_set1(255.0f), offset = qf_set1(128.0f);
+        const vf vs = vf_set1(s), zero = vf_set1(0.0f), full = vf_set1(255.0f), offset = vf_set1(128.0f);
         for (; e + QV <= K; e += QV) /* max(v, 0) also takes a NaN to 0 */
-            qf_store_u8(q + e, qf_min(qf_max(qf_add(qf_round(qf_div(qf_load(r + e), vs)), offset), zero), full));
+            qf_store_u8(q + e, qf_min(qf_max(qf_add(qf_round(qf_div(vf_load(r + e), vs)), offset), zero), full));
 #endif
         for (; e < K; e++) {
             const float v = nearbyintf(r[e] / s) + 128.0f;
@@ -542,9 +536,9 @@ static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
             int32_t sum = 0;
             int64_t e = k0;
 #if QV
-            const qf vinv = qf_set1(inv), lo = qf_set1(-127.0f), hi = qf_set1(127.0f);
+            const vf vinv = vf_set1(inv), lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
             for (; e + QV <= k1; e += QV) {
-                const qf v = qf_min(qf_max(qf_round(qf_mul(qf_load(r + e), vinv)), lo), hi);
+                const vf v = qf_min(qf_max(qf_round(qf_mul(vf_load(r + e), vinv)), lo), hi);
                 qf_store_u8((uint8_t *)q + e, v);
                 sum += qf_sum_ints(v);
             }
@@ -933,7 +927,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
     int n = 0;
     for (int64_t j = 0; j < V; j++) {
 #if QV /* a whole vector none of whose values passes the test below: skipped at once (the same ids, in order) */
-        while (n == k && j % QV == 0 && j + QV <= V && !qf_any_above(qf_load(row + j), qf_set1(best[k - 1]))) j += QV;
+        while (n == k && j % QV == 0 && j + QV <= V && !qf_any_above(vf_load(row + j), vf_set1(best[k - 1]))) j += QV;
         if (j >= V) break;
 #endif
         const float s = row[j];
