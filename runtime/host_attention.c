@@ -9,7 +9,8 @@
  * added in one fixed order; on AVX-512 16 keys a pass, their lane sums in one butterfly that adds
  * each key's lanes in the same order), every exponential one polynomial, a row's softmax sum a fixed
  * function of its list of scores, and its value sum runs over its keys one at a time (vectorised
- * over the head dimension only, which no key shares with another).
+ * over the head dimension only, which no key shares with another), one fused multiply-add a value
+ * where the instruction set has one (native_simd.h's vf_fma; a product then a sum on baseline x86-64).
  *
  * Layouts (float32, row-major):
  *   q       [B, Hq, T, D]  the step's queries, rotary applied
@@ -37,6 +38,7 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
 #define LANES 16
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -71,8 +73,23 @@ static inline float dot(const float *q, const float *k, int n) {
     return s;
 }
 
+/* A value sum's step, acc + w v: native_simd.h's vf_fma on each of its VF-lane parts (fused where the set has an
+ * FMA, a product then a sum on the baseline x86-64 set), and sf_fma, its scalar counterpart, in the scalar loop.
+ * Every value sum of a build takes it, so a row's sum is the same chain over its keys whichever path runs it. */
+static inline vec fma_vec(float w, vec v, vec acc) {
+    const vf ws = vf_set1(w);
+    for (int l = 0; l < LANES; l += VF) {
+        vf a, x;
+        memcpy(&a, (const char *)&acc + l * sizeof(float), sizeof a);
+        memcpy(&x, (const char *)&v + l * sizeof(float), sizeof x);
+        a = vf_fma(ws, x, a);
+        memcpy((char *)&acc + l * sizeof(float), &a, sizeof a);
+    }
+    return acc;
+}
+
 static inline void add_scaled(float *restrict acc, const float *restrict v, float p, int n) {
-    for (int d = 0; d < n; d++) acc[d] += p * v[d];
+    for (int d = 0; d < n; d++) acc[d] = sf_fma(p, v[d], acc[d]);
 }
 
 /* e^x for x <= 0 (x - max of a row), one polynomial whatever the lane: 2^n e^r, |r| <= ln2 / 2 */
@@ -258,14 +275,14 @@ static void sum_values_avx2(float *const *o, int nr, const float *base, int64_t 
             for (int64_t s = start[r]; s < n; s++) {
                 const float *vs = base + s * stride + c0;
                 const __m256 w = _mm256_set1_ps(p[r][s]);
-                for (int c = 0; c < nv; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(w, _mm256_loadu_ps(vs + 8 * c)));
+                for (int c = 0; c < nv; c++) acc[c] = vf_fma(w, _mm256_loadu_ps(vs + 8 * c), acc[c]);
             }
             int64_t m = n;
             for (int j = 0; j < T; j++)
                 if (seen[r][j] && !(far[r] && far[r][j])) {
                     const __m256 w = _mm256_set1_ps(p[r][m++]);
                     const float *vj = vn + (int64_t)j * D + c0;
-                    for (int c = 0; c < nv; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(w, _mm256_loadu_ps(vj + 8 * c)));
+                    for (int c = 0; c < nv; c++) acc[c] = vf_fma(w, _mm256_loadu_ps(vj + 8 * c), acc[c]);
                 }
             for (int c = 0; c < nv; c++) _mm256_storeu_ps(o[r] + c0 + 8 * c, acc[c]);
         }
@@ -292,7 +309,7 @@ static inline __attribute__((always_inline)) void slot_sums(vec (*acc)[MAXV], co
         for (int c = 0; c < nv; c++) v[c] = load(vs + c * LANES);
         for (int r = 0; r < nr; r++) {
             const float w = p[r][s];
-            for (int c = 0; c < nv; c++) acc[r][c] += w * v[c];
+            for (int c = 0; c < nv; c++) acc[r][c] = fma_vec(w, v[c], acc[r][c]);
         }
     }
 }
@@ -328,7 +345,7 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
             for (int r = 0; r < nr; r++) {
                 if (s < start[r]) continue;
                 const float w = p[r][s];
-                for (int c = 0; c < nv; c++) acc[r][c] += w * load(vs + c * LANES);
+                for (int c = 0; c < nv; c++) acc[r][c] = fma_vec(w, load(vs + c * LANES), acc[r][c]);
             }
         }
         for (int r = 0; r < nr; r++) {
@@ -336,7 +353,7 @@ static inline __attribute__((always_inline)) void sum_values(float *const *o, in
             for (int j = 0; j < T; j++)
                 if (seen[r][j] && !(far[r] && far[r][j])) {
                     const float w = p[r][m++];
-                    for (int c = 0; c < nv; c++) acc[r][c] += w * load(vn + (int64_t)j * D + c * LANES);
+                    for (int c = 0; c < nv; c++) acc[r][c] = fma_vec(w, load(vn + (int64_t)j * D + c * LANES), acc[r][c]);
                 }
             for (int c = 0; c < nv; c++) memcpy(o[r] + c * LANES, &acc[r][c], sizeof(vec));
         }

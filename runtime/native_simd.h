@@ -55,6 +55,15 @@ static inline vf vf_zero(void) { return 0.0f; }
 static inline vf vf_fma(vf a, vf b, vf c) { return a * b + c; } /* -ffp-contract=off: two roundings */
 #endif
 
+/* The scalar counterpart of vf_fma, for a kernel's scalar loop that must match its vector one: one rounding where
+ * the set fuses (fmaf, a single instruction there), a product then a sum where it does not. */
+#if defined(__FMA__) || (defined(__aarch64__) && defined(__ARM_NEON))
+#include <math.h>
+static inline float sf_fma(float a, float b, float c) { return fmaf(a, b, c); }
+#else
+static inline float sf_fma(float a, float b, float c) { return a * b + c; } /* -ffp-contract=off: two roundings */
+#endif
+
 /* The instruction set this library was built for (runtime/native_isa.py's ISAS, by index), set by its build. */
 #ifndef MEDUSA_ISA
 #define MEDUSA_ISA -1

@@ -443,6 +443,24 @@ static void i8_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
     }
 }
 
+/* One row's outputs out[0..width) from its block's integer sums: ((float)(sum - colsum) * xs) * scale, a vector of
+ * W at a time, each lane the scalar expression's operations (an exact integer difference, its conversion rounded to
+ * nearest, two products; -ffp-contract=off), so the same bits as the scalar loop that finishes a partial block. */
+static inline void i8_epilogue(const int32_t *sums, const int32_t *colsum, const float *scale, const float xs,
+                               float *out, const int64_t width) {
+    int64_t e = 0;
+    for (; e + W <= width; e += W) {
+        ivec16 s, c;
+        vec16 f;
+        memcpy(&s, sums + e, sizeof s);
+        memcpy(&c, colsum + e, sizeof c);
+        memcpy(&f, scale + e, sizeof f);
+        const vec16 v = (__builtin_convertvector(s - c, vec16) * xs) * f;
+        memcpy(out + e, &v, sizeof v);
+    }
+    for (; e < width; e++) out[e] = ((float)(sums[e] - colsum[e]) * xs) * scale[e];
+}
+
 /* y = ((float)(sum_k q[m, k] w[k, n] - 128 sum_k w[k, n]) * row scale) * column scale over blocks b0..b1 */
 static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
     (void)worker;
@@ -455,6 +473,8 @@ static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
         const int8_t *wb = w + b * kpad * BLOCK;
+        const int32_t *colsum = L->colsum + first;
+        const float *scale = L->scale + first;
         for (int64_t m = 0; m < M; m += I8ROWS) {
             const int mb = M - m < I8ROWS ? (int)(M - m) : I8ROWS;
             int32_t sums[I8ROWS][BLOCK];
@@ -474,18 +494,19 @@ static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
             }
             for (int i = 0; i < mb; i++) memcpy(sums[i], acc[i], sizeof sums[i]);
 #endif
-            for (int i = 0; i < mb; i++) {
-                float *out = y + (m + i) * N + first;
-                for (int64_t e = 0; e < width; e++)
-                    out[e] = ((float)(sums[i][e] - L->colsum[first + e]) * wk->xs[m + i]) * L->scale[first + e];
-            }
+            for (int i = 0; i < mb; i++) i8_epilogue(sums[i], colsum, scale, wk->xs[m + i], y + (m + i) * N + first, width);
         }
     }
 }
 
+/* The rows' quantizer as one chunk on the calling thread where the rows are few: a row of a few thousand values
+ * quantizes in well under a microsecond, less than waking the pool and waiting for its last chunk costs. */
+#define QUANTIZE_ALONE 16384 /* values (rows x K) at most */
+static int64_t quantize_grain(int64_t M, int64_t K) { return M * K <= QUANTIZE_ALONE ? M : 1; }
+
 static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
     i8_job J = {L, x, y, M, wk};
-    pool_run(wk->pool, M, 1, i8_quantize, &J); /* one row: the calling thread alone */
+    pool_run(wk->pool, M, quantize_grain(M, L->k), i8_quantize, &J);
     const int64_t blocks = (L->n + BLOCK - 1) / BLOCK;
     pool_run(wk->pool, blocks, grain(blocks, wk), i8_blocks, &J);
 }
@@ -757,7 +778,7 @@ static void nb_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
 
 static void matmul_nb(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
     i8_job J = {L, x, y, M, wk};
-    pool_run(wk->pool, M, 1, nb_quantize, &J);
+    pool_run(wk->pool, M, quantize_grain(M, L->k), nb_quantize, &J);
     const int64_t groups = (L->n + BLOCK - 1) / BLOCK;
     pool_run(wk->pool, groups, grain(groups, wk), nb_groups, &J);
 }
@@ -880,13 +901,23 @@ static inline vec16 exp16(vec16 v) {
 }
 
 /* a = gate * sigmoid(gate) * up over one row of I; the tail (I % 16) padded through the same vector code */
+static inline vec16 silu16(vec16 gv, vec16 uv) { return gv * (1.0f / (1.0f + exp16(-gv))) * uv; }
+
 static void silu_row(const float *g, const float *u, float *a, int64_t I) {
-    for (int64_t e = 0; e < I; e += W) {
+    int64_t e = 0;
+    for (; e + W <= I; e += W) { /* whole vectors: fixed-size copies, which compile to plain loads and stores */
+        vec16 gv, uv;
+        memcpy(&gv, g + e, sizeof gv);
+        memcpy(&uv, u + e, sizeof uv);
+        const vec16 out = silu16(gv, uv);
+        memcpy(a + e, &out, sizeof out);
+    }
+    if (e < I) {
         vec16 gv = {0}, uv = {0};
-        const int64_t n = I - e < W ? I - e : W;
+        const int64_t n = I - e;
         memcpy(&gv, g + e, n * sizeof(float));
         memcpy(&uv, u + e, n * sizeof(float));
-        const vec16 out = gv * (1.0f / (1.0f + exp16(-gv))) * uv;
+        const vec16 out = silu16(gv, uv);
         memcpy(a + e, &out, n * sizeof(float));
     }
 }

@@ -285,29 +285,59 @@ def _linear_view(m: Linear, keep: list) -> _Linear:
     return view
 
 
+class LinearRun:
+    """One weight matmul ``m`` as the step computes it, on up to ``rows`` rows, on a pool of its own kept between calls
+    (tests, and ``scripts/sums_floor.py``, which times it); ``close`` stops its threads."""
+
+    def __init__(self, m: Linear, rows: int, threads: int | None = None, isa: str | None = None):
+        self._lib = lib = load_library(isa)
+        self.shape = m.shape  # (K, N)
+        self.rows = rows
+        self._keep: list = []
+        self._view = view = _linear_view(m, self._keep)
+        self._xq, xs = np.zeros(rows * view.kpad, dtype=np.uint8), np.zeros(rows, dtype=np.float32)
+        bs, bsum = np.zeros((rows, view.blocks), dtype=np.float32), np.zeros((rows, view.blocks), dtype=np.int32)
+        self._keep += [xs, bs, bsum]
+        self.threads = _threads(threads, lib)
+        self._pool = lib.medusa_pool_new(self.threads)
+        if not self._pool:
+            raise EngineError(f"backend native: {_ERRORS[8]}")
+        self._work = _Work(rows=rows, threads=self.threads, xq=self._xq.ctypes.data, xs=xs.ctypes.data, pool=self._pool,
+                           bs=bs.ctypes.data, bsum=bsum.ctypes.data, max_blocks=view.blocks)  # fmt: skip
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x`` (..., K) at most ``rows`` rows: (..., N) float32, into ``out`` (rows, N) where given."""
+        k, n = self.shape
+        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
+        if not 0 < rows.shape[0] <= self.rows:
+            raise EngineError(f"backend native: {rows.shape[0]} rows through a linear run sized for {self.rows}")
+        y = np.zeros((rows.shape[0], n), dtype=np.float32) if out is None else out[: rows.shape[0]]
+        if y.shape != (rows.shape[0], n) or y.dtype != np.float32 or not y.flags.c_contiguous:
+            raise EngineError(f"backend native: a linear run's output must be contiguous float32 ({rows.shape[0]}, {n})")
+        if not self._pool:
+            raise EngineError("backend native: this linear run is closed")
+        rc = self._lib.medusa_native_linear(ctypes.byref(self._view), ctypes.byref(self._work), rows.ctypes.data,
+                                            rows.shape[0], y.ctypes.data, self._xq.size)  # fmt: skip
+        if rc:
+            raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
+        return y.reshape(*np.shape(x)[:-1], n)
+
+    def close(self) -> None:
+        if self._pool:
+            self._lib.medusa_pool_free(self._pool)
+            self._pool = None
+
+    def __del__(self):
+        self.close()
+
+
 def run_linear(m: Linear, x: np.ndarray, threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``x`` (..., K) through one weight matmul as the step computes it: (..., N) float32 (tests, checks)."""
-    lib = load_library(isa)
-    k, n = m.shape
-    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
-    y = np.zeros((rows.shape[0], n), dtype=np.float32)
-    keep: list = []
-    view = _linear_view(m, keep)
-    xq, xs = np.zeros(rows.shape[0] * view.kpad, dtype=np.uint8), np.zeros(rows.shape[0], dtype=np.float32)
-    bs, bsum = np.zeros((rows.shape[0], view.blocks), dtype=np.float32), np.zeros((rows.shape[0], view.blocks), dtype=np.int32)
-    n_threads = _threads(threads, lib)
-    pool = lib.medusa_pool_new(n_threads)
-    if not pool:
-        raise EngineError(f"backend native: {_ERRORS[8]}")
-    work = _Work(rows=rows.shape[0], threads=n_threads, xq=xq.ctypes.data, xs=xs.ctypes.data, pool=pool, bs=bs.ctypes.data,
-                 bsum=bsum.ctypes.data, max_blocks=view.blocks)  # fmt: skip
+    run = LinearRun(m, math.prod(np.shape(x)[:-1]), threads, isa)
     try:
-        rc = lib.medusa_native_linear(ctypes.byref(view), ctypes.byref(work), rows.ctypes.data, rows.shape[0], y.ctypes.data, xq.size)
+        return run(x)
     finally:
-        lib.medusa_pool_free(pool)
-    if rc:
-        raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
-    return y.reshape(*np.shape(x)[:-1], n)
+        run.close()
 
 
 def _expect(name: str, a: np.ndarray | None, dtype, shape: tuple) -> None:

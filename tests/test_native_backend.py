@@ -195,6 +195,48 @@ def test_an_fp32_matmul_is_one_chain_a_output():
     assert all(np.array_equal(native_step.run_linear(native_weights.Linear(w), x[i : i + 1])[0], ours[i]) for i in range(11))
 
 
+def test_a_linear_run_keeps_its_pool_between_calls():
+    """native_step.LinearRun: repeated calls on one pool give run_linear's bits, into ``out`` where given; more rows
+    than it was sized for, or a call after close, is an EngineError naming the problem."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((70, 50)).astype(np.float32)
+    x = rng.standard_normal((5, 70)).astype(np.float32)
+    linear = native_weights.Linear(w)
+    run = native_step.LinearRun(linear, rows=5, threads=2)
+    out = np.zeros((5, 50), dtype=np.float32)
+    for rows in (5, 2, 5):
+        assert np.array_equal(run(x[:rows]), native_step.run_linear(linear, x[:rows]))
+    assert run(x, out) is not None and np.array_equal(out, native_step.run_linear(linear, x))
+    with pytest.raises(EngineError, match="6 rows through a linear run sized for 5"):
+        run(np.zeros((6, 70), dtype=np.float32))
+    run.close()
+    with pytest.raises(EngineError, match="closed"):
+        run(x)
+
+
+def test_sums_floor_prints_each_steps_floor_beside_it(engine, tmp_path, capsys):
+    """scripts/sums_floor.py: the engine's steps, the kernel's in-cache rate at each row count, and each size's floor
+    (every linear's multiply-adds at that rate), in one run; a missing engine is one line, exit 2."""
+    from tests.helpers import script
+
+    out = tmp_path / "floor.json"
+    argv = ["--engine", str(engine), "--context", "12", "--tokens", "1", "--tokens", "3", "--seconds", "0.05"]
+    assert script("sums_floor").main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    weights = native_weights.read_weights(engine, "llama")  # the step graph itself
+    linears = [m for g in (weights.qkv, weights.o, weights.gate_up, weights.down) for m in g if m is not None] + [weights.lm_head]
+    assert report["macs_per_token"] == sum(m.shape[0] * m.shape[1] for m in linears)
+    assert [r["tokens"] for r in report["rows"]] == [1, 3]
+    for r in report["rows"]:
+        assert r["step_ms"] > 0 and r["kernel_ms"] > 0
+        assert r["floor_ms"] == pytest.approx(report["macs_per_token"] * r["tokens"] / (r["gmac_s"] * 1e9) * 1e3)
+    printed = capsys.readouterr().out
+    assert "| 3 |" in printed and "multiply-adds a token" in printed
+    with pytest.raises(SystemExit) as exc:
+        script("sums_floor").main(["--engine", str(tmp_path / "none")])
+    assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
 def test_drafted_output_equals_its_plain_output(engine, stories_prompts):
     """Every drafter, 5 prompts over 3 rows (rows finish and refill): drafted = plain, with drafts accepted."""
     runtime = MedusaRuntime(engine, backend="native", max_batch=3, max_context=256, threads=2)

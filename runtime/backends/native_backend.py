@@ -1,9 +1,11 @@
-"""Native backend: the step of a Llama-pattern engine (fp32 or int8-channel) computed by ``runtime/native_step.c``.
+"""Native backend: an engine's step computed by ``runtime/native_step.c``, for every family the exporter proves
+(``native_weights.read_weights`` reads each layer's plan from the step graph), fp32, int8-channel, int4 or int8-block.
 
 ``open_native`` composes a ``host_backend.HostBackend`` of the C step (``native_step.NativeStep``, a ``HostKernel``
 on named host arrays), the shared ``ort_buffers.HostBuffers`` (the KV cache, slot-major, and every output allocated
-once in host memory) and the heads graph on ONNX Runtime (``onnx_backend.OrtHeads``, on the same named arrays). A
-step writes straight into the buffers the loop reads and commit copies from.
+once in host memory) and the heads: in C on the step's threads (``native_step.NativeHeads``) where they are the
+pattern ``medusa_native_heads`` computes, else the heads graph on ONNX Runtime (``onnx_backend.OrtHeads``, on the same
+named arrays). A step writes straight into the buffers the loop reads and commit copies from.
 
 Exact by construction: the C step is batch-invariant (each output a fixed chain of operations over its own row; the
 attention adds a query's keys in position order), so a verify step gives every node the logits its plain step gives
@@ -11,10 +13,10 @@ it, bit for bit, whatever the tree; the engine's key slots are not needed and no
 Runtime's bit for bit (other summation orders): it is the same model to float rounding, so plain and drafted output
 agree with ONNX Runtime's except at near-ties.
 
-Only step graphs of the Llama pattern run here, with fp32 matmuls or int8-channel's (int8 columns, one scale a row,
-whose integer products are exact: each such matmul gives ONNX Runtime's outputs bit for bit);
-``native_weights.read_weights`` refuses others by name and checks every array. The weights are read from the
-engine's own ``model.onnx`` and packed once at load.
+int8-channel's matmuls (int8 columns, one scale a row, whose integer products are exact) give ONNX Runtime's outputs
+bit for bit. A graph native cannot run is refused by name (``NativeCannotRun``), and every array is checked against
+the dims before any pointer is taken. The weights are read from the engine's own ``model.onnx`` and packed once at
+load.
 """
 
 from __future__ import annotations
