@@ -900,9 +900,9 @@ static inline vec16 exp16(vec16 v) {
     return p * (vec16)bits;
 }
 
-/* a = gate * sigmoid(gate) * up over one row of I; the tail (I % 16) padded through the same vector code */
 static inline vec16 silu16(vec16 gv, vec16 uv) { return gv * (1.0f / (1.0f + exp16(-gv))) * uv; }
 
+/* a = gate * sigmoid(gate) * up over one row of I; the tail (I % 16) padded through the same vector code */
 static void silu_row(const float *g, const float *u, float *a, int64_t I) {
     int64_t e = 0;
     for (; e + W <= I; e += W) { /* whole vectors: fixed-size copies, which compile to plain loads and stores */
