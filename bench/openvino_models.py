@@ -65,9 +65,11 @@ def save_hf_folder(base, out: Path) -> Path:
 
 
 def _check_replaceable(out: Path, marker: str) -> None:
-    """``out`` may be written: absent, empty, or a folder this module wrote before (it holds ``marker``)."""
+    """``out`` may be written: absent, empty, or a folder this module wrote before (it holds ``marker``). Its parent
+    is made where missing."""
     if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / marker).is_file()):
         raise MedusaError(f"{out} exists and is not a folder this script wrote (no {marker}): choose another --out, or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine's build/openvino: the staging folder goes beside out
 
 
 def export_openvino(hf: Path, out: Path, weight_format: str, *, optimum_cli: Path, group_size: int = INT4_GROUP) -> Path:

@@ -100,3 +100,7 @@ def test_a_failed_openvino_export_leaves_the_earlier_folder_and_a_foreign_one_is
     with pytest.raises(MedusaError, match="is not a folder this script wrote"):
         export_openvino(tmp_path / "hf", mine, "fp32", optimum_cli=failing)
     assert (mine / "notes.txt").read_text() == "keep"
+    fresh = tmp_path / "build" / "openvino" / "smollm2-fp32"  # a fresh machine: no build/openvino yet
+    with pytest.raises(MedusaError, match="failed \\(exit 1\\):\nno such model"):
+        export_openvino(tmp_path / "hf", fresh, "fp32", optimum_cli=failing)
+    assert not fresh.exists() and list(fresh.parent.iterdir()) == []
