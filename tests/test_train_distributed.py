@@ -192,11 +192,21 @@ def teacher_engine(stories_base, stories_fitted, export_engine):
     return export_engine("teacher", medusa_model(stories_base, stories_fitted), max_context=512)
 
 
-def test_teacher_medusa_serve_gives_the_data_and_heads_of_generate_engine(teacher_engine, tmp_path):
+@pytest.fixture(scope="module")
+def short_engine(stories_base, stories_fitted, export_engine):
+    """The teacher's engine with a context of 48 positions (stories260K has 2048): 40 new tokens leave room for
+    prompts of 8 tokens, which keeps 5 of STARTS (5 to 12 tokens) and skips 3."""
+    return export_engine("teacher-short", medusa_model(stories_base, stories_fitted), max_context=48, tree="chain-2")
+
+
+def test_teacher_medusa_serve_gives_the_data_and_heads_of_generate_engine(short_engine, tmp_path):
+    """--teacher against medusa-serve of an engine whose context (48) is shorter than the model's: the client reads
+    the server's max_model_len and skips the prompts that do not fit, as --generate-engine on that engine does (before,
+    the first overlong prompt stopped the run with an HTTP 400); the same records, then the same heads."""
     port = _free_port()
     log = tmp_path / "serve.log"
     server = subprocess.Popen(
-        [sys.executable, "-m", "medusa_trt.cli.serve", str(teacher_engine), "--port", str(port)],
+        [sys.executable, "-m", "medusa_trt.cli.serve", str(short_engine), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=open(log, "w"),  # noqa: SIM115
         env=_env(),
@@ -205,7 +215,9 @@ def test_teacher_medusa_serve_gives_the_data_and_heads_of_generate_engine(teache
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, server, log)
-        _train([sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "taught"), "--teacher", url, "--teacher-concurrency", "4"])
+        taught_run = _train(
+            [sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "taught"), "--teacher", url, "--teacher-concurrency", "4"]
+        )
     finally:
         os.kill(server.pid, signal.SIGTERM)
         server.wait(60)
@@ -216,16 +228,17 @@ def test_teacher_medusa_serve_gives_the_data_and_heads_of_generate_engine(teache
             "medusa_trt.cli.train",
             *_args(tmp_path, "engine"),
             "--generate-engine",
-            str(teacher_engine),
+            str(short_engine),
             "--generate-only",
         ]
     )
+    assert "3 prompts leave no room for 40 new tokens in 48 positions (the server's max_model_len): skipped" in taught_run.stderr
     taught, engine = _records(tmp_path / "taught.work"), _records(tmp_path / "engine.work")
-    assert len(taught) == len(STARTS) and taught == engine  # the same token ids
+    assert len(taught) == 5 and taught == engine  # the same prompts kept, the same token ids
     # the same data gives the same heads: the engine's recorded states aside, both train on one forward pass
     for shard in (tmp_path / "engine.work" / "hidden").iterdir():
         shard.unlink()
-    _train([sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "engine"), "--generate-engine", str(teacher_engine)])
+    _train([sys.executable, "-m", "medusa_trt.cli.train", *_args(tmp_path, "engine"), "--generate-engine", str(short_engine)])
     a, b = _heads(tmp_path / "taught"), _heads(tmp_path / "engine")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -54,10 +54,12 @@ class Teacher:
     concurrency: int = 8
     token_ids: bool = True  # the server takes "return_token_ids" (vLLM's extension)
     dropped: int = field(default=0)  # samples whose text did not round-trip
+    context: int | None = None  # the positions the server serves (its model's max_model_len in GET /models; None: not said)
 
     @classmethod
     def connect(cls, url: str, concurrency: int = 8) -> Teacher:
-        """The server at ``url`` (``http://host:port`` or ``.../v1``), its model read from ``GET /models``."""
+        """The server at ``url`` (``http://host:port`` or ``.../v1``), its model and context (``max_model_len``, as
+        vLLM and ``medusa-serve`` list it) read from ``GET /models``."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise TeacherError(f"--teacher {url} is not an http(s) URL: pass the server's base URL, e.g. http://127.0.0.1:8000/v1")
@@ -69,6 +71,8 @@ class Teacher:
         if not (isinstance(models, list) and models and isinstance(models[0], dict) and isinstance(models[0].get("id"), str)):
             raise TeacherError(f"--teacher {url}: GET {base}/models lists no model; is it an OpenAI-compatible server?")
         teacher.model = models[0]["id"]
+        length = models[0].get("max_model_len")
+        teacher.context = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
         return teacher
 
     def _call(self, method: str, path: str, body: dict | None, *, timeout: float = TIMEOUT_S) -> dict:
@@ -115,9 +119,14 @@ class Teacher:
         }
 
     def check_tokenizer(self, base) -> None:
-        """Refuse a server of another model: the tokens it makes of ``PROBE`` must be ``--model``'s."""
-        mine = base.tokenizer(PROBE)["input_ids"]
-        choice = self._complete(PROBE, 1)
+        """Refuse a server of another model: the tokens it makes of ``PROBE`` must be ``--model``'s (its leading
+        words only, where the server's context is too short for all of it and one new token)."""
+        words = PROBE.split(" ")
+        while len(words) > 1 and self.context is not None and len(base.tokenizer(" ".join(words))["input_ids"]) >= self.context:
+            words.pop()
+        probe = " ".join(words)
+        mine = base.tokenizer(probe)["input_ids"]
+        choice = self._complete(probe, 1)
         theirs = choice.get("prompt_token_ids")
         count = (choice["usage"] or {}).get("prompt_tokens")
         if isinstance(theirs, list):
@@ -170,18 +179,27 @@ def generate_with_teacher(base, config: TrainConfig, todo: list, open_sink, done
     ``config.teacher_concurrency`` at a time, each record appended as it arrives (``open_sink()``
     gives this rank's writer). Prompts are encoded as the local runtime would (chat template when
     the model has one and ``config.chat_template``); a prompt that leaves no room for
-    ``new_tokens`` in the generating context is skipped, as there."""
+    ``new_tokens`` in the generating context is skipped, as there: the model's positions (at most
+    ``GENERATE_CONTEXT``), or the server's context where it is shorter (an engine served with a
+    short ``max_context``), so one overlong prompt never stops the run with an HTTP 400."""
     from medusa_trt.runtime.text import TextCodec
 
     teacher = Teacher.connect(config.teacher, config.teacher_concurrency)
     codec = TextCodec(base.tokenizer)
     chat = config.chat_template and base.is_chat and codec.has_chat_template
     context = min(GENERATE_CONTEXT, getattr(base.model.config, "max_position_embeddings", None) or GENERATE_CONTEXT)
+    limit = "the generating context"
+    if teacher.context is not None and teacher.context < context:
+        context, limit = teacher.context, "the server's max_model_len"
     encoded = [(k, codec.encode(p, chat=chat) if isinstance(p, str) else codec.encode_chat(p)) for k, p in todo]
     kept = [(k, ids) for k, ids in encoded if len(ids) <= context - config.new_tokens]
     if len(kept) < len(encoded):
         log.warning(
-            "%d prompts leave no room for %d new tokens in %d positions: skipped", len(encoded) - len(kept), config.new_tokens, context
+            "%d prompts leave no room for %d new tokens in %d positions (%s): skipped",
+            len(encoded) - len(kept),
+            config.new_tokens,
+            context,
+            limit,
         )
     sink, new_tokens, started = None, 0, time.perf_counter()
     with ThreadPoolExecutor(teacher.concurrency) as pool, tqdm(total=len(kept), desc="teacher", unit="seq", disable=None) as bar:
