@@ -323,7 +323,7 @@ class LinearRun:
         return y.reshape(*np.shape(x)[:-1], n)
 
     def close(self) -> None:
-        if self._pool:
+        if getattr(self, "_pool", None):  # a constructor that raised has none
             self._lib.medusa_pool_free(self._pool)
             self._pool = None
 
