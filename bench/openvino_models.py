@@ -55,7 +55,7 @@ def save_hf_folder(base, out: Path) -> Path:
         raise MedusaError(f"cannot re-save {base.name}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
     if tied:
         model.tie_weights()
-    _check_replaceable(out, "config.json")
+    _make_room(out, "config.json")
     with durable.staged_folder(out) as staging:  # whole or not at all; an earlier folder goes once the new one is in
         model.save_pretrained(staging)
         base.tokenizer.save_pretrained(staging)
@@ -64,12 +64,12 @@ def save_hf_folder(base, out: Path) -> Path:
     return out
 
 
-def _check_replaceable(out: Path, marker: str) -> None:
-    """``out`` may be written: absent, empty, or a folder this module wrote before (it holds ``marker``). Its parent
-    is made where missing."""
+def _make_room(out: Path, marker: str) -> None:
+    """Check that ``out`` may be written (absent, empty, or a folder this module wrote before: it holds ``marker``),
+    then make its parent where missing, for the staging folder that goes beside it."""
     if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / marker).is_file()):
         raise MedusaError(f"{out} exists and is not a folder this script wrote (no {marker}): choose another --out, or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine's build/openvino: the staging folder goes beside out
+    out.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no build/openvino
 
 
 def export_openvino(hf: Path, out: Path, weight_format: str, *, optimum_cli: Path, group_size: int = INT4_GROUP) -> Path:
@@ -80,7 +80,7 @@ def export_openvino(hf: Path, out: Path, weight_format: str, *, optimum_cli: Pat
     args += ["--weight-format", weight_format]
     if weight_format == "int4":  # every layer int4 (ratio 1.0), in groups that divide the hidden size
         args += ["--group-size", str(group_size), "--ratio", "1.0"]
-    _check_replaceable(out, "openvino_model.xml")
+    _make_room(out, "openvino_model.xml")
     with durable.staged_folder(out) as staging:  # a failed export leaves the earlier folder as it was
         log.info("%s", " ".join(args + [str(staging)]))
         proc = subprocess.run(args + [str(staging)], capture_output=True, text=True)
