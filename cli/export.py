@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the checker, the ONNX Runtime vs torch comparison and (.plan) the TensorRT vs ONNX one",
     )
     p.add_argument(
+        "--stream-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read the weights from the model's safetensors one tensor at a time as the engine is written, so a model "
+        "larger than memory exports (fp32 or --quantize int8-channel; not checked against torch). Default: where its "
+        "fp32 weights exceed half the memory available",
+    )
+    p.add_argument(
         "--triton-repo",
         metavar="DIR",
         help="also write a Triton model repository serving the engine (see medusa-triton-repo, medusa-serve)",
@@ -167,6 +175,7 @@ def build_config(args) -> BuildConfig:
         accuracy_level=args.accuracy_level,
         timing_cache=args.timing_cache,
         verify=not args.no_verify,
+        stream_weights=args.stream_weights,
     )
 
 

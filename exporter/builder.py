@@ -46,6 +46,9 @@ class BuildConfig(GraphOptions):
     block_size: int | None = None  # quantize int4 / int8-block: weights per block (None: quantize.DEFAULT_BLOCK_SIZE)
     accuracy_level: int | None = None  # quantize int4 / int8-block: MatMulNBits compute type (None: quantize.DEFAULT_ACCURACY_LEVEL)
     timing_cache: str | None = None  # TensorRT timing cache (None: timing.cache beside the .plan)
+    # the weights read from the checkpoint one tensor at a time as the engine is written (exporter/streamed.py); None:
+    # where the model's fp32 weights exceed half the memory available
+    stream_weights: bool | None = None
 
     def __post_init__(self):
         from medusa_trt.exporter.errors import ExportError
@@ -87,12 +90,16 @@ def build(config: BuildConfig, report: Callable[[Built], None] | None = None) ->
     """Export (and build) the engine; ``report`` sees the progress after each stage: the plan, the
     ONNX engine, the TensorRT plans. Raises ``MedusaError`` subclasses a user can act on."""
     from medusa_trt.exporter.onnx_export import DTYPES, export_onnx
+    from medusa_trt.exporter.streamed import check_streamable, should_stream
     from medusa_trt.exporter.wrapper import load_medusa
 
     report = report or _log
     built = Built(plan(config))
     report(built)
     onnx_config = export_config(config, built.plan)
+    streamed = should_stream(config.model, config.stream_weights)  # the checkpoint to read one tensor at a time, or None
+    if streamed is not None:  # what it cannot stream, before the model loads
+        check_streamable(onnx_config.quantize.mode if onnx_config.quantize else None, config.dtype)
     # loaded in the engine's dtype: the export then converts nothing (and copies nothing)
     model = load_medusa(
         config.model,
@@ -101,8 +108,9 @@ def build(config: BuildConfig, report: Callable[[Built], None] | None = None) ->
         head_layer=config.head_layer,
         dtype=DTYPES[config.dtype],
         device="cpu",
+        weights=streamed is None,
     )
-    built = dataclasses.replace(built, onnx=export_onnx(model, onnx_config))
+    built = dataclasses.replace(built, onnx=export_onnx(model, onnx_config, streamed))
     report(built)
     if built.plan.tensorrt is None:
         return built

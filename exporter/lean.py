@@ -39,6 +39,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter import lazy_weights
+
 log = logging.getLogger(__name__)
 
 # ops whose output depends on more than their inputs and attributes: never merged
@@ -123,9 +125,12 @@ def fuse_matmuls_by_input(graph) -> int:
         if group is None:  # merged into its group's first, which stands earlier
             continue
         name = f"{node.name or node.output[0]}_fused"
-        parts = [numpy_helper.to_array(weights[m.input[1]]) for m in group]  # (K, N_i) each
-        graph.initializer.append(numpy_helper.from_array(np.concatenate(parts, axis=1), name + "_weight"))  # (K, sum N_i)
-        widths = numpy_helper.from_array(np.array([p.shape[1] for p in parts], dtype=np.int64), name + "_widths")
+        parts = [weights[m.input[1]] for m in group]  # (K, N_i) each; lazy ones (exporter/lazy_weights.py) stay so
+        shape = (parts[0].dims[0], sum(p.dims[1] for p in parts))
+        dtype = helper.tensor_dtype_to_np_dtype(parts[0].data_type)
+        fused = lazy_weights.derived(name + "_weight", parts, lambda *a: np.concatenate(a, axis=1), shape, dtype)
+        graph.initializer.append(fused)  # (K, sum N_i)
+        widths = numpy_helper.from_array(np.array([p.dims[1] for p in parts], dtype=np.int64), name + "_widths")
         graph.initializer.append(widths)
         nodes.append(helper.make_node("MatMul", [node.input[0], name + "_weight"], [name], name=name))  # (..., sum N_i)
         nodes.append(helper.make_node("Split", [name, widths.name], [m.output[0] for m in group], name=name + "_split", axis=-1))

@@ -162,6 +162,20 @@ def _bad_weights(path: Path, exc: BaseException) -> ModelLoadError:
     return ModelLoadError(f"{where} is not a valid safetensors file (truncated or corrupt: {reason}): download or save the model again")
 
 
+def _weightless(config, dtype: torch.dtype, overrides: dict):
+    """The causal LM of ``config`` (``overrides`` applied) with untouched storage: no initialiser runs, so the
+    kernel maps no page of its weights until something writes them."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # as from_pretrained ties them: a tied lm_head is the embedding, not a weight of its own
+    return model
+
+
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -219,9 +233,13 @@ def _gguf_bar(label: str | None):
         gguf_utils.tqdm = drawn
 
 
-def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BaseModel:
+def load_base_model(
+    name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: bool = True
+) -> BaseModel:
     """``smollm2-135m``, a folder with config.json + safetensors, a ``.gguf`` file, or a Hub id
-    (``org/name``, not an existing path) loaded offline from the local Hugging Face cache."""
+    (``org/name``, not an existing path) loaded offline from the local Hugging Face cache. ``weights=False``: the model
+    built from its config with storage allocated but never written (no page resident), for a trace whose weights
+    ``exporter/streamed.py`` reads from the checkpoint; its values are garbage."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -265,8 +283,15 @@ def load_base_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = tor
         vocab = config.vocab_size
         if config.pad_token_id is not None and not 0 <= config.pad_token_id < vocab:
             extra["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < vocab else 0
-        with _gguf_bar(label):
-            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
+        if not weights:
+            model = _weightless(config, dtype, extra)
+            if (folder / "generation_config.json").is_file():  # its end-of-sequence ids, as from_pretrained reads them
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+        else:
+            with _gguf_bar(label):
+                model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **extra)
     except ModelLoadError:
         raise
     except _weights_errors() as exc:

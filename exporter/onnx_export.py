@@ -226,8 +226,9 @@ class _WithSuccessors(torch.nn.Module):
         return logits, hidden, next_ids, new_key, new_value, logits.topk(self.k, dim=-1).indices
 
 
-def _export_step(model: MedusaModel, config: ExportConfig):
-    """``config.max_context`` is resolved (an int) here."""
+def _export_step(model: MedusaModel, config: ExportConfig, streamed=None):
+    """``config.max_context`` is resolved (an int) here. ``streamed``: (checkpoint, LazyWeights) of a weightless model,
+    whose weights ``streamed.stream_weights`` takes from the checkpoint before the graph is optimized."""
     batch = torch.export.Dim("batch", min=1, max=max(config.max_batch, 2))
     tokens = torch.export.Dim("tokens", min=1, max=max(config.max_tokens, 3))
     past = torch.export.Dim("past", min=0, max=config.max_context + key_slots.slack(config.max_tokens))
@@ -262,10 +263,19 @@ def _export_step(model: MedusaModel, config: ExportConfig):
         custom_translation_table=table,
         optimize=False,  # _optimized: exact no-op rules
     )
-    return _optimized(program)
+    return _optimized(_streamed(program, model, streamed))
 
 
-def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
+def _streamed(program, model: MedusaModel, streamed):
+    """``program`` with its weights taken from the checkpoint (``exporter/streamed.py``) where ``streamed`` is given."""
+    if streamed is not None:
+        from medusa_trt.exporter.streamed import stream_weights
+
+        stream_weights(program.model, model, *streamed)
+    return program
+
+
+def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig, streamed=None):
     plan = expansion(tree.paths) if model.heads.config.reads_path else None  # sequential heads expand the template in the graph
     graph = HeadsGraph(model.heads, tree.top_k, config.draft_vocab, plan).eval()
     hidden = torch.randn(2, model.base.config.hidden_size, dtype=model.kv_spec.dtype, device=model.device)
@@ -284,7 +294,7 @@ def _export_heads(model: MedusaModel, tree: CompiledTree, config: ExportConfig):
         verbose=False,
         optimize=False,
     )
-    return _optimized(program)
+    return _optimized(_streamed(program, model, streamed))
 
 
 def _optimized(program):
@@ -333,6 +343,29 @@ def _save(program, path: Path, meta: EngineMeta) -> None:
     program.save(str(path), external_data=size > EXTERNAL_DATA_BYTES)
 
 
+def _save_streamed(program, path: Path, meta: EngineMeta, config: ExportConfig, *, step: bool) -> None:
+    """A streamed graph (lazy weights, ``exporter/lazy_weights.py``) through the passes a saved graph takes (lean,
+    int8-channel, the logits gate for the step graph), in memory, then written one weight at a time."""
+    import onnx_ir as ir
+
+    from medusa_trt.exporter import lazy_weights
+    from medusa_trt.exporter.quantize import rows_int8_graph
+
+    program.model.metadata_props[META_KEY] = meta.to_json()
+    proto = ir.serde.serialize_model(program.model)
+    if step and config.lean and config.attention == "onnx":
+        from medusa_trt.exporter.lean import lean_graph
+
+        log.info(lean_graph(proto).describe())
+    if config.quantize:  # int8-channel: streamed.check_streamable refused the others
+        proto = rows_int8_graph(proto)
+    if step and config.gate_logits:
+        from medusa_trt.exporter.logits_gate import gate_logits
+
+        gate_logits(proto)
+    lazy_weights.save(proto, path)
+
+
 @dataclass(frozen=True)
 class ExportResult:
     files: EngineFiles
@@ -348,8 +381,9 @@ class ExportResult:
     precision: str = "fp32"  # the engine's quantization, else its dtype: "int8-channel", "int4", "fp32", "bf16"
 
 
-def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
-    """Export, check and put the engine files in place."""
+def export_onnx(model: MedusaModel, config: ExportConfig, weights_from=None) -> ExportResult:
+    """Export, check and put the engine files in place. ``weights_from``: a ``streamed.Checkpoint`` that the model
+    (loaded weightless) takes its weights from, one tensor at a time (``exporter/streamed.py``)."""
     out = Path(config.out)
     check_output_path(out)
     config = _fit_to_model(model, config)
@@ -378,6 +412,13 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     strict = not config.quantize or config.quantize.lossless
     choice = None  # the backend the export chose for a folder (backend_choice.BackendChoice)
     loose = config.quantize.loose if config.quantize else ()  # heads-int8 drafts: reported, not held to the tolerance
+    streamed = None
+    if weights_from is not None:
+        from medusa_trt.exporter.lazy_weights import LazyWeights
+        from medusa_trt.exporter.streamed import check_streamable
+
+        check_streamable(config.quantize.mode if config.quantize else None, config.dtype)
+        streamed = (weights_from, LazyWeights())
     try:
         if model.kv_spec.dtype != DTYPES[config.dtype]:  # never convert the caller's model in place (nn.Module.to is)
             log.info("exporting a %s copy of the model, which stays %s", config.dtype, model.kv_spec.dtype)
@@ -388,35 +429,29 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
         with tqdm(total=len(stages), desc="medusa-export", unit="stage", disable=None) as bar, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bar.set_postfix_str("tracing the step graph")
-            step = _export_step(model, config)
-            if config.attention == "plugin":
-                from medusa_trt.plugins.tree_attention.onnx_fallback import attach_fallback
-
-                attach_fallback(step.model)  # ONNX Runtime inlines it; the TensorRT build strips it
-            _save(step, staged.step, meta)
-            if config.lean and config.attention == "onnx":
-                from medusa_trt.exporter.lean import lean_step_file
-
-                # --quantize int8 scales each weight tensor as a whole: fused, one scale would span Q, K and V
-                lean_step_file(staged.step, fuse=not (config.quantize and config.quantize.mode == "int8"))
-            bar.update()
-            if model.num_heads:
-                bar.set_postfix_str("tracing the heads graph")
-                _save(_export_heads(model, tree, config), staged.heads, meta)
-            bar.update()
+            if streamed is not None:
+                with streamed[1]:
+                    _export_streamed(model, tree, config, meta, staged, streamed, bar)
+            else:
+                _export_graphs(model, tree, config, meta, staged, bar)
             bar.set_postfix_str("checking the tokenizer")
             write_engine_tokenizer(model.tokenizer, model.tokenizer_files, staged.tokenizer)  # a folder's tokenizer files lie at its top
             check_engine_tokenizer(model.tokenizer, model.tokenizer_files, staged.tokenizer, model.vocab_size, shown=final.tokenizer)
             bar.update()
-            if config.quantize:
+            if config.quantize and streamed is None:
                 bar.set_postfix_str(f"quantizing {config.quantize.mode}")
                 quantize_engine(staged, meta, config.quantize)
-            if config.gate_logits:  # after every rewrite of the graph: the gate moves their final nodes
+            if config.gate_logits and streamed is None:  # after every rewrite of the graph: the gate moves their final nodes
                 from medusa_trt.exporter.logits_gate import gate_logits_file
 
                 gate_logits_file(staged.step)
             bar.update()
-            if config.verify:
+            if config.verify and streamed is not None:
+                log.info(
+                    "not checked against torch: a streamed export never holds the model's weights "
+                    "(the engine's own exactness probe still runs)"
+                )
+            elif config.verify:
                 bar.set_postfix_str("verifying")
                 from medusa_trt.exporter.verify import verify_engine
 
@@ -448,6 +483,39 @@ def export_onnx(model: MedusaModel, config: ExportConfig) -> ExportResult:
     precision = precision_name(config.dtype, config.quantize.mode if config.quantize else "none")
     backend = None if not folder else (choice.backend if choice is not None else config.backend)
     return ExportResult(final, diffs, TOLERANCE[config.dtype], loose, model.describe(), choice, strict, top1, backend, precision)
+
+
+def _export_graphs(model: MedusaModel, tree: CompiledTree, config: ExportConfig, meta: EngineMeta, staged: EngineFiles, bar) -> None:
+    """The step graph (lean where the attention is standard) and the heads graph, saved into ``staged``."""
+    step = _export_step(model, config)
+    if config.attention == "plugin":
+        from medusa_trt.plugins.tree_attention.onnx_fallback import attach_fallback
+
+        attach_fallback(step.model)  # ONNX Runtime inlines it; the TensorRT build strips it
+    _save(step, staged.step, meta)
+    if config.lean and config.attention == "onnx":
+        from medusa_trt.exporter.lean import lean_step_file
+
+        # --quantize int8 scales each weight tensor as a whole: fused, one scale would span Q, K and V
+        lean_step_file(staged.step, fuse=not (config.quantize and config.quantize.mode == "int8"))
+    bar.update()
+    if model.num_heads:
+        bar.set_postfix_str("tracing the heads graph")
+        _save(_export_heads(model, tree, config), staged.heads, meta)
+    bar.update()
+
+
+def _export_streamed(
+    model: MedusaModel, tree: CompiledTree, config: ExportConfig, meta: EngineMeta, staged: EngineFiles, streamed, bar
+) -> None:
+    """``_export_graphs`` for a weightless model: each graph's weights from the checkpoint, through the passes in
+    memory and written one at a time (``_save_streamed``), quantized and gated already."""
+    _save_streamed(_export_step(model, config, streamed), staged.step, meta, config, step=True)
+    bar.update()
+    if model.num_heads:
+        bar.set_postfix_str("tracing the heads graph")
+        _save_streamed(_export_heads(model, tree, config, streamed), staged.heads, meta, config, step=False)
+    bar.update()
 
 
 def _write_folder(model: MedusaModel, staged: EngineFiles, meta: EngineMeta, tree: CompiledTree, config: ExportConfig, out: Path):

@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.exporter import lazy_weights
 from medusa_trt.exporter.external_data import data_path, has_external_data, save_graph
 from medusa_trt.exporter.lean import fuse_matmuls_by_input
 from medusa_trt.runtime.engine import META_KEY, EngineFiles, EngineMeta
@@ -193,8 +194,7 @@ def fold_weight_transposes(graph) -> int:
     ``lm_head`` reading the embedding) with the transposed constant, so quantizers see a constant
     weight; the embedding itself stays for its ``Gather``. Transposes left unused go. Returns how
     many matmuls were rewritten."""
-    import numpy as np
-    from onnx import numpy_helper
+    from onnx import helper
 
     weights = {t.name: t for t in graph.initializer}
     producer = {out: n for n in graph.node for out in n.output}
@@ -210,7 +210,8 @@ def fold_weight_transposes(graph) -> int:
             continue
         if source.output[0] not in folded:
             name = f"{weight.name}_transposed"
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), name))  # (K, N)
+            dtype = helper.tensor_dtype_to_np_dtype(weight.data_type)
+            graph.initializer.append(lazy_weights.derived(name, [weight], lambda w: w.T, weight.dims[::-1], dtype))  # (K, N)
             folded[source.output[0]] = name
         node.input[1] = folded[source.output[0]]
         count += 1
@@ -232,10 +233,16 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     per-channel weights (one scale per call for the activations), closer to fp32 and more often
     the same tokens drafted as plain (docs/benchmarks.md, int4 / int8 engines)."""
     import onnx
+
+    _replace_graph(path, rows_int8_graph(onnx.load(str(path))), meta)
+
+
+def rows_int8_graph(proto):
+    """``rows_int8`` on a loaded graph (a ``ModelProto``, its lazy weights read one at a time): the graph it writes."""
     from onnx import numpy_helper
     from onnxruntime.quantization.onnx_model import ONNXModel
 
-    model = ONNXModel(onnx.load(str(path)))
+    model = ONNXModel(proto)
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
     graph = model.model.graph
@@ -249,14 +256,13 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
             nodes.append(node)
             continue
         if weight.name not in quantized:
-            values, scale = int8_columns(numpy_helper.to_array(weight))
-            quantized[weight.name] = (
-                numpy_helper.from_array(values, weight.name + "_int8"),
-                numpy_helper.from_array(scale, weight.name + "_int8_scale"),
-            )
-            graph.initializer.extend(quantized[weight.name])
+            values, scale = int8_columns(lazy_weights.array(weight))
+            made = (numpy_helper.from_array(values, weight.name + "_int8"), numpy_helper.from_array(scale, weight.name + "_int8_scale"))
+            graph.initializer.extend(made)  # copies: only the names are kept here (a 7B engine's weights held once)
+            quantized[weight.name] = tuple(t.name for t in made)
+            del values, scale, made
         rows = leading.get(node.input[0])  # None: not known, so this quantizer makes its own zero point
-        made = row_int8_matmul(node, *(t.name for t in quantized[weight.name]), k=weight.dims[0], zero_point=zero_points.get(rows))
+        made = row_int8_matmul(node, *quantized[weight.name], k=weight.dims[0], zero_point=zero_points.get(rows))
         if rows is not None and rows not in zero_points:
             zero_points[rows] = next(n.output[0] for n in made if n.op_type == "ConstantOfShape")
         nodes += made
@@ -264,7 +270,7 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     del graph.node[:]
     graph.node.extend(nodes)
     model.remove_unused_constant()  # the float weights
-    _replace_graph(path, model.model, meta)
+    return model.model
 
 
 def int8_columns(weight):

@@ -371,14 +371,15 @@ def load_medusa(
     head_layer: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    weights: bool = True,
 ) -> MedusaModel:
-    """Load a base model (see ``models.load_base_model``) and heads: a path, a module, or
-    ``untrained_heads`` fresh ones (identity blocks on the shared lm_head: they run the loop,
-    they do not speed it up)."""
+    """Load a base model (see ``models.load_base_model``; ``weights=False``: weightless, for a streamed export) and
+    heads: a path, a module, or ``untrained_heads`` fresh ones (identity blocks on the shared lm_head: they run the
+    loop, they do not speed it up)."""
     from medusa_trt.exporter.heads import HeadsConfig, init_heads, load_heads
     from medusa_trt.exporter.models import load_base_model
 
-    base = load_base_model(model, dtype=dtype, device=device)
+    base = load_base_model(model, dtype=dtype, device=device, weights=weights)
     cfg = base.model.config
     tree = None
     if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):

@@ -47,6 +47,27 @@ class NativeCannotRun(EngineError):
         self.what = what or message
 
 
+def read_tensor(tensor, step: Path, to_array) -> np.ndarray:
+    """One initializer's values: from the external data file beside ``step`` (its bytes read into a new array, no
+    more), else from the graph (``to_array``). A graph's weights are so read one at a time, never the whole file at
+    once as ``onnx.load`` reads it: a 7B engine's loading holds its weights once, not twice."""
+    from onnx import TensorProto, helper
+
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return to_array(tensor)
+    fields = {e.key: e.value for e in tensor.external_data}
+    location, dims = fields.get("location", ""), tuple(tensor.dims)
+    file = step.parent / location
+    if not location or Path(location).name != location or not file.is_file():
+        raise malformed(step, f"weight {tensor.name} lies in {location!r}, not a data file beside the graph")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    count = int(np.prod(dims, dtype=np.int64))
+    offset, length = int(fields.get("offset", 0)), int(fields.get("length", count * dtype.itemsize))
+    if length != count * dtype.itemsize or offset < 0 or offset + length > file.stat().st_size:
+        raise malformed(step, f"weight {tensor.name} ({length} bytes at {offset}) does not fit {dtype}{list(dims)} in {location}")
+    return np.fromfile(file, dtype=dtype, count=count, offset=offset).reshape(dims)
+
+
 def unsupported(path: Path, what: str) -> NativeCannotRun:
     return NativeCannotRun(f"backend native cannot run {path}: {what}; use backend onnxruntime for this engine", what)
 
@@ -71,9 +92,9 @@ class Graph:
             ) from exc
 
         self.path = path
-        model = onnx.load(str(path))  # with its external weights
+        model = onnx.load(str(path), load_external_data=False)  # each external weight read when asked (read_tensor)
         self.init = {t.name: t for t in model.graph.initializer}
-        self.to_array = numpy_helper.to_array
+        self.to_array = lambda t: read_tensor(t, path, numpy_helper.to_array)
         self.outputs = {o.name for o in model.graph.output}
         self._index(list(model.graph.node))
 
