@@ -353,7 +353,11 @@ class NativeStep:
     with the library of the best instruction set at or below ``isa`` (default ``$MEDUSA_TRT_CPU_ISA``). Its threads
     stop when it is garbage collected."""
 
-    def __init__(self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, isa: str | None = None):
+    def __init__(
+        self, weights: Weights, *, rows: int, slots: int, threads: int | None = None, isa: str | None = None, consume: bool = False
+    ):
+        """``consume``: each layer's linears leave ``weights`` as they are packed (their entries become None), so a
+        caller that drops ``weights`` after holds the weights once while they are packed, not twice."""
         lib, self.isa = _functions(isa)
         self._fn = lib.medusa_native_step
         self.threads = _threads(threads, lib)
@@ -380,11 +384,21 @@ class NativeStep:
         rope_of = np.ascontiguousarray(weights.rope_of, dtype=np.int32)
         self._keep += [window, rope_of]
         view = lambda m: None if m is None else _linear_view(m, self._keep)  # noqa: E731
-        linears = {k: [view(m) for m in getattr(weights, k)] for k in ("qkv", "o", "gate_up", "down")}
-        lm = _linear_view(weights.lm_head, self._keep)
-        every = [weights.lm_head, *(m for k in linears for m in getattr(weights, k) if m is not None)]
+        every = [weights.lm_head, *(m for k in ("qkv", "o", "gate_up", "down") for m in getattr(weights, k) if m is not None)]
         every += [m for e in weights.experts if e is not None for _, m, _ in e.linears()]
         self.int8, self.bits = any(m.int8 for m in every), max(m.bits for m in every)
+        del every
+
+        def views(items: list) -> list:  # each linear's C view; with consume, the linear then leaves ``items``
+            out = []
+            for i, m in enumerate(items):
+                out.append(view(m))
+                if consume:
+                    items[i] = None
+            return out
+
+        linears = {k: views(getattr(weights, k)) for k in ("qkv", "o", "gate_up", "down")}
+        lm = _linear_view(weights.lm_head, self._keep)
 
         def table(items):  # a C array of pointers: an array's data, a linear_t's address, or NULL for None
             address = lambda a: None if a is None else a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a)  # noqa: E731

@@ -162,3 +162,15 @@ def test_the_pool_alone_under_threadsanitizer(tmp_path):
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env | {"TSAN_OPTIONS": "halt_on_error=1"})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]
+
+
+def test_a_step_that_consumes_its_weights_gives_the_same_numbers(stories_base, stories_fitted, export_engine, reference):
+    """``consume``: each layer's linears leave the ``Weights`` as they are packed (what open_native passes: a 7B engine's
+    load holds its weights once); the step is the same."""
+    engine = export_engine("stories-fitted", medusa_model(stories_base, stories_fitted))
+    weights = native_weights.read_weights(engine, "llama")  # its own copy: the module's stays whole
+    kernel = native_step.NativeStep(weights, rows=ROWS * TOKENS, slots=64, threads=1, consume=True)
+    assert all(m is None for k in ("qkv", "o", "gate_up", "down") for m in getattr(weights, k))
+    out = _run(kernel, _arrays(weights))  # its dims stay
+    for name in ("logits", "hidden", "new_key", "new_value", "next_ids"):
+        assert np.array_equal(out[name], reference[name]), name

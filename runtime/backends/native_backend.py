@@ -63,7 +63,9 @@ def open_native(
     )
     if wrong := [f"{k} {found[k]} (metadata: {recorded[k]})" for k in found if found[k] != recorded[k]]:
         raise EngineError(f"{files.step}'s weights do not match its metadata, {', '.join(wrong)}: export again")
-    kernel = native_step.NativeStep(weights, rows=max_batch * meta.max_tokens, slots=max_context, threads=threads, isa=isa)
+    # consume: each linear's unpacked arrays go once packed (the weights held once, not twice, while they are packed)
+    kernel = native_step.NativeStep(weights, rows=max_batch * meta.max_tokens, slots=max_context, threads=threads, isa=isa, consume=True)
+    del weights
     heads = _heads(files, meta, kernel, max_batch, threads)
     successors = min(meta.successors, native_step.MAX_TOPK)
     buffers = HostBuffers(BufferSizes.of(meta, max_batch=max_batch, max_context=max_context, dtype=np.float32, successors=successors))
