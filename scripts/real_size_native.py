@@ -11,6 +11,14 @@ in the same run).
 shape's; only a step's timing is measured, never text) and exports ``SHAPE/fp32/model.onnx`` (``--no-verify``: a 1B
 model's verification would hold a second copy), then quantizes copies of it; folders that exist are reused.
 ``time`` runs engine_step_ab.py on each shape's engines, native, in one process each.
+
+A 7B-class shape (``llama-7b``) does not fit this machine's memory in fp32 (27 GB): its checkpoint is written a shard
+at a time in bf16 and exported with ``--stream-weights`` (``exporter/streamed.py``) as int8-channel, in a child
+process, then opened on native in another; each child's peak memory beside the engine's weights goes to
+``SHAPE/memory.json``:
+
+    .venv/bin/python scripts/real_size_native.py --shape llama-7b export
+    .venv/bin/python scripts/real_size_native.py --shape llama-7b time --rounds 3 --out docs/results/real-size-7b.json
 """
 
 from __future__ import annotations
@@ -19,9 +27,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+from medusa_trt.exporter.external_data import data_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
@@ -47,8 +59,14 @@ SHAPES = {  # transformers config overrides: the public checkpoints' shapes
                                      num_attention_heads=32, num_key_value_heads=4, head_dim=64, num_local_experts=32,
                                      num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False,
                                      layer_types=["sliding_attention", "full_attention"] * 2)),
+    # Llama-2-7B: its fp32 weights (27 GB) exceed this machine's memory, so its checkpoint is written a shard at a time
+    # (bf16, as published) and exported streamed (exporter/streamed.py), int8-channel only
+    "llama-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)),
 }  # fmt: skip
 MODES = ("fp32", "int8-channel", "int4")
+STREAMED = {"llama-7b": ("int8-channel",)}  # shapes exported streamed: their modes
+SHARD_BYTES = 2 << 30  # a streamed shape's checkpoint shards (bf16)
 MAX_CONTEXT = 512
 
 log = logging.getLogger("real_size_native")
@@ -65,6 +83,9 @@ def make_model(folder: Path, shape: str) -> None:
         log.info("%s exists: reused", folder)
         return
     model_type, overrides = SHAPES[shape]
+    if shape in STREAMED:
+        write_streamed(folder, AutoConfig.for_model(model_type, **(COMMON | overrides)))
+        return
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(COMMON | overrides)))
     with torch.no_grad():
@@ -76,6 +97,38 @@ def make_model(folder: Path, shape: str) -> None:
     log.info("%s: %.2fB parameters", shape, sum(p.numel() for p in model.parameters()) / 1e9)
 
 
+def write_streamed(folder: Path, config) -> None:
+    """Random bf16 weights of ``config`` written shard by shard (never the whole model in memory): the names and shapes
+    of the model built weightless, matrices N(0, 0.02), norms 1 + N(0, 0.1); then the index, config and tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from medusa_trt.exporter import load_base_model
+    from medusa_trt.exporter.models import _weightless
+
+    model = _weightless(config, torch.bfloat16, {})
+    params = dict(model.named_parameters())  # a tied weight once
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, size, total = {}, {}, 0, 0
+    for i, (name, p) in enumerate(params.items()):
+        values = torch.randn(p.shape, generator=generator) * (0.1 if p.ndim == 1 else 0.02) + (1.0 if p.ndim == 1 else 0.0)
+        shard[name] = values.to(torch.bfloat16)
+        size += shard[name].nbytes
+        if size >= SHARD_BYTES or i == len(params) - 1:
+            file = f"part-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(shard, file)
+            total += size
+            log.info("%s: %s written (%.1f GB)", folder, file, size / 1e9)
+            shard, size = {}, 0
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config.save_pretrained(folder)
+    load_base_model(STORIES).tokenizer.save_pretrained(folder)
+    log.info("%s: %.2fB parameters", folder, sum(p.numel() for p in params.values()) / 1e9)
+
+
 def export(root: Path, shape: str) -> None:
     from medusa_trt.cli.export import main as export_main
     from medusa_trt.exporter.quantize import QuantizeConfig, quantize_engine
@@ -84,6 +137,9 @@ def export(root: Path, shape: str) -> None:
 
     model = root / shape / "model"
     make_model(model, shape)
+    if shape in STREAMED:
+        export_streamed(root, shape)
+        return
     fp32 = root / shape / "fp32" / "model.onnx"
     if not fp32.is_file():
         fp32.parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +158,47 @@ def export(root: Path, shape: str) -> None:
         log.info("%s %s written", shape, mode)
 
 
+def _peak(argv: list[str]) -> int:
+    """Run ``argv`` (a child process); its peak resident memory in bytes, or SystemExit where it fails."""
+    child = subprocess.Popen(argv)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:4])} ... failed ({child.returncode})")
+    return usage.ru_maxrss * 1024
+
+
+LOAD = (  # a child process: open the engine on native (its buffers allocated) and step it once
+    "import sys; from pathlib import Path; import numpy as np; "
+    "from medusa_trt.runtime.backends.native_backend import open_native; "
+    "b = open_native(Path(sys.argv[1]), max_batch=1, threads=int(sys.argv[2])); "
+    "print(b.kernel.describe(), flush=True)"
+)
+
+
+def export_streamed(root: Path, shape: str) -> None:
+    """Each of the shape's STREAMED modes exported with --stream-weights in a child process, then opened on native
+    in another; the weights' bytes and each child's peak memory go to SHAPE/memory.json."""
+    memory = {}
+    for mode in STREAMED[shape]:
+        out = root / shape / mode / "model.onnx"
+        if out.is_file():
+            log.info("%s exists: reused (its export's memory is not measured again)", out)
+            export_peak = None
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            argv = ["--model", str(root / shape / "model"), "--out", str(out), "--quantize", mode, "--stream-weights"]
+            argv += ["--max-batch", "1", "--max-context", str(MAX_CONTEXT)]
+            code = "import sys; from medusa_trt.cli.export import main; sys.exit(main(sys.argv[1:]))"
+            export_peak = _peak([sys.executable, "-c", code, *argv])
+        weights = data_path(out).stat().st_size
+        load_peak = _peak([sys.executable, "-c", LOAD, str(out), "2"])
+        memory[mode] = {"weights_bytes": weights, "export_peak_bytes": export_peak, "load_peak_bytes": load_peak}
+        said = f"export peak {export_peak / weights:.2f}x, " if export_peak else ""
+        log.info("%s %s: weights %.2f GB; %snative load peak %.2fx", shape, mode, weights / 1e9, said, load_peak / weights)
+    (root / shape / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+
+
 def time_shape(root: Path, shape: str, rounds: int, threads: int, backends: tuple[str, ...]) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_step_ab import main as ab_main
@@ -109,6 +206,12 @@ def time_shape(root: Path, shape: str, rounds: int, threads: int, backends: tupl
     out = root / shape / "steps.json"
     name = lambda mode, b: mode + (f"-{b}" if len(backends) > 1 else "")  # noqa: E731
     engines = [(name(mode, b), root / shape / mode / "model.onnx", b) for mode in MODES for b in backends]
+    if shape in STREAMED:  # one engine a mode: each beside itself capped at AVX2 (engine_step_ab takes two or more)
+        engines = [
+            (f"{mode}{cap and '-'}{cap}", root / shape / mode / "model.onnx", f"native{cap and ':'}{cap}")
+            for mode in STREAMED[shape]
+            for cap in ("", "avx2")
+        ]
     argv = [arg for name, path, backend in engines for arg in ("--engine", f"{name}={path}@{backend}")]
     argv += ["--context", "256", "--tokens", "1", "--tokens", "8", "--rounds", str(rounds), "--threads", str(threads), "--floor"]
     print(f"\n## {shape}")
