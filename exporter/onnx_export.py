@@ -349,7 +349,7 @@ def _save_streamed(program, path: Path, meta: EngineMeta, config: ExportConfig, 
     import onnx_ir as ir
 
     from medusa_trt.exporter import lazy_weights
-    from medusa_trt.exporter.quantize import rows_int8_graph
+    from medusa_trt.exporter.quantize import quantize_graph
 
     program.model.metadata_props[META_KEY] = meta.to_json()
     proto = ir.serde.serialize_model(program.model)
@@ -357,8 +357,8 @@ def _save_streamed(program, path: Path, meta: EngineMeta, config: ExportConfig, 
         from medusa_trt.exporter.lean import lean_graph
 
         log.info(lean_graph(proto).describe())
-    if config.quantize:  # int8-channel: streamed.check_streamable refused the others
-        proto = rows_int8_graph(proto)
+    if config.quantize:  # one weight at a time (streamed.check_streamable refused what cannot be)
+        proto = quantize_graph(proto, config.quantize, step=step)
     if step and config.gate_logits:
         from medusa_trt.exporter.logits_gate import gate_logits
 

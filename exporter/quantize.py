@@ -7,14 +7,14 @@ metadata over:
                 weights with one scale per tensor, one activation scale per call; the heads as
                 in heads-int8. Output differs from fp32, and a row's output depends on its batch.
   heads-int8    only the heads graph: int8 weights with one scale per output column, one
-                activation scale per row (``rows_int8``). The heads propose drafts and never
+                activation scale per row (``rows_int8_graph``). The heads propose drafts and never
                 decide a token, so output stays identical to fp32.
   int4          ONNX Runtime's ``MatMulNBits``: 4-bit weights in blocks of ``block_size`` along
                 the input axis, one scale and zero point per block, on the step graph and the
                 heads graph alike. ``accuracy_level`` is the kernel's compute type: 0 / 1 fp32 on
                 dequantized weights, 2 fp16, 3 bf16, 4 int8 activations (quantized per block
                 and row, the fastest on AVX-512 VNNI CPUs).
-  int8-channel  ``rows_int8`` on both graphs: int8 weights with one scale per output column,
+  int8-channel  ``rows_int8_graph`` on both graphs: int8 weights with one scale per output column,
                 activations with one scale per row (per token), so a row's output never
                 depends on its batch neighbours.
   int8-block    ``MatMulNBits`` with 8-bit weights (as int4, ``block_size`` / ``accuracy_level``
@@ -114,26 +114,31 @@ def quantize_engine(files: EngineFiles, meta: EngineMeta, config: QuantizeConfig
     gated = ungate_logits_file(files.step)
     if config.mode == "int8":
         dynamic_int8(files.step, meta)
-    elif config.mode in NBITS:
-        nbits_matmuls(files.step, meta, config)
-    elif config.mode == "int8-channel":
-        rows_int8(files.step, meta)
+    elif config.mode != "heads-int8":  # heads-int8: the step graph stays fp32
+        quantize_file(files.step, meta, config, step=True)
     if gated:
         gate_logits_file(files.step)
-    # heads-int8: the step graph stays fp32
-    if not Path(files.heads).is_file():  # no heads: a plain engine
-        return
+    if Path(files.heads).is_file():  # else a plain engine
+        quantize_file(files.heads, meta, config, step=False)
+
+
+def quantize_file(path: Path, meta: EngineMeta, config: QuantizeConfig, *, step: bool) -> None:
+    """``quantize_graph`` on the graph file at ``path``, in place; metadata carried over."""
+    import onnx
+
+    proto = quantize_graph(onnx.load(str(path)), config, step=step)
     if config.mode in NBITS:
-        nbits_matmuls(files.heads, meta, config)
-    else:
-        rows_int8(files.heads, meta)
+        count = sum(n.op_type == "MatMulNBits" for n in proto.graph.node)
+        log.info("%s: %d weight matmuls as %d-bit MatMulNBits (block %d, accuracy level %d)", path.name, count, NBITS[config.mode],
+                 config.block_size, config.accuracy_level)  # fmt: skip
+    _replace_graph(path, proto, meta)
 
 
 def dynamic_int8(path: Path, meta: EngineMeta) -> None:
     """Dynamic int8 quantization of the weight matmuls, in place; metadata carried over.
 
     One activation scale per call spans every row and token of it, so a row's output depends on
-    the other rows of the batch (the step graph of ``--quantize int8``; the heads use ``rows_int8``).
+    the other rows of the batch (the step graph of ``--quantize int8``; the heads use ``rows_int8_graph``).
     The tied ``lm_head`` (a ``Transpose`` of the embedding, not a constant) stays fp32."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -155,38 +160,58 @@ def dynamic_int8(path: Path, meta: EngineMeta) -> None:
     _replace_graph(path, proto, meta)
 
 
-def nbits_matmuls(path: Path, meta: EngineMeta, config: QuantizeConfig) -> None:
-    """Every weight matmul (``Gemm`` of a ``Linear`` first turned into ``MatMul``) as
-    ``MatMulNBits``: 4- or 8-bit weights (``NBITS``), asymmetric, in blocks of ``config.block_size``
-    input rows with one fp32 scale and zero point per block and output column; in place."""
-    import onnx
+def nbits_graph(proto, config: QuantizeConfig):
+    """Every weight matmul (``Gemm`` of a ``Linear`` first turned into ``MatMul``) of a loaded graph (a ``ModelProto``)
+    as ``MatMulNBits``: 4- or 8-bit weights (``NBITS``), asymmetric, in blocks of ``config.block_size`` input rows with
+    one fp32 scale and zero point per block and output column; the graph it writes. A lazy weight
+    (``exporter/lazy_weights.py``) is made just before its matmul is quantized and made lazy again just after, so
+    the float weights are never all in memory at once."""
+    from onnx import numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     from onnxruntime.quantization.onnx_model import ONNXModel
 
-    model = ONNXModel(onnx.load(str(path)))
+    model = ONNXModel(proto)
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
     fuse_matmuls_by_input(model.model.graph)
-    bits = NBITS[config.mode]
     quantizer = MatMulNBitsQuantizer(
         model.model,
-        bits=bits,
+        bits=NBITS[config.mode],
         block_size=config.block_size,
         is_symmetric=False,
         accuracy_level=config.accuracy_level,
         op_types_to_quantize=("MatMul",),
     )
+    quantize = quantizer.node_quantizer.quantize
+
+    def one_at_a_time(node, graph_stack):  # the quantizer's per-node call, its weight made for the call only
+        weight = next((t for g in reversed(graph_stack) for t in g.initializer if t.name == node.input[1]), None)
+        if weight is None or not lazy_weights.is_lazy(weight):
+            return quantize(node, graph_stack)
+        recipe = type(weight)()
+        recipe.CopyFrom(weight)
+        weight.CopyFrom(numpy_helper.from_array(lazy_weights.array(recipe), weight.name))
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            weight.CopyFrom(recipe)  # unused now: the quantizer's clean-up drops it
+
+    quantizer.node_quantizer.quantize = one_at_a_time
     quantizer.process()
-    count = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
-    log.info(
-        "%s: %d weight matmuls as %d-bit MatMulNBits (block %d, accuracy level %d)",
-        path.name,
-        count,
-        bits,
-        config.block_size,
-        config.accuracy_level,
-    )
-    _replace_graph(path, quantizer.model.model, meta)
+    return quantizer.model.model
+
+
+def quantize_graph(proto, config: QuantizeConfig, *, step: bool):
+    """``quantize_engine``'s rewrite of one loaded graph, the step graph (``step``) or the heads graph, its weights
+    possibly lazy (a streamed export): the graph it writes. ``--quantize int8`` (a file pass of ONNX Runtime's) is
+    not one of them."""
+    if config.mode in NBITS:
+        return nbits_graph(proto, config)
+    if config.mode == "int8-channel" or (config.mode == "heads-int8" and not step):
+        return rows_int8_graph(proto)
+    if config.mode == "heads-int8":  # the step graph stays fp32
+        return proto
+    raise ValueError(f"--quantize {config.mode} rewrites graph files only (dynamic_int8)")
 
 
 def fold_weight_transposes(graph) -> int:
@@ -222,8 +247,9 @@ def fold_weight_transposes(graph) -> int:
     return count
 
 
-def rows_int8(path: Path, meta: EngineMeta) -> None:
-    """Int8 weight matmuls with one activation scale per row (per hidden vector or token), in place.
+def rows_int8_graph(proto):
+    """Int8 weight matmuls with one activation scale per row (per hidden vector or token) in a loaded graph (a
+    ``ModelProto``, its lazy weights read one at a time): the graph it writes.
 
     Weights: symmetric int8, one scale per output column. Activations: each row x scaled by
     max|x| / 127 and offset to uint8 (zero point 128, ONNX Runtime's fast u8 x s8 kernels), so
@@ -232,13 +258,6 @@ def rows_int8(path: Path, meta: EngineMeta) -> None:
     graphs of int8-channel. On the SmolLM2 step graph as fast as ``quantize_dynamic`` with
     per-channel weights (one scale per call for the activations), closer to fp32 and more often
     the same tokens drafted as plain (docs/benchmarks.md, int4 / int8 engines)."""
-    import onnx
-
-    _replace_graph(path, rows_int8_graph(onnx.load(str(path))), meta)
-
-
-def rows_int8_graph(proto):
-    """``rows_int8`` on a loaded graph (a ``ModelProto``, its lazy weights read one at a time): the graph it writes."""
     from onnx import numpy_helper
     from onnxruntime.quantization.onnx_model import ONNXModel
 

@@ -7,14 +7,15 @@ the graph, not the weights. :func:`stream_weights` then gives every initializer 
 parameter its checkpoint tensor instead: small ones at once, large ones as recipes (``exporter/lazy_weights.py``) that
 read and convert the one tensor when the engine is written. A ``Transpose`` of a large weight (each ``Linear``'s
 ``x @ W.T``), which the optimizer would fold by computing it, becomes a recipe for the transposed weight: the folded
-graph, node for node, as an export in memory writes it. The graph passes then run as they always do (lean, the int8
-quantizer), and ``lazy_weights.save`` writes the weights one at a time: memory holds the final weights once (int8:
-a quarter of fp32) plus the tensor being made.
+graph, node for node, as an export in memory writes it. The graph passes then run as they always do (lean, the
+quantizers: int8-channel one weight at a time, MatMulNBits with each weight made for its own call), and
+``lazy_weights.save`` writes the weights one at a time: memory holds the final weights once (int8: a quarter of fp32,
+int4 an eighth) plus the tensor being made.
 
 What it does not do: check the engine against the torch model (that needs the weights in memory; the exactness
 probe on the exported engine still runs), read a checkpoint whose tensors ``transformers`` renames or converts at
-load (a weight missing by name is refused, naming it), or quantize int4 / int8-block / dynamic int8 (their
-quantizers read every weight at once).
+load (a weight missing by name is refused, naming it), or quantize ``--quantize int8`` (ONNX Runtime's dynamic
+quantizer, a pass over files, reads every weight at once).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 EAGER_ELEMENTS = 1 << 16  # checkpoint tensors this small are read at once (norms, biases); larger ones when written
 MEMORY_SHARE = 0.5  # stream when the fp32 weights exceed this share of the memory available now
-STREAMED_QUANTIZE = (None, "none", "int8-channel")  # what a streamed export quantizes (the others read every weight at once)
+# what a streamed export quantizes: each weight (or fused group) alone (--quantize int8's pass reads every weight at once)
+STREAMED_QUANTIZE = (None, "none", "int8-channel", "int4", "int8-block", "heads-int8")
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,10 @@ def check_streamable(quantize: str | None, dtype: str) -> None:
     if quantize not in STREAMED_QUANTIZE:
         raise ExportError(
             f"--quantize {quantize} reads every weight at once, which a streamed export (weights larger than memory) "
-            "cannot: use --quantize int8-channel, or export on a machine with memory for the fp32 model"
+            "cannot: use --quantize int8-channel or int4, or export on a machine with memory for the fp32 model"
         )
     if dtype != "fp32":
-        raise ExportError(f"--dtype {dtype}: a streamed export writes fp32 or int8-channel engines: drop --dtype")
+        raise ExportError(f"--dtype {dtype}: a streamed export writes fp32 engines (quantized or not): drop --dtype")
 
 
 def stream_weights(ir_model, module, checkpoint: Checkpoint, store: lazy_weights.LazyWeights) -> int:

@@ -15,7 +15,7 @@ from medusa_trt.runtime.errors import EngineError
 @dataclass(frozen=True)
 class Linear:
     """One weight matmul, (K, N): fp32; int8 columns with per-row uint8 activations (an int8-channel engine's
-    ``rows_int8`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128); or MatMulNBits' 4- or
+    ``rows_int8_graph`` form: a row's scale is max(max |x|, tiny) / divisor, its zero point 128); or MatMulNBits' 4- or
     8-bit blocks at accuracy level 4 (an int4 or int8-block engine's: weight (value - zero) x scale per block of
     ``block`` inputs and output; activations quantized to int8 a block at a time)."""
 

@@ -98,7 +98,7 @@ def graph_nodes(graph) -> list:
 
 
 def row_int8_model(k: int, n: int, seed: int):
-    """(ONNX model, reference): one float ``x`` (B, T, k) @ a random (k, n) weight, quantized as ``rows_int8``
+    """(ONNX model, reference): one float ``x`` (B, T, k) @ a random (k, n) weight, quantized as ``rows_int8_graph``
     quantizes a weight matmul (exporter/quantize.py), and ``reference(x)``, its formula in numpy float32."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper

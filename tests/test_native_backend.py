@@ -162,7 +162,7 @@ def test_nbits_at_another_accuracy_level_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("shape", [(576, 960), (64, 172), (30, 17)])
 def test_an_int8_channel_matmul_is_onnxruntimes_bit_for_bit(shape):
-    """One row-quantized int8 matmul (exporter/quantize.py's rows_int8) through the C kernel and through ONNX Runtime:
+    """One row-quantized int8 matmul (exporter/quantize.py's rows_int8_graph) through the C kernel and through ONNX Runtime:
     the same floats, whatever K and N (padded to the kernel's blocks) and however many rows."""
     import onnxruntime as ort
     from onnx import numpy_helper

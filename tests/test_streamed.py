@@ -1,6 +1,6 @@
 """A streamed export (exporter/streamed.py): a model traced without its weights, each weight read from the checkpoint
-once, as the engine is written, gives the engine an export in memory gives, node for node and weight for weight (fp32
-and int8-channel, tied and untied embeddings, heads sharing the lm_head); what it cannot stream is refused before any
+once, as the engine is written, gives the engine an export in memory gives, node for node and weight for weight (fp32,
+int8-channel and int4, tied and untied embeddings, heads sharing the lm_head); what it cannot stream is refused before any
 work, in one line; and the native step reads an engine's external weights one at a time, refusing a weight that does
 not lie in its own data file."""
 
@@ -77,7 +77,7 @@ def _export(folder, out, quantize, stream: bool, reads: Counter | None = None):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("quantize", [None, "int8-channel"], ids=["fp32", "int8-channel"])
+@pytest.mark.parametrize("quantize", [None, "int8-channel", "int4"], ids=["fp32", "int8-channel", "int4"])
 def test_a_streamed_export_is_the_export_in_memory(checkpoints, tmp_path, monkeypatch, tied, quantize):
     monkeypatch.setattr(streamed, "EAGER_ELEMENTS", LAZY_ABOVE)
     monkeypatch.setattr(export, "EXTERNAL_DATA_BYTES", 1024)  # the in-memory export's weights in a data file too
@@ -135,8 +135,8 @@ def _run(capsys, *args) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "extra, said",
     [
-        (["--quantize", "int4"], "--quantize int4 reads every weight at once"),
-        (["--dtype", "fp16"], "--dtype fp16: a streamed export writes fp32 or int8-channel engines"),
+        (["--quantize", "int8"], "--quantize int8 reads every weight at once"),
+        (["--dtype", "fp16"], "--dtype fp16: a streamed export writes fp32 engines"),
     ],
 )
 def test_what_a_streamed_export_cannot_do_is_refused_before_any_work(checkpoints, tmp_path, capsys, extra, said):

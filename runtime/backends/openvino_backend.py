@@ -246,7 +246,7 @@ def _inline_logits_gate(model):
 
 def _quantize_linear(node) -> list:
     """OpenVINO's translation of ONNX ``QuantizeLinear`` as its formula, saturate(round(x / scale) + zero point) with
-    ties to even: the int8 row quantizers of exporter/quantize.py (``rows_int8``) are a ``QuantizeLinear`` whose one
+    ties to even: the int8 row quantizers of exporter/quantize.py (``rows_int8_graph``) are a ``QuantizeLinear`` whose one
     block is a whole row (a (..., 1) scale), which OpenVINO 2026.4's ONNX reader refuses ("Conversion is failed for:
     QuantizeLinear-23"), and its per-axis form over rows broadcasts the scale along the wrong axis. Scales that
     broadcast against x as they are (per tensor, or a block the size of the last axis) and per-axis scales are
