@@ -7,7 +7,9 @@ The rule, each test on this machine, on the engine just exported:
    (``NativeBackend`` refuses anything else by name);
 2. native is exact: its verify steps give each token its plain-step logits bit for bit (``runtime/exactness.probe``);
 3. native is faster: its one-token step and its step of the tree's width both take less time than ONNX Runtime's,
-   the two timed in this process, interleaved round by round, medians (``runtime/step_cost.time_steps``).
+   the two timed in this process, interleaved round by round, medians (``runtime/step_cost.time_steps``). Where the
+   memory left after native opens does not hold ONNX Runtime's copy of the engine (a model exported streamed, larger
+   than half the memory), the two are not timed and native, exact, is chosen: it was the faster on every model timed.
 
 Failing any, onnxruntime. The export prints the choice and its reason in one line (``BackendChoice.summary``) and
 records it with the figures in drafting.json (``"backend_choice"``). Measured on a machine, it holds for that kind of
@@ -35,6 +37,7 @@ BURST = 4
 # seconds between turns: the other backend's threads stop spinning first. Without it ONNX Runtime's spinning pool
 # slowed native's int8-channel SmolLM2 step to ONNX Runtime's (9.6 ms against 5.7 ms alone) in the export's process
 SETTLE = 0.05
+ORT_COPIES = 2.5  # ONNX Runtime's memory for an engine, in copies of its graph files (the weights, then packed), with room
 CONTEXT = 256  # committed tokens before each timed step (fewer when the engine's context is smaller), as step_cost.CONTEXT
 
 
@@ -75,16 +78,32 @@ def choose_backend(folder: Path, width: int, *, rounds: int = ROUNDS):
     except NativeUnavailable as exc:
         return BackendChoice(FALLBACK, f"native cannot run on this machine ({exc})"), None
     exactness = probe(native)
-    onnxruntime = OnnxBackend(folder, max_batch=1)
     if not exactness.exact:
         reason = f"native's verify steps differ from its plain steps (max logit difference {exactness.max_diff:.3g})"
-        return BackendChoice(FALLBACK, reason, exactness=exactness), onnxruntime
+        del native  # its memory back before ONNX Runtime's copy of the weights loads
+        return BackendChoice(FALLBACK, reason, exactness=exactness), OnnxBackend(folder, max_batch=1)
+    if not _room_for_both(folder):
+        reason = (
+            "exact; not timed against onnxruntime: a second copy of weights this large does not fit in the memory "
+            "left (native's step was the faster on every model timed, docs/benchmarks.md)"
+        )
+        return BackendChoice(NATIVE, reason, exactness=exactness), native
+    onnxruntime = OnnxBackend(folder, max_batch=1)
     step_ms = time_backends({NATIVE: native, FALLBACK: onnxruntime}, width, rounds=rounds)
     faster = all(step_ms[NATIVE][t] < step_ms[FALLBACK][t] for t in step_ms[NATIVE])
     figures = _figures(step_ms)
     if faster:
         return BackendChoice(NATIVE, f"exact, {figures}", step_ms, exactness), native
     return BackendChoice(FALLBACK, f"native is exact but not faster here ({figures})", step_ms, exactness), onnxruntime
+
+
+def _room_for_both(folder: Path) -> bool:
+    """ONNX Runtime can open the engine beside native's: the memory available now (native's copy loaded) holds
+    ``ORT_COPIES`` copies of its graph files (its weights, and the packed forms it makes at load)."""
+    from medusa_trt.exporter.streamed import available_memory
+
+    have = available_memory()
+    return not have or have > ORT_COPIES * sum(f.stat().st_size for f in Path(folder).glob("*.onnx*"))
 
 
 def time_backends(backends: dict, width: int, *, rounds: int = ROUNDS) -> dict:

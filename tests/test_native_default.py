@@ -89,6 +89,23 @@ def test_an_export_where_native_is_slower_records_onnxruntime(stories_base, stor
     assert MedusaRuntime(folder, threads=2).backend.name == "onnxruntime"
 
 
+def test_an_engine_too_large_for_a_second_copy_records_native_untimed(stories_base, stories_fitted, tmp_path, monkeypatch):
+    """Where ONNX Runtime's copy of the weights would not fit beside native's (a streamed export of a model larger
+    than half the memory), the two are never open together: native, exact, is chosen without timing."""
+    from medusa_trt.exporter import streamed
+
+    def never(*_, **__):
+        raise AssertionError("timed with two engines open")
+
+    monkeypatch.setattr(backend_choice, "time_backends", never)
+    monkeypatch.setattr(streamed, "available_memory", lambda: 1 << 20)  # 1 MiB left
+    result = _export(medusa_model(stories_base, stories_fitted), tmp_path / "stories", verify=False)
+    assert read_folder_config(result.files.folder).backend == "native"
+    assert result.backend_choice.summary().startswith("backend native: exact; not timed against onnxruntime: a second copy")
+    assert result.backend_choice.step_ms == {} and result.backend_choice.exactness.exact
+    assert read_drafting(result.files.folder)["exactness"]["verify_equals_plain"] is True
+
+
 def test_an_engine_native_cannot_run_records_onnxruntime_and_why(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """Tiny Helium, its model type taken off native's list: onnxruntime, the reason naming the model type;
     rewritten to say native (a folder of an older or newer medusa-trt), it still opens, on onnxruntime, with one
