@@ -215,3 +215,27 @@ def test_native_reads_each_external_weight_from_its_own_data_file_only(tmp_path)
     ]:
         with pytest.raises(NativeCannotRun, match=said):
             read_tensor(external(location, offset, length), step, numpy_helper.to_array)
+
+
+def test_a_streamed_engine_folder_generates_what_the_in_memory_one_does(checkpoints, tmp_path, capsys, monkeypatch):
+    """Through medusa-export, into folders whose backend the export chooses: the same text drafted, and the same as
+    each engine's plain decoding."""
+    from medusa_trt.runtime import MedusaRuntime
+
+    monkeypatch.setattr(streamed, "EAGER_ELEMENTS", LAZY_ABOVE)
+    engines = {}
+    for flag in ("--no-stream-weights", "--stream-weights"):
+        out = tmp_path / flag.strip("-")
+        argv = ["--model", checkpoints[False], "--untrained-heads", "2", "--tree", "chain-2", "--max-batch", "1"]
+        code, err = _run(capsys, *argv, "--max-context", "96", "--quantize", "int8-channel", "--out", out, flag)
+        assert code == 0, err
+        engines[flag] = out
+    prompt = [1, 5, 9, 14, 3]
+    outputs = {}
+    for flag, folder in engines.items():
+        runtime = MedusaRuntime(folder, threads=1)
+        drafted = runtime.generate([prompt], max_new_tokens=24)[0].token_ids
+        plain = runtime.plain().generate([prompt], max_new_tokens=24)[0].token_ids
+        assert drafted == plain, flag
+        outputs[flag] = drafted
+    assert outputs["--stream-weights"] == outputs["--no-stream-weights"]
