@@ -164,17 +164,17 @@ def nbits_graph(proto, config: QuantizeConfig):
     """Every weight matmul (``Gemm`` of a ``Linear`` first turned into ``MatMul``) of a loaded graph (a ``ModelProto``)
     as ``MatMulNBits``: 4- or 8-bit weights (``NBITS``), asymmetric, in blocks of ``config.block_size`` input rows with
     one fp32 scale and zero point per block and output column; the graph it writes. A lazy weight
-    (``exporter/lazy_weights.py``) is made just before its matmul is quantized and made lazy again just after, so
-    the float weights are never all in memory at once."""
+    (``exporter/lazy_weights.py``) is made for its own matmul's quantization only, so the float weights are never
+    all in memory at once."""
     from onnx import numpy_helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from onnxruntime.quantization import matmul_nbits_quantizer as nbits_module
     from onnxruntime.quantization.onnx_model import ONNXModel
 
     model = ONNXModel(proto)
     fold_weight_transposes(model.model.graph)
     model.replace_gemm_with_matmul()  # Linear layers export as Gemm: MatMul (+ Add for a bias)
     fuse_matmuls_by_input(model.model.graph)
-    quantizer = MatMulNBitsQuantizer(
+    quantizer = nbits_module.MatMulNBitsQuantizer(
         model.model,
         bits=NBITS[config.mode],
         block_size=config.block_size,
@@ -182,22 +182,21 @@ def nbits_graph(proto, config: QuantizeConfig):
         accuracy_level=config.accuracy_level,
         op_types_to_quantize=("MatMul",),
     )
-    quantize = quantizer.node_quantizer.quantize
+    found = nbits_module.get_initializer
 
-    def one_at_a_time(node, graph_stack):  # the quantizer's per-node call, its weight made for the call only
-        weight = next((t for g in reversed(graph_stack) for t in g.initializer if t.name == node.input[1]), None)
-        if weight is None or not lazy_weights.is_lazy(weight):
-            return quantize(node, graph_stack)
-        recipe = type(weight)()
-        recipe.CopyFrom(weight)
-        weight.CopyFrom(numpy_helper.from_array(lazy_weights.array(recipe), weight.name))
-        try:
-            return quantize(node, graph_stack)
-        finally:
-            weight.CopyFrom(recipe)  # unused now: the quantizer's clean-up drops it
+    def made(name: str, graph_stack):  # a lazy weight as a tensor of its own, freed once its node is quantized
+        tensor, graph = found(name, graph_stack)
+        if tensor is not None and lazy_weights.is_lazy(tensor):
+            tensor = numpy_helper.from_array(lazy_weights.array(tensor), name)
+        return tensor, graph
 
-    quantizer.node_quantizer.quantize = one_at_a_time
-    quantizer.process()
+    # never the graph's own tensor filled in: protobuf keeps a message's old bytes in the graph's arena until the
+    # whole graph goes, so each float weight would stay in memory
+    nbits_module.get_initializer = made
+    try:
+        quantizer.process()  # the lazy float weights, unused now, dropped by its clean-up
+    finally:
+        nbits_module.get_initializer = found
     return quantizer.model.model
 
 
