@@ -13,7 +13,7 @@ model's verification would hold a second copy), then quantizes copies of it; fol
 ``time`` runs engine_step_ab.py on each shape's engines, native, in one process each.
 
 A 7B-class shape (``llama-7b``) does not fit this machine's memory in fp32 (27 GB): its checkpoint is written a shard
-at a time in bf16 and exported with ``--stream-weights`` (``exporter/streamed.py``) as int8-channel, in a child
+at a time in bf16 and exported with ``--stream-weights`` (``exporter/streamed.py``) as int8-channel and int4, in a child
 process, then opened on native in another; each child's peak memory beside the engine's weights goes to
 ``SHAPE/memory.json``:
 
@@ -65,7 +65,7 @@ SHAPES = {  # transformers config overrides: the public checkpoints' shapes
                                num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)),
 }  # fmt: skip
 MODES = ("fp32", "int8-channel", "int4")
-STREAMED = {"llama-7b": ("int8-channel",)}  # shapes exported streamed: their modes
+STREAMED = {"llama-7b": ("int8-channel", "int4")}  # shapes exported streamed: their modes
 SHARD_BYTES = 2 << 30  # a streamed shape's checkpoint shards (bf16)
 MAX_CONTEXT = 512
 
@@ -179,7 +179,8 @@ LOAD = (  # a child process: open the engine on native (its buffers allocated) a
 def export_streamed(root: Path, shape: str) -> None:
     """Each of the shape's STREAMED modes exported with --stream-weights in a child process, then opened on native
     in another; the weights' bytes and each child's peak memory go to SHAPE/memory.json."""
-    memory = {}
+    record = root / shape / "memory.json"
+    memory = json.loads(record.read_text()) if record.is_file() else {}  # an export reused keeps its measured peak
     for mode in STREAMED[shape]:
         out = root / shape / mode / "model.onnx"
         if out.is_file():
@@ -193,10 +194,11 @@ def export_streamed(root: Path, shape: str) -> None:
             export_peak = _peak([sys.executable, "-c", code, *argv])
         weights = data_path(out).stat().st_size
         load_peak = _peak([sys.executable, "-c", LOAD, str(out), "2"])
+        export_peak = export_peak or memory.get(mode, {}).get("export_peak_bytes")
         memory[mode] = {"weights_bytes": weights, "export_peak_bytes": export_peak, "load_peak_bytes": load_peak}
         said = f"export peak {export_peak / weights:.2f}x, " if export_peak else ""
         log.info("%s %s: weights %.2f GB; %snative load peak %.2fx", shape, mode, weights / 1e9, said, load_peak / weights)
-    (root / shape / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+    record.write_text(json.dumps(memory, indent=1) + "\n")
 
 
 def time_shape(root: Path, shape: str, rounds: int, threads: int, backends: tuple[str, ...]) -> dict:
@@ -206,12 +208,8 @@ def time_shape(root: Path, shape: str, rounds: int, threads: int, backends: tupl
     out = root / shape / "steps.json"
     name = lambda mode, b: mode + (f"-{b}" if len(backends) > 1 else "")  # noqa: E731
     engines = [(name(mode, b), root / shape / mode / "model.onnx", b) for mode in MODES for b in backends]
-    if shape in STREAMED:  # one engine a mode: each beside itself capped at AVX2 (engine_step_ab takes two or more)
-        engines = [
-            (f"{mode}{cap and '-'}{cap}", root / shape / mode / "model.onnx", f"native{cap and ':'}{cap}")
-            for mode in STREAMED[shape]
-            for cap in ("", "avx2")
-        ]
+    if shape in STREAMED:  # its own modes, on native only: two 7B engines open at once fit this machine, four do not
+        engines = [(mode, root / shape / mode / "model.onnx", "native") for mode in STREAMED[shape]]
     argv = [arg for name, path, backend in engines for arg in ("--engine", f"{name}={path}@{backend}")]
     argv += ["--context", "256", "--tokens", "1", "--tokens", "8", "--rounds", str(rounds), "--threads", str(threads), "--floor"]
     print(f"\n## {shape}")
