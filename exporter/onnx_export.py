@@ -345,7 +345,7 @@ def _save(program, path: Path, meta: EngineMeta) -> None:
 
 def _save_streamed(program, path: Path, meta: EngineMeta, config: ExportConfig, *, step: bool) -> None:
     """A streamed graph (lazy weights, ``exporter/lazy_weights.py``) through the passes a saved graph takes (lean,
-    int8-channel, the logits gate for the step graph), in memory, then written one weight at a time."""
+    the quantizer, the logits gate for the step graph), in memory, then written one weight at a time."""
     import onnx_ir as ir
 
     from medusa_trt.exporter import lazy_weights

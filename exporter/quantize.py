@@ -202,15 +202,15 @@ def nbits_graph(proto, config: QuantizeConfig):
 
 def quantize_graph(proto, config: QuantizeConfig, *, step: bool):
     """``quantize_engine``'s rewrite of one loaded graph, the step graph (``step``) or the heads graph, its weights
-    possibly lazy (a streamed export): the graph it writes. ``--quantize int8`` (a file pass of ONNX Runtime's) is
-    not one of them."""
+    possibly lazy (a streamed export): the graph it writes. ``--quantize int8``'s step graph (a file pass of ONNX
+    Runtime's, ``dynamic_int8``) is not one of them."""
     if config.mode in NBITS:
         return nbits_graph(proto, config)
-    if config.mode == "int8-channel" or (config.mode == "heads-int8" and not step):
+    if config.mode == "int8-channel" or not step:  # the heads of int8, heads-int8 and int8-channel alike
         return rows_int8_graph(proto)
     if config.mode == "heads-int8":  # the step graph stays fp32
         return proto
-    raise ValueError(f"--quantize {config.mode} rewrites graph files only (dynamic_int8)")
+    raise ValueError(f"--quantize {config.mode}'s step graph is a pass over its file (dynamic_int8)")
 
 
 def fold_weight_transposes(graph) -> int:
