@@ -157,13 +157,16 @@ def stream_weights(ir_model, module, checkpoint: Checkpoint, store: lazy_weights
     base = getattr(module, "base", module)
     for name, p in base.named_parameters(remove_duplicate=False):
         names.setdefault(p.data_ptr(), []).append(name)
+    # buffers the checkpoint holds (persistent ones) from it too; the others (rotary tables) as the config made them
+    buffers = {b.data_ptr(): [name] for name, b in base.named_buffers(remove_duplicate=False) if name in checkpoint.files}
     lazy = 0
     graph = ir_model.graph
     for value in list(graph.initializers.values()):
         raw = getattr(value.const_value, "raw", None)
-        if raw is None or not hasattr(raw, "data_ptr") or raw.data_ptr() not in names:
-            continue  # a constant the trace made (a buffer, a shape), or one of the heads' own weights: as traced
-        candidates = names[raw.data_ptr()]
+        ptr = raw.data_ptr() if raw is not None and hasattr(raw, "data_ptr") else None
+        if ptr not in names and ptr not in buffers:
+            continue  # a constant the trace made (a shape, a computed buffer), or one of the heads' own weights: as traced
+        candidates = names.get(ptr) or buffers[ptr]
         key = next((n for n in candidates if n in checkpoint.files), None)
         if key is None:
             raise ExportError(
@@ -177,12 +180,19 @@ def stream_weights(ir_model, module, checkpoint: Checkpoint, store: lazy_weights
                 f"{checkpoint.folder}: tensor {key} is {list(checkpoint_shape(checkpoint, key))}, its config says {list(shape)}"
             )
         if raw.numel() <= EAGER_ELEMENTS:
-            value.const_value = ir.tensor(checkpoint.tensor(key), name=value.name)
+            value.const_value = ir.tensor(checkpoint.tensor(key, _numpy_dtype(raw)), name=value.name)
         else:
             value.const_value = store.ir_tensor(value.name, shape, np.float32, lambda key=key: checkpoint.tensor(key))
             lazy += 1
     _fold_lazy_transposes(graph, store)
     return lazy
+
+
+def _numpy_dtype(t) -> np.dtype:
+    """A torch tensor's dtype as numpy's (a buffer may hold integers; the weights are float32)."""
+    import torch
+
+    return np.dtype(torch.empty((), dtype=t.dtype).numpy().dtype)
 
 
 def checkpoint_shape(checkpoint: Checkpoint, key: str) -> list[int]:
