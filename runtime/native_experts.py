@@ -339,8 +339,7 @@ def _split_linear(g: Graph, step: Path, where: str, lin: Linear, out: str) -> li
 
 def columns(m: Linear, a: int, b: int) -> Linear:
     """Outputs ``a`` to ``b`` of ``m`` as a linear of their own (the same sums: each output's are its own)."""
-    cut = lambda x: None if x is None else np.ascontiguousarray(x[..., a:b])  # noqa: E731
-    return Linear(cut(m.weight), cut(m.scale), m.tiny, m.divisor, cut(m.zero), m.block, m.bits)
+    return m.outputs(slice(a, b))
 
 
 def joined(step: Path, a: Linear, b: Linear) -> Linear:
@@ -351,5 +350,6 @@ def joined(step: Path, a: Linear, b: Linear) -> Linear:
         or (a.int8 and (a.tiny, a.divisor) != (b.tiny, b.divisor))
     ):
         raise unsupported(step, f"a gate and an up projection of different forms ({a.shape}, {b.shape})")
-    cat = lambda x, y: None if x is None else np.ascontiguousarray(np.concatenate([x, y], axis=-1))  # noqa: E731
-    return Linear(cat(a.weight, b.weight), cat(a.scale, b.scale), a.tiny, a.divisor, cat(a.zero, b.zero), a.block, a.bits)
+    cat = lambda x, y, axis=-1: None if x is None else np.ascontiguousarray(np.concatenate([x, y], axis=axis))  # noqa: E731
+    weight = cat(a.weight, b.weight, 0 if a.bits else -1)  # nbits bytes are (N, blocks, bytes)
+    return Linear(weight, cat(a.scale, b.scale), a.tiny, a.divisor, cat(a.zero, b.zero), a.block, a.bits, k=a.k)

@@ -19,7 +19,7 @@ class Linear:
     8-bit blocks at accuracy level 4 (an int4 or int8-block engine's: weight (value - zero) x scale per block of
     ``block`` inputs and output; activations quantized to int8 a block at a time)."""
 
-    weight: np.ndarray  # (K, N) float32, or int8; nbits: uint8 values below 2**bits
+    weight: np.ndarray  # (K, N) float32, or int8; nbits: MatMulNBits' bytes as stored, (N, blocks, block x bits / 8)
     scale: np.ndarray | None = None  # int8: (N) float32 column scales; nbits: (blocks, N) float32 block scales
     tiny: float = 0.0  # int8: the floor of a row's max |x|
     divisor: float = 127.0  # int8
@@ -27,10 +27,30 @@ class Linear:
     block: int = 0  # nbits: inputs a block
     bits: int = 0  # nbits: 4 or 8 (0: not nbits)
     bias: np.ndarray | None = None  # (N): a Gemm's bias, read only where its reader asks (``linear_at(bias=True)``)
+    k: int = 0  # nbits: K (its bytes hold whole blocks, the last one past K unread)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.weight.shape
+        return (self.k, self.weight.shape[0]) if self.bits else self.weight.shape
+
+    @classmethod
+    def nbits_of(cls, values: np.ndarray, scale: np.ndarray, zero: np.ndarray, block: int, bits: int) -> Linear:
+        """An nbits linear of (K, N) values below 2**bits, (blocks, N) scales and zero points, its bytes as MatMulNBits
+        stores them: a 4-bit byte holds inputs 2j (low nibble) and 2j + 1 of one output (tests, and hand-made linears)."""
+        k, n = values.shape
+        blocks = scale.shape[0]
+        rows = np.zeros((n, blocks * block), dtype=np.uint8)
+        rows[:, :k] = values.T
+        if bits == 4:
+            rows = rows[:, 0::2] | (rows[:, 1::2] << 4)
+        return cls(rows.reshape(n, blocks, -1), scale, zero=zero, block=block, bits=bits, k=k)
+
+    def outputs(self, index) -> Linear:
+        """Outputs ``index`` (a slice, or positions in their order) as a linear of their own: exact, each output's sums
+        are its own."""
+        take = lambda x: None if x is None else np.ascontiguousarray(x[..., index])  # noqa: E731
+        weight = np.ascontiguousarray(self.weight[index]) if self.bits else take(self.weight)
+        return Linear(weight, take(self.scale), self.tiny, self.divisor, take(self.zero), self.block, self.bits, k=self.k)
 
     @property
     def int8(self) -> bool:
@@ -223,14 +243,14 @@ def biased(g: Graph, out: str) -> tuple[np.ndarray | None, str]:
 
 def reordered(m: Linear, order: np.ndarray) -> Linear:
     """``m``'s outputs in ``order`` (a permutation, or some of them): exact, each output's sums are its own."""
-    take = lambda x: None if x is None else np.ascontiguousarray(x[..., order])  # noqa: E731
-    return Linear(take(m.weight), take(m.scale), m.tiny, m.divisor, take(m.zero), m.block, m.bits)
+    return m.outputs(order)
 
 
 def read_nbits(g: Graph, node) -> Linear:
-    """A MatMulNBits node's weight as values (K, N), block scales and zero points (blocks, N): B (N, blocks,
-    block x bits / 8) uint8, two 4-bit values a byte low nibble first; scales (N x blocks); zero points packed the same
-    way (absent: the middle of the range). Accuracy level 4 only (int8 activations, what the C kernel computes)."""
+    """A MatMulNBits node's weight: B (N, blocks, block x bits / 8) uint8 kept as stored (two 4-bit values a byte, low
+    nibble first: a 7B int4 engine opens holding its weights' bytes once, not unpacked to a byte a value), block scales
+    and zero points as (blocks, N); zero points packed the same way (absent: the middle of the range). Accuracy level 4
+    only (int8 activations, what the C kernel computes)."""
     k, n, bits, block = (int(attr(node, a, 0)) for a in ("K", "N", "bits", "block_size"))
     level = int(attr(node, "accuracy_level", 0))
     if bits not in (4, 8) or block < 16 or block & (block - 1):
@@ -244,11 +264,6 @@ def read_nbits(g: Graph, node) -> Linear:
     scale = g.array(node.input[2]).astype(np.float32, copy=False).reshape(-1)
     if packed.dtype != np.uint8 or packed.shape != (n, blocks, block * bits // 8) or scale.size != n * blocks or k <= 0:
         raise malformed(g.path, f"a MatMulNBits of K {k}, N {n} with data {packed.dtype} {packed.shape} and {scale.size} scales")
-    if bits == 4:
-        values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * block)
-    else:
-        values = packed.reshape(n, blocks * block)
-    weight = np.ascontiguousarray(values[:, :k].T)  # (K, N)
     if len(node.input) > 3 and node.input[3]:
         zp = g.array(node.input[3])
         if zp.dtype != np.uint8:
@@ -261,7 +276,8 @@ def read_nbits(g: Graph, node) -> Linear:
         zero = zp[:, :blocks]
     else:
         zero = np.full((n, blocks), 1 << (bits - 1), dtype=np.uint8)
-    return Linear(weight, np.ascontiguousarray(scale.reshape(n, blocks).T), zero=np.ascontiguousarray(zero.T), block=block, bits=bits)
+    scale, zero = np.ascontiguousarray(scale.reshape(n, blocks).T), np.ascontiguousarray(zero.T)
+    return Linear(np.ascontiguousarray(packed), scale, zero=zero, block=block, bits=bits, k=k)
 
 
 def attr(node, name: str, default=None):

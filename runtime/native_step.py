@@ -82,20 +82,32 @@ def pack_int8(w: np.ndarray) -> np.ndarray:
 
 
 def pack_nbits(m: Linear) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An nbits linear (MatMulNBits' values, (K, N) uint8 below 2**bits, with (blocks, N) scales and zero points) in
+    """An nbits linear (MatMulNBits' bytes, (N, blocks, block x bits / 8), with (blocks, N) scales and zero points) in
     native_step.c's layout: groups of 32 outputs, each (blocks, block / 4 quads, 32 outputs x 4 k's) of bytes, a 4-bit
     quad's outputs 16-31 in the high nibbles of outputs 0-15's bytes; and the scales and zero points as (groups, blocks,
-    32). K is padded to whole blocks and N to a whole group with zeros."""
+    32). K is padded to whole blocks and N to a whole group with zeros. Unpacked a few groups at a time, so a 7B
+    engine's linear never stands as a byte a value."""
     k, n = m.shape
     blocks, block = m.scale.shape[0], m.block
-    kpad, npad = blocks * block, -(-n // BLOCK) * BLOCK
-    w = np.zeros((kpad, npad), dtype=np.uint8)
-    w[:k, :n] = m.weight
-    # (groups, blocks, quads, 2 halves, 16 outputs, 4 k's)
-    quads = w.reshape(blocks, block // 4, 4, npad // BLOCK, 2, 16).transpose(3, 0, 1, 4, 5, 2)
-    if m.bits == 4:
-        quads = quads[..., 0, :, :] | (quads[..., 1, :, :] << 4)
-    packed = np.ascontiguousarray(quads).reshape(-1)
+    groups, npad = -(-n // BLOCK), -(-n // BLOCK) * BLOCK
+    per_group = blocks * block * BLOCK * m.bits // 8  # bytes
+    packed = np.empty(groups * per_group, dtype=np.uint8)
+    rows = m.weight.reshape(n, -1)  # (N, bytes)
+    step = max(1, (8 << 20) // (BLOCK * blocks * block))  # groups a pass: about 8 MB of values
+    for g0 in range(0, groups, step):
+        g1 = min(groups, g0 + step)
+        part = rows[g0 * BLOCK : g1 * BLOCK]
+        w = np.zeros(((g1 - g0) * BLOCK, blocks * block), dtype=np.uint8)  # (outputs, K padded): values
+        if m.bits == 4:
+            w[: len(part), 0::2], w[: len(part), 1::2] = part & 0x0F, part >> 4
+        else:
+            w[: len(part)] = part
+        w[:, k:] = 0  # the last block past K: zeros, whatever the file holds there
+        # (groups, 2 halves, 16 outputs, blocks, quads, 4 k's) -> (groups, blocks, quads, halves, 16, 4)
+        quads = w.reshape(g1 - g0, 2, 16, blocks, block // 4, 4).transpose(0, 3, 4, 1, 2, 5)
+        if m.bits == 4:
+            quads = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)
+        packed[g0 * per_group : g1 * per_group] = quads.reshape(-1)
 
     def grouped(a: np.ndarray, dtype) -> np.ndarray:  # (blocks, N) -> (groups, blocks, 32)
         out = np.zeros((blocks, npad), dtype=dtype)

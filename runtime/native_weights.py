@@ -1077,11 +1077,15 @@ def _shared_norm_alone(weights: Weights) -> bool:
 
 
 def _nbits_rows(path: Path, what: str, m: Linear, shape: tuple[int, int]) -> list:
-    """``_check_arrays`` rows of an nbits linear: values below 2**bits, (blocks, N) scales and zero points."""
+    """``_check_arrays`` rows of an nbits linear: its bytes (N, blocks, block x bits / 8) (every byte a valid pair of
+    4-bit values, or one 8-bit value), (blocks, N) scales and zero points below 2**bits."""
     blocks = -(-shape[0] // m.block) if m.block >= 16 and not m.block & (m.block - 1) else -1
-    if m.bits not in (4, 8) or blocks < 0 or (m.weight.size and int(m.weight.max()) >= 1 << m.bits):
-        raise malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} with values past {(1 << m.bits) - 1}")
-    return [(what, m.weight, shape, (np.uint8,)), (f"{what}'s block scales", m.scale, (blocks, shape[1]), (np.float32,)),
+    if m.bits not in (4, 8) or blocks < 0 or m.k != shape[0]:
+        raise malformed(path, f"{what} holds {m.bits}-bit blocks of {m.block} over {m.k} inputs, not {shape[0]}")
+    if m.zero is not None and m.zero.size and int(m.zero.max()) >= 1 << m.bits:
+        raise malformed(path, f"{what}'s {m.bits}-bit zero points reach {int(m.zero.max())}")
+    return [(what, m.weight, (shape[1], blocks, m.block * m.bits // 8), (np.uint8,)),
+            (f"{what}'s block scales", m.scale, (blocks, shape[1]), (np.float32,)),
             (f"{what}'s zero points", m.zero, (blocks, shape[1]), (np.uint8,))]  # fmt: skip
 
 

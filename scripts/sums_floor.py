@@ -20,7 +20,6 @@ The CPU's name and the instruction set the library runs are printed beside the f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import statistics
@@ -37,10 +36,7 @@ log = logging.getLogger("sums_floor")
 
 def columns(m, n: int):
     """The linear ``m`` cut to its first ``n`` outputs (its scales and zero points with it)."""
-    cut = dataclasses.replace(m, weight=np.ascontiguousarray(m.weight[:, :n]))
-    if m.bits:
-        return dataclasses.replace(cut, scale=np.ascontiguousarray(m.scale[:, :n]), zero=np.ascontiguousarray(m.zero[:, :n]))
-    return dataclasses.replace(cut, scale=np.ascontiguousarray(m.scale[:n])) if m.scale is not None else cut
+    return m.outputs(slice(0, n))
 
 
 def kernel_rate(m, rows: int, seconds: float, threads: int) -> tuple[float, float]:

@@ -492,14 +492,14 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
         blocks = -(-k // block)
         scale = rng.random((blocks, n), dtype=np.float32) * 0.1
         zero = rng.integers(0, 1 << bits, (blocks, n), dtype=np.uint8)
-        nb = native_weights.Linear(weight, scale, zero=zero, block=block, bits=bits)
+        nb = native_weights.Linear.nbits_of(weight, scale, zero, block, bits)
         for rows in (1, 2, 3, 5, 7):  # every tile height and remainder
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0] = np.resize(np.arange(-127.0, 127.5, 0.5), k)  # ties in the row quantizer (block scale 1 where 127 is in)
             x[0, :block:2] = 127.0
             assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits, rows)
         # the largest products: every weight at its top value, every activation at +-127 (AVX2's 4-bit pairs stay in int16)
-        top = native_weights.Linear(np.full((k, n), (1 << bits) - 1, np.uint8), scale, zero=np.zeros_like(zero), block=block, bits=bits)
+        top = native_weights.Linear.nbits_of(np.full((k, n), (1 << bits) - 1, np.uint8), scale, np.zeros_like(zero), block, bits)
         x = np.where(rng.random((3, k)) < 0.5, -1.0, 1.0).astype(np.float32)
         want = native_step.run_linear(top, x, isa="baseline")
         assert np.array_equal(native_step.run_linear(top, x, isa=isa), want), (isa, bits, "top")

@@ -29,6 +29,7 @@ def engines(stories_base, stories_fitted, export_engine):
     return {
         "fp32": export_engine("stories-fitted", model),
         "int8": export_engine("stories-fitted-int8-channel", model, quantize="int8-channel"),
+        "int4": export_engine("stories-fitted-int4", model, quantize="int4"),
     }
 
 
@@ -96,6 +97,11 @@ def _refused_in_one_line(step: Path, capsys, named: str) -> None:
     assert named in err[0], err[0]
 
 
+def _nbits(index: int, operand: int):
+    """A ``_mutated`` role: operand ``operand`` of the graph's ``index``-th MatMulNBits (1: its bytes, 2: its scales)."""
+    return lambda model: [n for n in model.graph.node if n.op_type == "MatMulNBits"][index].input[operand]
+
+
 more_rows = lambda a: np.concatenate([a, a[:1]], axis=0)
 more_columns = lambda a: np.concatenate([a, a[:, :1]], axis=1)
 shorter = lambda a: a[:-1]
@@ -119,6 +125,11 @@ MUTATIONS = {
     "int8-column-scale-short": ("int8", "down.2.scale", shorter, "layer 2's down_proj's column-scale vector has shape (63,), not (64,)"),
     "int8-weight-int16": ("int8", "o.1", lambda a: a.astype(np.int16), "int8 matmul is not int8 columns"),
     "int8-weight-float64": ("int8", "gate_up.2", lambda a: a.astype(np.float64), "int8 matmul is not int8 columns"),
+    # int4: MatMulNBits' bytes (N, blocks, 16) kept packed; its K and N come from the node, the bytes must match them
+    "int4-bytes-one-more-output": ("int4", _nbits(5, 1), more_rows, "with data uint8 (65, 2, 16)"),
+    "int4-bytes-one-block-short": ("int4", _nbits(2, 1), lambda a: a[:, :1], "with data uint8 (344, 1, 16)"),
+    "int4-bytes-int8": ("int4", _nbits(7, 1), lambda a: a.view(np.int8), "with data int8"),
+    "int4-scales-short": ("int4", _nbits(1, 2), shorter, "K 64, N 64 with data uint8 (64, 2, 16) and 126 scales"),
 }
 
 
