@@ -518,17 +518,18 @@ static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, co
  * Packed: groups of 32 outputs, each (blocks, block / 4 quads, 32 outputs x 4 k's); 4-bit: a quad's 128 values in
  * 64 bytes, outputs 0-15 in the low nibbles and 16-31 in the high ones; 8-bit: 128 bytes, outputs 0-15 then 16-31. */
 
-#define NBROWS 4 /* rows an nbits tile multiplies against one group */
+#define NBROWS 8 /* rows an nbits tile multiplies against one group (each quad's weights unpacked once for all) */
 
 typedef struct { /* one group of 32 outputs of an nbits linear, where its bytes lie */
     int64_t blocks, quads, kpad;
     int four, qbytes;      /* 4-bit (64 bytes a quad) or 8-bit (128) */
+    int narrow;            /* block <= 256: a block's row sum (at most 127 x block) fits int16 */
     const uint8_t *w, *wz; /* the group's packed quads; its (blocks, 32) zero points */
     const float *ws;       /* its (blocks, 32) scales */
 } nb_group;
 
 static inline nb_group nb_at(const linear_t *L, int64_t g) {
-    nb_group G = {L->blocks, L->block / 4, L->kpad, L->kind == LIN_NBITS4, 0, NULL, NULL, NULL};
+    nb_group G = {L->blocks, L->block / 4, L->kpad, L->kind == LIN_NBITS4, 0, L->block <= 256, NULL, NULL, NULL};
     G.qbytes = G.four ? 64 : 128;
     G.w = (const uint8_t *)L->w + g * G.blocks * G.quads * G.qbytes;
     G.wz = (const uint8_t *)L->colsum + g * G.blocks * BLOCK;
@@ -578,21 +579,25 @@ static void nb_quantize(void *ctx, int64_t m0, int64_t m1, int worker) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-/* rows i < mb of one group of 32 outputs: out[i][0..32) */
-static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g,
-                                                          const int mb, float (*out)[BLOCK]) {
+/* rows i < mb of one group of 32 outputs: out[i][0..32). Up to 8 rows' integer sums in registers (16 of the 32), each
+ * quad's weights loaded and unpacked once for all of them; the float sums in out, one FMA a block (nb_add's order).
+ * zero x row sum: one vpmaddwd where a block's row sum fits int16 (|sum| <= 127 x block, block <= 256; the zero point's
+ * high half is 0), else vpmulld: the same integer either way. */
+static inline __attribute__((always_inline)) void tile_nb_of(const linear_t *L, const work_t *wk, int64_t m, int64_t g,
+                                                             const int mb, const int four, float (*out)[BLOCK]) {
     const nb_group G = nb_at(L, g);
     const int64_t blocks = G.blocks, quads = G.quads, kpad = G.kpad;
-    const int four = G.four, qbytes = G.qbytes;
+    const int qbytes = four ? 64 : 128, narrow = G.narrow;
     const uint8_t *w = G.w, *wz = G.wz;
     const float *ws = G.ws;
     const int8_t *xq = (const int8_t *)wk->xq + m * kpad;
-    __m512 f[NBROWS][2];
-    for (int i = 0; i < mb; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < mb; i++) _mm512_storeu_ps(out[i], _mm512_setzero_ps()), _mm512_storeu_ps(out[i] + 16, _mm512_setzero_ps());
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i s[NBROWS][2];
-        for (int i = 0; i < mb; i++) s[i][0] = s[i][1] = _mm512_setzero_si512();
+        /* the rows' sums as named variables, not an array: GCC then keeps each in one register across the quads */
+        __m512i a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7;
+        a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = _mm512_setzero_si512();
+        const int8_t *xb = xq + b * L->block;
         for (int64_t q = 0; q < quads; q++, w += qbytes) {
             ahead(w, qbytes);
             __m512i w0, w1;
@@ -604,29 +609,42 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
                 w0 = _mm512_loadu_si512(w);
                 w1 = _mm512_loadu_si512(w + 64);
             }
-            for (int i = 0; i < mb; i++) {
-                int32_t quad;
-                memcpy(&quad, xq + i * kpad + b * L->block + q * 4, 4);
-                const __m512i x = _mm512_set1_epi32(quad);
-                s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x); /* unsigned weights x signed activations */
-                s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
-            }
+#define NB_ROW(i, A, B)                                                                                                    \
+    if (i < mb) { /* row i's 4 values against the quad's 32 outputs: unsigned weights x signed activations */              \
+        int32_t quad;                                                                                                      \
+        memcpy(&quad, xb + i * kpad + q * 4, 4);                                                                           \
+        const __m512i x = _mm512_set1_epi32(quad);                                                                         \
+        A = _mm512_dpbusd_epi32(A, w0, x);                                                                                 \
+        B = _mm512_dpbusd_epi32(B, w1, x);                                                                                 \
+    }
+            NB_ROW(0, a0, b0) NB_ROW(1, a1, b1) NB_ROW(2, a2, b2) NB_ROW(3, a3, b3)
+            NB_ROW(4, a4, b4) NB_ROW(5, a5, b5) NB_ROW(6, a6, b6) NB_ROW(7, a7, b7)
+#undef NB_ROW
         }
+        _Static_assert(NBROWS == 8, "tile_nb names 8 rows' sums");
+        const __m512i s[NBROWS][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}, {a6, b6}, {a7, b7}};
         for (int j = 0; j < 2; j++) {
             const __m512 scale = _mm512_loadu_ps(ws + b * BLOCK + 16 * j);
             const __m512i zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wz + b * BLOCK + 16 * j)));
             for (int i = 0; i < mb; i++) {
                 const int64_t at = (m + i) * wk->max_blocks + b;
-                const __m512i sum = _mm512_sub_epi32(s[i][j], _mm512_mullo_epi32(zero, _mm512_set1_epi32(wk->bsum[at])));
+                const __m512i rs = _mm512_set1_epi32(wk->bsum[at]);
+                const __m512i shift = narrow ? _mm512_madd_epi16(zero, rs) : _mm512_mullo_epi32(zero, rs);
                 const __m512 both = _mm512_mul_ps(_mm512_set1_ps(wk->bs[at]), scale);
-                f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), both, f[i][j]);
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[i][j], shift));
+                _mm512_storeu_ps(out[i] + 16 * j, _mm512_fmadd_ps(f, both, _mm512_loadu_ps(out[i] + 16 * j)));
             }
         }
     }
-    for (int i = 0; i < mb; i++) {
-        _mm512_storeu_ps(out[i], f[i][0]);
-        _mm512_storeu_ps(out[i] + 16, f[i][1]);
-    }
+}
+
+/* the tile for 4-bit or 8-bit weights, each its own code (the width a compile-time constant in its loops) */
+static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g,
+                                                          const int mb, float (*out)[BLOCK]) {
+    if (L->kind == LIN_NBITS4)
+        tile_nb_of(L, wk, m, g, mb, 1, out);
+    else
+        tile_nb_of(L, wk, m, g, mb, 0, out);
 }
 #elif I8_MADD
 /* AVX2: outputs o..o + 8 of row m's block b added to their float sums in out: (float)(sum - zero x row sum) x (row scale
@@ -635,7 +653,9 @@ static inline __attribute__((always_inline)) void nb_epilogue_avx2(const nb_grou
                                                                    int o, __m256i sums, float *out) {
     const int64_t at = m * wk->max_blocks + b;
     const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
-    const __m256i sum = _mm256_sub_epi32(sums, _mm256_mullo_epi32(zero, _mm256_set1_epi32(wk->bsum[at])));
+    const __m256i rs = _mm256_set1_epi32(wk->bsum[at]); /* zero x row sum: vpmaddwd where it fits int16 (tile_nb above) */
+    const __m256i shift = G->narrow ? _mm256_madd_epi16(zero, rs) : _mm256_mullo_epi32(zero, rs);
+    const __m256i sum = _mm256_sub_epi32(sums, shift);
     const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wk->bs[at]), _mm256_loadu_ps(G->ws + b * BLOCK + o));
     _mm256_storeu_ps(out + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out + o)));
 }
@@ -765,10 +785,14 @@ static void nb_groups(void *ctx, int64_t g0, int64_t g1, int worker) {
         for (int64_t m = 0; m < M; m += NBROWS) {
             float out[NBROWS][BLOCK];
             const int mb = M - m < NBROWS ? (int)(M - m) : NBROWS;
-            switch (mb) {
+            switch (mb) { /* each height its own unrolled tile */
             case 1: tile_nb(L, J->wk, m, g, 1, out); break;
             case 2: tile_nb(L, J->wk, m, g, 2, out); break;
             case 3: tile_nb(L, J->wk, m, g, 3, out); break;
+            case 4: tile_nb(L, J->wk, m, g, 4, out); break;
+            case 5: tile_nb(L, J->wk, m, g, 5, out); break;
+            case 6: tile_nb(L, J->wk, m, g, 6, out); break;
+            case 7: tile_nb(L, J->wk, m, g, 7, out); break;
             default: tile_nb(L, J->wk, m, g, NBROWS, out); break;
             }
             for (int i = 0; i < mb; i++) memcpy(J->y + (m + i) * N + first, out[i], width * sizeof(float));

@@ -486,17 +486,19 @@ def test_every_instruction_set_computes_the_same_matmuls(isa):
         assert np.array_equal(native_step.run_linear(linear, x, isa=isa), reference(x)), (isa, k)
     # nbits: integer block sums and one FMA a block, the same bits at every instruction set
     rng = np.random.default_rng(5)
-    for bits, block in ((4, 32), (8, 16)):
-        k, n = 80, 45
+    # block 512: a block's row sum passes int16 (127 x 512), so the zero point's product takes the 32-bit multiply
+    for bits, block, k in ((4, 32, 80), (8, 16, 80), (4, 512, 600)):
+        n = 45
         weight = rng.integers(0, 1 << bits, (k, n), dtype=np.uint8)
         blocks = -(-k // block)
         scale = rng.random((blocks, n), dtype=np.float32) * 0.1
         zero = rng.integers(0, 1 << bits, (blocks, n), dtype=np.uint8)
         nb = native_weights.Linear.nbits_of(weight, scale, zero, block, bits)
-        for rows in (1, 2, 3, 5, 7):  # every tile height and remainder
+        for rows in (1, 2, 3, 5, 7, 8, 11, 16):  # every tile height and remainder
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0] = np.resize(np.arange(-127.0, 127.5, 0.5), k)  # ties in the row quantizer (block scale 1 where 127 is in)
             x[0, :block:2] = 127.0
+            x[-1] = 1.0 if rows > 1 else x[-1]  # a row of one value: every block's quantized sum 127 x its width
             assert np.array_equal(native_step.run_linear(nb, x, isa=isa), native_step.run_linear(nb, x, isa="baseline")), (isa, bits, rows)
         # the largest products: every weight at its top value, every activation at +-127 (AVX2's 4-bit pairs stay in int16)
         top = native_weights.Linear.nbits_of(np.full((k, n), (1 << bits) - 1, np.uint8), scale, np.zeros_like(zero), block, bits)
