@@ -1,6 +1,6 @@
 """The instruction sets the native step is built for, one shared library each, as numpy builds its kernels.
 
-``setup.py`` builds ``native_step.c`` + ``host_attention.c`` once per set this machine type has (four on x86-64,
+``setup.py`` builds ``native_step.c`` + ``host_attention.c`` once per set this machine type has (five on x86-64,
 one on Arm) into the package, as ``_native_<set>`` libraries; ``native_library.load`` picks the best one the CPU
 runs at run time, capped by ``$MEDUSA_TRT_CPU_ISA`` (as oneDNN's ``ONEDNN_MAX_CPU_ISA`` caps its kernels).
 ``scripts/build_native.py`` builds the same libraries elsewhere (the sanitizer build, the Arm cross-compile).
@@ -36,6 +36,7 @@ class Isa:
 ISAS = (
     Isa("avx512_vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic")),
     Isa("avx512", "x86_64", ("-march=x86-64-v4", "-mtune=generic")),
+    Isa("avx2_vnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni", "-mtune=generic")),  # AVX2 + AVX-VNNI (VEX)
     Isa("avx2", "x86_64", ("-march=x86-64-v3", "-mtune=generic")),
     Isa("baseline", "x86_64", ("-march=x86-64", "-mtune=generic")),
     Isa("neon", "aarch64", ("-march=armv8-a",)),

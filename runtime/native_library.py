@@ -5,8 +5,8 @@ compiled at run time, so a machine without a C compiler runs the native step. ``
 
 - the sets this CPU and its operating system run, asked of the lowest library (``medusa_native_cpu``: GCC's
   ``__builtin_cpu_supports``, which checks the OS saves the wide registers);
-- at or below ``$MEDUSA_TRT_CPU_ISA`` where it is set (``avx512_vnni``, ``avx512``, ``avx2``, ``baseline``,
-  ``neon``): how the tests run every level on one machine;
+- at or below ``$MEDUSA_TRT_CPU_ISA`` where it is set (``avx512_vnni``, ``avx512``, ``avx2_vnni``, ``avx2``,
+  ``baseline``, ``neon``): how the tests run every level on one machine;
 - from the package folder, or from ``$MEDUSA_TRT_NATIVE_DIR`` (a build of one's own, ``scripts/build_native.py``:
   the sanitizer build).
 

@@ -301,6 +301,30 @@ static inline ivec16 dot4(ivec16 acc, int32_t quad, const int8_t *w) {
  * are exact in any order, so these are the VNNI build's sums, bit for bit. */
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
 #define I8_MADD 1
+#if defined(__AVXVNNI__)
+/* AVX-VNNI (the avx2_vnni set: VEX vpdpbusd on 8 lanes, Intel's client cores from Alder Lake, AMD's from Zen 5):
+ * unsigned activations x signed weights, 4 products a lane into its sum, as the AVX-512 VNNI tile does 16 lanes at a
+ * time; rows i < mb (1 or 2), the block's 32 outputs in 4 vectors. The same exact integers as every other build. */
+static inline void sums_madd(const uint8_t *xq, int64_t kpad, const int8_t *w, int mb, int32_t (*sums)[BLOCK]) {
+    __m256i acc[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < kpad; k += 4) {
+        const int8_t *wk = w + k * BLOCK; /* 32 outputs x 4 k's: output o's at 4o */
+        ahead(wk, 128);
+        __m256i wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm256_loadu_si256((const __m256i *)(wk + 32 * j)); /* outputs 8j..8j+7 */
+        for (int i = 0; i < mb; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * kpad + k, 4);
+            const __m256i a = _mm256_set1_epi32(quad); /* the row's 4 values in every lane */
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm256_dpbusd_avx_epi32(acc[i][j], a, wv[j]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(sums[i] + 8 * j), acc[i][j]);
+}
+#else
 static inline void sums_madd(const uint8_t *xq, int64_t kpad, const int8_t *w, int mb, int32_t (*sums)[BLOCK]) {
     for (int half = 0; half < 2; half++) {
         __m256i acc[2][4];
@@ -326,6 +350,7 @@ static inline void sums_madd(const uint8_t *xq, int64_t kpad, const int8_t *w, i
             }
     }
 }
+#endif
 #else
 #define I8_MADD 0
 #endif
@@ -730,6 +755,51 @@ static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *
     }
 }
 
+#if defined(__AVXVNNI__)
+/* AVX-VNNI: each block's integer sums with vpdpbusd (unsigned weights x signed activations, as the AVX-512 VNNI tile),
+ * 4- and 8-bit weights alike, half a group (16 outputs, one a lane) a pass for R rows; the same float epilogue. */
+static inline __attribute__((always_inline)) void nbv_rows(const nb_group *G, const linear_t *L, const work_t *wk,
+                                                           int64_t m, const int R, float (*out)[BLOCK]) {
+    const int64_t blocks = G->blocks, quads = G->quads, kpad = G->kpad;
+    const int four = G->four, qbytes = G->qbytes;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int half = 0; half < 2; half++) { /* 4-bit: low nibbles, then high; 8-bit: bytes 0-63, then 64-127 */
+            __m256i acc[4][2];
+            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            for (int64_t q = 0; q < quads; q++) {
+                const uint8_t *w = G->w + (b * quads + q) * qbytes + (four ? 0 : half * 64); /* 16 outputs x 4 k's */
+                ahead(w, 64);
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                if (four) {
+                    if (half) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
+                    v0 = _mm256_and_si256(v0, low), v1 = _mm256_and_si256(v1, low);
+                }
+                for (int i = 0; i < R; i++) {
+                    int32_t quad;
+                    memcpy(&quad, (const int8_t *)wk->xq + (m + i) * kpad + b * L->block + q * 4, 4);
+                    const __m256i x = _mm256_set1_epi32(quad);
+                    acc[i][0] = _mm256_dpbusd_avx_epi32(acc[i][0], v0, x);
+                    acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], v1, x);
+                }
+            }
+            for (int i = 0; i < R; i++)
+                for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8, one a lane */
+                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e, acc[i][e], out[i]);
+        }
+    }
+}
+
+static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
+    const nb_group G = nb_at(L, g);
+    memset(out, 0, sizeof(float) * BLOCK * (size_t)mb);
+    int i = 0;
+    for (; i + 4 <= mb; i += 4) nbv_rows(&G, L, wk, m + i, 4, out + i);
+    if (mb - i == 3) nbv_rows(&G, L, wk, m + i, 3, out + i);
+    if (mb - i == 2) nbv_rows(&G, L, wk, m + i, 2, out + i);
+    if (mb - i == 1) nbv_rows(&G, L, wk, m + i, 1, out + i);
+}
+#else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
     const nb_group G = nb_at(L, g);
     memset(out, 0, sizeof(float) * BLOCK * (size_t)mb);
@@ -746,6 +816,7 @@ static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64
     if (mb - i == 2) nb_rows_avx2(&G, L, wk, m + i, 2, out + i);
     if (mb - i == 1) nb_rows_avx2(&G, L, wk, m + i, 1, out + i);
 }
+#endif /* __AVXVNNI__ */
 #else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
     const nb_group G = nb_at(L, g);
@@ -1022,9 +1093,10 @@ int medusa_native_cpu(void) {
     const int v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512cd");
-    return (v4 && __builtin_cpu_supports("avx512vnni")) << 0 | v4 << 1 | v3 << 2 | 1 << 3;
+    const int v3_vnni = v3 && __builtin_cpu_supports("avxvnni");
+    return (v4 && __builtin_cpu_supports("avx512vnni")) << 0 | v4 << 1 | v3_vnni << 2 | v3 << 3 | 1 << 4;
 #elif defined(__aarch64__)
-    return 1 << 4;
+    return 1 << 5;
 #else
     return 0;
 #endif

@@ -57,10 +57,10 @@ def worker(engine: Path, context: int, sizes: list[int], seconds: float, threads
     return {"isa": backend.kernel.isa, "ms": ms, "digest": digest}
 
 
-def turn(build: Path, args, sizes: list[int]) -> dict:
+def turn(build: Path, args, sizes: list[int], isa: str | None = None) -> dict:
     env = dict(os.environ, MEDUSA_TRT_NATIVE_DIR=str(build.resolve()))
-    if args.isa:
-        env["MEDUSA_TRT_CPU_ISA"] = args.isa
+    if isa or args.isa:
+        env["MEDUSA_TRT_CPU_ISA"] = isa or args.isa
     command = [sys.executable, __file__, "--worker", "--engine", str(args.engine), "--context", str(args.context),
                "--seconds", str(args.seconds), "--threads", str(args.threads), *[f"--tokens={t}" for t in sizes]]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -72,13 +72,15 @@ def turn(build: Path, args, sizes: list[int]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", type=Path, required=True, help="an engine native runs (a folder or a step graph)")
-    p.add_argument("--build", action="append", default=[], help="NAME=FOLDER of a build (scripts/build_native.py; repeat, 2 or more)")
+    p.add_argument("--build", action="append", default=[],
+                   help="NAME=FOLDER of a build (scripts/build_native.py; repeat, 2 or more); NAME=FOLDER@ISA caps that one "
+                   "build's instruction set (one build at two sets, side by side)")  # fmt: skip
     p.add_argument("--context", type=int, default=300, help="committed tokens before each timed step")
     p.add_argument("--tokens", type=int, action="append", help="tokens a timed step scores (repeat; default 1 and 8)")
     p.add_argument("--rounds", type=int, default=6, help="turns of each build")
     p.add_argument("--seconds", type=float, default=2.0, help="seconds of steps of each size a turn")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--isa", help="cap the instruction set (avx512_vnni, avx512, avx2, baseline, neon)")
+    p.add_argument("--isa", help="cap every build's instruction set (avx512_vnni, avx512, avx2_vnni, avx2, baseline, neon)")
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
     builds = dict(item.partition("=")[::2] for item in args.build)
     if len(builds) < 2 or not all(builds.values()):
         p.error("pass two or more --build NAME=FOLDER with distinct names")
+    caps = {name: value.partition("@")[2] or None for name, value in builds.items()}
+    builds = {name: value.partition("@")[0] for name, value in builds.items()}
     for name, folder in builds.items():
         if not Path(folder).is_dir():
             p.error(f"--build {name}={folder} is not a folder: build one with scripts/build_native.py --out {folder}")
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
     turns: dict[str, list[dict]] = {n: [] for n in names}
     for round_ in range(args.rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
-            turns[name].append(turn(Path(builds[name]), args, sizes))
+            turns[name].append(turn(Path(builds[name]), args, sizes, caps[name]))
         log.info("round %d of %d done", round_ + 1, args.rounds)
     load_end = os.getloadavg()
     isas = {n: sorted({t["isa"] for t in turns[n]}) for n in names}
