@@ -685,6 +685,31 @@ static inline __attribute__((always_inline)) void nb_epilogue_avx2(const nb_grou
     _mm256_storeu_ps(out + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out + o)));
 }
 
+/* AVX2: the epilogue of half a group (16 outputs, acc[i][e]: outputs half * 16 + 8e .. + 8, one a lane) of rows
+ * m..m + R of block b: nb_epilogue_avx2's arithmetic, the block's zero points and scales loaded once for all rows */
+static inline __attribute__((always_inline)) void nb_epilogue_rows_avx2(const nb_group *G, const work_t *wk, int64_t m,
+                                                                        int64_t b, int half, const int R,
+                                                                        __m256i (*acc)[2], float (*out)[BLOCK]) {
+    __m256i zero[2];
+    __m256 scale[2];
+    for (int e = 0; e < 2; e++) {
+        const int o = half * 16 + 8 * e;
+        zero[e] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
+        scale[e] = _mm256_loadu_ps(G->ws + b * BLOCK + o);
+    }
+    for (int i = 0; i < R; i++) {
+        const int64_t at = (m + i) * wk->max_blocks + b;
+        const __m256i rs = _mm256_set1_epi32(wk->bsum[at]);
+        const __m256 xs = _mm256_set1_ps(wk->bs[at]);
+        for (int e = 0; e < 2; e++) {
+            const __m256i shift = G->narrow ? _mm256_madd_epi16(zero[e], rs) : _mm256_mullo_epi32(zero[e], rs);
+            float *y = out[i] + half * 16 + 8 * e;
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i][e], shift));
+            _mm256_storeu_ps(y, _mm256_fmadd_ps(f, _mm256_mul_ps(xs, scale[e]), _mm256_loadu_ps(y)));
+        }
+    }
+}
+
 /* AVX2: each block's integer sums with vpmaddwd over int16-widened values (exact, as sums_madd), 16 outputs (one half
  * of the group) for R rows at a time, each weight vector widened once for all R; the pair sums added (exact integers),
  * then the float epilogue 8 outputs a vector, (float)(sum - zero x row sum) x (row scale x weight scale) in one FMA:
@@ -748,9 +773,7 @@ static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *
                     acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), ones));
                 }
             }
-            for (int i = 0; i < R; i++)
-                for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8, one a lane */
-                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e, acc[i][e], out[i]);
+            nb_epilogue_rows_avx2(G, wk, m, b, half, R, acc, out); /* outputs half * 16 + 8e .. + 8, one a lane */
         }
     }
 }
@@ -783,9 +806,7 @@ static inline __attribute__((always_inline)) void nbv_rows(const nb_group *G, co
                     acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], v1, x);
                 }
             }
-            for (int i = 0; i < R; i++)
-                for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8, one a lane */
-                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e, acc[i][e], out[i]);
+            nb_epilogue_rows_avx2(G, wk, m, b, half, R, acc, out); /* outputs half * 16 + 8e .. + 8, one a lane */
         }
     }
 }
