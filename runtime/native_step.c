@@ -748,46 +748,27 @@ static inline __attribute__((always_inline)) void nb_rows_avx2(const nb_group *G
     }
 }
 
-/* AVX2, 4-bit weights: vpmaddubsw (unsigned weights x signed activations, pairs to int16: at most 2 x 15 x 127, no
- * saturation) then vpmaddwd by ones (to int32: output l's 4 products in lane l), 8 outputs a vector with no widening;
- * R rows at a time, half a group (16 outputs) a pass. The same exact integer sums, the same float epilogue. */
-static inline __attribute__((always_inline)) void nb4_rows_avx2(const nb_group *G, const linear_t *L, const work_t *wk,
-                                                                int64_t m, const int R, float (*out)[BLOCK]) {
-    const int64_t blocks = G->blocks, quads = G->quads, kpad = G->kpad;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int half = 0; half < 2; half++) { /* outputs 0-15: the low nibbles; 16-31: the high ones */
-            __m256i acc[4][2];
-            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-            for (int64_t q = 0; q < quads; q++) {
-                const uint8_t *w = G->w + (b * quads + q) * 64; /* 16 outputs x 4 k's, two a byte */
-                ahead(w, 64);
-                __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-                if (half) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
-                v0 = _mm256_and_si256(v0, low), v1 = _mm256_and_si256(v1, low);
-                for (int i = 0; i < R; i++) {
-                    int32_t quad;
-                    memcpy(&quad, (const int8_t *)wk->xq + (m + i) * kpad + b * L->block + q * 4, 4);
-                    const __m256i x = _mm256_set1_epi32(quad);
-                    acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x), ones));
-                    acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), ones));
-                }
-            }
-            nb_epilogue_rows_avx2(G, wk, m, b, half, R, acc, out); /* outputs half * 16 + 8e .. + 8, one a lane */
-        }
-    }
+/* One quad's exact integer sums into acc, 8 outputs a lane each: unsigned weights x signed activations, 4 products a
+ * lane. AVX-VNNI: one vpdpbusd (4- and 8-bit weights). AVX2: vpmaddubsw (pairs to int16: at most 2 x 15 x 127 for 4-bit
+ * weights, no saturation; 8-bit weights would saturate and take nb_rows_avx2) then vpmaddwd by ones, added. */
+static inline __m256i nb_dot_avx2(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
 }
 
-#if defined(__AVXVNNI__)
-/* AVX-VNNI: each block's integer sums with vpdpbusd (unsigned weights x signed activations, as the AVX-512 VNNI tile),
- * 4- and 8-bit weights alike, half a group (16 outputs, one a lane) a pass for R rows; the same float epilogue. */
-static inline __attribute__((always_inline)) void nbv_rows(const nb_group *G, const linear_t *L, const work_t *wk,
-                                                           int64_t m, const int R, float (*out)[BLOCK]) {
+/* AVX2 and AVX-VNNI: each block's integer sums with nb_dot_avx2, 8 outputs a vector with no widening, R rows at a time,
+ * half a group (16 outputs, one a lane) a pass; the same exact integer sums, the same float epilogue. 4-bit weights:
+ * the low nibbles, then the high ones; 8-bit (AVX-VNNI only): bytes 0-63 of each quad, then 64-127. */
+static inline __attribute__((always_inline)) void nb_dot_rows(const nb_group *G, const linear_t *L, const work_t *wk,
+                                                              int64_t m, const int R, const int four, float (*out)[BLOCK]) {
     const int64_t blocks = G->blocks, quads = G->quads, kpad = G->kpad;
-    const int four = G->four, qbytes = G->qbytes;
+    const int qbytes = four ? 64 : 128; /* four: a compile-time constant in each inlined copy */
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
-        for (int half = 0; half < 2; half++) { /* 4-bit: low nibbles, then high; 8-bit: bytes 0-63, then 64-127 */
+        for (int half = 0; half < 2; half++) {
             __m256i acc[4][2];
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
             for (int64_t q = 0; q < quads; q++) {
@@ -802,8 +783,8 @@ static inline __attribute__((always_inline)) void nbv_rows(const nb_group *G, co
                     int32_t quad;
                     memcpy(&quad, (const int8_t *)wk->xq + (m + i) * kpad + b * L->block + q * 4, 4);
                     const __m256i x = _mm256_set1_epi32(quad);
-                    acc[i][0] = _mm256_dpbusd_avx_epi32(acc[i][0], v0, x);
-                    acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], v1, x);
+                    acc[i][0] = nb_dot_avx2(acc[i][0], v0, x);
+                    acc[i][1] = nb_dot_avx2(acc[i][1], v1, x);
                 }
             }
             nb_epilogue_rows_avx2(G, wk, m, b, half, R, acc, out); /* outputs half * 16 + 8e .. + 8, one a lane */
@@ -815,29 +796,26 @@ static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64
     const nb_group G = nb_at(L, g);
     memset(out, 0, sizeof(float) * BLOCK * (size_t)mb);
     int i = 0;
-    for (; i + 4 <= mb; i += 4) nbv_rows(&G, L, wk, m + i, 4, out + i);
-    if (mb - i == 3) nbv_rows(&G, L, wk, m + i, 3, out + i);
-    if (mb - i == 2) nbv_rows(&G, L, wk, m + i, 2, out + i);
-    if (mb - i == 1) nbv_rows(&G, L, wk, m + i, 1, out + i);
-}
-#else
-static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
-    const nb_group G = nb_at(L, g);
-    memset(out, 0, sizeof(float) * BLOCK * (size_t)mb);
+#define NB_DOT(four)                                                                                                       \
+    do { /* four: a constant in each inlined copy */                                                                     \
+        for (; i + 4 <= mb; i += 4) nb_dot_rows(&G, L, wk, m + i, 4, four, out + i);                                      \
+        if (mb - i == 3) nb_dot_rows(&G, L, wk, m + i, 3, four, out + i);                                                  \
+        if (mb - i == 2) nb_dot_rows(&G, L, wk, m + i, 2, four, out + i);                                                  \
+        if (mb - i == 1) nb_dot_rows(&G, L, wk, m + i, 1, four, out + i);                                                  \
+    } while (0)
     if (G.four) {
-        int i = 0;
-        for (; i + 4 <= mb; i += 4) nb4_rows_avx2(&G, L, wk, m + i, 4, out + i);
-        if (mb - i == 3) nb4_rows_avx2(&G, L, wk, m + i, 3, out + i);
-        if (mb - i == 2) nb4_rows_avx2(&G, L, wk, m + i, 2, out + i);
-        if (mb - i == 1) nb4_rows_avx2(&G, L, wk, m + i, 1, out + i);
+        NB_DOT(1);
         return;
     }
-    int i = 0;
-    for (; i + 3 <= mb; i += 3) nb_rows_avx2(&G, L, wk, m + i, 3, out + i);
+#if defined(__AVXVNNI__)
+    NB_DOT(0); /* 8-bit weights: vpdpbusd takes them as they are */
+#else
+    for (; i + 3 <= mb; i += 3) nb_rows_avx2(&G, L, wk, m + i, 3, out + i); /* 8-bit weights widened to int16 */
     if (mb - i == 2) nb_rows_avx2(&G, L, wk, m + i, 2, out + i);
     if (mb - i == 1) nb_rows_avx2(&G, L, wk, m + i, 1, out + i);
+#endif
+#undef NB_DOT
 }
-#endif /* __AVXVNNI__ */
 #else
 static inline void tile_nb(const linear_t *L, const work_t *wk, int64_t m, int64_t g, const int mb, float (*out)[BLOCK]) {
     const nb_group G = nb_at(L, g);
