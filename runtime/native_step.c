@@ -672,21 +672,10 @@ static inline __attribute__((always_inline)) void tile_nb(const linear_t *L, con
         tile_nb_of(L, wk, m, g, mb, 0, out);
 }
 #elif I8_MADD
-/* AVX2: outputs o..o + 8 of row m's block b added to their float sums in out: (float)(sum - zero x row sum) x (row scale
- * x weight scale), one FMA (nb_add's arithmetic, 8 outputs a vector) */
-static inline __attribute__((always_inline)) void nb_epilogue_avx2(const nb_group *G, const work_t *wk, int64_t m, int64_t b,
-                                                                   int o, __m256i sums, float *out) {
-    const int64_t at = m * wk->max_blocks + b;
-    const __m256i zero = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(G->wz + b * BLOCK + o)));
-    const __m256i rs = _mm256_set1_epi32(wk->bsum[at]); /* zero x row sum: vpmaddwd where it fits int16 (tile_nb above) */
-    const __m256i shift = G->narrow ? _mm256_madd_epi16(zero, rs) : _mm256_mullo_epi32(zero, rs);
-    const __m256i sum = _mm256_sub_epi32(sums, shift);
-    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wk->bs[at]), _mm256_loadu_ps(G->ws + b * BLOCK + o));
-    _mm256_storeu_ps(out + o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(out + o)));
-}
-
 /* AVX2: the epilogue of half a group (16 outputs, acc[i][e]: outputs half * 16 + 8e .. + 8, one a lane) of rows
- * m..m + R of block b: nb_epilogue_avx2's arithmetic, the block's zero points and scales loaded once for all rows */
+ * m..m + R of block b, added to their float sums in out: (float)(sum - zero x row sum) x (row scale x weight scale), one
+ * FMA (nb_add's arithmetic, 8 outputs a vector; zero x row sum one vpmaddwd where it fits int16, as tile_nb above), the
+ * block's zero points and scales loaded once for all rows */
 static inline __attribute__((always_inline)) void nb_epilogue_rows_avx2(const nb_group *G, const work_t *wk, int64_t m,
                                                                         int64_t b, int half, const int R,
                                                                         __m256i (*acc)[2], float (*out)[BLOCK]) {
@@ -740,10 +729,11 @@ static inline __attribute__((always_inline)) void nb_rows_avx2(const nb_group *G
                     for (int i = 0; i < R; i++) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wide, x[i]));
                 }
             }
-            for (int i = 0; i < R; i++) /* lanes 2o, 2o + 1 of acc[j]: output 4j + o; hadd then 64-bit lanes in order */
+            __m256i sums[3][2]; /* lanes 2o, 2o + 1 of acc[j]: output 4j + o; hadd then 64-bit lanes in order */
+            for (int i = 0; i < R; i++)
                 for (int e = 0; e < 2; e++) /* outputs half * 16 + 8e .. + 8 */
-                    nb_epilogue_avx2(G, wk, m + i, b, half * 16 + 8 * e,
-                                     _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * e], acc[i][2 * e + 1]), 0xD8), out[i]);
+                    sums[i][e] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * e], acc[i][2 * e + 1]), 0xD8);
+            nb_epilogue_rows_avx2(G, wk, m, b, half, R, sums, out);
         }
     }
 }
