@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, reordered, unsupported
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported
 
 # the ops of routed experts, beside the dense pattern's (native_weights.OPS)
 MOE_OPS = frozenset("Gemm Softmax TopK ReduceSum Equal NonZero ScatterND Clip".split())  # Clip: gpt-oss's clamps
@@ -201,7 +201,7 @@ def _expert(g: Graph, step: Path, layer: int, gather, ids: str, weights: str):
     clamp = (0.0, 0.0)
     if sorted(n.op_type for n in g.consumers.get(out, []) if n.op_type != "Identity") == ["Slice", "Slice"]:
         order, (alpha, limit, prod) = _interleaved(g, step, where, e, out, up.shape[1])
-        up, up_bias, act, clamp = reordered(up, order), None if up_bias is None else up_bias[order], "swiglu_limit", (alpha, limit)
+        up, up_bias, act, clamp = up.outputs(order), None if up_bias is None else up_bias[order], "swiglu_limit", (alpha, limit)
     else:
         halves = g.only(out, "Split")
         widths = g.array(halves.input[1]).tolist() if len(halves.input) > 1 and halves.input[1] else None
@@ -334,12 +334,7 @@ def _split_linear(g: Graph, step: Path, where: str, lin: Linear, out: str) -> li
     if attr(split, "axis", 0) not in (-1, 1) or widths is None or sum(widths) != lin.shape[1] or len(widths) != len(split.output):
         raise unsupported(step, f"{where}: a fused linear split other than into parts of its outputs")
     starts = np.cumsum([0, *widths])
-    return [(columns(lin, a, b), part) for a, b, part in zip(starts[:-1], starts[1:], split.output)]
-
-
-def columns(m: Linear, a: int, b: int) -> Linear:
-    """Outputs ``a`` to ``b`` of ``m`` as a linear of their own (the same sums: each output's are its own)."""
-    return m.outputs(slice(a, b))
+    return [(lin.outputs(slice(a, b)), part) for a, b, part in zip(starts[:-1], starts[1:], split.output)]
 
 
 def joined(step: Path, a: Linear, b: Linear) -> Linear:

@@ -241,11 +241,6 @@ def biased(g: Graph, out: str) -> tuple[np.ndarray | None, str]:
     return np.ascontiguousarray(g.array(constant[0]).reshape(-1), dtype=np.float32), readers[0].output[0]
 
 
-def reordered(m: Linear, order: np.ndarray) -> Linear:
-    """``m``'s outputs in ``order`` (a permutation, or some of them): exact, each output's sums are its own."""
-    return m.outputs(order)
-
-
 def read_nbits(g: Graph, node) -> Linear:
     """A MatMulNBits node's weight: B (N, blocks, block x bits / 8) uint8 kept as stored (two 4-bit values a byte, low
     nibble first: a 7B int4 engine opens holding its weights' bytes once, not unpacked to a byte a value), block scales

@@ -29,7 +29,7 @@ import numpy as np
 
 from medusa_trt.runtime.contract import KEY_SLOTS_INPUT, NEW_KEY, NEW_VALUE, PAST_KEY, PAST_VALUE, POSITION_IDS
 from medusa_trt.runtime.native_experts import MOE_OPS, Experts, read_experts, routed
-from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, reordered, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
+from medusa_trt.runtime.native_graph import Graph, Linear, NativeCannotRun, attr, biased, gate_of, malformed, unsupported  # noqa: F401 (NativeCannotRun: the error read_weights raises)
 
 # EngineMeta.architecture values whose layers export to the pattern (read_weights checks the graph too); the MoE ones
 # route their MLPs through experts (native_experts.py)
@@ -454,7 +454,7 @@ def _interleaved_heads(g: Graph, step: Path, layer: int, qkv: Linear, out: str):
     if bias is not None and bias.shape != (n,):
         raise malformed(step, f"layer {layer}'s q/k/v bias of shape {bias.shape} for {n} outputs")
     biases = (None, None, None) if bias is None else tuple(bias[i * heads * d : (i + 1) * heads * d] for i in range(3))
-    return reordered(qkv, order), tuple(split.output), [heads * d] * 3, biases
+    return qkv.outputs(order), tuple(split.output), [heads * d] * 3, biases
 
 
 def _head_width(g: Graph, step: Path, layer: int, heads: str) -> int:
@@ -695,8 +695,8 @@ def read_weights(step: Path, architecture: str) -> Weights:
             parts, qkv_widths = _qkv_parts(g, step, layer, out, qkv.shape[1])
             if len(parts) == 5:  # its columns: q, k, v, then gate, up (exact: each output's sums are its own)
                 fused, qkv_width = qkv, sum(qkv_widths[:3])
-                qkv = reordered(fused, np.arange(qkv_width))
-                mlp_parts = reordered(fused, np.arange(qkv_width, fused.shape[1])), parts[3:], qkv_widths[3:]
+                qkv = fused.outputs(np.arange(qkv_width))
+                mlp_parts = fused.outputs(np.arange(qkv_width, fused.shape[1])), parts[3:], qkv_widths[3:]
                 parts, qkv_widths = parts[:3], qkv_widths[:3]
             qp, kp, vp = (_head_part(g, step, layer, t, what) for t, what in zip(parts, "qkv"))
             q, k, v, qb, kb, vb = qp.out, kp.out, vp.out, qp.bias, kp.bias, vp.bias

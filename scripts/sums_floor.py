@@ -34,11 +34,6 @@ from step_graph_report import cpu_name, write_report
 log = logging.getLogger("sums_floor")
 
 
-def columns(m, n: int):
-    """The linear ``m`` cut to its first ``n`` outputs (its scales and zero points with it)."""
-    return m.outputs(slice(0, n))
-
-
 def kernel_rate(m, rows: int, seconds: float, threads: int) -> tuple[float, float]:
     """(median ms a call, multiply-adds a second) of ``m`` on ``rows`` rows, called back to back."""
     from medusa_trt.runtime.native_step import LinearRun
@@ -89,7 +84,8 @@ def main(argv=None) -> int:
     probe = weights.gate_up[0] or weights.qkv[0]
     k, n = probe.shape
     per_output = k * probe.weight.itemsize * (0.5 if probe.bits == 4 else 1.0)  # weight bytes an output column
-    probe = columns(probe, max(64, min(n, int(args.cached_mb * 2**20 / per_output) // 64 * 64)))
+    width = max(64, min(n, int(args.cached_mb * 2**20 / per_output) // 64 * 64))  # outputs kept in the cache
+    probe = probe.outputs(slice(0, width))  # the linear cut to its first outputs (scales and zero points with it)
     log.info("timing the engine's steps (%s)", ", ".join(map(str, sizes)))
     steps = worker(args.engine, args.context, sizes, args.seconds, args.threads)
     rows = []
