@@ -13,7 +13,7 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 export MEDUSA_TRT_CONSTRAINTS := $(CONSTRAINTS)
 
-.PHONY: install native peers openvino-peer openvino-models demo compare test lint test-fast test-sanitize wheel-check arm-build gpu-check gpu-check-dry constraints clean
+.PHONY: install native peers openvino-peer openvino-models demo compare test lint test-fast test-sanitize wheel-check arm-build gpu-parts gpu-check gpu-compare gpu-check-dry constraints clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -165,13 +165,27 @@ constraints:
 # Without a GPU (CI runs it after make test): what gpu-check runs, on the package path it builds, in a venv holding only
 # the GPU image's packages (build/gpu-venv, made once): every import, the GPU tests skipping cleanly, gpu_bench.py
 # --dry-run to its first CUDA call, the TensorRT step saying it did not run. Report in build/gpu-check-dry/
-gpu-check-dry:
+gpu-check-dry: gpu-parts
 	bash scripts/gpu_check_dry.sh
+
+# Here, before a GPU check (docs/testing.md): SmolLM2's GGUF in two parts with their sha256s, every third Spec-Bench dev
+# prompt and the wheels the GPU image lacks (gguf; accelerate and psutil, for transformers' GGUF loader), in the ignored
+# paths the two GPU commands carry
+SHARED ?= $(or $(MEDUSA_TRT_SHARED),../shared)
+gpu-parts: $(STAMP)
+	$(PY) scripts/model_parts.py split smollm2-135m --parts 2 --out build/gpu-parts
+	sed -n '1~3p' $(SHARED)/data/spec_bench_dev.jsonl > build/gpu-parts/prompts.jsonl.tmp && mv build/gpu-parts/prompts.jsonl.tmp build/gpu-parts/prompts.jsonl
+	$(PIP) download -q --no-deps $(PIN) -d .whl gguf accelerate psutil
+	$(PY) scripts/model_parts.py fits build/gpu-parts --with build/gpu-parts/prompts.jsonl --with .whl
 
 # On a GPU machine (no install needed there): GPU tests, a short benchmark and training run, TensorRT plans of both
 # attention forms where TensorRT is importable; report in build/gpu-check/
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# On the GPU machine, the second command: SmolLM2 joined from its parts, beside transformers; report in build/gpu-check/
+gpu-compare:
+	bash scripts/gpu_compare.sh
 
 clean:
 	rm -rf $(VENV) $(STUB_ENV) build .pytest_cache

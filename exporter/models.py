@@ -95,7 +95,7 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from exc
 
 
-def _builtin_path(name: str) -> Path:
+def builtin_path(name: str) -> Path:
     package, filename, hint = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)  # never imported: its __init__ pulls in unrelated packages
     if spec is None or not spec.submodule_search_locations:
@@ -246,7 +246,7 @@ def load_base_model(
     name = str(name_or_path)
     extra: dict = {}
     if name in BUILTIN_MODELS:
-        path = _builtin_path(name)
+        path = builtin_path(name)
     else:
         path = Path(name).expanduser()
         if not path.exists() and is_hub_id(name):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check (make gpu-check): every GPU test, a short GPU benchmark, a short CUDA training run of the heads
-# (scripts/gpu_train_check.py: positions/s), then SmolLM2 built as TensorRT plans in both attention forms with greedy
+# The GPU check's first command (make gpu-check; the second is make gpu-compare, docs/testing.md): every GPU test,
+# a short GPU benchmark, a short CUDA training run of the heads (scripts/gpu_train_check.py: positions/s), then SmolLM2 built as TensorRT plans in both attention forms with greedy
 # tokens checked against ONNX Runtime and torch (scripts/gpu_trt_check.py; where TensorRT or SmolLM2 is absent it
 # says so in one line and counts as not-run, not failed), one report folder. make gpu-check-dry runs it without a GPU.
 # Runs on a fresh GPU machine with PyTorch, Triton, CUDA and transformers but no network: the
@@ -12,14 +12,8 @@ cd "$(dirname "$0")/.."
 report=${OUT:-build}/gpu-check
 mkdir -p "$report"
 py=${PYTHON:-python3}
-if ! $py -c "import medusa_trt.runtime" 2>/dev/null; then
-  # every package pyproject.toml maps, linked by the script the dry run (make gpu-check-dry) builds its path with
-  $py scripts/gpu_preflight.py --link-into /tmp/medusa-src --links-only || exit 2
-  export PYTHONPATH="/tmp/medusa-src${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if compgen -G ".whl/*.whl" >/dev/null && ! $py -c "import gguf" 2>/dev/null; then
-  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/medusa-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/medusa-site"
-fi
+. scripts/gpu_env.sh
+gpu_env /tmp/medusa-src /tmp/medusa-site || exit 2
 export PYTHONUNBUFFERED=1
 shared=${MEDUSA_TRT_SHARED:-../shared}
 export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_choices.json}

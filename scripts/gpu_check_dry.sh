@@ -8,8 +8,11 @@
 #   1. every module the GPU tests, gpu_bench.py and gpu_train_check.py import, imported (gpu_preflight.py);
 #   2. the GPU tests run: without CUDA each must skip cleanly (none may fail or error at collection);
 #   3. gpu_bench.py --dry-run: the benchmark on the CPU at toy sizes, up to its first CUDA call;
-#   4. gpu_trt_check.py: without TensorRT or CUDA it must say so in one line and exit 77 (not run), as on the GPU machine.
-# Report in build/gpu-check-dry/. Exit status 0 only when all four pass.
+#   4. gpu_trt_check.py: without TensorRT or CUDA it must say so in one line and exit 77 (not run), as on the GPU machine;
+#   5. the second command (gpu_compare.sh --dry-run): SmolLM2's GGUF joined from the parts make gpu-parts wrote and
+#      checked by sha256, the gguf wheel installed from .whl/ as there, then the real model beside transformers on the
+#      CPU (float32, 3 prompts x 12 tokens).
+# Report in build/gpu-check-dry/. Exit status 0 only when all five pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=build/gpu-check-dry
@@ -61,6 +64,9 @@ export MEDUSA_TRT_TREE_PRESETS=${MEDUSA_TRT_TREE_PRESETS:-$shared/trees/medusa_c
   $py scripts/gpu_trt_check.py --out "$report/gpu-trt.json"
   trt=$?
   [ "$trt" = 77 ] && trt=not-run
-  echo "== exit: preflight $preflight, tests $tests, benchmark $bench, tensorrt $trt"
+  echo "== the second command, --dry-run: the GGUF from its parts, the real model beside transformers on the CPU"
+  PYTHON=$py OUT=$report bash scripts/gpu_compare.sh --dry-run
+  compare=$?
+  echo "== exit: preflight $preflight, tests $tests, benchmark $bench, tensorrt $trt, compare $compare"
 } 2>&1 | tee "$report/report.txt"
-grep -q "== exit: preflight 0, tests 0, benchmark 0, tensorrt not-run$" "$report/report.txt"
+grep -q "== exit: preflight 0, tests 0, benchmark 0, tensorrt not-run, compare 0$" "$report/report.txt"

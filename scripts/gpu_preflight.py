@@ -24,13 +24,15 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = (  # every file make gpu-check runs, and what they import at their top
+CHECKED = (  # every file make gpu-check and make gpu-compare run, and what they import at their top
     "tests/test_gpu.py",
     "tests/test_gpu_kernel.py",
     "tests/conftest.py",
     "scripts/gpu_bench.py",
     "scripts/gpu_train_check.py",
     "scripts/gpu_trt_check.py",
+    "scripts/model_parts.py",
+    "scripts/gpu_compare.py",
 )
 
 

@@ -39,10 +39,13 @@ def test_imports_of_tells_required_from_optional(tmp_path):
 
 
 def test_gpu_check_links_its_package_path_with_the_preflight(tmp_path):
-    """gpu_check.sh and its dry run build the package path one way (gpu_preflight.py, from pyproject.toml), so the
-    two cannot link different packages; --links-only imports nothing."""
-    script = (SCRIPT.parent / "gpu_check.sh").read_text()
-    assert "gpu_preflight.py --link-into /tmp/medusa-src --links-only" in script and "ln -s" not in script
+    """gpu_check.sh, gpu_compare.sh and the dry run build the package path one way (gpu_preflight.py, from
+    pyproject.toml, through gpu_env.sh), so they cannot link different packages; --links-only imports nothing."""
+    env = (SCRIPT.parent / "gpu_env.sh").read_text()
+    assert 'gpu_preflight.py --link-into "$links" --links-only' in env and "ln -s" not in env
+    for name in ("gpu_check.sh", "gpu_compare.sh"):
+        script = (SCRIPT.parent / name).read_text()
+        assert ". scripts/gpu_env.sh" in script and "gpu_env /tmp/medusa-src /tmp/medusa-site" in script and "ln -s" not in script
     assert "gpu_preflight.py --link-into" in (SCRIPT.parent / "gpu_check_dry.sh").read_text()
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--link-into", str(tmp_path), "--links-only"], capture_output=True, text=True, timeout=60, check=False
