@@ -166,7 +166,9 @@ typedef struct { /* scratch carved out of two arenas by medusa_native_work_init,
     float *par; /* (M, H): a parallel residual's attention output while its MLP runs (NULL: the model has none) */
 } work_t;
 
+#ifndef CHUNKS /* settable at build time for an A/B (scripts/build_native.py --flags=-DCHUNKS=8): no number changes */
 #define CHUNKS 4 /* chunks a parallel loop is cut into per thread: late or slow threads leave theirs to the others */
+#endif
 
 static int64_t grain(int64_t tasks, const work_t *wk) {
     const int64_t g = tasks / (CHUNKS * (wk->threads > 0 ? wk->threads : 1));
@@ -179,8 +181,11 @@ static int64_t grain(int64_t tasks, const work_t *wk) {
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES 4096
 #endif
+#ifndef AHEAD_LOCALITY /* __builtin_prefetch's locality: 3 every cache level, 0 non-temporal (an A/B: docs/benchmarks.md) */
+#define AHEAD_LOCALITY 3
+#endif
 static inline __attribute__((always_inline)) void ahead(const void *p, const int bytes) {
-    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + AHEAD_BYTES + b);
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + AHEAD_BYTES + b, 0, AHEAD_LOCALITY);
 }
 
 static inline vec16 vload(const float *p) {
