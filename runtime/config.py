@@ -33,7 +33,7 @@ class RuntimeConfig:
     # native cannot run), else onnxruntime
     backend: str | None = None
     precision: str | None = None  # openvino's inference precision: f32 (None) or bf16 (CPUs with AMX or AVX512-BF16)
-    cuda_graph: bool = False  # tensorrt backend: capture and replay the verify step (plugin-form engines)
+    cuda_graph: bool = False  # tensorrt (plugin-form engines) and torch (CUDA) backends: capture and replay the verify step
     verify_checksums: bool = False  # check every engine file's sha256 against the export's manifest (servers: once at load)
 
     def __post_init__(self):

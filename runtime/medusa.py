@@ -237,7 +237,9 @@ class MedusaRuntime:
         max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, positions or DEFAULT_MAX_CONTEXT)
         if positions is not None and max_context > positions:
             raise EngineError(f"max_context {max_context} exceeds the model's {positions} positions: lower max_context")
-        backend = TorchBackend(model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device)
+        backend = TorchBackend(
+            model, max_batch=cfg.max_batch or DEFAULT_MAX_BATCH, max_context=max_context, device=cfg.device, cuda_graph=cfg.cuda_graph
+        )
         name, paths = resolve_tree(getattr(model, "tree", None) or default_tree(model.num_heads))  # the heads' own, else a chain
         info = _EngineInfo(
             num_heads=model.num_heads,

@@ -12,7 +12,9 @@ SmolLM2-135M-Instruct (its GGUF, joined from the parts ``make gpu-parts`` wrote)
     of a plain forward over the prompt and the plain output up to there, the two tokens' logit gap against ``--tie``
     (bf16 kernels of different widths round differently; a gap above it would be a bug and fails the run).
 
-CUDA graphs of the verify step (issue 50, item 2) are not built: the report says so on its own row.
+The project's rows run eager and, on CUDA, with the verify step captured as CUDA graphs (``cuda_graph=True``: one a
+(batch, tokens) bucket, replayed). A row whose graph fails to capture or replay says why on its row; the others still
+run, and the command then exits 1.
 
     python scripts/gpu_compare.py --model build/gpu-model/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompts build/gpu-parts/prompts.jsonl --out build/gpu-check/gpu-compare.json
@@ -34,7 +36,6 @@ from pathlib import Path
 log = logging.getLogger("gpu_compare")
 
 HEADS = "assets/smollm2-135m-medusa"
-NO_GRAPHS = "not built (issue 50, item 2)"
 CONTEXT = 1024  # positions a sequence may fill: prompts longer than this less the new tokens are left out
 
 
@@ -46,6 +47,7 @@ class Row:
     seconds: float = 0.0
     steps: int = 0  # the project's rows: engine steps after the prompt (0: not counted)
     note: str = ""
+    failed: str = ""  # why the row stopped (a CUDA graph that did not capture or replay); its figures are then partial
 
     @property
     def tokens(self) -> int:
@@ -60,6 +62,7 @@ class Row:
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
             "tokens_per_step": round(self.tokens / self.steps, 3) if self.steps else None,
             "note": self.note,
+            "failed": self.failed or None,
         }
 
 
@@ -113,19 +116,25 @@ def project_generate(runtime, new_tokens: int):
 
 
 def timed(row: Row, run, group: list[list[int]], device: str) -> None:
+    if row.failed:
+        return
     synchronize(device)
     start = time.perf_counter()
-    outputs, steps = run(group)
+    try:
+        outputs, steps = run(group)
+    except Exception as exc:  # a graph that fails to replay: reported on its row, the other rows go on
+        row.failed = f"{type(exc).__name__}: {exc}"
+        return
     synchronize(device)
     row.seconds += time.perf_counter() - start
     row.outputs += outputs
     row.steps += steps
 
 
-def project_runtime(model, batch: int, drafters, warm: list[int]):
+def project_runtime(model, batch: int, drafters, warm: list[int], *, cuda_graph: bool = False):
     from medusa_trt.runtime import MedusaRuntime
 
-    runtime = MedusaRuntime(model, max_batch=batch, max_context=CONTEXT, drafters=drafters)
+    runtime = MedusaRuntime(model, max_batch=batch, max_context=CONTEXT, drafters=drafters, cuda_graph=cuda_graph)
     runtime.generate(warm, max_new_tokens=4)  # warm-up: the kernels compiled, the buffers made
     return runtime
 
@@ -143,12 +152,18 @@ def compare(model, prompts: list[list[int]], new_tokens: int, batch: int, budget
             )
         )
     batched = []
-    for label, drafters in (("plain", ()), ("drafting", None)):
-        for size in (1, batch):
-            runtime = project_runtime(model, size, drafters, prompts[0])
-            note = f"backend {runtime.backend.name}" + (f", tree {runtime.tree.name}" if drafters is None else "")
-            entry = (Row(f"medusa-trt {label}, eager", size, note=note), project_generate(runtime, new_tokens))
-            (ways if size == 1 else batched).append(entry)
+    for graphs in (False, True) if device == "cuda" else (False,):  # CUDA graphs need CUDA: the dry run has none
+        for label, drafters in (("plain", ()), ("drafting", None)):
+            for size in (1, batch):
+                row = Row(f"medusa-trt {label}, {'CUDA graphs' if graphs else 'eager'}", size)
+                run = None
+                try:
+                    runtime = project_runtime(model, size, drafters, prompts[0], cuda_graph=graphs)
+                    row.note = f"backend {runtime.backend.name}" + (f", tree {runtime.tree.name}" if drafters is None else "")
+                    run = project_generate(runtime, new_tokens)
+                except Exception as exc:  # a capture that fails is reported on its row; the other rows still run
+                    row.failed = f"{type(exc).__name__}: {exc}"
+                (ways if size == 1 else batched).append((row, run))
     start, done = time.perf_counter(), 0
     for ids in prompts:
         if done and time.perf_counter() - start > budget:
@@ -249,7 +264,7 @@ def main(argv=None) -> int:
     plain = next(r for r in rows if r.name == "medusa-trt plain, eager" and r.batch == 1)
     checks = {}
     for row in rows:
-        if row is plain:
+        if row is plain or row.failed:
             continue
         gaps = tie_gaps(model, prompts, row.outputs, plain.outputs, device)
         checks[f"{row.name}, batch {row.batch}"] = {
@@ -266,7 +281,7 @@ def main(argv=None) -> int:
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
         "tie": tie,
-        "rows": [r.summary() for r in rows] + [{"name": "medusa-trt, CUDA graphs", "note": NO_GRAPHS}],
+        "rows": [r.summary() for r in rows],
         "equal_to_own_plain": checks,
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -282,10 +297,15 @@ def main(argv=None) -> int:
         same = "-" if check is None else f"{check['equal']}/{check['of']}"
         if check and check["divergences"]:
             same += " (the others at near ties)" if check["all_near_ties"] else " (not all at near ties)"
+        if row.failed:
+            print(f"| {row.name} | {row.batch} | - | - | - | failed: {row.failed.splitlines()[0][:200]} |")
+            continue
         step = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] else "-"
         print(f"| {row.name} | {row.batch} | {s['tokens_per_s']:.1f} | {step} | {s['tokens_per_s'] / base:.2f}x | {same} |")
-    print(f"| medusa-trt, CUDA graphs | - | - | - | - | {NO_GRAPHS} |")
     print(f"report: {args.out} ({report['seconds']} s)")
+    if failed := [f"{r.name}, batch {r.batch}" for r in rows if r.failed]:
+        print(f"gpu_compare: error: {'; '.join(failed)} failed (their rows say why)", file=sys.stderr)
+        return 1
     if not all(c["all_near_ties"] for name, c in checks.items() if name.startswith("medusa-trt")):  # transformers': for the record
         print(
             "gpu_compare: error: a drafted output differs from the project's own plain output at a logit gap above --tie", file=sys.stderr
