@@ -198,17 +198,22 @@ class _Bucket:
         self.cache_lengths = torch.zeros((batch,), dtype=torch.int64, device=device)
         self.graph = None
         self.outputs: tuple[torch.Tensor, ...] = ()
+        # the same four on the host, written in place each step and copied over
+        self.host = [np.zeros(tuple(t.shape), dtype=np.bool_ if t.dtype == torch.bool else np.int64) for t in self.static]
+
+    @property
+    def static(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.position_ids, self.tree_mask, self.cache_lengths
 
     def fill(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, cache_lengths: np.ndarray) -> None:
         b, t = input_ids.shape
-        ids = np.zeros((self.batch, self.tokens), dtype=np.int64)
-        pos = np.zeros((self.batch, self.tokens), dtype=np.int64)
-        mask = np.zeros((self.batch, self.tokens, self.tokens), dtype=bool)
+        ids, pos, mask, lengths = self.host
+        for array in self.host:  # zeros: a padded row has no committed slots
+            array.fill(0)
         mask[:, np.arange(self.tokens), np.arange(self.tokens)] = True  # a padded node sees itself, nothing else
-        lengths = np.zeros(self.batch, dtype=np.int64)  # a padded row: no committed slots
         ids[:b, :t], pos[:b, :t], mask[:b, :t, :t], lengths[:b] = input_ids, position_ids, tree_mask, cache_lengths
         pos[:b, t:] = np.asarray(position_ids)[:, :1]  # padded nodes of a real row: its first node's position
-        for static, array in ((self.input_ids, ids), (self.position_ids, pos), (self.tree_mask, mask), (self.cache_lengths, lengths)):
+        for static, array in zip(self.static, self.host):
             static.copy_(torch.from_numpy(array), non_blocking=False)
 
     def forward(self) -> tuple[torch.Tensor, ...]:
