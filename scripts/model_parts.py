@@ -24,20 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from medusa_trt.runtime.manifest import sha256  # an engine's manifest checks its files the same way
+
 MANIFEST = "parts.json"
 CHUNK = 1 << 20
 
 
 class PartsError(Exception):
     """A part or the joined file is missing or is not what the manifest says; the message names which and what to do."""
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def source_file(name: str) -> Path:
