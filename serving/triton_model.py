@@ -237,6 +237,8 @@ class TritonPythonModel:
         text, tokens = [], []
         try:
             for event in live.handle:
+                if event.finish_reason != "cancelled" and self._free_if_cancelled(live):
+                    continue  # the cancelled event follows; the poll alone could miss a short request
                 if event.finish_reason != "cancelled" and live.past_deadline():  # checked per step too: the watchdog
                     live.timed_out = True  # polls every CANCEL_POLL_S, longer than a whole short request may take
                     live.handle.cancel()  # frees the row; what this event holds is past the deadline and not sent
@@ -276,15 +278,25 @@ class TritonPythonModel:
             with self._lock:
                 running = list(self._live.values())
             for live in running:
-                if live.cancelled():
-                    with self._lock:
-                        self._live.pop(live.handle.id, None)
-                    pb_utils.Logger.log_info(f"medusa: request {live.handle.id} cancelled by the client: its row is freed")
-                    live.handle.cancel()
-                elif live.past_deadline() and not live.timed_out:
+                if self._free_if_cancelled(live):
+                    continue
+                if live.past_deadline() and not live.timed_out:
                     live.timed_out = True  # read by _forward when the cancelled event comes
                     pb_utils.Logger.log_info(f"medusa: request {live.handle.id} passed its deadline: it ends with finish_reason timeout")
                     live.handle.cancel()
+
+    def _free_if_cancelled(self, live: LiveRequest) -> bool:
+        """Whether the client cancelled ``live``; the first caller to see it (its forwarder, per
+        event, or the watchdog, for requests still waiting for a row) frees the row, once."""
+        if not live.cancelled():
+            return live.freed
+        with self._lock:
+            first, live.freed = not live.freed, True
+            self._live.pop(live.handle.id, None)
+        if first:
+            pb_utils.Logger.log_info(f"medusa: request {live.handle.id} cancelled by the client: its row is freed")
+            live.handle.cancel()
+        return True
 
     def finalize(self):
         self._stopping.set()
@@ -378,6 +390,7 @@ class LiveRequest:
         self.arrived = arrived  # time.monotonic() when the request came
         self.timeout = timeout  # seconds from arrival after which the request ends with "timeout"; None: none
         self.timed_out = False
+        self.freed = False  # the client cancelled and the row was given back (``_free_if_cancelled``)
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.done = False
