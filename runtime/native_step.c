@@ -381,6 +381,7 @@ typedef struct {
     float *y;
     int64_t M;
     const work_t *wk;
+    int last_first; /* the chunks' blocks taken from the last outputs back (each chunk still in order) */
 } i8_job;
 
 /* The row quantizers' pieces, a vector at a time where the set has one: the same numbers as the scalar loops after
@@ -500,6 +501,10 @@ static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
     const int64_t N = L->n, kpad = L->kpad, M = J->M;
     float *y = J->y;
     const int8_t *w = (const int8_t *)L->w;
+    if (J->last_first) { /* chunk [b0, b1) of the tasks is blocks [blocks - b1, blocks - b0) */
+        const int64_t blocks = (N + BLOCK - 1) / BLOCK, end = blocks - b0;
+        b0 = blocks - b1, b1 = end;
+    }
     for (int64_t b = b0; b < b1; b++) {
         const int64_t first = b * BLOCK, width = N - first < BLOCK ? N - first : BLOCK;
         const int8_t *wb = w + b * kpad * BLOCK;
@@ -534,8 +539,8 @@ static void i8_blocks(void *ctx, int64_t b0, int64_t b1, int worker) {
 #define QUANTIZE_ALONE 16384 /* values (rows x K) at most */
 static int64_t quantize_grain(int64_t M, int64_t K) { return M * K <= QUANTIZE_ALONE ? M : 1; }
 
-static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
-    i8_job J = {L, x, y, M, wk};
+static void matmul_i8(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk, int last_first) {
+    i8_job J = {L, x, y, M, wk, last_first};
     pool_run(wk->pool, M, quantize_grain(M, L->k), i8_quantize, &J);
     const int64_t blocks = (L->n + BLOCK - 1) / BLOCK;
     pool_run(wk->pool, blocks, grain(blocks, wk), i8_blocks, &J);
@@ -872,14 +877,16 @@ static void matmul_nb(const linear_t *L, const float *x, int64_t M, float *y, co
     pool_run(wk->pool, groups, grain(groups, wk), nb_groups, &J);
 }
 
-static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) {
+static void matmul_order(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk, int last_first) {
     if (L->kind == LIN_INT8)
-        matmul_i8(L, x, M, y, wk);
+        matmul_i8(L, x, M, y, wk, last_first);
     else if (L->kind == LIN_NBITS4 || L->kind == LIN_NBITS8)
         matmul_nb(L, x, M, y, wk);
     else
         matmul_f32(x, M, L->k, (const float *)L->w, y, L->n, wk);
 }
+
+static void matmul(const linear_t *L, const float *x, int64_t M, float *y, const work_t *wk) { matmul_order(L, x, M, y, wk, 0); }
 
 /* the lanes of x added in one fixed order */
 static inline float lanes_total(vec16 x) {
@@ -1490,7 +1497,9 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     }
     norm_rows(md, x, M, md->norm_final, md->norm_final_bias, hidden);
     if (logits == NULL) return OK;
-    matmul(md->lm_head, hidden, M, logits, wk);
+    /* int8 lm_head: its first outputs last, so the heads, which may share them (native_step.py's NativeStep.lm_prefix:
+     * the draft vocabulary's rows), find them in cache right after the step. Each output's sums are the same. */
+    matmul_order(md->lm_head, hidden, M, logits, wk, 1);
     rows.logits = logits, rows.next_ids = next_ids, rows.topk = topk, rows.k = k;
     pool_run(wk->pool, M, 1, rank_rows, &rows);
     return OK;

@@ -286,15 +286,23 @@ def _linear_view(m: Linear, keep: list) -> _Linear:
         keep.append(packed)
         view = _Linear(0, k, n, k, packed.ctypes.data, None, None, 0.0, 1.0)
     else:
-        packed = pack_int8(m.weight)
-        colsum = (128 * m.weight.astype(np.int32).sum(axis=0)).astype(np.int32)  # (N): the rows' zero point, taken out
-        scale = np.ascontiguousarray(m.scale, dtype=np.float32)
-        if scale.shape != (n,):
-            raise EngineError(f"backend native: an int8 linear of {n} outputs with {scale.size} column scales")
+        packed, colsum, scale = _int8_arrays(m)
         keep += [packed, colsum, scale]
         view = _Linear(1, k, n, -(-k // 4) * 4, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, m.tiny, m.divisor)
+        view.arrays = (packed, colsum, scale)  # what it points into (NativeStep.lm_prefix shares them)
     keep.append(view)
     return view
+
+
+def _int8_arrays(m: Linear) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An int8 linear's arrays as the C code reads them: packed weights, (N) column sums x 128, (N) column scales."""
+    n = m.shape[1]
+    packed = pack_int8(m.weight)
+    colsum = (128 * m.weight.astype(np.int32).sum(axis=0)).astype(np.int32)  # (N): the rows' zero point, taken out
+    scale = np.ascontiguousarray(m.scale, dtype=np.float32)
+    if scale.shape != (n,):
+        raise EngineError(f"backend native: an int8 linear of {n} outputs with {scale.size} column scales")
+    return packed, colsum, scale
 
 
 class LinearRun:
@@ -411,6 +419,7 @@ class NativeStep:
 
         linears = {k: views(getattr(weights, k)) for k in ("qkv", "o", "gate_up", "down")}
         lm = _linear_view(weights.lm_head, self._keep)
+        self._lm = lm if lm.kind == 1 else None  # int8: the heads may share its first outputs (lm_prefix)
 
         def table(items):  # a C array of pointers: an array's data, a linear_t's address, or NULL for None
             address = lambda a: None if a is None else a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a)  # noqa: E731
@@ -467,6 +476,25 @@ class NativeStep:
                      table(list(e.gate_up_bias) or [None] * e.count), table(list(e.down_bias) or [None] * e.count))  # fmt: skip
         self._keep.append(c)
         return c
+
+    def lm_prefix(self, m: Linear, keep: list) -> _Linear | None:
+        """A C view of this step's lm_head's first outputs where ``m`` is them bit for bit (its arrays kept alive in
+        ``keep``), else None. An int8-channel engine's heads project with the base lm_head's draft-vocabulary rows: they
+        then hold no copy of them, and find them in cache, as the step's lm_head reads its first outputs last."""
+        if self._lm is None or not m.int8:
+            return None
+        lm = self._lm
+        packed, colsum, scale = lm.arrays
+        k, n = m.shape
+        same_rows = np.float32(m.tiny) == np.float32(lm.tiny) and np.float32(m.divisor) == np.float32(lm.divisor)
+        if k != lm.k or not 0 < n <= lm.n or n % BLOCK or not same_rows:
+            return None
+        own = _int8_arrays(m)
+        if not all(np.array_equal(mine, theirs[: mine.size]) for mine, theirs in zip(own, (packed, colsum, scale))):
+            return None
+        view = _Linear(1, k, n, lm.kpad, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, lm.tiny, lm.divisor)
+        keep += [packed, colsum, scale, view]
+        return view
 
     exact = True  # batch-invariant: every verify step is a plain step bit for bit
 
@@ -546,7 +574,18 @@ class NativeHeads:
     threads, as a ``host_backend.HostHeads`` on named arrays, for up to ``max_batch`` rows. ``NativeCannotRun`` where
     they do not fit the engine's metadata (its heads then run on ONNX Runtime)."""
 
-    def __init__(self, weights: HeadsWeights, step: NativeStep, *, hidden: int, heads: int, draft_vocab: int, top_k: int, max_batch: int):
+    def __init__(
+        self,
+        weights: HeadsWeights,
+        step: NativeStep,
+        *,
+        hidden: int,
+        heads: int,
+        draft_vocab: int,
+        top_k: int,
+        max_batch: int,
+        share_lm_head: bool = True,  # False: a packed copy of their own even where the step's lm_head rows are theirs (A/B)
+    ):
         wanted = dict(hidden=hidden, heads=heads, draft_vocab=draft_vocab, top_k=top_k)
         found = dict(hidden=weights.hidden, heads=weights.heads, draft_vocab=weights.lm.shape[1], top_k=weights.top_k)
         if wrong := [f"{k} {found[k]} (metadata: {wanted[k]})" for k in found if found[k] != wanted[k]]:
@@ -559,7 +598,10 @@ class NativeHeads:
         embed = weights.embed
         if embed is not None:
             self._keep.append(embed)
-        fused, lm = _linear_view(weights.fused, self._keep), _linear_view(weights.lm, self._keep)
+        fused = _linear_view(weights.fused, self._keep)
+        lm = step.lm_prefix(weights.lm, self._keep) if share_lm_head else None  # the step's rows where they are the heads'
+        self.shares_lm_head = lm is not None
+        lm = lm or _linear_view(weights.lm, self._keep)
         self._heads = _Heads(
             weights.hidden, weights.heads, weights.lm.shape[1], weights.top_k, int(embed is not None),
             0 if embed is None else embed.shape[0], weights.eps, None if embed is None else embed.ctypes.data,

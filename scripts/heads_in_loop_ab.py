@@ -23,6 +23,7 @@ import numpy as np
 from step_graph_report import cpu_name, prefill, write_report
 
 log = logging.getLogger("heads_in_loop_ab")
+OWN_COPY = "step + native heads, own copy of the lm_head rows"  # int8-channel engines (NativeHeads' share_lm_head)
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from medusa_trt.runtime import native_step
+    from medusa_trt.runtime import native_step, native_weights
     from medusa_trt.runtime.backends.native_backend import open_native
     from medusa_trt.runtime.backends.onnx_backend import OrtHeads, heads_session_options, open_heads
     from medusa_trt.runtime.errors import MedusaError
@@ -52,6 +53,12 @@ def main(argv=None) -> int:
                 open_heads(backend.files, backend.meta, heads_session_options(args.threads), ["CPUExecutionProvider"])
             ),
         }
+        if backend.heads.shares_lm_head:  # int8-channel: the heads project with the step's lm_head rows; and a copy
+            meta = backend.meta
+            ways[OWN_COPY] = native_step.NativeHeads(
+                native_weights.read_heads(backend.files.heads), backend.kernel, hidden=meta.hidden_size,
+                heads=meta.proposal_rows, draft_vocab=meta.heads_vocab, top_k=meta.top_k, max_batch=1, share_lm_head=False,
+            )  # fmt: skip
         vocab = backend.meta.vocab_size
         prefill(backend, (np.arange(args.context, dtype=np.int64) * 7919 + 11) % vocab)
         t = args.tokens
@@ -61,7 +68,7 @@ def main(argv=None) -> int:
         calls: dict[str, list[float]] = {way: [] for way in ways}  # each heads call alone, right after its step
         names = list(ways)
         for round_ in range(args.rounds):
-            for way in names[round_ % 3 :] + names[: round_ % 3]:
+            for way in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 backend.heads = ways[way]
                 start, n = time.perf_counter(), 0
                 while time.perf_counter() - start < 0.5:

@@ -15,12 +15,14 @@ from medusa_trt.runtime import MedusaRuntime, native_step, native_weights
 from medusa_trt.runtime.backends.native_backend import open_native
 from medusa_trt.runtime.backends.onnx_backend import OrtHeads, heads_session_options, open_heads
 from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HIDDEN, NEXT_INPUT
+from medusa_trt.runtime.native_graph import Linear
 
 KINDS = {  # name: (head_input, quantize)
     "hidden-int8": ("hidden", "heads-int8"),
     "next-int8": ("hidden+next", "heads-int8"),
     "next-fp32": ("hidden+next", None),
     "next-int4": ("hidden+next", "int4"),  # MatMulNBits blocks, the step's too
+    "next-int8-channel": ("hidden+next", "int8-channel"),  # int8 rows, the step's too: the heads project with its lm_head
 }
 
 
@@ -92,10 +94,12 @@ def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path,
 
     out = tmp_path / "heads.json"
     argv = ["--engine", str(shared_engine), "--context", "20", "--tokens", "4", "--rounds", "1", "--out", str(out)]
-    assert script("heads_in_loop_ab").main(argv) == 0
+    ab = script("heads_in_loop_ab")
+    assert ab.main(argv) == 0
     report = json.loads(out.read_text())
-    assert set(report["median_ms"]) == {"step alone", "step + native heads", "step + onnxruntime heads"}
-    assert set(report["heads_ms"]) == {"step + native heads", "step + onnxruntime heads"}
+    shares = open_native(shared_engine, max_batch=1, max_context=64, threads=2).heads.shares_lm_head  # and a copy of its own
+    heads = {"step + native heads", "step + onnxruntime heads"} | ({ab.OWN_COPY} if shares else set())
+    assert set(report["median_ms"]) == {"step alone"} | heads and set(report["heads_ms"]) == heads
     assert set(report["heads_call_ms"]) == set(report["heads_ms"]) and min(report["heads_call_ms"].values()) > 0
     assert "| step + native heads |" in capsys.readouterr().out
     busy = ["--engine", f"native={shared_engine}@native", "--engine", f"ort={shared_engine}", "--context", "20", "--tokens", "1"]
@@ -126,3 +130,31 @@ def test_native_heads_on_more_rows_than_the_batch_take_turns(shared_engine):
         assert np.array_equal(alone[HEAD_TOPK][0], got[HEAD_TOPK][row]) and np.array_equal(alone[HEAD_LOGITS][0], got[HEAD_LOGITS][row])
     cost = heads_cost(runtime)
     assert cost["tree_nodes"] == runtime.tree.num_nodes > 1 and cost["heads_all_nodes_ms"] > 0
+
+
+def test_int8_channel_heads_project_with_the_steps_lm_head_rows(shared_engine):
+    """An int8-channel engine's heads project with the base lm_head's draft-vocabulary rows, quantized as the step's
+    are: the heads read the step's packed rows (no copy, and in cache after a step, whose lm_head reads its first
+    outputs last), with the proposals and logits of their own copy bit for bit. Other engines keep their own."""
+    backend = open_native(shared_engine, max_batch=4, max_context=128, threads=2)
+    kernel = backend.kernel
+    assert backend.heads.shares_lm_head == (kernel.int8 and not kernel.bits)
+    if not backend.heads.shares_lm_head:
+        return
+    weights = native_weights.read_heads(backend.files.heads)
+    meta = backend.meta
+    own = native_step.NativeHeads(weights, kernel, hidden=meta.hidden_size, heads=meta.proposal_rows,
+                                  draft_vocab=meta.heads_vocab, top_k=meta.top_k, max_batch=4, share_lm_head=False)  # fmt: skip
+    assert not own.shares_lm_head
+    rng = np.random.default_rng(11)
+    hidden = (3 * rng.standard_normal((3, meta.hidden_size))).astype(np.float32)
+    roots = rng.integers(0, meta.vocab_size, 3)
+    shared = backend.run_heads(hidden, roots)
+    backend.heads = own
+    mine = backend.run_heads(hidden, roots)
+    assert np.array_equal(shared[HEAD_TOPK], mine[HEAD_TOPK]) and np.array_equal(shared[HEAD_LOGITS], mine[HEAD_LOGITS])
+    lm = weights.lm  # a linear other than the lm_head's first rows is not shared
+    assert kernel.lm_prefix(Linear(lm.weight[:, ::-1].copy(), lm.scale[::-1].copy(), lm.tiny, lm.divisor), []) is None
+    assert kernel.lm_prefix(Linear(lm.weight, lm.scale, lm.tiny, lm.divisor + 1), []) is None
+    assert kernel.lm_prefix(lm.outputs(slice(0, 31)), []) is None
+    assert kernel.lm_prefix(lm.outputs(slice(0, 32)), []) is not None
