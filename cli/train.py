@@ -92,6 +92,14 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    cluster, code = _train(args)
+    if cluster is not None and cluster.distributed:
+        cluster.leave(code)  # a torchrun rank ends here, without the interpreter's finalization (Cluster.leave)
+    return code
+
+
+def _train(args):
+    """The command after its arguments: (the Cluster, None before it started; the exit status)."""
     cluster, ended = None, False
     try:
         import torch
@@ -141,16 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         metrics = run(base, config, restart=args.restart, generate_only=args.generate_only, precompute=args.precompute, cluster=cluster)
         ended = True
     except USER_ERRORS as exc:
-        return fail("medusa-train", exc)
+        return cluster, fail("medusa-train", exc)
     finally:
         if cluster is not None:
             cluster.stop(together=ended)
     if not cluster.main:
-        return 0
+        return cluster, 0
     if args.generate_only or args.precompute:
         what = " and their hidden states" if args.precompute else ""
         print(f"wrote {config.workdir}: {metrics['sequences']} sequences{what}, {metrics['labelled_positions']} labelled positions")
-        return 0
+        return cluster, 0
     losses = metrics["loss_first"][:1] + metrics["loss_last"][-1:]
     loss = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
     speed = f", {metrics['positions_per_s']:.0f} positions/s" if metrics.get("positions_per_s") else ""
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if held:
         print("holdout top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top1"]))
         print("holdout top-5 accuracy per head: " + ", ".join(f"{a:.3f}" for a in held["top5"]))
-    return 0
+    return cluster, 0
 
 
 if __name__ == "__main__":

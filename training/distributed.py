@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -155,6 +157,16 @@ class Cluster:
                 if together:
                     dist.barrier()
                 dist.destroy_process_group()
+
+    def leave(self, code: int) -> NoReturn:
+        """End this torchrun rank now with ``code``, its output flushed, skipping the interpreter's finalization. There
+        gloo's threads, outliving ``destroy_process_group``, now and then abort the process after its last line ("terminate
+        called without an active exception": 1 run in about 10 on two busy cores here), and torchrun then reports the run
+        as failed although every file was written. medusa-train closes (and makes durable) every file it writes first."""
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 SINGLE = Cluster()  # one process on the CPU: the library's default, and what the tests call
