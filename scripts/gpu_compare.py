@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=29, help="prompts at most, of those that fit the context")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="the batched rows' batch size (besides batch 1)")
-    p.add_argument("--budget", type=float, default=180.0, help="seconds the batch-1 rows may take; then no new prompt starts")
+    p.add_argument("--budget", type=float, default=120.0, help="seconds the batch-1 rows may take; then no new prompt starts")
     p.add_argument("--tie", type=float, default=None, help="largest logit gap a divergence may have (default 0.5 bf16, 1e-3 float32)")
     p.add_argument("--out", type=Path, default=Path("build/gpu-check/gpu-compare.json"))
     p.add_argument("--dry-run", action="store_true", help="no GPU: the same rows on the CPU, float32, 3 prompts x 12 tokens")

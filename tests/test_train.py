@@ -13,7 +13,7 @@ from helpers import STORY_STARTS
 
 from medusa_trt.training.config import TrainConfig, TrainError
 from medusa_trt.training.data import IGNORE, build_sequences, cache_hidden
-from medusa_trt.training.train import head_accuracy, medusa_loss, run, train_heads
+from medusa_trt.training.train import head_accuracy, loss_curve, medusa_loss, run, train_heads
 
 
 def test_loss_with_decay_on_hand_computed_logits():
@@ -66,6 +66,15 @@ def test_training_lowers_loss_and_raises_head1_accuracy(stories_base, tmp_path, 
     assert after_loss < before_loss * 0.8, (before_loss, after_loss)
     assert after > before + 0.05, (before, after)
     assert metrics["steps"] == metrics["total_steps"] > 0
+    curve = metrics["loss_curve"]  # at most 64 points, the last at the last step, falling
+    assert 0 < len(curve) <= 64 and curve[-1][0] == metrics["steps"] and curve[-1][1] < curve[0][1]
+
+
+def test_loss_curve_spans_are_means_of_equal_steps():
+    assert loss_curve([]) == []
+    assert loss_curve([4.0, 2.0, 3.0], points=64) == [[1, 4.0], [2, 2.0], [3, 3.0]]
+    assert loss_curve([4.0, 2.0, 3.0, 1.0, 5.0], points=2) == [[3, 3.0], [5, 3.0]]
+    assert len(loss_curve([1.0] * 1000)) == 63 and loss_curve([1.0] * 1000)[-1] == [1000, 1.0]
 
 
 def test_resume_gives_the_same_heads_as_an_uninterrupted_run(stories_base, tmp_path):

@@ -73,6 +73,14 @@ def learning_rate(config, step: int, total: int) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def loss_curve(history: list[float], points: int = 64) -> list[list[float]]:
+    """The loss history as at most ``points`` [steps done, mean loss of the span] pairs, each span the same number of
+    optimizer steps (the last one possibly fewer): the curve a report plots, whatever the run's length."""
+    span = max(1, math.ceil(len(history) / points))
+    spans = [history[i : i + span] for i in range(0, len(history), span)]
+    return [[i * span + len(part), sum(part) / len(part)] for i, part in enumerate(spans)]
+
+
 def _schedule(config: TrainConfig, train_positions: int) -> tuple[int, int]:
     """(optimizer steps per epoch, steps in all) over ``train_positions`` training positions."""
     steps_per_epoch = math.ceil(train_positions / config.batch_size)
@@ -177,6 +185,7 @@ def train_heads(
         "total_steps": total,
         "loss_first": history[:5],
         "loss_last": history[-5:],
+        "loss_curve": loss_curve(history),
         "train_positions": len(train_idx),
         "holdout_positions": len(held_idx),
         "positions_per_s": round((step - first) * config.batch_size / seconds, 1) if step > first else None,
