@@ -64,6 +64,21 @@ def random_model_folder(folder: Path, vocab: int = 8192) -> Path:
     return folder
 
 
+def distill(base, config, cluster):
+    """The self-distillation data on the cluster's device: (sequences, their cached heads' inputs, seconds generating)."""
+    import torch
+
+    from medusa_trt.training.data import build_sequences, cache_hidden
+
+    started = time.perf_counter()
+    sequences = build_sequences(base, config, cluster)
+    generate_s = time.perf_counter() - started
+    cached = cache_hidden(base, sequences, config, cluster)
+    if cluster.device.type == "cuda":
+        torch.cuda.synchronize()
+    return sequences, cached, generate_s
+
+
 LIKE = "assets/smollm2-135m-medusa/train_config.json"  # the shipped heads' settings: the real model's run trains those
 HEADS_SETTINGS = ("num_heads", "num_layers", "shared_lm_head", "head_input", "head_layer", "decay", "batch_size", "lr", "warmup_steps")
 
@@ -91,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from medusa_trt.exporter.models import load_base_model
     from medusa_trt.training.config import TrainConfig
-    from medusa_trt.training.data import build_sequences, cache_hidden
     from medusa_trt.training.distributed import Cluster, base_dtype
     from medusa_trt.training.train import train_heads
 
@@ -112,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=100,
             device=args.device,
         )
-        started = time.perf_counter()
-        sequences = build_sequences(base, config, cluster)
-        generated = time.perf_counter()
-        cached = cache_hidden(base, sequences, config, cluster)
-        torch.cuda.synchronize() if cluster.device.type == "cuda" else None
+        sequences, cached, generate_s = distill(base, config, cluster)
         train_start = time.perf_counter()
         heads, metrics = train_heads(base, config, cached, cluster=cluster)
         torch.cuda.synchronize() if cluster.device.type == "cuda" else None
@@ -127,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(cluster.device) if cluster.device.type == "cuda" else None,
         "base_dtype": str(base.model.dtype),
         "sequences": len(sequences),
-        "generate_s": round(generated - started, 2),
-        "new_tokens_per_s": round(sum(len(s.ids) - s.start for s in sequences) / (generated - started), 1),
+        "generate_s": round(generate_s, 2),
+        "new_tokens_per_s": round(sum(len(s.ids) - s.start for s in sequences) / generate_s, 1),
         "steps": metrics["steps"],
         "train_s": round(train_s, 2),
         "positions_per_s": round(positions / train_s, 1),
@@ -154,7 +164,6 @@ def real_model(args) -> int:
 
     from medusa_trt.exporter.models import load_base_model
     from medusa_trt.training.config import TrainConfig
-    from medusa_trt.training.data import build_sequences, cache_hidden
     from medusa_trt.training.distributed import SINGLE, Cluster, base_dtype
     from medusa_trt.training.train import train_heads
 
@@ -178,12 +187,8 @@ def real_model(args) -> int:
             checkpoint_every=100_000,
             device=args.device,
         )
-        started = time.perf_counter()
-        sequences = build_sequences(base, config, cluster)
-        generated = time.perf_counter()
-        cached = cache_hidden(base, sequences, config, cluster)
+        sequences, cached, generate_s = distill(base, config, cluster)
         sync = torch.cuda.synchronize if cluster.device.type == "cuda" else lambda: None
-        sync()
         # a first call of a few steps gives the device's pace (its first steps warm it up); the second resumes from
         # the work folder's checkpoint and runs the steps the rest of --seconds holds, timed on their own
         deadline = time.perf_counter() + args.seconds
@@ -209,8 +214,8 @@ def real_model(args) -> int:
         "base_dtype": str(base.model.dtype),
         "heads": {k: like[k] for k in HEADS_SETTINGS},
         "sequences": len(sequences),
-        "generate_s": round(generated - started, 2),
-        "new_tokens_per_s": round(sum(len(s.ids) - s.start for s in sequences) / (generated - started), 1),
+        "generate_s": round(generate_s, 2),
+        "new_tokens_per_s": round(sum(len(s.ids) - s.start for s in sequences) / generate_s, 1),
         "steps": metrics["steps"],
         "seconds": args.seconds,
         "positions_per_s": metrics["positions_per_s"],
