@@ -1,6 +1,7 @@
 """What the Medusa heads cost where the loop calls them: right after a step, whose weights have just pushed the heads'
 out of the CPU's caches. One native engine, its steps alone and each followed by the heads (native ``NativeHeads`` and
-the heads graph on ONNX Runtime, ``OrtHeads``), in rounds with the three orders taking turns; the heads' cost is the
+the heads graph on ONNX Runtime, ``OrtHeads``; on an int8-channel engine, whose native heads read the step's lm_head
+rows, also native heads with their own copy of them), in rounds with the orders taking turns; the heads' cost is the
 difference of medians, and each heads call is also timed by itself right after its step (on a machine whose steps vary
 by more than the heads cost, the difference is noise). For the heads target (a call under 0.3 ms), not a benchmark of
 generation (that is ``medusa-bench``).

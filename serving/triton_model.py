@@ -237,8 +237,8 @@ class TritonPythonModel:
         text, tokens = [], []
         try:
             for event in live.handle:
-                if event.finish_reason != "cancelled" and self._free_if_cancelled(live):
-                    continue  # the cancelled event follows; the poll alone could miss a short request
+                if not event.finish_reason and self._free_if_cancelled(live):
+                    continue  # the cancelled event follows (and ends the request); the poll alone could miss a short one
                 if event.finish_reason != "cancelled" and live.past_deadline():  # checked per step too: the watchdog
                     live.timed_out = True  # polls every CANCEL_POLL_S, longer than a whole short request may take
                     live.handle.cancel()  # frees the row; what this event holds is past the deadline and not sent
@@ -260,7 +260,7 @@ class TritonPythonModel:
         except MedusaError as exc:  # the engine failed: every running request ends with the error
             live.error(str(exc), "INTERNAL")
         except Exception as exc:  # noqa: BLE001 - the client went away mid-stream: free the row, keep serving
-            pb_utils.Logger.log_warn(f"medusa: request {live.handle.id} ended early: {exc!r}")
+            pb_utils.Logger.log_warn(f"medusa: request {live.handle.id} ended early ({exc!r}): its row is freed")
             live.handle.cancel()
             live.close()
         finally:

@@ -517,11 +517,11 @@ def test_cancelled_stream_frees_its_row(server, runtime):
     started = time.monotonic()
     assert _generate(server, PROMPTS[4], 20)[1] == solo(runtime, PROMPTS[4], 20).token_ids
     assert time.monotonic() - started < 30
-    for _ in range(100):
-        if "cancelled by the client" in server.log_text():
+    for _ in range(100):  # the forwarder saw the cancellation (or, where Triton refused a send to the gone client first,
+        if "its row is freed" in server.log_text():  # the send's failure): either way the row went back
             break
         threading.Event().wait(0.1)
-    assert "cancelled by the client: its row is freed" in server.log_text()
+    assert "its row is freed" in server.log_text(), server.log_text()[-3000:]
 
 
 def _scrape(url: str) -> dict[str, float]:
