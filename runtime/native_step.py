@@ -615,6 +615,13 @@ class NativeHeads:
         self.shape = (weights.heads, weights.top_k, weights.lm.shape[1])  # n, K, Vd
         self.max_batch, self.hidden = max_batch, weights.hidden
 
+    @classmethod
+    def of(cls, weights: HeadsWeights, step: NativeStep, meta, max_batch: int, *, share_lm_head: bool = True) -> NativeHeads:
+        """The heads an engine's metadata (``EngineMeta``) describes: its hidden size, proposal rows, draft vocabulary
+        and top-k."""
+        return cls(weights, step, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab,
+                   top_k=meta.top_k, max_batch=max_batch, share_lm_head=share_lm_head)  # fmt: skip
+
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
         """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd): ``max_batch`` rows a call
         (more rows, such as every node of a tree, in turns of that many: each row's proposals are its own)."""

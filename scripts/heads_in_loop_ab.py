@@ -55,11 +55,8 @@ def main(argv=None) -> int:
             ),
         }
         if backend.heads.shares_lm_head:  # int8-channel: the heads project with the step's lm_head rows; and a copy
-            meta = backend.meta
-            ways[OWN_COPY] = native_step.NativeHeads(
-                native_weights.read_heads(backend.files.heads), backend.kernel, hidden=meta.hidden_size,
-                heads=meta.proposal_rows, draft_vocab=meta.heads_vocab, top_k=meta.top_k, max_batch=1, share_lm_head=False,
-            )  # fmt: skip
+            weights = native_weights.read_heads(backend.files.heads)
+            ways[OWN_COPY] = native_step.NativeHeads.of(weights, backend.kernel, backend.meta, 1, share_lm_head=False)
         vocab = backend.meta.vocab_size
         prefill(backend, (np.arange(args.context, dtype=np.int64) * 7919 + 11) % vocab)
         t = args.tokens

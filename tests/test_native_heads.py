@@ -143,8 +143,7 @@ def test_int8_channel_heads_project_with_the_steps_lm_head_rows(shared_engine):
         return
     weights = native_weights.read_heads(backend.files.heads)
     meta = backend.meta
-    own = native_step.NativeHeads(weights, kernel, hidden=meta.hidden_size, heads=meta.proposal_rows,
-                                  draft_vocab=meta.heads_vocab, top_k=meta.top_k, max_batch=4, share_lm_head=False)  # fmt: skip
+    own = native_step.NativeHeads.of(weights, kernel, meta, 4, share_lm_head=False)
     assert not own.shares_lm_head
     rng = np.random.default_rng(11)
     hidden = (3 * rng.standard_normal((3, meta.hidden_size))).astype(np.float32)

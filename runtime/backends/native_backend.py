@@ -87,10 +87,7 @@ def _heads(files, meta, kernel: native_step.NativeStep, max_batch: int, threads:
         return None
     try:
         weights = native_weights.read_heads(files.heads)
-        heads = native_step.NativeHeads(
-            weights, kernel, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab, top_k=meta.top_k,
-            max_batch=max_batch,
-        )  # fmt: skip
+        heads = native_step.NativeHeads.of(weights, kernel, meta, max_batch)
         if weights.reads_roots != meta.reads_roots or engine_meta(files.heads) != meta:
             raise EngineError(
                 f"{files.heads} belongs to another engine than {files.step} (their metadata or inputs differ): "
