@@ -59,7 +59,7 @@ test-sanitize: $(STAMP)
 	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MEDUSA_TRT_NATIVE_DIR=$(SANITIZE) \
 	  $(PY) -m pytest -q -p no:logging tests/test_native_backend.py tests/test_native_malformed.py tests/test_native_serving.py \
-	  tests/test_native_pool.py \
+	  tests/test_native_pool.py tests/test_native_heads.py::test_a_read_ahead_changes_no_number_and_outlives_its_callers \
 	  tests/test_host_attention.py
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:abort_on_error=1 \

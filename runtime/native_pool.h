@@ -9,7 +9,9 @@
  * eight-token one several hundred times, beside one busy process on two cores).
  *
  * Which thread computes a chunk never changes a number: every task writes its own outputs with the same operations.
- * A pool runs one job at a time and belongs to one step object; p NULL runs every chunk on the calling thread.
+ * A pool runs one job at a time (a read-ahead, below, is dropped for the next) and belongs to one step object; p NULL
+ * runs every chunk on the calling thread. Idle workers spin up to 30 us for the next job (less where they find
+ * themselves descheduled), then sleep.
  */
 #ifndef MEDUSA_NATIVE_POOL_H
 #define MEDUSA_NATIVE_POOL_H
@@ -25,5 +27,15 @@ int medusa_pool_threads(const pool_t *p);
 void pool_run(pool_t *p, int64_t tasks, int64_t grain, pool_task fn, void *ctx);
 int pool_enter(pool_t *p); /* 0 where another thread is running a step on this pool (then nothing was taken) */
 void pool_leave(pool_t *p);
+
+/* Read-ahead: a region the workers load into their caches while the caller is away, for a call that will read it
+ * after the caller's own work (the Medusa heads' weights, after a step pushed them out and the loop commits it).
+ * pool_set_warm names the region (NULL, 0: none; at most 8 MB; 0 where refused) while no job runs; pool_ask_warm
+ * asks for one read-ahead; pool_warm, where one was asked since the last, posts it as a job nobody waits for and
+ * returns at once. The next pool_run takes the workers back within one 64 KB chunk. The region must outlive the pool.
+ * Reads only: no number changes. */
+int pool_set_warm(pool_t *p, const void *base, int64_t bytes);
+void pool_ask_warm(pool_t *p);
+void pool_warm(pool_t *p);
 
 #endif

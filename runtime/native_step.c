@@ -1074,7 +1074,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 16 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 17 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -1502,6 +1502,7 @@ static int step(const model_t *md, const work_t *wk, int B, int T, const int64_t
     matmul_order(md->lm_head, hidden, M, logits, wk, 1);
     rows.logits = logits, rows.next_ids = next_ids, rows.topk = topk, rows.k = k;
     pool_run(wk->pool, M, 1, rank_rows, &rows);
+    pool_warm(wk->pool); /* where the heads ran after the last step: their weights, while the caller commits this one */
     return OK;
 }
 
@@ -1592,6 +1593,18 @@ int medusa_native_heads(const heads_t *hd, const work_t *wk, int64_t B, const fl
     int rc = enter(wk);
     if (rc) return rc;
     rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, scratch, bytes);
+    if (rc == OK) pool_ask_warm(wk->pool); /* the loop calls the heads after each step: read them ahead after the next */
+    pool_leave(wk->pool);
+    return rc;
+}
+
+/* The region the step's workers read ahead after a step that follows a heads call (native_pool.h's pool_warm): the
+ * heads' fused weights, which the step's own weights push out of the caches. OK, BUSY (a call runs), BAD_SHAPE (a
+ * region past 8 MB). base must outlive the work. */
+int medusa_native_work_warm(const work_t *wk, const void *base, int64_t bytes) {
+    int rc = enter(wk);
+    if (rc) return rc;
+    rc = pool_set_warm(wk->pool, base, bytes) ? OK : BAD_SHAPE;
     pool_leave(wk->pool);
     return rc;
 }

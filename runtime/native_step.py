@@ -231,6 +231,7 @@ def _declared(library: native_library.Library) -> tuple[ctypes.CDLL, str]:
         "medusa_native_work_init": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _I64, _I]),
         "medusa_native_default_threads": (_I, []),
         "medusa_native_work_free": (None, [_P]),
+        "medusa_native_work_warm": (_I, [_P, _P, _I64]),
         "medusa_pool_new": (_P, [_I]),
         "medusa_pool_free": (None, [_P]),
         "medusa_native_heads": (_I, [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64]),
@@ -290,6 +291,7 @@ def _linear_view(m: Linear, keep: list) -> _Linear:
         keep += [packed, colsum, scale]
         view = _Linear(1, k, n, -(-k // 4) * 4, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, m.tiny, m.divisor)
         view.arrays = (packed, colsum, scale)  # what it points into (NativeStep.lm_prefix shares them)
+    view.packed = packed  # its weights, the bulk of what it reads (NativeStep.read_ahead)
     keep.append(view)
     return view
 
@@ -360,6 +362,13 @@ def run_linear(m: Linear, x: np.ndarray, threads: int | None = None, isa: str | 
         run.close()
 
 
+def _stop(free, work, keep: list) -> None:
+    """A step object's finalizer: its pool's threads stop (and are joined) while ``keep``, every array they may read
+    (weights, a read-ahead's region), is still held."""
+    free(work)
+    del keep  # released only now, after the threads are joined
+
+
 def _expect(name: str, a: np.ndarray | None, dtype, shape: tuple) -> None:
     """A step array as the C code reads it: this dtype and shape, C-contiguous."""
     if a is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
@@ -379,7 +388,7 @@ class NativeStep:
         """``consume``: each layer's linears leave ``weights`` as they are packed (their entries become None), so a
         caller that drops ``weights`` after holds the weights once while they are packed, not twice."""
         lib, self.isa = _functions(isa)
-        self._fn = lib.medusa_native_step
+        self._fn, self._lib = lib.medusa_native_step, lib
         self.threads = _threads(threads, lib)
         self.dims = d = weights.dims
         self._keep: list = [weights.inv_freq, weights.embed, weights.norm_final]
@@ -459,7 +468,7 @@ class NativeStep:
         )
         if rc:
             raise EngineError(f"backend native: {_ERRORS.get(rc, rc)}")
-        weakref.finalize(self, lib.medusa_native_work_free, ctypes.byref(self._work))  # stops the pool's threads
+        weakref.finalize(self, _stop, lib.medusa_native_work_free, ctypes.byref(self._work), self._keep)
         self.rows, self.slots = rows, slots
         # what a step reads whatever its tokens: every packed weight and norm (the embedding: only its tokens' rows)
         self.weight_bytes = sum(a.nbytes for a in self._keep if isinstance(a, np.ndarray) and a is not weights.embed)
@@ -495,6 +504,23 @@ class NativeStep:
         view = _Linear(1, k, n, lm.kpad, packed.ctypes.data, scale.ctypes.data, colsum.ctypes.data, lm.tiny, lm.divisor)
         keep += [packed, colsum, scale, view]
         return view
+
+    def read_ahead(self, region: np.ndarray | None) -> bool:
+        """After each step that follows a heads call, the pool's workers load ``region`` (the heads' fused weights,
+        which the step's own weights push out of the caches) while the caller commits the step, and the next call of
+        this step object takes them back within one 64 KB chunk. Reads only: no number changes. ``region`` is held
+        as long as this object; None: nothing read ahead. False where nothing is read ahead (None, one thread, or a
+        region past the 8 MB a read-ahead takes)."""
+        if region is not None and not any(region is a for a in self._keep):
+            self._keep.append(region)
+        base, size = (None, 0) if region is None else (region.ctypes.data, region.nbytes)
+        rc = self._lib.medusa_native_work_warm(ctypes.byref(self._work), base, size)
+        if rc == 1:
+            log.debug("backend native: a %.1f MB region is past what a read-ahead takes", region.nbytes / 2**20)
+            return False
+        if rc != 0:
+            raise EngineError(f"backend native: {_ERRORS.get(rc, rc)} (read-ahead)")
+        return region is not None and self.threads > 1
 
     exact = True  # batch-invariant: every verify step is a plain step bit for bit
 
@@ -585,6 +611,7 @@ class NativeHeads:
         top_k: int,
         max_batch: int,
         share_lm_head: bool = True,  # False: a packed copy of their own even where the step's lm_head rows are theirs (A/B)
+        read_ahead: bool = True,  # False: their fused weights are not read ahead after each step (A/B)
     ):
         wanted = dict(hidden=hidden, heads=heads, draft_vocab=draft_vocab, top_k=top_k)
         found = dict(hidden=weights.hidden, heads=weights.heads, draft_vocab=weights.lm.shape[1], top_k=weights.top_k)
@@ -610,17 +637,21 @@ class NativeHeads:
         view = ctypes.byref(self._heads)
         if lib.medusa_native_heads_check(view):
             raise NativeCannotRun(f"heads whose shapes do not fit one another ({found})", "malformed heads")
+        self.fused_weights = fused.packed  # what the step reads ahead for them
+        self.reads_ahead = read_ahead and step.read_ahead(self.fused_weights)
         self._floats = np.zeros(lib.medusa_native_heads_floats(view, max_batch), dtype=np.float32)
         self._bytes = np.zeros(lib.medusa_native_heads_bytes(view, max_batch), dtype=np.uint8)
         self.shape = (weights.heads, weights.top_k, weights.lm.shape[1])  # n, K, Vd
         self.max_batch, self.hidden = max_batch, weights.hidden
 
     @classmethod
-    def of(cls, weights: HeadsWeights, step: NativeStep, meta, max_batch: int, *, share_lm_head: bool = True) -> NativeHeads:
+    def of(
+        cls, weights: HeadsWeights, step: NativeStep, meta, max_batch: int, *, share_lm_head: bool = True, read_ahead: bool = True
+    ) -> NativeHeads:
         """The heads an engine's metadata (``EngineMeta``) describes: its hidden size, proposal rows, draft vocabulary
         and top-k."""
         return cls(weights, step, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab,
-                   top_k=meta.top_k, max_batch=max_batch, share_lm_head=share_lm_head)  # fmt: skip
+                   top_k=meta.top_k, max_batch=max_batch, share_lm_head=share_lm_head, read_ahead=read_ahead)  # fmt: skip
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
         """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd): ``max_batch`` rows a call

@@ -1,6 +1,7 @@
-"""What the Medusa heads cost where the loop calls them: right after a step, whose weights have just pushed the heads'
-out of the CPU's caches. One native engine, its steps alone and each followed by the heads (native ``NativeHeads`` and
-the heads graph on ONNX Runtime, ``OrtHeads``; on an int8-channel engine, whose native heads read the step's lm_head
+"""What the Medusa heads cost where the loop calls them: after a step, whose weights have just pushed the heads' out
+of the CPU's caches, and the loop's host work (``--host-ms``, a busy wait). One native engine, its steps alone and each
+followed by the heads (native ``NativeHeads``, also with their fused weights not read ahead (``NativeStep.read_ahead``),
+and the heads graph on ONNX Runtime, ``OrtHeads``; on an int8-channel engine, whose native heads read the step's lm_head
 rows, also native heads with their own copy of them), in rounds with the orders taking turns; the heads' cost is the
 difference of medians, and each heads call is also timed by itself right after its step (on a machine whose steps vary
 by more than the heads cost, the difference is noise). For the heads target (a call under 0.3 ms), not a benchmark of
@@ -25,6 +26,7 @@ from step_graph_report import cpu_name, prefill, write_report
 
 log = logging.getLogger("heads_in_loop_ab")
 OWN_COPY = "step + native heads, own copy of the lm_head rows"  # int8-channel engines (NativeHeads' share_lm_head)
+NO_READ_AHEAD = "step + native heads, not read ahead"  # NativeStep.read_ahead off
 
 
 def main(argv=None) -> int:
@@ -34,6 +36,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="tokens each timed step scores")
     p.add_argument("--rounds", type=int, default=9, help="rounds of the three ways, each 0.5 s of steps")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--host-ms", type=float, default=0.3,
+        help="the loop's host work between a step and its heads call (accept, commit, emit: 0.26-0.31 ms in "
+        "medusa-bench's loop on an AMD EPYC), a busy wait here; 0: the heads right after the step",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -54,9 +61,12 @@ def main(argv=None) -> int:
                 open_heads(backend.files, backend.meta, heads_session_options(args.threads), ["CPUExecutionProvider"])
             ),
         }
+        if backend.heads.reads_ahead:  # the same heads, their fused weights not read ahead after each step
+            ways[NO_READ_AHEAD] = backend.heads
         if backend.heads.shares_lm_head:  # int8-channel: the heads project with the step's lm_head rows; and a copy
             weights = native_weights.read_heads(backend.files.heads)
             ways[OWN_COPY] = native_step.NativeHeads.of(weights, backend.kernel, backend.meta, 1, share_lm_head=False)
+        regions = {way: getattr(h, "fused_weights", None) if way != NO_READ_AHEAD else None for way, h in ways.items()}
         vocab = backend.meta.vocab_size
         prefill(backend, (np.arange(args.context, dtype=np.int64) * 7919 + 11) % vocab)
         t = args.tokens
@@ -68,9 +78,11 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for way in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 backend.heads = ways[way]
+                backend.kernel.read_ahead(regions[way])
                 start, n = time.perf_counter(), 0
                 while time.perf_counter() - start < 0.5:
                     out = backend.step(*step)
+                    host_work(args.host_ms)
                     if ways[way] is not None:
                         begin = time.perf_counter()
                         backend.propose(out, np.array([t - 1]), backend.meta.top_k, out.argmax[:, t - 1])
@@ -84,7 +96,10 @@ def main(argv=None) -> int:
     heads = {way: med[way] - med["step alone"] for way in names[1:]}
     alone = {way: statistics.median(calls[way]) * 1e3 for way in names[1:]}
     print(f"\n{cpu_name()}, {args.threads} threads; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
-    print(f"{t}-token steps over {args.context} cached tokens, each then the heads at its last node; median of {args.rounds} rounds\n")
+    print(
+        f"{t}-token steps over {args.context} cached tokens, each then {args.host_ms} ms of host work and the heads at its "
+        f"last node; median of {args.rounds} rounds\n"
+    )
     print("| way | ms a step | the heads: the steps' difference | the heads call itself (median) |")
     print("| --- | --- | --- | --- |")
     for way in names:
@@ -93,9 +108,17 @@ def main(argv=None) -> int:
     if args.out:
         write_report(
             args.out, args.threads, (load_start[0], load_end[0]), argv,
-            engine=str(args.engine), context=args.context, tokens=t, median_ms=med, heads_ms=heads, heads_call_ms=alone,
+            engine=str(args.engine), context=args.context, tokens=t, host_ms=args.host_ms, median_ms=med, heads_ms=heads,
+            heads_call_ms=alone,
         )  # fmt: skip
     return 0
+
+
+def host_work(ms: float) -> None:
+    """The loop's host work between a step and its heads call, modelled as a busy wait of ``ms``."""
+    until = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < until:
+        pass
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def test_read_heads_names_what_it_refuses(stories_base, stories_fitted, export_e
 
 
 def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path, capsys):
-    """scripts/heads_in_loop_ab.py: a step alone, then followed by the native heads and by ONNX Runtime's, with the busy
-    machine flag of engine_step_ab beside it (--busy 1 starts and stops one spinning process)."""
+    """scripts/heads_in_loop_ab.py: a step alone, then followed by the native heads (also not read ahead) and by ONNX
+    Runtime's, with the busy machine flag of engine_step_ab beside it (--busy 1 starts and stops one spinning
+    process)."""
     import json
 
     from tests.helpers import script
@@ -97,8 +98,9 @@ def test_heads_in_loop_ab_times_both_heads_after_a_step(shared_engine, tmp_path,
     ab = script("heads_in_loop_ab")
     assert ab.main(argv) == 0
     report = json.loads(out.read_text())
-    shares = open_native(shared_engine, max_batch=1, max_context=64, threads=2).heads.shares_lm_head  # and a copy of its own
-    heads = {"step + native heads", "step + onnxruntime heads"} | ({ab.OWN_COPY} if shares else set())
+    native = open_native(shared_engine, max_batch=1, max_context=64, threads=2).heads
+    heads = {"step + native heads", "step + onnxruntime heads"} | ({ab.OWN_COPY} if native.shares_lm_head else set())
+    heads |= {ab.NO_READ_AHEAD} if native.reads_ahead else set()  # and the same heads, not read ahead
     assert set(report["median_ms"]) == {"step alone"} | heads and set(report["heads_ms"]) == heads
     assert set(report["heads_call_ms"]) == set(report["heads_ms"]) and min(report["heads_call_ms"].values()) > 0
     assert "| step + native heads |" in capsys.readouterr().out
@@ -157,3 +159,41 @@ def test_int8_channel_heads_project_with_the_steps_lm_head_rows(shared_engine):
     assert kernel.lm_prefix(Linear(lm.weight, lm.scale, lm.tiny, lm.divisor + 1), []) is None
     assert kernel.lm_prefix(lm.outputs(slice(0, 31)), []) is None
     assert kernel.lm_prefix(lm.outputs(slice(0, 32)), []) is not None
+
+
+def test_a_read_ahead_changes_no_number_and_outlives_its_callers(shared_engine):
+    """``NativeStep.read_ahead``: after each step that follows a heads call, the pool's workers load the heads' fused
+    weights while the caller is away, and the next call takes them back. Every step and heads call, each with a
+    read-ahead in flight, gives the numbers of a backend that reads nothing ahead, bit for bit. A region is held by the
+    step object (its caller may drop it), and the step object may be dropped while its workers read ahead."""
+    import gc
+
+    native = open_native(shared_engine, max_batch=4, max_context=256, threads=2)
+    assert isinstance(native.heads, native_step.NativeHeads) and native.heads.reads_ahead
+    plain = open_native(shared_engine, max_batch=4, max_context=256, threads=2)
+    assert plain.kernel.read_ahead(None) is False  # nothing read ahead
+    ids = np.arange(3, 9, dtype=np.int64)[None]  # (1, 6)
+    step = (ids, np.arange(6)[None], np.tri(6, dtype=bool)[None], np.array([0]))
+    roots = np.array([5])
+    want = plain.step(*step)
+    want_logits, want_props = want.logits().copy(), plain.propose(want, np.array([5]), 2, roots)
+    want_ids, want_head_logits = want_props.ids.copy(), want_props.logits().copy()
+    for _ in range(20):  # from the second on, each step posts a read-ahead, and each heads call takes the workers back
+        got = native.step(*step)
+        assert np.array_equal(got.logits(), want_logits)
+        props = native.propose(got, np.array([5]), 2, roots)
+        assert np.array_equal(props.ids, want_ids) and np.array_equal(props.logits(), want_head_logits)
+    one = open_native(shared_engine, max_batch=1, max_context=64, threads=1)
+    assert one.heads.reads_ahead is False  # one thread: no worker to read ahead
+    kernel = plain.kernel
+    assert kernel.read_ahead(np.zeros((8 << 20) + 1, dtype=np.uint8)) is False  # past what a read-ahead takes
+    region = np.arange(3 << 20, dtype=np.uint8) % 251  # the caller's only reference goes: the step holds it
+    assert kernel.read_ahead(region) is True
+    del region
+    gc.collect()
+    for _ in range(5):
+        got = plain.step(*step)
+        plain.run_heads(got.hidden_rows(np.array([0]), np.array([5])), roots if plain.meta.reads_roots else None)
+    assert np.array_equal(plain.step(*step).logits(), want_logits)  # a read-ahead of the region is now in flight
+    del native, plain, kernel, got, want, props
+    gc.collect()  # the step object goes while its workers may still read ahead: they stop before the region is freed
