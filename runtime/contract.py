@@ -31,6 +31,7 @@ HEADS_OUTPUTS = ("head_topk", "head_logits")
 INPUT_IDS, POSITION_IDS, TREE_MASK, CACHE_LENGTHS, PAST_KEY, PAST_VALUE = STEP_INPUTS
 LOGITS, HIDDEN, NEXT_IDS, NEW_KEY, NEW_VALUE = STEP_OUTPUTS
 HEAD_TOPK, HEAD_LOGITS = HEADS_OUTPUTS
+HEAD_CONFIDENCE = "head_confidence"  # host only, no graph's: float32 (B, n, K), each top-K id's softmax probability under its head
 
 
 def step_shapes(batch: int, tokens: int, slots: int, kv: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
@@ -126,6 +127,8 @@ class Proposals:
 
     ids: np.ndarray  # int64 (B, n, K): each head's top-K tokens, best first, on the host
     _logits: Callable[[], np.ndarray]  # () -> float32 (B, n, N) on the host: N = the draft vocabulary (EngineMeta.heads_vocab)
+    confidence: np.ndarray | None = None  # float32 (B, n, K): each of ids' softmax probability under its head, where the
+    # heads computed it beside their logits (the native heads); None: the loop computes it from the logits
 
     def logits(self) -> np.ndarray:
         """The heads' logits (B, n, N) over token ids 0..N-1 on the host, fetched on first use."""

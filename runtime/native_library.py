@@ -34,7 +34,7 @@ from medusa_trt.runtime.errors import MedusaError
 
 log = logging.getLogger(__name__)
 
-ABI = 17  # native_step.c's ABI
+ABI = 18  # native_step.c's ABI
 
 
 class NativeUnavailable(MedusaError):

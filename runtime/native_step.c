@@ -1074,7 +1074,7 @@ static void top_k(const float *row, int64_t V, int k, int64_t *ids) {
 /* ---- the exported functions (runtime/native_step.py): every size a pointer is read or written with is checked here
  * against what the buffers were sized for; a bad size is an error code, never a read or a write ---- */
 
-#define ABI 17 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
+#define ABI 18 /* runtime/native_step.py's ABI: bumped whenever a struct or a signature below changes */
 
 int medusa_native_abi(void) { return ABI; }
 
@@ -1293,7 +1293,48 @@ typedef struct {
     float divisor; /* the logits over this first (1: untouched) */
     float softcap; /* then c tanh(z / c) (0: none) */
     float alpha, limit; /* ACT_SWIGLU_LIMIT's */
+    float *conf; /* (M, k): each top-k id's softmax probability over its row (NULL: not asked) */
 } rows_job;
+
+/* e^x for x <= 0, W lanes at a time (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-7 polynomial in r,
+ * times 2^n from the exponent bits; about 2 ulp). Below -87 it answers e^-87 (a float's smallest normal is e^-87.3),
+ * a NaN stays NaN. For the heads' confidence, a ranking heuristic: no step's number depends on it. */
+static inline void exp16_neg(vec16 *px) { /* in place (a vector argument or result would change the ABI off AVX-512) */
+    vec16 x = *px;
+    const vec16 zero = {0}, lo = zero - 87.0f, magic = zero + 12582912.0f; /* 1.5 * 2^23: adding it rounds to a whole number */
+    const ivec16 below = x < lo; /* -inf too; a NaN is not below */
+    x = (vec16)(((ivec16)x & ~below) | ((ivec16)lo & below));
+    const vec16 n = (x * 1.44269504088896341f + magic) - magic;
+    const vec16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+    *px = p * (vec16)bits;
+}
+
+/* each top-k id's probability under the softmax of row[0..V) (its largest value first: ids[0]'s) into conf[0..k) */
+static void confidence(const float *row, int64_t V, const int64_t *ids, int k, float *conf) {
+    const float peak = row[ids[0]];
+    double total = 0.0; /* 16 float sums of at most 16 terms each, then a double: numpy's float32 sum to ~1e-7 */
+    int64_t e = 0;
+    while (e + W <= V) {
+        vec16 acc = {0};
+        for (int i = 0; i < 16 && e + W <= V; i++, e += W) {
+            vec16 v;
+            memcpy(&v, row + e, sizeof v);
+            v -= peak;
+            exp16_neg(&v);
+            acc += v;
+        }
+        for (int i = 0; i < W; i++) total += acc[i];
+    }
+    for (; e < V; e++) total += expf(row[e] - peak);
+    for (int i = 0; i < k; i++) conf[i] = (float)(expf(row[ids[i]] - peak) / total);
+}
 
 static void gate_rows(void *ctx, int64_t m0, int64_t m1, int worker) {
     (void)worker;
@@ -1328,6 +1369,7 @@ static void rank_rows(void *ctx, int64_t m0, int64_t m1, int worker) { /* next_i
             J->next_ids[m] = first[0];
         }
         if (J->k) top_k(J->logits + m * J->V, J->V, J->k, J->topk + m * J->k);
+        if (J->k && J->conf) confidence(J->logits + m * J->V, J->V, J->topk + m * J->k, J->k, J->conf + m * J->k);
     }
 }
 
@@ -1551,7 +1593,7 @@ int64_t medusa_native_heads_bytes(const heads_t *hd, int64_t B) {
 }
 
 static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
-                 float *head_logits, int64_t *head_topk, float *scratch, uint8_t *bytes) {
+                 float *head_logits, int64_t *head_topk, float *head_conf, float *scratch, uint8_t *bytes) {
     const int64_t H = hd->hidden, n = hd->heads, Kin = (hd->reads_roots ? 2 : 1) * H;
     float *x = scratch, *y = x + B * Kin, *h = y + B * n * H, *xs = h + B * n * H;
     work_t hw = *wk; /* the step's threads, the heads' scratch */
@@ -1576,23 +1618,25 @@ static int heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hi
                 h[(b * n + j) * H + d] = hidden[b * H + d] + z * (1.0f / (1.0f + expf(-z)));
             }
     matmul(hd->lm, h, B * n, head_logits, &hw); /* (B n, Vd) */
-    rows_job R = {.logits = head_logits, .V = hd->draft_vocab, .topk = head_topk, .k = hd->top_k, .divisor = 1.0f}; /* no next_ids */
+    rows_job R = {.logits = head_logits, .V = hd->draft_vocab, .topk = head_topk, .k = hd->top_k, .divisor = 1.0f,
+                  .conf = head_conf}; /* no next_ids */
     pool_run(wk->pool, B * n, 1, rank_rows, &R);
     return OK;
 }
 
-/* The heads on B rows of hidden (B, H) (and roots (B) where they read the next token) into head_logits (B, n, Vd) and
- * head_topk (B, n, K), on the step's threads (never beside its step: BUSY), scratch sized by the two functions above */
+/* The heads on B rows of hidden (B, H) (and roots (B) where they read the next token) into head_logits (B, n, Vd),
+ * head_topk (B, n, K) and, where head_conf is not NULL, each top-K id's softmax probability under its head into
+ * head_conf (B, n, K), on the step's threads (never beside its step: BUSY), scratch sized by the two functions above */
 int medusa_native_heads(const heads_t *hd, const work_t *wk, int64_t B, const float *hidden, const int64_t *roots,
-                        float *head_logits, int64_t *head_topk, float *scratch, int64_t floats, uint8_t *bytes,
-                        int64_t nbytes) {
+                        float *head_logits, int64_t *head_topk, float *head_conf, float *scratch, int64_t floats,
+                        uint8_t *bytes, int64_t nbytes) {
     if (medusa_native_heads_check(hd) || B <= 0 || B * hd->heads > wk->rows || !hidden || !head_logits || !head_topk)
         return BAD_SHAPE;
     if ((hd->reads_roots && !roots) || floats < medusa_native_heads_floats(hd, B) || nbytes < medusa_native_heads_bytes(hd, B))
         return BAD_WORK;
     int rc = enter(wk);
     if (rc) return rc;
-    rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, scratch, bytes);
+    rc = heads(hd, wk, B, hidden, roots, head_logits, head_topk, head_conf, scratch, bytes);
     if (rc == OK) pool_ask_warm(wk->pool); /* the loop calls the heads after each step: read them ahead after the next */
     pool_leave(wk->pool);
     return rc;

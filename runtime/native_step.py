@@ -32,6 +32,7 @@ import numpy as np
 from medusa_trt.runtime import native_library
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
+    HEAD_CONFIDENCE,
     HEAD_LOGITS,
     HEAD_TOPK,
     HIDDEN,
@@ -234,7 +235,7 @@ def _declared(library: native_library.Library) -> tuple[ctypes.CDLL, str]:
         "medusa_native_work_warm": (_I, [_P, _P, _I64]),
         "medusa_pool_new": (_P, [_I]),
         "medusa_pool_free": (None, [_P]),
-        "medusa_native_heads": (_I, [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64]),
+        "medusa_native_heads": (_I, [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64]),
         "medusa_native_heads_check": (_I, [_P]),
         "medusa_native_heads_floats": (_I64, [_P, _I64]),
         "medusa_native_heads_bytes": (_I64, [_P, _I64]),
@@ -653,9 +654,12 @@ class NativeHeads:
         return cls(weights, step, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab,
                    top_k=meta.top_k, max_batch=max_batch, share_lm_head=share_lm_head, read_ahead=read_ahead)  # fmt: skip
 
+    confidence = True  # HEAD_CONFIDENCE where the arrays have it: computed while the logits are in cache
+
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
-        """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd): ``max_batch`` rows a call
-        (more rows, such as every node of a tree, in turns of that many: each row's proposals are its own)."""
+        """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd), and HEAD_CONFIDENCE (B, n, K)
+        where the arrays have it: ``max_batch`` rows a call (more rows, such as every node of a tree, in turns of that
+        many: each row's proposals are its own)."""
         hidden = np.ascontiguousarray(arrays[HIDDEN], dtype=np.float32)  # (B, H)
         batch = hidden.shape[0] if hidden.ndim == 2 else -1
         if batch < 1 or hidden.shape[1] != self.hidden:
@@ -663,20 +667,25 @@ class NativeHeads:
         n, k, vd = self.shape
         _expect(HEAD_TOPK, arrays.get(HEAD_TOPK), np.int64, (batch, n, k))
         _expect(HEAD_LOGITS, arrays.get(HEAD_LOGITS), np.float32, (batch, n, vd))
+        confidence = arrays.get(HEAD_CONFIDENCE)
+        if confidence is not None:
+            _expect(HEAD_CONFIDENCE, confidence, np.float32, (batch, n, k))
         roots = None
         if self.reads_roots:
             roots = np.ascontiguousarray(arrays[NEXT_INPUT], dtype=np.int64)
             _expect(NEXT_INPUT, roots, np.int64, (batch,))
         for first in range(0, batch, self.max_batch):
             rows = slice(first, min(batch, first + self.max_batch))
-            self._run(hidden[rows], None if roots is None else roots[rows], arrays[HEAD_LOGITS][rows], arrays[HEAD_TOPK][rows])
+            conf = None if confidence is None else confidence[rows]
+            self._run(hidden[rows], None if roots is None else roots[rows], arrays[HEAD_LOGITS][rows], arrays[HEAD_TOPK][rows], conf)
 
-    def _run(self, hidden: np.ndarray, roots: np.ndarray | None, logits: np.ndarray, topk: np.ndarray) -> None:
+    def _run(self, hidden: np.ndarray, roots: np.ndarray | None, logits: np.ndarray, topk: np.ndarray, conf: np.ndarray | None) -> None:
         """One call of at most ``max_batch`` rows, every array C-contiguous (row slices of checked arrays)."""
         rc = self._fn(
             ctypes.byref(self._heads), ctypes.byref(self._step._work), hidden.shape[0], hidden.ctypes.data,
             None if roots is None else roots.ctypes.data, logits.ctypes.data, topk.ctypes.data,
-            self._floats.ctypes.data, self._floats.size, self._bytes.ctypes.data, self._bytes.size,
+            None if conf is None else conf.ctypes.data, self._floats.ctypes.data, self._floats.size, self._bytes.ctypes.data,
+            self._bytes.size,
         )  # fmt: skip
         if rc == 2:
             raise EngineError("backend native: heads' root ids outside the vocabulary")

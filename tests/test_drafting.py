@@ -126,6 +126,37 @@ def test_greedy_heads_drafts_are_keyed_by_confidence():
     assert sampled([1], max_depth=2).keys[0][0] == "heads"
 
 
+def test_heads_take_the_backends_confidence_where_it_computed_it():
+    """A backend whose heads computed each top-k id's probability (``Proposals.confidence``: the native heads) is read,
+    not recomputed from the logits, and kept as a copy (the buffer is the next call's); without it the logits'
+    softmax is taken."""
+    from medusa_trt.runtime.contract import Proposals
+    from medusa_trt.runtime.drafting.base import Observed
+
+    tree = compile_tree([[0], [1], [0, 0]])
+    ids = np.array([[[20, 21], [30, 31]]])  # (B, D, K)
+    logits = np.zeros((1, 2, 40), dtype=np.float32)  # (B, D, V): every id 1/40 by the softmax
+    given = np.array([[[0.93, 0.04], [0.5, 0.1]]], dtype=np.float32)  # (B, D, K)
+
+    class Backend:
+        def __init__(self, confidence):
+            self.confidence = confidence
+
+        def propose(self, out, nodes, top_k, roots):
+            return Proposals(ids, lambda: logits, self.confidence)
+
+    seen = Observed(0, 0, [1], 0, None, np.array([1]), np.array([[2]]), SamplingParams(), np.random.default_rng(0))
+    for confidence, want in ((given, given[0]), (None, np.full((2, 2), 1 / 40, dtype=np.float32))):
+        heads = HeadsProposer(HeadsTemplate(tree, tree_walk(tree)), Backend(None if confidence is None else confidence.copy()))
+        heads.start(0, [1], sampled=False)
+        heads.observe([seen], np.array([1]), None)
+        kept = heads._state[0].confidence
+        np.testing.assert_allclose(kept, want, rtol=1e-6)
+        if confidence is not None:
+            heads.backend.confidence[:] = 0  # the next call rewrites the buffer: the sequence's copy stays
+            np.testing.assert_allclose(heads._state[0].confidence, given[0])
+
+
 def test_drafting_reads_what_each_proposer_says_of_itself():
     """The set's depth, fixed step cost and priors come from its proposers, never from their names:
     the heads draft as deep as their template and cost their call; the others take the config's depth."""

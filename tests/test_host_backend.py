@@ -75,6 +75,8 @@ class FakeKernel:
 class FakeHeads:
     """head_topk[b, i, j] = root + 10 * (i + 1) + j; head_logits = the hidden state's first value."""
 
+    confidence = False
+
     def __init__(self):
         self.calls: list[dict[str, np.ndarray]] = []
 

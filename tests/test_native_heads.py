@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import medusa_model
+from conftest import STORY_PROMPTS, medusa_model
 
 from medusa_trt.exporter import HeadsConfig, init_heads
 from medusa_trt.runtime import MedusaRuntime, native_step, native_weights
 from medusa_trt.runtime.backends.native_backend import open_native
 from medusa_trt.runtime.backends.onnx_backend import OrtHeads, heads_session_options, open_heads
-from medusa_trt.runtime.contract import HEAD_LOGITS, HEAD_TOPK, HIDDEN, NEXT_INPUT
+from medusa_trt.runtime.contract import HEAD_CONFIDENCE, HEAD_LOGITS, HEAD_TOPK, HIDDEN, NEXT_INPUT
 from medusa_trt.runtime.native_graph import Linear
 
 KINDS = {  # name: (head_input, quantize)
@@ -47,10 +47,38 @@ def test_native_heads_give_onnxruntimes_proposals(shared_engine, batch):
     roots = rng.integers(0, backend.meta.vocab_size, batch) if backend.meta.reads_roots else None
     got = backend.run_heads(hidden, roots)
     ort = OrtHeads(open_heads(backend.files, backend.meta, heads_session_options(2), ["CPUExecutionProvider"]))
+    confidence = got.pop(HEAD_CONFIDENCE)
     want = {k: np.empty_like(v) for k, v in got.items()}
     ort({HIDDEN: hidden, **want} | ({NEXT_INPUT: roots} if roots is not None else {}))
     np.testing.assert_allclose(got[HEAD_LOGITS], want[HEAD_LOGITS], rtol=1e-4, atol=1e-4)
     assert np.array_equal(got[HEAD_TOPK], want[HEAD_TOPK])
+    np.testing.assert_allclose(confidence, _softmax_at(got[HEAD_LOGITS], got[HEAD_TOPK]), rtol=2e-6)
+
+
+def _softmax_at(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each of ids' (..., K) softmax probability over logits (..., V), in float64."""
+    z = logits.astype(np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return np.take_along_axis(z, ids, axis=-1) / z.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx512", "avx2_vnni", "avx2", "baseline", "neon"])
+def test_native_heads_confidence_at_every_instruction_set(shared_engine, isa):
+    """HEAD_CONFIDENCE (each top-k id's softmax probability, computed in C while the logits are in cache, a vector
+    exp at every set) is the float64 softmax's to 2e-6 at every instruction set this CPU runs, for logits spread over
+    the whole exp range, and HEAD_LOGITS and HEAD_TOPK stay the set's own."""
+    from medusa_trt.runtime import native_library
+
+    if native_library.unavailable(isa) or native_library.load(isa).isa != isa:
+        pytest.skip(f"this CPU does not run {isa}")
+    backend = open_native(shared_engine, max_batch=4, max_context=64, threads=2, isa=isa)
+    assert backend.heads.confidence
+    rng = np.random.default_rng(5)
+    for scale in (0.1, 3.0, 60.0):  # peaked softmaxes too: logits 100+ apart, past e^-87
+        hidden = (scale * rng.standard_normal((3, backend.meta.hidden_size))).astype(np.float32)
+        roots = rng.integers(0, backend.meta.vocab_size, 3) if backend.meta.reads_roots else None
+        got = backend.run_heads(hidden, roots)
+        np.testing.assert_allclose(got[HEAD_CONFIDENCE], _softmax_at(got[HEAD_LOGITS], got[HEAD_TOPK]), rtol=2e-6, atol=1e-30)
 
 
 def test_drafting_with_native_heads_is_plain_decoding(shared_engine, stories_prompts):
@@ -124,12 +152,13 @@ def test_native_heads_on_more_rows_than_the_batch_take_turns(shared_engine):
     roots = rng.integers(0, backend.meta.vocab_size, 7) if backend.meta.reads_roots else None
     got = backend.run_heads(hidden, roots)
     ort = OrtHeads(open_heads(backend.files, backend.meta, heads_session_options(2), ["CPUExecutionProvider"]))
-    want = {k: np.empty_like(v) for k, v in got.items()}
+    want = {k: np.empty_like(v) for k, v in got.items() if k != HEAD_CONFIDENCE}
     ort({HIDDEN: hidden, **want} | ({NEXT_INPUT: roots} if roots is not None else {}))
     np.testing.assert_allclose(got[HEAD_LOGITS], want[HEAD_LOGITS], rtol=1e-4, atol=1e-4)
     for row in (0, 3, 6):
         alone = backend.run_heads(hidden[row : row + 1], None if roots is None else roots[row : row + 1])
         assert np.array_equal(alone[HEAD_TOPK][0], got[HEAD_TOPK][row]) and np.array_equal(alone[HEAD_LOGITS][0], got[HEAD_LOGITS][row])
+        assert np.array_equal(alone[HEAD_CONFIDENCE][0], got[HEAD_CONFIDENCE][row])
     cost = heads_cost(runtime)
     assert cost["tree_nodes"] == runtime.tree.num_nodes > 1 and cost["heads_all_nodes_ms"] > 0
 
@@ -197,3 +226,26 @@ def test_a_read_ahead_changes_no_number_and_outlives_its_callers(shared_engine):
     assert np.array_equal(plain.step(*step).logits(), want_logits)  # a read-ahead of the region is now in flight
     del native, plain, kernel, got, want, props
     gc.collect()  # the step object goes while its workers may still read ahead: they stop before the region is freed
+
+
+def test_host_phases_times_the_loops_phases_and_puts_them_back(shared_engine, tmp_path, capsys):
+    """scripts/host_phases.py: greedy generation with the loop's phases timed, the heads call among them and no
+    confidence computed in the loop on native heads (they compute it); the loop's methods are its own again after."""
+    import json
+
+    from medusa_trt.runtime import scheduler
+    from tests.helpers import script
+
+    before = {name: getattr(scheduler.Scheduler, name) for name in ("_draft", "_observe")}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in STORY_PROMPTS[:2]))
+    out = tmp_path / "phases.json"
+    argv = ["--engine", str(shared_engine), "--backend", "native", "--prompts", str(prompts), "--every", "1", "--limit", "2"]
+    argv += ["--max-new-tokens", "12"]
+    assert script("host_phases").main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ms = report["ms_a_step"]
+    assert report["steps"] > 2 and ms["backend.step"] > 0 and ms["backend.propose (the heads call)"] > 0
+    assert "head_confidence (in the loop)" not in ms and report["host_ms_a_step"] > 0 and report["backend"] == "native"
+    assert "| _observe |" in capsys.readouterr().out
+    assert {name: getattr(scheduler.Scheduler, name) for name in before} == before

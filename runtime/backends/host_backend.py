@@ -17,7 +17,8 @@ to hold them (past the context by ``key_slots.slack``); its key axis can be boun
                       NEXT_IDS (B, T) and SUCCESSORS_OUTPUT (B, T, k) too (a step without LOGITS skips the lm_head);
                       with key slots, KEY_SLOTS_INPUT (B, T) int64: read
     heads(arrays)     arrays: HIDDEN (B, H) and, for heads that read the next token, NEXT_INPUT (B,) int64: read;
-                      HEAD_TOPK (B, n, K) int64, HEAD_LOGITS (B, n, Vd) float32: written
+                      HEAD_TOPK (B, n, K) int64, HEAD_LOGITS (B, n, Vd) float32: written; where the heads say
+                      ``confidence``, HEAD_CONFIDENCE (B, n, K) float32 too (each top-K id's softmax probability)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from medusa_trt.runtime.backends.common import check_proposal, commit_indices
 from medusa_trt.runtime.backends.ort_buffers import HostBuffers
 from medusa_trt.runtime.contract import (
     CACHE_LENGTHS,
+    HEAD_CONFIDENCE,
     HEAD_LOGITS,
     HEAD_TOPK,
     HIDDEN,
@@ -63,6 +65,8 @@ class HostKernel(Protocol):
 
 class HostHeads(Protocol):
     """The Medusa heads on named host arrays (the module docstring's table)."""
+
+    confidence: bool  # True: a call also writes HEAD_CONFIDENCE, which the loop then need not compute from the logits
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> None: ...
 
@@ -172,9 +176,12 @@ class HostBackend:
     def run_heads(self, hidden: np.ndarray, roots: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The heads on ``hidden`` (N, H) of ``self.dtype`` (and ``roots`` (N,) int64 for next-token-aware heads) outside
         the loop's buffers: what a graph that ran the heads on every tree node would pay (``medusa-bench`` times it).
-        Returns their outputs, HEAD_TOPK (N, n, K) and HEAD_LOGITS (N, n, Vd), arrays of their own."""
+        Returns their outputs, HEAD_TOPK (N, n, K) and HEAD_LOGITS (N, n, Vd) (and HEAD_CONFIDENCE (N, n, K) from heads
+        that compute it), arrays of their own."""
         shapes = self.buffers.sizes.heads_shapes(len(hidden))
         out = {HEAD_TOPK: np.empty(shapes[HEAD_TOPK], np.int64), HEAD_LOGITS: np.empty(shapes[HEAD_LOGITS], np.float32)}
+        if self._heads().confidence:
+            out[HEAD_CONFIDENCE] = np.empty(shapes[HEAD_TOPK], np.float32)
         self._heads()({HIDDEN: hidden} | out | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
         return out
 
@@ -187,10 +194,11 @@ class HostBackend:
         the buffers; ``roots`` (B,) the next tokens, read by next-token-aware heads."""
         self._steps.check(output, "propose")
         check_proposal(self.meta, top_k, roots)
-        arrays = self.buffers.heads_arrays(np.asarray(nodes, dtype=np.int64))  # hidden (B, H) at the nodes; the outputs' views
+        heads = self._heads()
+        arrays = self.buffers.heads_arrays(np.asarray(nodes, dtype=np.int64), confidence=heads.confidence)  # hidden (B, H); views
         if self.meta.reads_roots:
             arrays[NEXT_INPUT] = np.ascontiguousarray(roots, dtype=np.int64)  # (B,)
-        self._heads()(arrays)
+        heads(arrays)
         return self.buffers.proposals(top_k)
 
     def _heads(self) -> HostHeads:

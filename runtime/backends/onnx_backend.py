@@ -138,6 +138,8 @@ class OrtHeads:
     host arrays through IOBinding, the inputs (HIDDEN, NEXT_INPUT) in place and the outputs (HEAD_TOPK, HEAD_LOGITS)
     by address, so ONNX Runtime writes them into the arrays given."""
 
+    confidence = False  # the loop computes HEAD_CONFIDENCE from the logits
+
     def __init__(self, session):
         self.session = session
 

@@ -98,6 +98,7 @@ class OpenVinoKernel:
     every ``KEY_BLOCK`` tokens."""
 
     exact = None  # no claim of its own: key slots at the lanes the load-time probe found decide (the module docstring)
+    confidence = False  # as heads: the loop computes HEAD_CONFIDENCE from the logits
 
     def __init__(self, compiled, device: str, precision: str):
         self.compiled = compiled

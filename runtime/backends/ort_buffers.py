@@ -36,6 +36,7 @@ import numpy as np
 
 from medusa_trt.runtime import onnx_proto as proto
 from medusa_trt.runtime.contract import (
+    HEAD_CONFIDENCE,
     HEAD_LOGITS,
     HEAD_TOPK,
     HIDDEN,
@@ -181,6 +182,7 @@ class HostBuffers:
         if s.heads_rows:
             self.head_logits = np.zeros(_elements(s.heads_shapes(s.max_batch)[HEAD_LOGITS]), dtype=np.float32)
             self.head_topk = np.zeros(_elements(s.heads_shapes(s.max_batch)[HEAD_TOPK]), dtype=np.int64)
+            self.head_confidence = np.zeros_like(self.head_topk, dtype=np.float32)
         self.cache_bytes = 2 * self.key.nbytes
         self.output_bytes = sum(a.nbytes for a in self.out.values())
         self._views: dict[str, np.ndarray] = {}
@@ -228,17 +230,21 @@ class HostBuffers:
             moved = self._layout(flat, old_batch)[:slots][:, :, rows].copy()  # (slots, layers, n, Hkv, D)
             self._layout(flat, new_batch)[:slots, :, : len(rows)] = moved
 
-    def heads_arrays(self, nodes: np.ndarray) -> dict[str, np.ndarray]:
+    def heads_arrays(self, nodes: np.ndarray, *, confidence: bool = False) -> dict[str, np.ndarray]:
         """The heads' input and outputs at node ``nodes[b]`` of row b of the last step, named as the contract names them:
         HIDDEN (B, H) the hidden states there (a copy), HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd) views of the
-        buffers, written in place (a host backend's heads); ``proposals`` reads them after the run."""
+        buffers, written in place (a host backend's heads), and with ``confidence`` HEAD_CONFIDENCE (B, n, K) too (heads
+        that compute it); ``proposals`` reads them after the run."""
         batch = nodes.shape[0]
         shapes = self.sizes.heads_shapes(batch)
+        topk = _elements(shapes[HEAD_TOPK])
         self._heads = {
             HIDDEN: np.ascontiguousarray(self._views[HIDDEN][np.arange(batch), nodes]),  # (B, H)
-            HEAD_TOPK: self.head_topk[: _elements(shapes[HEAD_TOPK])].reshape(shapes[HEAD_TOPK]),
+            HEAD_TOPK: self.head_topk[:topk].reshape(shapes[HEAD_TOPK]),
             HEAD_LOGITS: self.head_logits[: _elements(shapes[HEAD_LOGITS])].reshape(shapes[HEAD_LOGITS]),
         }
+        if confidence:
+            self._heads[HEAD_CONFIDENCE] = self.head_confidence[:topk].reshape(shapes[HEAD_TOPK])  # (B, n, K)
         return dict(self._heads)
 
     def bind_heads(self, io, nodes: np.ndarray) -> None:
@@ -249,8 +255,9 @@ class HostBuffers:
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def proposals(self, top_k: int) -> Proposals:
-        head_logits = self._heads[HEAD_LOGITS]
-        return Proposals(self._heads[HEAD_TOPK][:, :, :top_k], lambda: head_logits)
+        head_logits, confidence = self._heads[HEAD_LOGITS], self._heads.get(HEAD_CONFIDENCE)
+        confidence = None if confidence is None else confidence[:, :, :top_k]  # (B, n, K) where the heads wrote it
+        return Proposals(self._heads[HEAD_TOPK][:, :, :top_k], lambda: head_logits, confidence)
 
 
 # ----------------------------------------------------------------------------- device

@@ -151,10 +151,15 @@ class HeadsProposer:
             nodes[r.row] = r.node
         proposals = self.backend.propose(out, nodes, tree.top_k, roots)
         head_logits = proposals.logits()  # (B, n | P, V) on the host
+        computed = proposals.confidence  # (B, n | P, K) where the heads computed it, else None
         for r in called:
             ids = proposals.ids[r.row, :rows_per_seq]  # (rows, K)
             if not self._state[r.key].sampled:  # top-k drafts (greedy rows, sequential heads): keyed by the heads' confidence
-                self.set_proposals(r.key, ids, head_confidence(head_logits[r.row, :rows_per_seq], ids))
+                if computed is None:
+                    confidence = head_confidence(head_logits[r.row, :rows_per_seq], ids)
+                else:  # a copy: the buffer is the next call's
+                    confidence = computed[r.row, :rows_per_seq].copy()
+                self.set_proposals(r.key, ids, confidence)
             else:
                 self.set_proposals(r.key, ids)
                 self._state[r.key].q = self._draw(r, head_logits[r.row])
