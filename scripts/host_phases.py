@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", help="the backend to run (default: the one the engine folder names)")
+    p.add_argument(
+        "--confidence-in-loop", action="store_true",
+        help="heads that compute their top-k's probabilities (native) leave them to the loop, as before they did (A/B)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
     try:
         prompts = read_prompts(args.prompts)[:: args.every][: args.limit]
         runtime = MedusaRuntime(args.engine, threads=args.threads, **({"backend": args.backend} if args.backend else {}))
+        if args.confidence_in_loop and runtime.backend.heads is not None:
+            runtime.backend.heads.confidence = False  # this object's heads no longer write HEAD_CONFIDENCE
         runtime.generate(prompts[0], max_new_tokens=16)  # warm: the first call's one-off costs stay out
         wrapped = [(scheduler.Scheduler, name, name) for name in PHASES]
         backend = type(runtime.backend)
@@ -101,7 +107,8 @@ def main(argv=None) -> int:
     if args.out:
         write_report(
             args.out, args.threads, (load_start[0], load_end[0]), argv,
-            engine=str(args.engine), backend=runtime.backend.name, prompts=len(prompts), tokens=tokens, steps=steps,
+            engine=str(args.engine), backend=runtime.backend.name, confidence_in_loop=args.confidence_in_loop,
+            prompts=len(prompts), tokens=tokens, steps=steps,
             ms_a_step=per_step, median_ms=median, host_ms_a_step=host,
         )  # fmt: skip
     return 0
