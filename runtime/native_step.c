@@ -1319,7 +1319,7 @@ static inline void exp16_neg(vec16 *px) { /* in place (a vector argument or resu
 /* each top-k id's probability under the softmax of row[0..V) (its largest value first: ids[0]'s) into conf[0..k) */
 static void confidence(const float *row, int64_t V, const int64_t *ids, int k, float *conf) {
     const float peak = row[ids[0]];
-    double total = 0.0; /* 16 float sums of at most 16 terms each, then a double: numpy's float32 sum to ~1e-7 */
+    double total = 0.0; /* each lane sums at most 16 terms in float, then the lanes go into a double: within ~1e-7 */
     int64_t e = 0;
     while (e + W <= V) {
         vec16 acc = {0};
