@@ -601,6 +601,8 @@ class NativeHeads:
     threads, as a ``host_backend.HostHeads`` on named arrays, for up to ``max_batch`` rows. ``NativeCannotRun`` where
     they do not fit the engine's metadata (its heads then run on ONNX Runtime)."""
 
+    confidence = True  # HEAD_CONFIDENCE where the arrays have it: computed while the logits are in cache
+
     def __init__(
         self,
         weights: HeadsWeights,
@@ -653,8 +655,6 @@ class NativeHeads:
         and top-k."""
         return cls(weights, step, hidden=meta.hidden_size, heads=meta.proposal_rows, draft_vocab=meta.heads_vocab,
                    top_k=meta.top_k, max_batch=max_batch, share_lm_head=share_lm_head, read_ahead=read_ahead)  # fmt: skip
-
-    confidence = True  # HEAD_CONFIDENCE where the arrays have it: computed while the logits are in cache
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
         """The heads on hidden (B, H) into HEAD_TOPK (B, n, K) and HEAD_LOGITS (B, n, Vd), and HEAD_CONFIDENCE (B, n, K)

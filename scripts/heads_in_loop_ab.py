@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         if backend.heads.shares_lm_head:  # int8-channel: the heads project with the step's lm_head rows; and a copy
             weights = native_weights.read_heads(backend.files.heads)
             ways[OWN_COPY] = native_step.NativeHeads.of(weights, backend.kernel, backend.meta, 1, share_lm_head=False)
-        regions = {way: getattr(h, "fused_weights", None) if way != NO_READ_AHEAD else None for way, h in ways.items()}
+        native = {way: h for way, h in ways.items() if isinstance(h, native_step.NativeHeads) and way != NO_READ_AHEAD}
+        regions = {way: native[way].fused_weights if way in native else None for way in ways}  # what each way reads ahead
         vocab = backend.meta.vocab_size
         prefill(backend, (np.arange(args.context, dtype=np.int64) * 7919 + 11) % vocab)
         t = args.tokens

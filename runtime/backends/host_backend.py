@@ -179,10 +179,11 @@ class HostBackend:
         Returns their outputs, HEAD_TOPK (N, n, K) and HEAD_LOGITS (N, n, Vd) (and HEAD_CONFIDENCE (N, n, K) from heads
         that compute it), arrays of their own."""
         shapes = self.buffers.sizes.heads_shapes(len(hidden))
+        heads = self._heads()
         out = {HEAD_TOPK: np.empty(shapes[HEAD_TOPK], np.int64), HEAD_LOGITS: np.empty(shapes[HEAD_LOGITS], np.float32)}
-        if self._heads().confidence:
+        if heads.confidence:
             out[HEAD_CONFIDENCE] = np.empty(shapes[HEAD_TOPK], np.float32)
-        self._heads()({HIDDEN: hidden} | out | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
+        heads({HIDDEN: hidden} | out | ({NEXT_INPUT: roots} if self.meta.reads_roots else {}))
         return out
 
     def expand(self, paths: list, top_k: int) -> None:
